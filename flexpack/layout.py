@@ -1,0 +1,342 @@
+"""The one layout object: where every frame and token of a micro-batch comes from.
+
+A micro-batch is a grid of ``R`` rows × ``Fr`` latent frames (pad mode: one episode per row,
+``Fr = F_pad``; pack mode: one row holding several episodes back to back, ``Fr`` = frame budget).
+:class:`SequenceLayout` describes that grid per frame; :meth:`SequenceLayout.tokens` expands it
+into a :class:`TokenLayout`, the flat token sequence the model attends over. Masks, RoPE
+positions and loss masks are all derived from these two objects; nothing is inferred from
+position ids.
+
+Token order (fixed, so every episode is one contiguous token run and document masks are
+block-sparse): rows one after another; inside a row, runs of consecutive frames that belong to
+the same episode (or to padding) one after another; inside a run, copy by copy (noisy, then
+clean when ``copies == 2``), frame by frame, and inside a frame ``video_tokens`` video tokens
+(row-major over the ``(h, w)`` patch grid) followed by ``action_tokens`` action tokens.
+
+Episode slots (``doc``) number the episodes of the micro-batch ``0..E-1`` in row order; ``-1``
+marks padding. ``episode_index`` maps slots back to dataset indices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+PAD = -1
+VIDEO, ACTION = 0, 1
+NOISY, CLEAN = 0, 1
+
+
+def _tensor_fields_to(obj, device: torch.device | str):
+    changes = {f.name: getattr(obj, f.name).to(device) for f in fields(obj) if isinstance(getattr(obj, f.name), Tensor)}
+    return replace(obj, **changes)
+
+
+@dataclass(frozen=True, eq=False)
+class SequenceLayout:
+    """Frame-level layout of one micro-batch (produced by the pad and pack collates).
+
+    Attributes (``E`` episodes, ``R`` rows, ``Fr`` frames per row):
+        frame_doc:      (R, Fr) int64 — episode slot of each frame, ``-1`` for padding.
+        frame_pos:      (R, Fr) int64 — frame index inside its episode (restarts at 0 for every
+                        episode; padding runs restart too, which is what HF-style position ids do).
+        episode_row:    (E,) int64 — row of each episode.
+        episode_start:  (E,) int64 — first frame of each episode inside its row.
+        episode_frames: (E,) int64 — valid frames of each episode.
+        episode_index:  (E,) int64 — dataset index of each episode (``-1`` where unknown).
+        text_len:       (E,) int64 — valid text tokens per episode (0 where there is no text).
+        mode:           ``"pad"``, ``"pack"`` or ``"tokens"`` (:meth:`from_lengths`).
+    """
+
+    frame_doc: Tensor
+    frame_pos: Tensor
+    episode_row: Tensor
+    episode_start: Tensor
+    episode_frames: Tensor
+    episode_index: Tensor
+    text_len: Tensor
+    mode: str
+
+    # ------------------------------------------------------------------ construction
+    @staticmethod
+    def from_rows(
+        rows: Sequence[Sequence[int]],
+        frames_per_row: int,
+        *,
+        episode_index: Sequence[int] | None = None,
+        text_len: Sequence[int] | None = None,
+        mode: str = "pack",
+    ) -> "SequenceLayout":
+        """Build a layout from the episode lengths placed in each row, back to back from frame 0.
+
+        ``rows[r]`` lists the frame counts of the episodes in row ``r``; the rest of the row is
+        padding. Episode slots are numbered in row order.
+        """
+        if frames_per_row <= 0:
+            raise ValueError(f"frames_per_row must be positive, got {frames_per_row}")
+        R = len(rows)
+        if R == 0:
+            raise ValueError("a layout needs at least one row")
+        frame_doc = torch.full((R, frames_per_row), PAD, dtype=torch.int64)
+        frame_pos = torch.zeros((R, frames_per_row), dtype=torch.int64)
+        ep_row, ep_start, ep_frames = [], [], []
+        slot = 0
+        for r, lengths in enumerate(rows):
+            start = 0
+            for n in lengths:
+                n = int(n)
+                if n <= 0:
+                    raise ValueError(f"episode slot {slot} (row {r}) has non-positive length {n}")
+                if start + n > frames_per_row:
+                    raise ValueError(
+                        f"row {r} holds {sum(int(x) for x in lengths)} frames, more than frames_per_row={frames_per_row}"
+                    )
+                frame_doc[r, start : start + n] = slot
+                frame_pos[r, start : start + n] = torch.arange(n)
+                ep_row.append(r)
+                ep_start.append(start)
+                ep_frames.append(n)
+                start += n
+                slot += 1
+            if start < frames_per_row:  # padding tail restarts its positions
+                frame_pos[r, start:] = torch.arange(frames_per_row - start)
+        E = slot
+        idx = torch.full((E,), -1, dtype=torch.int64) if episode_index is None else torch.as_tensor(list(episode_index), dtype=torch.int64)
+        tl = torch.zeros(E, dtype=torch.int64) if text_len is None else torch.as_tensor(list(text_len), dtype=torch.int64)
+        if idx.shape != (E,) or tl.shape != (E,):
+            raise ValueError(f"episode_index and text_len need {E} entries, got {tuple(idx.shape)} and {tuple(tl.shape)}")
+        as_t = lambda xs: torch.as_tensor(xs, dtype=torch.int64).reshape(-1)  # noqa: E731
+        return SequenceLayout(frame_doc, frame_pos, as_t(ep_row), as_t(ep_start), as_t(ep_frames), idx, tl, mode)
+
+    @staticmethod
+    def from_lengths(lengths: Sequence[int], pad_to: int | None = None) -> "SequenceLayout":
+        """A plain document layout of token runs: one row, ``lengths`` back to back, padded to ``pad_to``.
+
+        Each "frame" is one token (``tokens()`` with the defaults gives ``T = pad_to or sum(lengths)``).
+        """
+        total = sum(int(n) for n in lengths)
+        if not lengths:
+            raise ValueError("lengths is empty")
+        if pad_to is not None and pad_to < total:
+            raise ValueError(f"pad_to={pad_to} is shorter than the {total} tokens of the lengths")
+        return SequenceLayout.from_rows([list(lengths)], pad_to or total, mode="tokens")
+
+    # ------------------------------------------------------------------ views
+    @property
+    def num_rows(self) -> int:
+        return self.frame_doc.shape[0]
+
+    @property
+    def frames_per_row(self) -> int:
+        return self.frame_doc.shape[1]
+
+    @property
+    def num_episodes(self) -> int:
+        return self.episode_frames.shape[0]
+
+    @property
+    def frame_valid(self) -> Tensor:
+        """(R, Fr) bool — frames that belong to an episode (loss and attention ignore the rest)."""
+        return self.frame_doc >= 0
+
+    @property
+    def valid_frames(self) -> Tensor:
+        """(E,) valid frames per episode (in pad mode: per row, as ``valid_frames (B,)``)."""
+        return self.episode_frames
+
+    @property
+    def cu_seqlens(self) -> Tensor:
+        """(E+1,) int32 cumulative frame offsets of the episodes in the flattened frame grid.
+
+        Only contiguous when every row but the last is full (pack mode: one row); pad mode has
+        padding between episodes, use ``episode_row``/``episode_start`` there.
+        """
+        starts = self.episode_row * self.frames_per_row + self.episode_start
+        ends = starts + self.episode_frames
+        if self.num_episodes and not torch.equal(starts[1:], ends[:-1]):
+            raise ValueError("episodes are not contiguous in this layout (pad mode); cu_seqlens is undefined")
+        first = starts[:1] if self.num_episodes else torch.zeros(1, dtype=torch.int64)
+        return torch.cat([first, ends]).to(torch.int32)
+
+    def signature(self) -> tuple:
+        """Shape signature: layouts with equal signatures give tensors of equal shapes."""
+        return (self.mode, self.num_rows, self.frames_per_row)
+
+    def to(self, device: torch.device | str) -> "SequenceLayout":
+        return _tensor_fields_to(self, device)
+
+    # ------------------------------------------------------------------ expansion
+    def tokens(
+        self,
+        video_tokens: int = 1,
+        action_tokens: int = 0,
+        *,
+        copies: int = 1,
+        grid_hw: tuple[int, int] | None = None,
+    ) -> "TokenLayout":
+        """Expand to the token sequence (see the module docstring for the order).
+
+        Args:
+            video_tokens: video tokens per latent frame (``h * w`` patches).
+            action_tokens: action tokens per latent frame.
+            copies: 1, or 2 for teacher forcing (a noisy and a clean copy of every episode).
+            grid_hw: the ``(h, w)`` patch grid; defaults to ``(1, video_tokens)``.
+        """
+        if video_tokens < 0 or action_tokens < 0 or video_tokens + action_tokens == 0:
+            raise ValueError(f"need video_tokens, action_tokens >= 0 with a positive sum, got {video_tokens}, {action_tokens}")
+        if copies not in (1, 2):
+            raise ValueError(f"copies must be 1 or 2, got {copies}")
+        h, w = grid_hw if grid_hw is not None else (1, video_tokens)
+        if h * w != video_tokens:
+            raise ValueError(f"grid_hw={grid_hw} does not hold video_tokens={video_tokens}")
+        return _expand(self, video_tokens, action_tokens, copies, (h, w))
+
+
+@dataclass(frozen=True, eq=False)
+class TokenLayout:
+    """Token-level layout: one entry per token of the flattened micro-batch (length ``T``).
+
+    Attributes:
+        doc:    (T,) int64 episode slot, ``-1`` for padding.
+        frame:  (T,) int64 latent frame index inside the episode (restarting).
+        stream: (T,) int64 ``VIDEO`` (0) or ``ACTION`` (1).
+        copy:   (T,) int64 ``NOISY`` (0) or ``CLEAN`` (1).
+        hpos, wpos: (T,) int64 patch row / column of video tokens (0 for action tokens).
+        video_index:  (copies, R, Fr, video_tokens) int64 — token position of every video patch.
+        action_index: (copies, R, Fr, action_tokens) int64 — token position of every action token.
+        doc_start, doc_len: (E,) int64 — each episode's contiguous token run (all copies).
+        text_len: (E,) int64 valid text tokens per episode.
+        frames: the :class:`SequenceLayout` it was expanded from.
+    """
+
+    doc: Tensor
+    frame: Tensor
+    stream: Tensor
+    copy: Tensor
+    hpos: Tensor
+    wpos: Tensor
+    video_index: Tensor
+    action_index: Tensor
+    doc_start: Tensor
+    doc_len: Tensor
+    text_len: Tensor
+    frames: SequenceLayout
+    video_tokens: int
+    action_tokens: int
+    copies: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.doc.shape[0]
+
+    @property
+    def valid(self) -> Tensor:
+        return self.doc >= 0
+
+    def text_doc(self, text_tokens: int) -> Tensor:
+        """(E * text_tokens,) episode slot of each flattened text token, ``-1`` for text padding."""
+        E = self.text_len.shape[0]
+        j = torch.arange(text_tokens, device=self.doc.device)
+        slot = torch.arange(E, device=self.doc.device)[:, None].expand(E, text_tokens)
+        return torch.where(j[None, :] < self.text_len[:, None], slot, PAD).reshape(-1)
+
+    def signature(self) -> tuple:
+        return (self.num_tokens, self.video_tokens, self.action_tokens, self.copies) + self.frames.signature()
+
+    def to(self, device: torch.device | str) -> "TokenLayout":
+        out = _tensor_fields_to(self, device)
+        return replace(out, frames=self.frames.to(device))
+
+
+def _expand(layout: SequenceLayout, nv: int, na: int, copies: int, grid_hw: tuple[int, int]) -> TokenLayout:
+    fd = layout.frame_doc.cpu()
+    R, Fr = fd.shape
+    tpf = nv + na
+    dev_out = layout.frame_doc.device
+    # run boundaries: a run is a maximal stretch of equal frame_doc inside a row (pads included)
+    new_run = torch.ones((R, Fr), dtype=torch.bool)
+    new_run[:, 1:] = fd[:, 1:] != fd[:, :-1]
+    f_idx = torch.arange(Fr).expand(R, Fr)
+    run_start = torch.where(new_run, f_idx, torch.zeros_like(f_idx)).cummax(dim=1).values  # (R, Fr)
+    run_id = new_run.long().cumsum(dim=1) - 1
+    nruns = int(run_id[:, -1].max()) + 1 if Fr else 0
+    run_len = torch.zeros((R, nruns), dtype=torch.int64).scatter_add_(1, run_id, torch.ones_like(run_id))
+    n = run_len.gather(1, run_id)  # (R, Fr) length of the run each frame belongs to
+    row_base = (torch.arange(R) * Fr * tpf * copies)[:, None]
+    # token position of (copy c, row r, frame f, slot j): base + s*tpf*C + c*n*tpf + (f-s)*tpf + j
+    frame_base = row_base + run_start * tpf * copies + (f_idx - run_start) * tpf  # (R, Fr)
+    c = torch.arange(copies)[:, None, None]
+    pos0 = frame_base[None] + c * (n * tpf)[None]  # (C, R, Fr)
+    video_index = pos0[..., None] + torch.arange(nv)
+    action_index = pos0[..., None] + nv + torch.arange(na)
+    T = R * Fr * tpf * copies
+
+    doc = torch.empty(T, dtype=torch.int64)
+    frame = torch.empty(T, dtype=torch.int64)
+    stream = torch.empty(T, dtype=torch.int64)
+    copy = torch.empty(T, dtype=torch.int64)
+    hpos = torch.zeros(T, dtype=torch.int64)
+    wpos = torch.zeros(T, dtype=torch.int64)
+    fp = layout.frame_pos.cpu()
+    for index, k, is_action in ((video_index, nv, False), (action_index, na, True)):
+        if k == 0:
+            continue
+        flat = index.reshape(-1)
+        doc[flat] = fd[None, :, :, None].expand(copies, R, Fr, k).reshape(-1)
+        frame[flat] = fp[None, :, :, None].expand(copies, R, Fr, k).reshape(-1)
+        stream[flat] = ACTION if is_action else VIDEO
+        copy[flat] = c[..., None].expand(copies, R, Fr, k).reshape(-1)
+        if not is_action:
+            j = torch.arange(nv).expand(copies, R, Fr, nv).reshape(-1)
+            hpos[flat] = j // grid_hw[1]
+            wpos[flat] = j % grid_hw[1]
+    starts = (layout.episode_row.cpu() * Fr + layout.episode_start.cpu()) * tpf * copies
+    lens = layout.episode_frames.cpu() * tpf * copies
+    out = TokenLayout(
+        doc, frame, stream, copy, hpos, wpos, video_index, action_index, starts, lens,
+        layout.text_len.cpu(), layout.to("cpu"), nv, na, copies,
+    )
+    return out.to(dev_out) if dev_out.type != "cpu" else out
+
+
+def cu_seqlens_from_position_ids(position_ids: Tensor) -> Tensor:
+    """Recover cu_seqlens (int32) from restarting position ids of shape (T,) or (1, T).
+
+    A new sequence starts wherever the position is 0 (HF's packing convention); a padding tail
+    whose positions restart counts as one more sequence, as HF does.
+    """
+    pos = position_ids.reshape(-1)
+    if pos.numel() == 0:
+        raise ValueError("position_ids is empty")
+    if int(pos[0]) != 0:
+        raise ValueError(f"position_ids must start at 0 for a new sequence, got {int(pos[0])}")
+    starts = torch.nonzero(pos == 0).reshape(-1)
+    return torch.cat([starts, torch.tensor([pos.numel()], device=pos.device)]).to(torch.int32)
+
+
+def hf_packing_kwargs(layout: SequenceLayout, tokens_per_frame: int = 1) -> dict[str, Tensor | int]:
+    """HF-compatible packing keys for a one-row (pack mode) layout, in tokens.
+
+    Returns ``position_ids`` (1, T) restarting per episode and for the padding tail, ``seq_idx``
+    (1, T) int32, ``cu_seq_lens_q/k`` (int32, the padding tail is its own sequence) and
+    ``max_length_q/k``.
+    """
+    if layout.num_rows != 1:
+        raise ValueError(f"HF packing keys need a one-row (pack mode) layout, got {layout.num_rows} rows")
+    pos = layout.frame_pos[0]
+    # expand per frame to tokens: token position = frame_pos * tpf + offset
+    position_ids = (pos[:, None] * tokens_per_frame + torch.arange(tokens_per_frame, device=pos.device)).reshape(1, -1)
+    cu = cu_seqlens_from_position_ids(position_ids)
+    seq_idx = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=pos.device), (cu[1:] - cu[:-1]).long())
+    max_len = int((cu[1:] - cu[:-1]).max())
+    return {
+        "position_ids": position_ids,
+        "seq_idx": seq_idx.to(torch.int32).reshape(1, -1),
+        "cu_seq_lens_q": cu,
+        "cu_seq_lens_k": cu,
+        "max_length_q": max_len,
+        "max_length_k": max_len,
+    }
