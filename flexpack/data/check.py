@@ -1,0 +1,121 @@
+"""``flexpack check-dataset``: list every problem of a LeRobot dataset and its latent cache.
+
+Runs the inspections of ``flexpack.data.problems`` on every episode and task (the same ones
+``LatentEpisodeDataset`` raises on at load time) plus the checks only a whole pass can make
+(latent (C, H, W) equal across episodes, action rows present). Prints one line per problem,
+naming kind, episode and file; exits 1 if there is any, else 0 with a summary line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from flexpack.data import cache
+from flexpack.data.episodes import EpisodeSource
+from flexpack.data.problems import DatasetProblemError, Problem, inspect_latent, inspect_text, resolve_cameras
+
+
+def _cameras(source: EpisodeSource, cameras: list[str] | None) -> tuple[list[str], list[Problem]]:
+    if not cameras:
+        try:
+            return resolve_cameras(source.video_keys, None, source.info_file), []
+        except DatasetProblemError as exc:
+            return [], [exc.problem]
+    keys, problems = [], []
+    for cam in cameras:
+        try:
+            keys += resolve_cameras(source.video_keys, [cam], source.info_file)
+        except DatasetProblemError as exc:
+            keys.append(cam)
+            problems.append(exc.problem)
+    return keys, problems
+
+
+def check_dataset(
+    root: str | os.PathLike,
+    *,
+    latents_dir: str | os.PathLike | None = None,
+    cameras: list[str] | None = None,
+    stride: int = 4,
+    action_key: str = "action",
+    progress: bool = False,
+) -> tuple[list[Problem], EpisodeSource]:
+    source = EpisodeSource(root)
+    out_dir = Path(latents_dir) if latents_dir is not None else cache.default_latents_dir(root)
+    cams, problems = _cameras(source, cameras)
+    if not cams:
+        return problems, source
+    if action_key not in source.meta.features:
+        problems.append(Problem("shape", None, source.info_file, f"no feature {action_key!r} in the dataset"))
+        return problems, source
+
+    users: dict[int, list[int]] = {}
+    for ep in source.episodes:
+        users.setdefault(source.task(ep)[1], []).append(ep)
+    for task_index, task in source.tasks().items():
+        if task_index not in users:
+            continue
+        found, _, _ = inspect_text(cache.text_path(out_dir, task_index), episode=users[task_index][0], task=task, task_index=task_index)
+        for p in found:
+            problems.append(Problem(p.kind, p.episode, p.file, f"{p.message} (task used by episodes {users[task_index]})"))
+
+    rows = source.row_counts()
+    reference: tuple[int, tuple[int, int, int]] | None = None  # (episode, (C, H, W)) of the first good latent
+    frames_of = dict(zip(source.episodes, source.video_frames))
+    for ep in tqdm(source.episodes, desc="check", unit="ep", disable=not progress):
+        path = cache.latent_path(out_dir, cams, ep)
+        n_rows = rows.get(ep, 0)
+        if n_rows == 0:
+            problems.append(Problem("shape", ep, source.data_file(ep), f"episode has no {action_key!r} rows in the data"))
+        found, latent, head = inspect_latent(
+            path, episode=ep, video_frames=frames_of[ep], cameras=cams, stride=stride,
+            action_rows=n_rows or None,
+        )
+        problems += found
+        if latent is not None and not found:
+            chw = (head.channels, head.height, head.width)
+            if reference is None:
+                reference = (ep, chw)
+            elif chw != reference[1]:
+                problems.append(Problem("shape", ep, path, f"latent (C, H, W) = {chw} differs from episode "
+                                                         f"{reference[0]}'s {reference[1]}; items cannot be batched"))
+        if n_rows:
+            actions = source.column(ep, action_key).astype(np.float64)
+            bad = int((~np.isfinite(actions)).sum())
+            if bad:
+                problems.append(Problem("nonfinite", ep, source.data_file(ep), f"{action_key!r} has {bad} NaN/Inf values"))
+    return problems, source
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("root", type=Path, help="LeRobot dataset root")
+    parser.add_argument("--latents-dir", type=Path, default=None, help="cache folder (default ROOT/latents)")
+    parser.add_argument("--cameras", nargs="+", default=None, help="camera set of the cache (default: all)")
+    parser.add_argument("--stride", type=int, default=4, help="the VAE's temporal stride")
+    parser.add_argument("--action-key", default="action")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        problems, source = check_dataset(
+            args.root, latents_dir=args.latents_dir, cameras=args.cameras, stride=args.stride,
+            action_key=args.action_key, progress=sys.stderr.isatty(),
+        )
+    except FileNotFoundError as exc:
+        print(f"[missing] dataset: {exc}")
+        return 1
+    for p in problems:
+        print(p)
+    if problems:
+        episodes = {p.episode for p in problems if p.episode is not None}
+        print(f"{len(problems)} problem(s) in {len(episodes)} episode(s) of {len(source.episodes)}")
+        return 1
+    print(f"ok: {len(source.episodes)} episodes, {len(source.tasks())} tasks, cameras {source.video_keys if not args.cameras else args.cameras}, "
+          f"latents {args.latents_dir or cache.default_latents_dir(args.root)}")
+    return 0

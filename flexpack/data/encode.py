@@ -1,0 +1,103 @@
+"""``flexpack encode``: decode a LeRobot dataset's videos through lerobot, encode, fill the cache.
+
+Resumable: an episode whose latent file exists, passes the same inspection as
+``check-dataset`` (readable, right episode/cameras/frames, finite) and was written by the same
+encoder is skipped; anything else is (re)written atomically. Task texts likewise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from flexpack.data import cache
+from flexpack.data.encoders import VideoEncoder, encode_cameras, make_video_encoder
+from flexpack.data.episodes import EpisodeSource
+from flexpack.data.lengths import used_video_frames
+from flexpack.data.problems import inspect_latent, inspect_text, resolve_cameras
+from flexpack.data.text import TextEncoder, make_text_encoder
+
+
+@dataclass
+class EncodeReport:
+    encoded: list[int] = field(default_factory=list)
+    skipped: list[int] = field(default_factory=list)
+    texts_written: list[int] = field(default_factory=list)
+    latents_dir: Path | None = None
+    cameras: list[str] = field(default_factory=list)
+
+
+def encode_dataset(
+    root: str | os.PathLike,
+    *,
+    encoder: str | VideoEncoder = "pool",
+    text_encoder: str | TextEncoder = "hash",
+    cameras: list[str] | None = None,
+    latents_dir: str | os.PathLike | None = None,
+    episodes: list[int] | None = None,
+    video_backend: str = "pyav",
+    device: str = "cpu",
+    progress: bool = True,
+) -> EncodeReport:
+    source = EpisodeSource(root, video_backend=video_backend)
+    enc = make_video_encoder(encoder, device=device) if isinstance(encoder, str) else encoder
+    txt = make_text_encoder(text_encoder) if isinstance(text_encoder, str) else text_encoder
+    cams = resolve_cameras(source.video_keys, cameras, source.info_file)
+    out_dir = Path(latents_dir) if latents_dir is not None else cache.default_latents_dir(root)
+    report = EncodeReport(latents_dir=out_dir, cameras=cams)
+
+    for task_index, task in source.tasks().items():
+        path = cache.text_path(out_dir, task_index)
+        problems, _, head = inspect_text(path, episode=None, task=task, task_index=task_index)
+        if problems or head.encoder != txt.name:
+            emb, n = txt.encode(task)
+            cache.write_text(path, emb, encoder=txt.name, task=task, task_index=task_index, text_len=n)
+            report.texts_written.append(task_index)
+
+    frames_of = dict(zip(source.episodes, source.video_frames))
+    todo = list(source.episodes) if episodes is None else list(episodes)
+    bar = tqdm(todo, desc=f"encode {enc.name} {cache.camera_tag(cams)}", unit="ep", disable=not progress)
+    for episode in bar:
+        n = frames_of[episode]
+        path = cache.latent_path(out_dir, cams, episode)
+        problems, _, head = inspect_latent(path, episode=episode, video_frames=n, cameras=cams, stride=enc.stride)
+        if not problems and head is not None and head.encoder == enc.name:
+            report.skipped.append(episode)
+            continue
+        used = used_video_frames(n, enc.stride)
+        videos = [source.decode(episode, cam, used) for cam in cams]
+        latent = encode_cameras(enc, videos, cams)
+        cache.write_latent(
+            path, latent, episode_index=episode, fps=source.meta.fps, encoder=enc.name,
+            cameras=cams, video_frames=n, stride=enc.stride,
+        )
+        report.encoded.append(episode)
+    return report
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dataset", type=Path, required=True, help="LeRobot dataset root")
+    parser.add_argument("--encoder", default="pool", help="'pool' (stand-in) or 'wan-vae:PATH' (local diffusers folder)")
+    parser.add_argument("--cameras", nargs="+", default=None, help="camera keys or short names, in width order (default: all)")
+    parser.add_argument("--text-encoder", default="hash", help="'hash' or 'hash:DIMxLEN' (stand-in)")
+    parser.add_argument("--latents-dir", type=Path, default=None, help="cache folder (default DATASET/latents)")
+    parser.add_argument("--video-backend", default="pyav", help="lerobot video backend (pyav or torchcodec)")
+    parser.add_argument("--device", default="cpu", help="device for the wan-vae encoder")
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    report = encode_dataset(
+        args.dataset, encoder=args.encoder, text_encoder=args.text_encoder, cameras=args.cameras,
+        latents_dir=args.latents_dir, video_backend=args.video_backend, device=args.device,
+        progress=not args.no_progress,
+    )
+    print(
+        f"encoded {len(report.encoded)} episode(s), skipped {len(report.skipped)} already cached, "
+        f"wrote {len(report.texts_written)} task text(s) -> {report.latents_dir} (cameras {report.cameras})"
+    )
+    return 0

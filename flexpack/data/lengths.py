@@ -1,0 +1,60 @@
+"""Episode lengths from LeRobot metadata, without loading data or latents.
+
+The Wan VAE is causal in time with stride 4: the first latent frame encodes video frame 0
+alone, every later latent frame encodes the next ``stride`` video frames. An episode of ``n``
+video frames therefore has ``F = (n - 1) // stride + 1`` latent frames; the trailing
+``(n - 1) % stride`` video frames do not fill a latent frame and are dropped.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+
+def latent_frames(n: int, stride: int = 4) -> int:
+    """Latent frames of an episode of ``n >= 1`` video frames (``(n - 1) // stride + 1``)."""
+    if n < 1:
+        raise ValueError(f"an episode needs at least 1 video frame, got n={n}")
+    if stride < 1:
+        raise ValueError(f"stride must be >= 1, got {stride}")
+    return (n - 1) // stride + 1
+
+
+def used_video_frames(n: int, stride: int = 4) -> int:
+    """Video frames the encoder consumes: ``stride * (F - 1) + 1`` (the rest are dropped)."""
+    return stride * (latent_frames(n, stride) - 1) + 1
+
+
+def open_metadata(root: str | os.PathLike) -> Any:
+    """``LeRobotDatasetMetadata`` of a local dataset; never downloads.
+
+    Raises FileNotFoundError naming ``meta/info.json`` when ``root`` holds no LeRobot dataset.
+    """
+    root = Path(root)
+    info = root / "meta" / "info.json"
+    if not info.is_file():
+        raise FileNotFoundError(f"{info}: not a LeRobot dataset (no meta/info.json under {root})")
+    from lerobot.datasets.dataset_metadata import LeRobotDatasetMetadata
+
+    return LeRobotDatasetMetadata(f"local/{root.name}", root=root)
+
+
+def episode_video_frames(meta: Any) -> list[int]:
+    """Video frames per episode, in the order of ``meta.episodes``, without loading data."""
+    if meta.episodes is None:
+        return []
+    return [int(n) for n in meta.episodes["length"]]
+
+
+def episode_indices(meta: Any) -> list[int]:
+    """The dataset's episode indices, in the order of ``meta.episodes`` (lerobot: 0..N-1)."""
+    if meta.episodes is None:
+        return []
+    return [int(i) for i in meta.episodes["episode_index"]]
+
+
+def dataset_latent_frames(root: str | os.PathLike, stride: int = 4) -> list[int]:
+    """Latent frames per episode (episode order) of the LeRobot dataset at ``root``."""
+    return [latent_frames(n, stride) for n in episode_video_frames(open_metadata(root))]

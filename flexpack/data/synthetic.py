@@ -1,0 +1,104 @@
+"""``flexpack make-dataset``: a small synthetic LeRobot dataset, written with lerobot's own API.
+
+Each episode shows a coloured blob moving over a gradient (per camera a different palette),
+has smooth sinusoidal actions and states, and one of a few tasks. With ``index_actions`` the
+action columns encode their own position instead: column 0 = frame index, column 1 = episode
+index, column k >= 2 = frame index + 1000·k (for alignment tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import numpy as np
+
+TASKS = ["pick up the red cube", "open the drawer", "push the button twice", "stack the blue block on the green one"]
+
+
+def _frame(t: int, episode: int, camera: int, size: int) -> np.ndarray:
+    yy, xx = np.mgrid[0:size, 0:size].astype(np.float32) / max(size - 1, 1)
+    phase = 0.15 * t + 1.3 * episode + 2.1 * camera
+    cx, cy = 0.5 + 0.35 * np.cos(phase), 0.5 + 0.35 * np.sin(1.7 * phase)
+    blob = np.exp(-((xx - cx) ** 2 + (yy - cy) ** 2) / 0.02)
+    rgb = np.stack([0.6 * xx + 0.4 * blob, 0.6 * yy + 0.4 * blob * (camera == 0), 0.3 + 0.5 * blob * (camera == 1)], -1)
+    return (np.clip(rgb, 0, 1) * 255).astype(np.uint8)
+
+
+def make_synthetic_dataset(
+    root: str | os.PathLike,
+    *,
+    episodes: int = 4,
+    min_frames: int = 9,
+    max_frames: int = 33,
+    lengths: list[int] | None = None,
+    cameras: int = 1,
+    size: int = 32,
+    fps: int = 10,
+    action_dim: int = 6,
+    index_actions: bool = False,
+    seed: int = 0,
+) -> Path:
+    """Write the dataset to ``root`` (must not exist) and return it. ``lengths`` overrides the draw."""
+    from lerobot.datasets.lerobot_dataset import LeRobotDataset
+
+    root = Path(root)
+    if root.exists():
+        raise FileExistsError(f"{root}: already exists; make-dataset writes a new dataset")
+    if cameras not in (1, 2):
+        raise ValueError(f"cameras must be 1 or 2, got {cameras}")
+    if not 1 <= min_frames <= max_frames:
+        raise ValueError(f"need 1 <= min_frames <= max_frames, got {min_frames}, {max_frames}")
+    rng = np.random.default_rng(seed)
+    if lengths is None:
+        lengths = rng.integers(min_frames, max_frames + 1, size=episodes).tolist()
+    cams = [f"observation.images.cam{c}" for c in range(cameras)]
+    names = [f"a{j}" for j in range(action_dim)]
+    features = {cam: {"dtype": "video", "shape": (size, size, 3), "names": ["height", "width", "channels"]} for cam in cams}
+    features["action"] = {"dtype": "float32", "shape": (action_dim,), "names": names}
+    features["observation.state"] = {"dtype": "float32", "shape": (action_dim,), "names": names}
+    ds = LeRobotDataset.create(
+        f"local/{root.name}", fps=fps, features=features, root=root, use_videos=True, video_backend="pyav"
+    )
+    for ep, n in enumerate(lengths):
+        freq = rng.uniform(0.05, 0.2, size=action_dim)
+        offset = rng.uniform(0, 2 * np.pi, size=action_dim)
+        task = TASKS[int(rng.integers(len(TASKS)))]
+        for t in range(int(n)):
+            if index_actions:
+                action = np.array([t, ep] + [t + 1000 * k for k in range(2, action_dim)], dtype=np.float32)[:action_dim]
+            else:
+                action = np.sin(freq * t + offset).astype(np.float32)
+            frame = {cam: _frame(t, ep, c, size) for c, cam in enumerate(cams)}
+            frame.update({"action": action, "observation.state": np.cos(freq * t + offset).astype(np.float32), "task": task})
+            ds.add_frame(frame)
+        ds.save_episode()
+    ds.finalize()
+    return root
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("root", type=Path, help="folder to create (must not exist)")
+    parser.add_argument("--episodes", type=int, default=8)
+    parser.add_argument("--min-frames", type=int, default=9)
+    parser.add_argument("--max-frames", type=int, default=41)
+    parser.add_argument("--lengths", type=str, default=None, help="comma-separated video frames per episode")
+    parser.add_argument("--cameras", type=int, default=1, choices=(1, 2))
+    parser.add_argument("--size", type=int, default=32, help="video height = width in pixels")
+    parser.add_argument("--fps", type=int, default=10)
+    parser.add_argument("--action-dim", type=int, default=6)
+    parser.add_argument("--index-actions", action="store_true", help="actions encode their own frame index")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def run(args: argparse.Namespace) -> int:
+    lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else None
+    root = make_synthetic_dataset(
+        args.root, episodes=args.episodes, min_frames=args.min_frames, max_frames=args.max_frames,
+        lengths=lengths, cameras=args.cameras, size=args.size, fps=args.fps, action_dim=args.action_dim,
+        index_actions=args.index_actions, seed=args.seed,
+    )
+    n = len(lengths) if lengths else args.episodes
+    print(f"wrote {n} episodes ({args.cameras} camera(s), {args.size}x{args.size}) to {root}")
+    return 0
