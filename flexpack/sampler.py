@@ -244,7 +244,7 @@ class _EpochBatchSampler:
                 padded.append(frames)
                 fill.append(sum(toks) / c_tok)
                 costs.append(batch_cost(toks, c_tok))
-            ratios.append(max(costs) / (sum(costs) / len(costs)))
+            ratios.append(max(1.0, max(costs) * len(costs) / sum(costs)))  # max >= mean; no rounding below 1
         samples = sum(counts.values())
         return SamplerStats(
             waste=1.0 - used / computed, waste_incl_repeats=1.0 - used_first / computed,
