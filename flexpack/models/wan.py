@@ -1,0 +1,461 @@
+"""Wan2.x-style video-action diffusion transformer over packed or padded episodes.
+
+The math follows diffusers' ``WanTransformer3DModel`` (Wan 2.2 TI2V, per-token timesteps):
+patch embedding, sinusoidal timestep → MLP → 6-way AdaLN modulation, text MLP, blocks of
+(AdaLN → self-attention with q/k RMSNorm across heads and 3D RoPE → gated residual; affine
+LayerNorm → cross-attention to text; AdaLN → GELU-tanh FFN → gated residual), and an
+AdaLN-modulated output head. On top of it: action tokens (a Linear from action channels in, a
+Linear to action channels out, their own timestep per frame) and one flat token sequence for
+the whole micro-batch, described by a :class:`~flexpack.layout.TokenLayout`.
+
+Token sequence. ``layout.tokens()`` puts every (copy, row, frame) "unit" at a contiguous run of
+``K = video_tokens + action_tokens`` tokens (video first). The model therefore keeps hidden states
+as ``(U, K, D)``: modulation is per unit and stream and broadcasts over the unit's tokens, so no
+``(T, 6, D)`` per-token modulation table is ever materialized (that table would cost ~5 GB at
+65k tokens × dim 3072 in fp32, and its slices would be saved for backward in every block).
+
+Attention sees one sequence of ``T = U * K`` tokens (batch dim 1) through
+:class:`~flexpack.attention.FlexAttnFunc`; both masks (self and text) are prepared once per
+forward and shared by all blocks. Outputs at padding frames are set to zero, so nothing flows
+back from them even if a loss forgot to mask.
+
+Precision: LayerNorms, RMSNorms, modulation, gated residuals and RoPE run in float32 and cast
+back, so the model can hold bf16 weights and activations.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from ..layout import SequenceLayout, TokenLayout
+from .rope import apply_rope, rope_bands, rope_cos_sin
+
+
+@dataclass(frozen=True, kw_only=True)
+class WanVAConfig:
+    """Shape and options of :class:`WanVA` (defaults: the Wan 2.2 5B shape, video only)."""
+
+    dim: int = 3072
+    num_heads: int = 24
+    ffn_dim: int = 14336
+    num_layers: int = 30
+    patch_size: tuple[int, int, int] = (1, 2, 2)
+    in_channels: int = 48
+    out_channels: int | None = None  # None: same as in_channels
+    action_channels: int = 0  # 0: no action stream
+    text_dim: int = 4096
+    freq_dim: int = 256
+    eps: float = 1e-6
+    cross_attn_norm: bool = True
+    rope_theta: float = 10000.0
+    attn_backend: str = "auto"
+    activation_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("dim", "num_heads", "ffn_dim", "num_layers", "in_channels", "text_dim", "freq_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"WanVAConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.dim % self.num_heads:
+            raise ValueError(f"WanVAConfig.dim={self.dim} is not divisible by num_heads={self.num_heads}")
+        rope_bands(self.dim // self.num_heads)  # raises for an odd head_dim
+        if len(self.patch_size) != 3 or min(self.patch_size) <= 0:
+            raise ValueError(f"WanVAConfig.patch_size must be 3 positive ints, got {self.patch_size}")
+        if self.action_channels < 0:
+            raise ValueError(f"WanVAConfig.action_channels must be >= 0, got {self.action_channels}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.num_heads
+
+    @property
+    def out_dim(self) -> int:
+        return self.out_channels or self.in_channels
+
+    @property
+    def patch_volume(self) -> int:
+        return math.prod(self.patch_size)
+
+
+PRESETS: dict[str, WanVAConfig] = {
+    # CPU tests and the demo: a train step in a few milliseconds.
+    "tiny": WanVAConfig(
+        dim=64, num_heads=4, ffn_dim=128, num_layers=2, in_channels=4, action_channels=7, text_dim=32, freq_dim=32
+    ),
+    # Wan 2.2 TI2V-5B transformer shape; 30 action channels is a LingBot-style action vector width.
+    "wan2.2-5b": WanVAConfig(
+        dim=3072, num_heads=24, ffn_dim=14336, num_layers=30, in_channels=48, action_channels=30, text_dim=4096, freq_dim=256
+    ),
+}
+
+
+def wan_config(name: str, **overrides: Any) -> WanVAConfig:
+    """A preset (``"tiny"``, ``"wan2.2-5b"``) with keyword overrides."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown WanVA preset {name!r}; known: {sorted(PRESETS)}")
+    return replace(PRESETS[name], **overrides)
+
+
+@dataclass(frozen=True, eq=False)
+class WanVAOutput:
+    """Predictions for the noisy copy: ``video`` (R, C_out, Fr, H, W), ``action`` (R, Ca, Fr, A) or None."""
+
+    video: Tensor
+    action: Tensor | None
+
+
+# ---------------------------------------------------------------------------- building blocks
+def _layer_norm(x: Tensor, eps: float, weight: Tensor | None = None, bias: Tensor | None = None) -> Tensor:
+    """LayerNorm in float32 (returns float32)."""
+    w = weight.float() if weight is not None else None
+    b = bias.float() if bias is not None else None
+    return F.layer_norm(x.float(), (x.shape[-1],), w, b, eps)
+
+
+def _stream_affine(x_UKD: Tensor, mul_USD: Tensor, add_USD: Tensor | None, nv: int) -> Tensor:
+    """``x * mul (+ add)`` with per-(unit, stream) factors: slots ``[:nv]`` use stream 0, the rest stream 1.
+
+    Broadcasting (U, 1, D) over the unit's slots keeps autograd from saving (T, D) factor copies.
+    """
+    if mul_USD.shape[1] == 1 or nv == x_UKD.shape[1]:
+        out = x_UKD * mul_USD[:, :1]
+        return out + add_USD[:, :1] if add_USD is not None else out
+    parts = []
+    for s, part in enumerate((x_UKD[:, :nv], x_UKD[:, nv:])):
+        y = part * mul_USD[:, s : s + 1]
+        parts.append(y + add_USD[:, s : s + 1] if add_USD is not None else y)
+    return torch.cat(parts, dim=1)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim, computed in float32 (q/k norm across all heads, as Wan)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+
+
+class MLP(nn.Module):
+    """Linear → GELU(tanh) → Linear (the FFN and Wan's text embedder)."""
+
+    def __init__(self, d_in: int, d_hidden: int, d_out: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, d_hidden)
+        self.fc2 = nn.Linear(d_hidden, d_out)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+class TimeEmbed(nn.Module):
+    """Sinusoid (cos, sin order, max period 10⁴) → Linear → SiLU → Linear → temb; SiLU → Linear → 6·D modulation."""
+
+    def __init__(self, freq_dim: int, dim: int) -> None:
+        super().__init__()
+        self.freq_dim = freq_dim
+        self.fc1 = nn.Linear(freq_dim, dim)
+        self.fc2 = nn.Linear(dim, dim)
+        self.mod_proj = nn.Linear(dim, 6 * dim)
+
+    def sinusoid(self, t_N: Tensor) -> Tensor:
+        half = self.freq_dim // 2
+        inv = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=t_N.device) / half)
+        ang = t_N.float()[:, None] * inv[None, :]
+        emb = torch.cat([ang.cos(), ang.sin()], dim=-1)
+        return F.pad(emb, (0, self.freq_dim % 2))  # (N, freq_dim)
+
+    def forward(self, t_N: Tensor) -> tuple[Tensor, Tensor]:
+        """Returns temb (N, D) and modulation (N, 6, D)."""
+        emb = self.sinusoid(t_N).to(self.fc1.weight.dtype)
+        temb = self.fc2(F.silu(self.fc1(emb)))
+        return temb, self.mod_proj(F.silu(temb)).unflatten(-1, (6, -1))
+
+
+class Attention(nn.Module):
+    """Multi-head attention with q/k RMSNorm across heads, optional RoPE, through FlexAttnFunc."""
+
+    def __init__(self, dim: int, num_heads: int, eps: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
+        self.norm_q = RMSNorm(dim, eps)
+        self.norm_k = RMSNorm(dim, eps)
+
+    def forward(self, x_TD: Tensor, ctx_SD: Tensor, attn_fn: Any, mask: Any, rope: tuple[Tensor, Tensor] | None) -> Tensor:
+        H = self.num_heads
+        q_THd = self.norm_q(self.q(x_TD)).unflatten(-1, (H, -1))
+        k_SHd = self.norm_k(self.k(ctx_SD)).unflatten(-1, (H, -1))
+        v_SHd = self.v(ctx_SD).unflatten(-1, (H, -1))
+        if rope is not None:
+            q_THd, k_SHd = apply_rope(q_THd, *rope), apply_rope(k_SHd, *rope)
+        # the whole micro-batch is one sequence: (1, H, T, hd)
+        o_1HTd = attn_fn(q_THd.transpose(0, 1)[None], k_SHd.transpose(0, 1)[None], v_SHd.transpose(0, 1)[None], mask)
+        return self.o(o_1HTd[0].transpose(0, 1).flatten(1).to(x_TD.dtype))
+
+
+class WanBlock(nn.Module):
+    """AdaLN self-attention, cross-attention to text, AdaLN FFN; residuals gated per unit and stream."""
+
+    def __init__(self, cfg: WanVAConfig) -> None:
+        super().__init__()
+        D = cfg.dim
+        self.eps = cfg.eps
+        # rows: shift, scale, gate (self-attn); shift, scale, gate (FFN) — Wan's order
+        self.modulation = nn.Parameter(torch.randn(6, D) / D**0.5)
+        self.self_attn = Attention(D, cfg.num_heads, cfg.eps)
+        self.cross_norm_weight = nn.Parameter(torch.ones(D)) if cfg.cross_attn_norm else None
+        self.cross_norm_bias = nn.Parameter(torch.zeros(D)) if cfg.cross_attn_norm else None
+        self.cross_attn = Attention(D, cfg.num_heads, cfg.eps)
+        self.ffn = MLP(D, cfg.ffn_dim, D)
+
+    def forward(
+        self,
+        x_UKD: Tensor,
+        mod_US6D: Tensor,
+        text_SD: Tensor | None,
+        rope: tuple[Tensor, Tensor],
+        attn_fn: Any,
+        self_mask: Any,
+        text_mask: Any,
+        nv: int,
+    ) -> Tensor:
+        dt = x_UKD.dtype
+        shift, scale, gate, c_shift, c_scale, c_gate = (self.modulation.float() + mod_US6D.float()).unbind(2)
+        h = _stream_affine(_layer_norm(x_UKD, self.eps), 1 + scale, shift, nv).to(dt)
+        a = self.self_attn(h.flatten(0, 1), h.flatten(0, 1), attn_fn, self_mask, rope).view_as(x_UKD)
+        x_UKD = (x_UKD.float() + _stream_affine(a, gate, None, nv)).to(dt)
+        if text_SD is not None:
+            if self.cross_norm_weight is not None:
+                h = _layer_norm(x_UKD, self.eps, self.cross_norm_weight, self.cross_norm_bias).to(dt)
+            else:
+                h = x_UKD
+            x_UKD = x_UKD + self.cross_attn(h.flatten(0, 1), text_SD, attn_fn, text_mask, None).view_as(x_UKD)
+        h = _stream_affine(_layer_norm(x_UKD, self.eps), 1 + c_scale, c_shift, nv).to(dt)
+        f = self.ffn(h)
+        return (x_UKD.float() + _stream_affine(f.float(), c_gate, None, nv)).to(dt)
+
+
+# ---------------------------------------------------------------------------- the model
+class WanVA(nn.Module):
+    """Wan-style DiT over video latents plus action tokens; see the module docstring.
+
+    Args:
+        config: shape and options.
+        attn: the attention callable (``prepare(layout, mask, ...)`` and ``__call__(q, k, v, prepared)``);
+            default ``FlexAttnFunc(config.attn_backend)``.
+    """
+
+    def __init__(self, config: WanVAConfig, *, attn: Any = None) -> None:
+        super().__init__()
+        cfg = self.config = config
+        D, Ca = cfg.dim, cfg.action_channels
+        self.patch_embed = nn.Linear(cfg.in_channels * cfg.patch_volume, D)  # input order (C, pt, ph, pw)
+        self.action_embed = nn.Linear(Ca, D) if Ca else None
+        self.time_embed = TimeEmbed(cfg.freq_dim, D)
+        self.text_embed = MLP(cfg.text_dim, D, D)
+        self.blocks = nn.ModuleList(WanBlock(cfg) for _ in range(cfg.num_layers))
+        self.head_modulation = nn.Parameter(torch.randn(2, D) / D**0.5)  # shift, scale
+        self.head_proj = nn.Linear(D, cfg.out_dim * cfg.patch_volume)  # output order (pt, ph, pw, C)
+        self.action_head_modulation = nn.Parameter(torch.randn(2, D) / D**0.5) if Ca else None
+        self.action_head_proj = nn.Linear(D, Ca) if Ca else None
+        if attn is None:
+            from ..attention import FlexAttnFunc  # imported late: attention may pull in compile machinery
+
+            attn = FlexAttnFunc(cfg.attn_backend)
+        self.attn = attn
+
+    # -------------------------------------------------------------- public entry points
+    def forward(
+        self,
+        batch: Any,
+        layout: SequenceLayout | None = None,
+        *,
+        timestep: Tensor,
+        action_timestep: Tensor | None = None,
+        mask: str = "document",
+        chunk_size: int | None = None,
+        window: int | None = None,
+    ) -> WanVAOutput:
+        """Predict the flow for a packed or padded micro-batch.
+
+        Args:
+            batch: a :class:`~flexpack.collate.Batch` (or anything with ``latent``, ``action``, ``text``
+                fields) holding the *model inputs*: ``latent`` (R, C, Fr, H, W) or, with teacher
+                forcing, (2, R, C, Fr, H, W) = (noisy, clean); ``action`` (R, Ca, Fr, A) or
+                (2, R, Ca, Fr, A) likewise; ``text`` (E, L, Dt) or None.
+            layout: defaults to ``batch.layout``.
+            timestep: (R, Fr) or (copies, R, Fr) diffusion time per latent frame (0..1000 scale).
+            action_timestep: same shape, for action tokens; defaults to ``timestep``.
+            mask: self-attention mask name for ``FlexAttnFunc.prepare`` (``"document"``,
+                ``"chunk_causal"``, ``"teacher_forcing"``, ...).
+        """
+        cfg = self.config
+        layout = batch.layout if layout is None else layout
+        if cfg.patch_size[0] != 1:
+            raise ValueError(f"model(batch, layout) needs temporal patch size 1, got patch_size={cfg.patch_size}")
+        lat = batch.latent if batch.latent.ndim == 6 else batch.latent[None]
+        if lat.ndim != 6:
+            raise ValueError(f"batch.latent must be (R,C,Fr,H,W) or (copies,R,C,Fr,H,W), got {tuple(batch.latent.shape)}")
+        copies, R, C, Fr, H, W = lat.shape
+        if (R, Fr) != tuple(layout.frame_doc.shape):
+            raise ValueError(f"batch.latent has (R, Fr)={(R, Fr)} but the layout has {tuple(layout.frame_doc.shape)}")
+        t_video = self._per_copy(timestep, (copies, R, Fr), "timestep")
+        t_action = acts = None
+        A = 0
+        action = getattr(batch, "action", None)
+        if self.action_embed is not None and action is not None:
+            act = action if action.ndim == 5 else action[None]
+            if act.ndim != 5 or act.shape[:2] != (copies, R) or act.shape[2] != cfg.action_channels or act.shape[3] != Fr:
+                raise ValueError(
+                    f"batch.action must be ({copies},{R},{cfg.action_channels},{Fr},A) (copy dim optional), got {tuple(action.shape)}"
+                )
+            A = act.shape[4]
+            acts = act.permute(0, 1, 3, 4, 2)  # (copies, R, Fr, A, Ca)
+            t_action = t_video if action_timestep is None else self._per_copy(action_timestep, (copies, R, Fr), "action_timestep")
+        patches, (h, w) = self._patchify(lat)
+        tl = layout.tokens(video_tokens=h * w, action_tokens=A, copies=copies, grid_hw=(h, w))
+        vid, act_out = self._run(patches, acts, tl, t_video, t_action, batch.text, mask, chunk_size, window)
+        valid_RF = layout.frame_valid.to(vid.dtype)
+        video = self._unpatchify(vid * valid_RF[..., None, None], h, w)
+        action_out = None if act_out is None else (act_out * valid_RF[..., None, None]).permute(0, 3, 1, 2)
+        return WanVAOutput(video=video, action=action_out)
+
+    def forward_video(self, latent: Tensor, timestep: Tensor, text: Tensor) -> Tensor:
+        """Diffusers-compatible call: latent (B, C, F, H, W), timestep (B,), text (B, L, Dt) → (B, C_out, F, H, W).
+
+        Each sample is one episode of a pad-mode layout, so diffusers' full bidirectional attention
+        over one video is the document mask and the same FlexAttnFunc path runs.
+        """
+        if latent.ndim != 5 or timestep.shape != latent.shape[:1] or text.ndim != 3 or text.shape[0] != latent.shape[0]:
+            raise ValueError(
+                f"forward_video needs latent (B,C,F,H,W), timestep (B,), text (B,L,D); got "
+                f"{tuple(latent.shape)}, {tuple(timestep.shape)}, {tuple(text.shape)}"
+            )
+        B, L = latent.shape[0], text.shape[1]
+        patches, (h, w) = self._patchify(latent[None])
+        Fp = patches.shape[2]
+        layout = SequenceLayout.from_rows([[Fp]] * B, Fp, text_len=[L] * B, mode="pad").to(latent.device)
+        tl = layout.tokens(video_tokens=h * w, grid_hw=(h, w))
+        t = timestep.float()[None, :, None].expand(1, B, Fp)
+        vid, _ = self._run(patches, None, tl, t, None, text, "document", None, None)
+        return self._unpatchify(vid, h, w)
+
+    @classmethod
+    def from_diffusers(cls, model: nn.Module, *, attn: Any = None, **config_overrides: Any) -> "WanVA":
+        """Copy a ``diffusers.WanTransformer3DModel``'s weights (action modules keep their init)."""
+        from .wan_convert import from_diffusers
+
+        return from_diffusers(cls, model, attn=attn, **config_overrides)
+
+    @classmethod
+    def from_diffusers_file(cls, path: str, config: Any = None, *, attn: Any = None, **config_overrides: Any) -> "WanVA":
+        """Load a diffusers-format checkpoint: a ``.safetensors`` file (``config`` or a ``config.json``
+        beside it gives the shape) or a folder with ``config.json`` and (sharded) weights."""
+        from .wan_convert import from_diffusers_file
+
+        return from_diffusers_file(cls, path, config, attn=attn, **config_overrides)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    # -------------------------------------------------------------- internals
+    @staticmethod
+    def _per_copy(t: Tensor, shape: tuple[int, int, int], name: str) -> Tensor:
+        t = t if t.ndim == 3 else t[None]
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} must be (R, Fr) or (copies, R, Fr) = {shape}, got {tuple(t.shape)}")
+        return t
+
+    def _patchify(self, lat: Tensor) -> tuple[Tensor, tuple[int, int]]:
+        """(copies, R, C, F, H, W) → (copies, R, F/pt, h*w, C*pt*ph*pw), patch grid (h, w)."""
+        c, R, C, Fn, H, W = lat.shape
+        pt, ph, pw = self.config.patch_size
+        if C != self.config.in_channels or Fn % pt or H % ph or W % pw:
+            raise ValueError(
+                f"latent (C,F,H,W)={(C, Fn, H, W)} does not fit in_channels={self.config.in_channels}, patch={self.config.patch_size}"
+            )
+        h, w = H // ph, W // pw
+        x = lat.reshape(c, R, C, Fn // pt, pt, h, ph, w, pw).permute(0, 1, 3, 5, 7, 2, 4, 6, 8)
+        return x.reshape(c, R, Fn // pt, h * w, -1), (h, w)
+
+    def _unpatchify(self, y: Tensor, h: int, w: int) -> Tensor:
+        """(R, F', h*w, pt*ph*pw*C) → (R, C, F'*pt, h*ph, w*pw)."""
+        R, Fp = y.shape[:2]
+        pt, ph, pw = self.config.patch_size
+        y = y.reshape(R, Fp, h, w, pt, ph, pw, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
+        return y.reshape(R, -1, Fp * pt, h * ph, w * pw)
+
+    def _run(
+        self,
+        patches: Tensor,
+        acts: Tensor | None,
+        tl: TokenLayout,
+        t_video: Tensor,
+        t_action: Tensor | None,
+        text: Tensor | None,
+        mask: str,
+        chunk_size: int | None,
+        window: int | None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Token-level forward. patches (copies,R,F,nv,P), acts (copies,R,F,A,Ca) →
+        video (R,F,nv,P_out), action (R,F,A,Ca) for copy 0 (the noisy one)."""
+        cfg, D = self.config, self.config.dim
+        nv, na = tl.video_tokens, tl.action_tokens
+        K = nv + na
+        copies, R, Fr = t_video.shape
+        U = copies * R * Fr
+        # unit (block of K tokens) holding each (copy, row, frame); the layout's token order guarantees
+        # video_index[c, r, f, j] == unit * K + j
+        unit_CRF = torch.div(tl.video_index[..., 0], K, rounding_mode="floor")
+        assert torch.equal(tl.video_index, unit_CRF[..., None] * K + torch.arange(nv, device=unit_CRF.device))
+        to_tokens = torch.argsort(unit_CRF.reshape(-1))  # grid order → token order
+
+        emb = self.patch_embed(patches)  # (copies, R, F, nv, D)
+        t_grid = t_video.reshape(U, 1)
+        if na:
+            emb = torch.cat([emb, self.action_embed(acts)], dim=3)
+            t_grid = torch.stack([t_video, t_action], dim=-1).reshape(U, 2)
+        x_UKD = emb.reshape(U, K, D)[to_tokens]
+        S = t_grid.shape[1]
+        temb, mod = self.time_embed(t_grid[to_tokens].reshape(-1))
+        temb_USD, mod_US6D = temb.view(U, S, D), mod.view(U, S, 6, D)
+
+        rope = rope_cos_sin(tl.frame, tl.hpos, tl.wpos, cfg.head_dim, cfg.rope_theta)
+        self_mask = self.attn.prepare(tl, mask, chunk_size=chunk_size, window=window)
+        text_SD = text_mask = None
+        if text is not None:
+            if text.ndim != 3 or text.shape[0] != tl.text_len.shape[0]:
+                raise ValueError(f"text must be (E={tl.text_len.shape[0]}, L, Dt), got {tuple(text.shape)}")
+            text_SD = self.text_embed(text.to(emb.dtype)).flatten(0, 1)  # (E*L, D)
+            text_mask = self.attn.prepare(tl, "text", text_tokens=text.shape[1])
+
+        use_ckpt = cfg.activation_checkpointing and torch.is_grad_enabled()
+        for block in self.blocks:
+            args = (x_UKD, mod_US6D, text_SD, rope, self.attn, self_mask, text_mask, nv)
+            x_UKD = checkpoint(block, *args, use_reentrant=False) if use_ckpt else block(*args)
+
+        noisy = unit_CRF[0].reshape(-1)  # (R*F,) units of the noisy copy, in grid order
+        x0 = _layer_norm(x_UKD[noisy], cfg.eps)  # (R*F, K, D) fp32
+        temb0 = temb_USD[noisy].float()
+        vid = self._head(x0[:, :nv], temb0[:, 0], self.head_modulation, self.head_proj, emb.dtype)
+        act_out = None
+        if na:
+            act_out = self._head(x0[:, nv:], temb0[:, 1], self.action_head_modulation, self.action_head_proj, emb.dtype)
+            act_out = act_out.view(R, Fr, na, -1)
+        return vid.view(R, Fr, nv, -1), act_out
+
+    @staticmethod
+    def _head(x_NKD: Tensor, temb_ND: Tensor, table_2D: Tensor, proj: nn.Linear, dtype: torch.dtype) -> Tensor:
+        shift, scale = (table_2D.float()[None] + temb_ND[:, None]).unbind(1)  # each (N, D)
+        return proj((x_NKD * (1 + scale[:, None]) + shift[:, None]).to(dtype))

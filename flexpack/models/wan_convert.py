@@ -1,0 +1,160 @@
+"""Load diffusers-format Wan transformer weights into :class:`~flexpack.models.wan.WanVA`.
+
+The mapping is by name and shape; every diffusers tensor must be used and every WanVA tensor
+except the action stream (which diffusers' video model does not have) must be filled, so a
+renamed or missing weight fails loudly instead of staying at its random init.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Mapping
+
+import torch
+from torch import Tensor, nn
+
+from .wan import WanVA, WanVAConfig
+
+# WanVA tensors a diffusers checkpoint does not hold; they keep their initialization.
+_ACTION_PREFIXES = ("action_embed.", "action_head_modulation", "action_head_proj.")
+
+_TOP_LEVEL = {
+    "condition_embedder.time_embedder.linear_1": "time_embed.fc1",
+    "condition_embedder.time_embedder.linear_2": "time_embed.fc2",
+    "condition_embedder.time_proj": "time_embed.mod_proj",
+    "condition_embedder.text_embedder.linear_1": "text_embed.fc1",
+    "condition_embedder.text_embedder.linear_2": "text_embed.fc2",
+    "proj_out": "head_proj",
+    "patch_embedding": "patch_embed",
+}
+_BLOCK = {
+    "attn1.to_q": "self_attn.q", "attn1.to_k": "self_attn.k", "attn1.to_v": "self_attn.v",
+    "attn1.to_out.0": "self_attn.o", "attn1.norm_q": "self_attn.norm_q", "attn1.norm_k": "self_attn.norm_k",
+    "attn2.to_q": "cross_attn.q", "attn2.to_k": "cross_attn.k", "attn2.to_v": "cross_attn.v",
+    "attn2.to_out.0": "cross_attn.o", "attn2.norm_q": "cross_attn.norm_q", "attn2.norm_k": "cross_attn.norm_k",
+    "ffn.net.0.proj": "ffn.fc1", "ffn.net.2": "ffn.fc2",
+}
+
+
+def config_from_diffusers(cfg: Mapping[str, Any], **overrides: Any) -> WanVAConfig:
+    """A :class:`WanVAConfig` from a diffusers ``WanTransformer3DModel`` config (dict or FrozenDict)."""
+    if cfg.get("image_dim") is not None or cfg.get("added_kv_proj_dim") is not None:
+        raise ValueError(
+            f"image conditioning (image_dim={cfg.get('image_dim')}, added_kv_proj_dim={cfg.get('added_kv_proj_dim')}) is not supported"
+        )
+    qk = cfg.get("qk_norm", "rms_norm_across_heads")
+    if qk != "rms_norm_across_heads":
+        raise ValueError(f"only qk_norm='rms_norm_across_heads' is supported, got {qk!r}")
+    heads, head_dim = int(cfg.get("num_attention_heads", 40)), int(cfg.get("attention_head_dim", 128))
+    kw: dict[str, Any] = dict(
+        dim=heads * head_dim,
+        num_heads=heads,
+        ffn_dim=int(cfg.get("ffn_dim", 13824)),
+        num_layers=int(cfg.get("num_layers", 40)),
+        patch_size=tuple(int(p) for p in cfg.get("patch_size", (1, 2, 2))),
+        in_channels=int(cfg.get("in_channels", 16)),
+        out_channels=cfg.get("out_channels"),
+        text_dim=int(cfg.get("text_dim", 4096)),
+        freq_dim=int(cfg.get("freq_dim", 256)),
+        eps=float(cfg.get("eps", 1e-6)),
+        cross_attn_norm=bool(cfg.get("cross_attn_norm", True)),
+    )
+    kw.update(overrides)
+    return WanVAConfig(**kw)
+
+
+def convert_state_dict(sd: Mapping[str, Tensor], cfg: WanVAConfig) -> dict[str, Tensor]:
+    """Rename (and reshape) a diffusers Wan state dict to WanVA names; raises on leftovers."""
+    out: dict[str, Tensor] = {}
+    unused = []
+    for name, t in sd.items():
+        new = _rename(name, cfg)
+        if new is None:
+            unused.append(name)
+            continue
+        if new == "patch_embed.weight":
+            t = t.reshape(t.shape[0], -1)  # Conv3d (D, C, pt, ph, pw) → Linear over (C, pt, ph, pw)
+        elif new.endswith("modulation"):
+            t = t.reshape(-1, t.shape[-1])  # (1, 6, D) / (1, 2, D) → (6, D) / (2, D)
+        out[new] = t
+    if unused:
+        raise ValueError(f"diffusers weights with no WanVA counterpart: {unused[:8]}{' ...' if len(unused) > 8 else ''}")
+    return out
+
+
+def _rename(name: str, cfg: WanVAConfig) -> str | None:
+    if name == "scale_shift_table":
+        return "head_modulation"
+    stem, _, leaf = name.rpartition(".")
+    if stem in _TOP_LEVEL:
+        return f"{_TOP_LEVEL[stem]}.{leaf}"
+    parts = name.split(".")
+    if parts[0] != "blocks" or len(parts) < 3:
+        return None
+    i, rest = parts[1], ".".join(parts[2:])
+    if rest == "scale_shift_table":
+        return f"blocks.{i}.modulation"
+    if rest in ("norm2.weight", "norm2.bias") and cfg.cross_attn_norm:
+        return f"blocks.{i}.cross_norm_{rest.split('.')[1]}"
+    stem, _, leaf = rest.rpartition(".")
+    return f"blocks.{i}.{_BLOCK[stem]}.{leaf}" if stem in _BLOCK else None
+
+
+def load_converted(model: WanVA, sd: Mapping[str, Tensor]) -> WanVA:
+    """Load a converted state dict; only the action stream may be missing, shapes must match."""
+    own = model.state_dict()
+    for k, t in sd.items():
+        if k not in own:
+            raise ValueError(f"converted weight {k!r} is not a WanVA parameter")
+        if tuple(own[k].shape) != tuple(t.shape):
+            raise ValueError(f"weight {k!r}: checkpoint shape {tuple(t.shape)} != model shape {tuple(own[k].shape)}")
+    missing = [k for k in own if k not in sd and not k.startswith(_ACTION_PREFIXES)]
+    if missing:
+        raise ValueError(f"the checkpoint lacks WanVA weights {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    model.load_state_dict(dict(sd), strict=False)
+    return model
+
+
+def from_diffusers(cls: type[WanVA], model: nn.Module, *, attn: Any = None, **overrides: Any) -> WanVA:
+    cfg = config_from_diffusers(dict(model.config), **overrides)
+    p = next(model.parameters())
+    out = cls(cfg, attn=attn).to(device=p.device, dtype=p.dtype)
+    return load_converted(out, convert_state_dict(model.state_dict(), cfg))
+
+
+def from_diffusers_file(
+    cls: type[WanVA], path: str, config: Any = None, *, attn: Any = None, **overrides: Any
+) -> WanVA:
+    """``path``: a ``.safetensors`` file or a folder with ``config.json`` and
+    ``diffusion_pytorch_model.safetensors`` (or its ``.index.json`` shards)."""
+    from safetensors.torch import load_file
+
+    folder = path if os.path.isdir(path) else os.path.dirname(path)
+    if os.path.isdir(path):
+        single = os.path.join(path, "diffusion_pytorch_model.safetensors")
+        index = single + ".index.json"
+        if os.path.exists(single):
+            files = [single]
+        elif os.path.exists(index):
+            with open(index) as f:
+                files = [os.path.join(path, s) for s in sorted(set(json.load(f)["weight_map"].values()))]
+        else:
+            raise ValueError(f"{path}: no diffusion_pytorch_model.safetensors(.index.json) in this folder")
+    elif os.path.isfile(path):
+        files = [path]
+    else:
+        raise ValueError(f"{path}: no such file or folder")
+    if config is None:
+        cfg_path = os.path.join(folder, "config.json")
+        if not os.path.exists(cfg_path):
+            raise ValueError(f"{path}: pass config= or put the diffusers config.json beside the weights")
+        with open(cfg_path) as f:
+            config = json.load(f)
+    cfg = config if isinstance(config, WanVAConfig) else config_from_diffusers(config, **overrides)
+    sd: dict[str, Tensor] = {}
+    for fn in files:
+        sd.update(load_file(fn))
+    dtype = next(iter(sd.values())).dtype
+    model = cls(cfg, attn=attn).to(dtype=dtype if dtype.is_floating_point else torch.float32)
+    return load_converted(model, convert_state_dict(sd, cfg))
