@@ -31,12 +31,12 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from ..layout import SequenceLayout, TokenLayout
-from .rope import apply_rope, rope_bands, rope_cos_sin
+from .rope import rope_bands, rope_cos_sin
+from .wan_blocks import MLP, TimeEmbed, WanBlock, layer_norm_fp32
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,141 +111,6 @@ class WanVAOutput:
     action: Tensor | None
 
 
-# ---------------------------------------------------------------------------- building blocks
-def _layer_norm(x: Tensor, eps: float, weight: Tensor | None = None, bias: Tensor | None = None) -> Tensor:
-    """LayerNorm in float32 (returns float32)."""
-    w = weight.float() if weight is not None else None
-    b = bias.float() if bias is not None else None
-    return F.layer_norm(x.float(), (x.shape[-1],), w, b, eps)
-
-
-def _stream_affine(x_UKD: Tensor, mul_USD: Tensor, add_USD: Tensor | None, nv: int) -> Tensor:
-    """``x * mul (+ add)`` with per-(unit, stream) factors: slots ``[:nv]`` use stream 0, the rest stream 1.
-
-    Broadcasting (U, 1, D) over the unit's slots keeps autograd from saving (T, D) factor copies.
-    """
-    if mul_USD.shape[1] == 1 or nv == x_UKD.shape[1]:
-        out = x_UKD * mul_USD[:, :1]
-        return out + add_USD[:, :1] if add_USD is not None else out
-    parts = []
-    for s, part in enumerate((x_UKD[:, :nv], x_UKD[:, nv:])):
-        y = part * mul_USD[:, s : s + 1]
-        parts.append(y + add_USD[:, s : s + 1] if add_USD is not None else y)
-    return torch.cat(parts, dim=1)
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm over the last dim, computed in float32 (q/k norm across all heads, as Wan)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
-
-
-class MLP(nn.Module):
-    """Linear → GELU(tanh) → Linear (the FFN and Wan's text embedder)."""
-
-    def __init__(self, d_in: int, d_hidden: int, d_out: int) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(d_in, d_hidden)
-        self.fc2 = nn.Linear(d_hidden, d_out)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
-
-
-class TimeEmbed(nn.Module):
-    """Sinusoid (cos, sin order, max period 10⁴) → Linear → SiLU → Linear → temb; SiLU → Linear → 6·D modulation."""
-
-    def __init__(self, freq_dim: int, dim: int) -> None:
-        super().__init__()
-        self.freq_dim = freq_dim
-        self.fc1 = nn.Linear(freq_dim, dim)
-        self.fc2 = nn.Linear(dim, dim)
-        self.mod_proj = nn.Linear(dim, 6 * dim)
-
-    def sinusoid(self, t_N: Tensor) -> Tensor:
-        half = self.freq_dim // 2
-        inv = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=t_N.device) / half)
-        ang = t_N.float()[:, None] * inv[None, :]
-        emb = torch.cat([ang.cos(), ang.sin()], dim=-1)
-        return F.pad(emb, (0, self.freq_dim % 2))  # (N, freq_dim)
-
-    def forward(self, t_N: Tensor) -> tuple[Tensor, Tensor]:
-        """Returns temb (N, D) and modulation (N, 6, D)."""
-        emb = self.sinusoid(t_N).to(self.fc1.weight.dtype)
-        temb = self.fc2(F.silu(self.fc1(emb)))
-        return temb, self.mod_proj(F.silu(temb)).unflatten(-1, (6, -1))
-
-
-class Attention(nn.Module):
-    """Multi-head attention with q/k RMSNorm across heads, optional RoPE, through FlexAttnFunc."""
-
-    def __init__(self, dim: int, num_heads: int, eps: float) -> None:
-        super().__init__()
-        self.num_heads = num_heads
-        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
-        self.norm_q = RMSNorm(dim, eps)
-        self.norm_k = RMSNorm(dim, eps)
-
-    def forward(self, x_TD: Tensor, ctx_SD: Tensor, attn_fn: Any, mask: Any, rope: tuple[Tensor, Tensor] | None) -> Tensor:
-        H = self.num_heads
-        q_THd = self.norm_q(self.q(x_TD)).unflatten(-1, (H, -1))
-        k_SHd = self.norm_k(self.k(ctx_SD)).unflatten(-1, (H, -1))
-        v_SHd = self.v(ctx_SD).unflatten(-1, (H, -1))
-        if rope is not None:
-            q_THd, k_SHd = apply_rope(q_THd, *rope), apply_rope(k_SHd, *rope)
-        # the whole micro-batch is one sequence: (1, H, T, hd)
-        o_1HTd = attn_fn(q_THd.transpose(0, 1)[None], k_SHd.transpose(0, 1)[None], v_SHd.transpose(0, 1)[None], mask)
-        return self.o(o_1HTd[0].transpose(0, 1).flatten(1).to(x_TD.dtype))
-
-
-class WanBlock(nn.Module):
-    """AdaLN self-attention, cross-attention to text, AdaLN FFN; residuals gated per unit and stream."""
-
-    def __init__(self, cfg: WanVAConfig) -> None:
-        super().__init__()
-        D = cfg.dim
-        self.eps = cfg.eps
-        # rows: shift, scale, gate (self-attn); shift, scale, gate (FFN) — Wan's order
-        self.modulation = nn.Parameter(torch.randn(6, D) / D**0.5)
-        self.self_attn = Attention(D, cfg.num_heads, cfg.eps)
-        self.cross_norm_weight = nn.Parameter(torch.ones(D)) if cfg.cross_attn_norm else None
-        self.cross_norm_bias = nn.Parameter(torch.zeros(D)) if cfg.cross_attn_norm else None
-        self.cross_attn = Attention(D, cfg.num_heads, cfg.eps)
-        self.ffn = MLP(D, cfg.ffn_dim, D)
-
-    def forward(
-        self,
-        x_UKD: Tensor,
-        mod_US6D: Tensor,
-        text_SD: Tensor | None,
-        rope: tuple[Tensor, Tensor],
-        attn_fn: Any,
-        self_mask: Any,
-        text_mask: Any,
-        nv: int,
-    ) -> Tensor:
-        dt = x_UKD.dtype
-        shift, scale, gate, c_shift, c_scale, c_gate = (self.modulation.float() + mod_US6D.float()).unbind(2)
-        h = _stream_affine(_layer_norm(x_UKD, self.eps), 1 + scale, shift, nv).to(dt)
-        a = self.self_attn(h.flatten(0, 1), h.flatten(0, 1), attn_fn, self_mask, rope).view_as(x_UKD)
-        x_UKD = (x_UKD.float() + _stream_affine(a, gate, None, nv)).to(dt)
-        if text_SD is not None:
-            if self.cross_norm_weight is not None:
-                h = _layer_norm(x_UKD, self.eps, self.cross_norm_weight, self.cross_norm_bias).to(dt)
-            else:
-                h = x_UKD
-            x_UKD = x_UKD + self.cross_attn(h.flatten(0, 1), text_SD, attn_fn, text_mask, None).view_as(x_UKD)
-        h = _stream_affine(_layer_norm(x_UKD, self.eps), 1 + c_scale, c_shift, nv).to(dt)
-        f = self.ffn(h)
-        return (x_UKD.float() + _stream_affine(f.float(), c_gate, None, nv)).to(dt)
-
-
 # ---------------------------------------------------------------------------- the model
 class WanVA(nn.Module):
     """Wan-style DiT over video latents plus action tokens; see the module docstring.
@@ -264,7 +129,9 @@ class WanVA(nn.Module):
         self.action_embed = nn.Linear(Ca, D) if Ca else None
         self.time_embed = TimeEmbed(cfg.freq_dim, D)
         self.text_embed = MLP(cfg.text_dim, D, D)
-        self.blocks = nn.ModuleList(WanBlock(cfg) for _ in range(cfg.num_layers))
+        self.blocks = nn.ModuleList(
+            WanBlock(D, cfg.num_heads, cfg.ffn_dim, cfg.eps, cfg.cross_attn_norm) for _ in range(cfg.num_layers)
+        )
         self.head_modulation = nn.Parameter(torch.randn(2, D) / D**0.5)  # shift, scale
         self.head_proj = nn.Linear(D, cfg.out_dim * cfg.patch_volume)  # output order (pt, ph, pw, C)
         self.action_head_modulation = nn.Parameter(torch.randn(2, D) / D**0.5) if Ca else None
@@ -446,7 +313,7 @@ class WanVA(nn.Module):
             x_UKD = checkpoint(block, *args, use_reentrant=False) if use_ckpt else block(*args)
 
         noisy = unit_CRF[0].reshape(-1)  # (R*F,) units of the noisy copy, in grid order
-        x0 = _layer_norm(x_UKD[noisy], cfg.eps)  # (R*F, K, D) fp32
+        x0 = layer_norm_fp32(x_UKD[noisy], cfg.eps)  # (R*F, K, D) fp32
         temb0 = temb_USD[noisy].float()
         vid = self._head(x0[:, :nv], temb0[:, 0], self.head_modulation, self.head_proj, emb.dtype)
         act_out = None
