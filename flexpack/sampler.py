@@ -120,7 +120,8 @@ class _EpochBatchSampler:
     """Epoch/position bookkeeping, resumable state and statistics shared by both samplers.
 
     Subclasses implement ``_make_plan(epoch) -> [rank][step] -> indices`` (all ranks, equal
-    lengths) and ``padded_frames(batch)``.
+    lengths), ``padded_frames(batch)``, ``_shape(batch) -> (rows, frames per row)`` and extend
+    ``_args()`` with every argument that changes the order.
     """
 
     tokens_per_frame: int

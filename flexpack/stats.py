@@ -88,9 +88,12 @@ def _load_lengths(args: argparse.Namespace) -> list[int]:
     except ImportError as e:
         raise ValueError(f"--dataset needs flexpack.data.lengths.dataset_latent_frames, which is not available ({e})")
     try:
-        return list(dataset_latent_frames(args.dataset, stride=args.stride))
+        lengths = list(dataset_latent_frames(args.dataset, stride=args.stride))
     except (OSError, KeyError, ImportError) as e:
         raise ValueError(f"{args.dataset}: cannot read episode lengths: {e}") from None
+    if not lengths:
+        raise ValueError(f"{args.dataset}: the dataset's metadata lists no episodes")
+    return lengths
 
 
 def build_sampler(args: argparse.Namespace, lengths: list[int]) -> LengthBucketBatchSampler | TokenBudgetBatchSampler:

@@ -335,3 +335,13 @@ def test_reference_pack_mode(ref_lengths):
     sampler.set_epoch(3)
     s3 = sampler.stats()
     assert s3.waste <= 0.010 and s3.rank_imbalance <= 1.02
+
+
+def test_works_as_dataloader_batch_sampler():
+    from torch.utils.data import DataLoader
+
+    for sampler in (LengthBucketBatchSampler(SIX, 2), TokenBudgetBatchSampler(SIX, 14, tokens_per_frame=2)):
+        expected = list(sampler)
+        loader = DataLoader(list(range(100, 106)), batch_sampler=sampler, collate_fn=list)
+        assert len(loader) == len(expected)
+        assert list(loader) == [[100 + i for i in b] for b in expected]

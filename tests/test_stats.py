@@ -136,6 +136,24 @@ def test_dataset_source_errors(tmp_path, capsys):
     assert str(tmp_path) in capsys.readouterr().err
 
 
+def test_dataset_source_reads_lengths_lazily(monkeypatch, capsys):
+    import flexpack.data.lengths as lengths_mod
+
+    calls = []
+
+    def fake(root, stride=4):
+        calls.append((root, stride))
+        return [3, 5, 9, 2, 11] if root == "ds" else []
+
+    monkeypatch.setattr(lengths_mod, "dataset_latent_frames", fake)
+    d = stats_json(capsys, "--dataset", "ds", "--stride", "2", "--mode", "pad", "--batch-size", "5",
+                   "--pad-multiple", "1", "--tokens-per-frame", "1")
+    assert calls == [("ds", 2)] and d["episodes"] == 5 and d["source"] == "ds"
+    assert d["tokens_used"] == 30 and d["tokens_computed"] == 55 and d["micro_batches"] == 1
+    assert main(["stats", "--dataset", "empty", "--mode", "pad"]) == 2
+    assert "lists no episodes" in capsys.readouterr().err
+
+
 def test_exactly_one_source():
     with pytest.raises(SystemExit) as e:
         main(["stats", "--frames-file", str(REF), "--dataset", "x", "--mode", "pad"])
