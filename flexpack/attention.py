@@ -1,0 +1,267 @@
+"""``FlexAttnFunc``: one attention callable over a layout's mask, with a backend per device.
+
+Backends (all return zeros, never NaN, for query rows that may attend nothing, e.g. padding):
+
+* ``"dense"``: SDPA with a dense boolean mask evaluated from the same mask_mod; autograd on any
+  device. This is the CPU training path (FlexAttention has no CPU backward) and the reference.
+* ``"flex"``: ``torch.compile``'d FlexAttention (Triton on CUDA, C++ on CPU: forward only there),
+  with the block mask from :mod:`flexpack.blockmask`.
+* ``"flex-flash"``: the same with ``kernel_options={"BACKEND": "FLASH"}`` (FA4 / CuTe; CUDA only,
+  needs the ``flash_attn.cute`` package).
+* ``"sdpa-loop"``: one SDPA call per episode (document / valid masks only).
+* ``"varlen"``: ``torch.nn.attention.varlen.varlen_attn`` over episode runs (CUDA; document masks).
+* ``"auto"``: CUDA -> ``AUTO_CUDA`` (measured in ``benchmarks/attention.py``; falls back to
+  ``"flex"`` without FA4); CPU -> ``"dense"``, except forward-only calls on long sequences
+  (``T >= CPU_FLEX_MIN_TOKENS``), which use compiled flex to avoid the T x T mask.
+
+Compilation: one compiled FlexAttention per kernel-option set, ``dynamic=False``; a new shape
+compiles once, new layouts of the same shape do not (block-mask contents and the mask's closure
+tensors are graph inputs). :func:`compile_count` counts every graph compiled here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from flexpack.blockmask import BlockMaskBuilder
+from flexpack.layout import TokenLayout
+from flexpack.masks import MASK_KINDS, MaskMod, dense_mask, make_mask
+
+BACKENDS = ("auto", "dense", "flex", "flex-flash", "sdpa-loop", "varlen")
+DOCUMENT_ONLY = ("sdpa-loop", "varlen")
+# chosen from benchmarks/results/attention_h200.json (see BENCHMARKS.md)
+AUTO_CUDA = {"document": "flex-flash", "valid": "flex-flash", "chunk_causal": "flex-flash",
+             "teacher_forcing": "flex-flash", "text": "flex"}
+CPU_FLEX_MIN_TOKENS = 16384
+
+
+class _Counter:
+    """Counts graphs compiled by this module (flex kernels and block-mask builders)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def backend(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        from torch._inductor.compile_fx import compile_fx
+
+        self.n += 1
+        return compile_fx(gm, example_inputs)
+
+
+_COUNTER = _Counter()
+_COMPILED: dict[tuple, Callable] = {}  # a cache of compiled callables, one per kernel-option set
+
+
+def compile_count() -> int:
+    """Graphs compiled so far by FlexAttnFunc (all instances): flex kernels + block-mask builders."""
+    return _COUNTER.n
+
+
+def has_flash() -> bool:
+    """Whether the FA4 (CuTe) package behind FlexAttention's FLASH backend is importable."""
+    try:
+        return importlib.util.find_spec("flash_attn.cute") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def _flex_call(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask, kernel_options: dict | None) -> Tensor:
+    return flex_attention(q, k, v, block_mask=block_mask, kernel_options=kernel_options)
+
+
+def _compiled_flex(flash: bool) -> Callable:
+    key = ("flex", flash)
+    if key not in _COMPILED:
+        _COMPILED[key] = torch.compile(_flex_call, dynamic=False, backend=_COUNTER.backend)
+    return _COMPILED[key]
+
+
+@dataclass(eq=False)
+class PreparedMask:
+    """A mask built once per step from a layout and shared by every layer.
+
+    The backend-specific forms (block mask, dense mask, episode runs) are built on first use.
+    """
+
+    kind: str
+    layout: TokenLayout
+    mask_mod: MaskMod
+    q_len: int
+    kv_len: int
+    builder: BlockMaskBuilder
+    _cache: dict = field(default_factory=dict)
+
+    @property
+    def device(self) -> torch.device:
+        return self.layout.doc.device
+
+    def block_mask(self) -> BlockMask:
+        if "block" not in self._cache:
+            lay = self.layout
+            cells = lay.frames.num_rows * lay.frames.frames_per_row * lay.copies + 1
+            kv_cells = 2 * lay.text_len.numel() + 1 if self.kind == "text" else cells
+            self._cache["block"] = self.builder(self.mask_mod, self.q_len, self.kv_len, max_segments=(cells, kv_cells))
+        return self._cache["block"]
+
+    def dense(self) -> tuple[Tensor, Tensor]:
+        """(Tq, Tk) bool mask with empty rows opened (to keep SDPA finite) and (Tq,) row-has-keys."""
+        if "dense" not in self._cache:
+            m = dense_mask(self.mask_mod, self.q_len, self.kv_len, self.device)
+            has = m.any(-1)
+            self._cache["dense"] = (m | ~has[:, None], has)
+        return self._cache["dense"]
+
+    def runs(self) -> list[tuple[int, int]]:
+        """Episode token runs ``(start, length)`` (document / valid masks)."""
+        if "runs" not in self._cache:
+            starts, lens = self.layout.doc_start.tolist(), self.layout.doc_len.tolist()
+            self._cache["runs"] = [(s, n) for s, n in zip(starts, lens) if n > 0]
+        return self._cache["runs"]
+
+    def valid(self) -> Tensor:
+        if "valid" not in self._cache:
+            self._cache["valid"] = self.dense()[1] if self.kind not in ("document", "valid") else self.layout.valid
+        return self._cache["valid"]
+
+
+class FlexAttnFunc:
+    """Attention over packed episodes: ``FlexAttnFunc()(q, k, v, layout, mask="document")``.
+
+    q: (1, H, Tq, D), k/v: (1, H, Tk, D) -> (1, H, Tq, D). ``Tq == T`` (the layout's tokens);
+    ``Tk == T`` except for ``mask="text"``, where k/v are the ``E * text_tokens`` flattened text
+    tokens. Build the mask once per step with :meth:`prepare` and pass the result to every layer.
+    """
+
+    def __init__(self, backend: str = "auto", *, compile_block_mask: bool | None = None) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+        self.backend = backend
+        self._compile_bm = compile_block_mask
+        self._builders: dict[bool, BlockMaskBuilder] = {}
+
+    @property
+    def compile_count(self) -> int:
+        return compile_count()
+
+    def _builder(self, device: torch.device) -> BlockMaskBuilder:
+        # compiling the builder pays off on CUDA (few kernel launches); on CPU it only costs time
+        comp = device.type == "cuda" if self._compile_bm is None else self._compile_bm
+        if comp not in self._builders:
+            self._builders[comp] = BlockMaskBuilder(compile=comp, compile_backend=_COUNTER.backend)
+        return self._builders[comp]
+
+    def prepare(
+        self,
+        layout: TokenLayout,
+        mask: str = "document",
+        *,
+        chunk_size: int | None = None,
+        window: int | None = None,
+        text_tokens: int | None = None,
+        device: torch.device | str | None = None,
+    ) -> PreparedMask:
+        """Build the mask for ``layout`` once (per step); pass the result to every layer's call."""
+        if mask not in MASK_KINDS:
+            raise ValueError(f"unknown mask {mask!r}; expected one of {MASK_KINDS}")
+        if device is not None and layout.doc.device != torch.device(device):
+            layout = layout.to(device)
+        mod = make_mask(layout, mask, chunk_size=chunk_size, window=window, text_tokens=text_tokens)
+        kv_len = layout.text_len.numel() * text_tokens if mask == "text" else layout.num_tokens
+        if kv_len == 0:
+            raise ValueError(f"mask {mask!r} has no keys (kv_len=0)")
+        prep = PreparedMask(mask, layout, mod, layout.num_tokens, kv_len, self._builder(layout.doc.device))
+        backend = self._pick(prep, needs_grad=True)
+        if backend in ("flex", "flex-flash"):
+            prep.block_mask()
+        elif backend == "dense":
+            prep.dense()
+        return prep
+
+    def _pick(self, prep: PreparedMask, needs_grad: bool) -> str:
+        if self.backend != "auto":
+            return self.backend
+        if prep.device.type == "cuda":
+            choice = AUTO_CUDA[prep.kind]
+            return "flex" if choice == "flex-flash" and not has_flash() else choice
+        if not needs_grad and prep.q_len >= CPU_FLEX_MIN_TOKENS:
+            return "flex"
+        return "dense"
+
+    def __call__(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        layout_or_prepared: TokenLayout | PreparedMask,
+        mask: str = "document",
+        **mask_kw,
+    ) -> Tensor:
+        prep = layout_or_prepared
+        if isinstance(prep, TokenLayout):
+            prep = self.prepare(prep, mask, device=q.device, **mask_kw)
+        elif mask_kw or (mask != "document" and mask != prep.kind):
+            raise ValueError(f"a PreparedMask ({prep.kind!r}) already fixes the mask; got mask={mask!r}, {mask_kw}")
+        if q.dim() != 4 or q.shape[0] != 1 or k.shape != v.shape or k.shape[:2] != q.shape[:2]:
+            raise ValueError(f"expected q (1,H,Tq,D), k/v (1,H,Tk,D); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        if q.shape[2] != prep.q_len or k.shape[2] != prep.kv_len:
+            raise ValueError(f"mask {prep.kind!r} is for Tq={prep.q_len}, Tk={prep.kv_len}; got q {q.shape[2]}, k {k.shape[2]}")
+        if q.device != prep.device:
+            raise ValueError(f"q is on {q.device} but the mask on {prep.device}; pass device= to prepare()")
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        backend = self._pick(prep, needs_grad)
+        if backend in DOCUMENT_ONLY and prep.kind not in ("document", "valid"):
+            raise ValueError(f"backend {backend!r} supports only document/valid masks, got {prep.kind!r}")
+        if backend == "dense":
+            return _dense(q, k, v, prep)
+        if backend in ("flex", "flex-flash"):
+            if q.device.type == "cpu" and needs_grad:
+                raise ValueError("FlexAttention has no CPU backward; use backend='dense' (or 'auto') for training on CPU")
+            opts = {"BACKEND": "FLASH"} if backend == "flex-flash" else None
+            return _compiled_flex(backend == "flex-flash")(q, k, v, prep.block_mask(), opts)
+        if backend == "sdpa-loop":
+            return _sdpa_loop(q, k, v, prep)
+        return _varlen(q, k, v, prep)
+
+
+def _dense(q: Tensor, k: Tensor, v: Tensor, prep: PreparedMask) -> Tensor:
+    m, has = prep.dense()
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+    # rows without keys attended everything above (finite); zeroing them also zeroes their grads
+    return out * has[:, None].to(out.dtype)
+
+
+def _sdpa_loop(q: Tensor, k: Tensor, v: Tensor, prep: PreparedMask) -> Tensor:
+    pieces, at = [], 0
+    for s, n in prep.runs():
+        if s > at:  # padding between episodes: zeros
+            pieces.append(q.new_zeros(*q.shape[:2], s - at, v.shape[-1]))
+        pieces.append(F.scaled_dot_product_attention(q[:, :, s:s + n], k[:, :, s:s + n], v[:, :, s:s + n]))
+        at = s + n
+    if at < q.shape[2]:
+        pieces.append(q.new_zeros(*q.shape[:2], q.shape[2] - at, v.shape[-1]))
+    return torch.cat(pieces, dim=2)
+
+
+def _varlen(q: Tensor, k: Tensor, v: Tensor, prep: PreparedMask) -> Tensor:
+    from torch.nn.attention.varlen import varlen_attn
+
+    if "cu" not in prep._cache:
+        # padding runs become their own sequences (outputs zeroed below) so cu_seqlens cover T
+        bounds = {0, prep.q_len}
+        for s, n in prep.runs():
+            bounds |= {s, s + n}
+        b = sorted(bounds)
+        cu = torch.tensor(b, dtype=torch.int32, device=q.device)
+        prep._cache["cu"] = (cu, max(y - x for x, y in zip(b[:-1], b[1:])))
+    cu, mx = prep._cache["cu"]
+    # (1, H, T, D) -> (T, H, D)
+    out = varlen_attn(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu, mx, mx)
+    out = out.transpose(0, 1)[None]
+    return out * prep.valid()[:, None].to(out.dtype)

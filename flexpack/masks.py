@@ -1,0 +1,216 @@
+"""Attention masks as small pure ``mask_mod(b, h, q_idx, kv_idx) -> bool`` functions over a layout.
+
+Every factory reads a :class:`~flexpack.layout.TokenLayout` once and returns a closure over its
+per-token tensors, so the result works with FlexAttention (``create_block_mask``, compiled
+kernels), with dense evaluation on index grids (``mask_mod(b, h, q[:, None], kv[None, :])``) and
+with ``torch.nn.attention.flex_attention.and_masks`` / ``or_masks``.
+
+Conventions pinned here (and in ``tests/test_masks.py``):
+
+* Padding (``doc == -1``) attends nowhere and is attended by none, in every mask.
+* A *chunk* is ``frame // chunk_size`` (latent frames inside the episode, counted from 0).
+* ``window`` (teacher forcing) counts **earlier** chunks: a key chunk ``ck`` is visible from a
+  query chunk ``cq`` only if ``cq - ck <= window``; ``window=0`` keeps the query's own chunk only.
+
+Each closure also carries ``q_keys`` / ``kv_keys``: the per-token tensors its value depends on.
+The mask is constant on runs of tokens where all keys are constant, which is what
+:mod:`flexpack.blockmask` uses to build block masks without evaluating the ``T x T`` grid.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from flexpack.layout import CLEAN, TokenLayout
+
+MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+
+
+def _tag(fn: MaskMod, name: str, q_keys: tuple[Tensor, ...], kv_keys: tuple[Tensor, ...]) -> MaskMod:
+    fn.__name__ = name
+    fn.__qualname__ = name
+    fn.q_keys = q_keys  # type: ignore[attr-defined]
+    fn.kv_keys = kv_keys  # type: ignore[attr-defined]
+    return fn
+
+
+def _check_chunk(chunk_size: int, window: int | None = None) -> None:
+    if not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    if window is not None and (not isinstance(window, int) or window < 0):
+        raise ValueError(f"window must be None or an int >= 0 (earlier chunks visible), got {window!r}")
+
+
+def document_mask(layout: TokenLayout) -> MaskMod:
+    """Bidirectional attention inside each episode.
+
+    Note: ``doc[q] == doc[kv]`` and ``doc[q] >= 0``. With ``doc = [0, 0, 1, -1]`` token 2 sees
+    only itself, token 3 (padding) sees nothing and is seen by nothing.
+    """
+    doc = layout.doc
+
+    def document(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return (doc[q_idx] == doc[kv_idx]) & (doc[q_idx] >= 0)
+
+    return _tag(document, "document", (doc,), (doc,))
+
+
+def _token_valid(layout: TokenLayout) -> Tensor:
+    """(T,) bool: token belongs to an episode and its frame is below that episode's valid frames."""
+    ep_frames = layout.frames.episode_frames.to(layout.doc.device)
+    if ep_frames.numel() == 0:
+        return torch.zeros_like(layout.doc, dtype=torch.bool)
+    limit = ep_frames[layout.doc.clamp(min=0)]
+    return (layout.doc >= 0) & (layout.frame < limit)
+
+
+def valid_frame_mask(layout: TokenLayout) -> MaskMod:
+    """Both tokens are valid frames (pad mode): ``frame < valid_frames[episode]`` and ``doc >= 0``.
+
+    Note: this mask alone does **not** separate episodes (compose it with :func:`document_mask`);
+    it exists so that a pad-mode caller can state "frames at or beyond ``valid_frames`` are
+    excluded" independently of how episodes are separated (e.g. one row per batch element).
+    """
+    valid = _token_valid(layout)
+
+    def valid_frame(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return valid[q_idx] & valid[kv_idx]
+
+    return _tag(valid_frame, "valid_frame", (valid,), (valid,))
+
+
+def chunk_causal_mask(layout: TokenLayout, chunk_size: int) -> MaskMod:
+    """Chunk-causal attention inside each episode (LingBot-VA style, one copy).
+
+    Note: same episode and ``frame[kv] // chunk_size <= frame[q] // chunk_size``. With
+    ``chunk_size=2`` frame 3 sees frames 0-3, frame 1 sees frames 0-1. Video and action tokens of
+    a frame are treated alike. Layouts with a clean copy need :func:`teacher_forcing_mask`.
+    """
+    _check_chunk(chunk_size)
+    if layout.copies != 1:
+        raise ValueError(f"chunk_causal_mask needs copies=1, got copies={layout.copies}; use teacher_forcing_mask")
+    doc = layout.doc
+    chunk = layout.frame // chunk_size
+
+    def chunk_causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        same = (doc[q_idx] == doc[kv_idx]) & (doc[q_idx] >= 0)
+        return same & (chunk[kv_idx] <= chunk[q_idx])
+
+    fn = _tag(chunk_causal, f"chunk_causal_{chunk_size}", (doc, chunk), (doc, chunk))
+    return fn
+
+
+def teacher_forcing_mask(layout: TokenLayout, chunk_size: int, window: int | None = None) -> MaskMod:
+    """Teacher forcing with a noisy and a clean copy of each episode (chunks of ``chunk_size`` frames).
+
+    Note: inside one episode, with ``cq``/``ck`` the query/key chunks:
+    clean -> clean: ``ck <= cq``; noisy -> clean: ``ck < cq`` (strictly earlier);
+    noisy -> noisy: ``ck == cq``; clean -> noisy: never. With ``window=W`` additionally
+    ``cq - ck <= W``. With copies=1 every token is noisy, so only same-chunk attention remains.
+    """
+    _check_chunk(chunk_size, window)
+    doc, copy = layout.doc, layout.copy
+    chunk = layout.frame // chunk_size
+    win = window
+
+    def teacher_forcing(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        cq, ck = chunk[q_idx], chunk[kv_idx]
+        q_clean = copy[q_idx] == CLEAN
+        k_clean = copy[kv_idx] == CLEAN
+        same = (doc[q_idx] == doc[kv_idx]) & (doc[q_idx] >= 0)
+        # a clean query keeps same-or-earlier chunks, a noisy one strictly earlier clean chunks
+        to_clean = k_clean & ((ck < cq) | (q_clean & (ck == cq)))
+        to_noisy = ~k_clean & ~q_clean & (ck == cq)
+        ok = same & (to_clean | to_noisy)
+        if win is not None:
+            ok = ok & (cq - ck <= win)
+        return ok
+
+    name = f"teacher_forcing_{chunk_size}" + ("" if window is None else f"_w{window}")
+    return _tag(teacher_forcing, name, (doc, copy, chunk), (doc, copy, chunk))
+
+
+def text_mask(layout: TokenLayout, text_tokens: int) -> MaskMod:
+    """Cross-attention from layout tokens (queries) to ``E * text_tokens`` flattened text tokens.
+
+    Note: key ``j`` belongs to episode ``j // text_tokens`` and is valid if
+    ``j % text_tokens < text_len[episode]``; a query sees only its own episode's valid text.
+    Padding queries and episodes with ``text_len == 0`` see nothing (their output is zero).
+    """
+    if not isinstance(text_tokens, int) or text_tokens <= 0:
+        raise ValueError(f"text_tokens must be a positive int, got {text_tokens!r}")
+    if int(layout.text_len.max()) > text_tokens if layout.text_len.numel() else False:
+        raise ValueError(f"text_len {layout.text_len.tolist()} exceeds text_tokens={text_tokens}")
+    doc = layout.doc
+    tdoc = layout.text_doc(text_tokens).to(doc.device)
+
+    def text(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return (doc[q_idx] == tdoc[kv_idx]) & (doc[q_idx] >= 0)
+
+    return _tag(text, f"text_{text_tokens}", (doc,), (tdoc,))
+
+
+def all_of(*mask_mods: MaskMod) -> MaskMod:
+    """Intersection of masks that keeps the ``q_keys``/``kv_keys`` needed by fast block masks."""
+    if not mask_mods:
+        raise ValueError("all_of needs at least one mask_mod")
+
+    def intersection(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        out = mask_mods[0](b, h, q_idx, kv_idx)
+        for m in mask_mods[1:]:
+            out = out & m(b, h, q_idx, kv_idx)
+        return out
+
+    q_keys: tuple[Tensor, ...] = ()
+    kv_keys: tuple[Tensor, ...] = ()
+    for m in mask_mods:
+        if not hasattr(m, "q_keys"):
+            raise ValueError(f"all_of needs masks from flexpack.masks (with q_keys), got {m!r}")
+        q_keys += m.q_keys  # type: ignore[attr-defined]
+        kv_keys += m.kv_keys  # type: ignore[attr-defined]
+    return _tag(intersection, "_and_".join(m.__name__ for m in mask_mods), q_keys, kv_keys)
+
+
+MASK_KINDS = ("document", "valid", "chunk_causal", "teacher_forcing", "text")
+
+
+def make_mask(
+    layout: TokenLayout,
+    kind: str,
+    *,
+    chunk_size: int | None = None,
+    window: int | None = None,
+    text_tokens: int | None = None,
+) -> MaskMod:
+    """The mask_mod for one of :data:`MASK_KINDS` ("valid" = document ∧ valid-frame)."""
+    if kind == "document":
+        return document_mask(layout)
+    if kind == "valid":
+        return all_of(document_mask(layout), valid_frame_mask(layout))
+    if kind in ("chunk_causal", "teacher_forcing"):
+        if chunk_size is None:
+            raise ValueError(f"mask {kind!r} needs chunk_size")
+        if kind == "chunk_causal":
+            if window is not None:
+                raise ValueError(f"window={window} is only supported by the teacher_forcing mask")
+            return chunk_causal_mask(layout, chunk_size)
+        return teacher_forcing_mask(layout, chunk_size, window)
+    if kind == "text":
+        if text_tokens is None:
+            raise ValueError("mask 'text' needs text_tokens (text tokens per episode)")
+        return text_mask(layout, text_tokens)
+    raise ValueError(f"unknown mask {kind!r}; expected one of {MASK_KINDS}")
+
+
+def dense_mask(mask_mod: MaskMod, q_len: int, kv_len: int, device: torch.device | str | None = None) -> Tensor:
+    """(q_len, kv_len) bool: the mask evaluated on the full index grid (the reference)."""
+    if device is None:
+        keys = getattr(mask_mod, "q_keys", ())
+        device = keys[0].device if keys else "cpu"
+    q = torch.arange(q_len, device=device)[:, None]
+    kv = torch.arange(kv_len, device=device)[None, :]
+    zero = torch.zeros((), dtype=torch.int64, device=device)
+    return mask_mod(zero, zero, q, kv).expand(q_len, kv_len)
