@@ -73,7 +73,7 @@ def make_synthetic_dataset(
             frame = {cam: _frame(t, ep, c, size) for c, cam in enumerate(cams)}
             frame.update({"action": action, "observation.state": np.cos(freq * t + offset).astype(np.float32), "task": task})
             ds.add_frame(frame)
-        ds.save_episode()
+        ds.save_episode(parallel_encoding=False)  # no fork from a threaded process
     ds.finalize()
     return root
 
