@@ -29,8 +29,9 @@ from flexpack.layout import CLEAN, TokenLayout
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
 
-def _tag(fn: MaskMod, name: str, q_keys: tuple[Tensor, ...], kv_keys: tuple[Tensor, ...]) -> MaskMod:
+def _tag(fn: MaskMod, name: str, q_keys: tuple[Tensor, ...], kv_keys: tuple[Tensor, ...], doc: str | None = None) -> MaskMod:
     fn.__name__ = name
+    fn.__doc__ = doc  # the factory's docstring: its Note pins the convention
     fn.__qualname__ = name
     fn.q_keys = q_keys  # type: ignore[attr-defined]
     fn.kv_keys = kv_keys  # type: ignore[attr-defined]
@@ -55,7 +56,7 @@ def document_mask(layout: TokenLayout) -> MaskMod:
     def document(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return (doc[q_idx] == doc[kv_idx]) & (doc[q_idx] >= 0)
 
-    return _tag(document, "document", (doc,), (doc,))
+    return _tag(document, "document", (doc,), (doc,), document_mask.__doc__)
 
 
 def _token_valid(layout: TokenLayout) -> Tensor:
@@ -79,7 +80,7 @@ def valid_frame_mask(layout: TokenLayout) -> MaskMod:
     def valid_frame(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return valid[q_idx] & valid[kv_idx]
 
-    return _tag(valid_frame, "valid_frame", (valid,), (valid,))
+    return _tag(valid_frame, "valid_frame", (valid,), (valid,), valid_frame_mask.__doc__)
 
 
 def chunk_causal_mask(layout: TokenLayout, chunk_size: int) -> MaskMod:
@@ -99,8 +100,7 @@ def chunk_causal_mask(layout: TokenLayout, chunk_size: int) -> MaskMod:
         same = (doc[q_idx] == doc[kv_idx]) & (doc[q_idx] >= 0)
         return same & (chunk[kv_idx] <= chunk[q_idx])
 
-    fn = _tag(chunk_causal, f"chunk_causal_{chunk_size}", (doc, chunk), (doc, chunk))
-    return fn
+    return _tag(chunk_causal, f"chunk_causal_{chunk_size}", (doc, chunk), (doc, chunk), chunk_causal_mask.__doc__)
 
 
 def teacher_forcing_mask(layout: TokenLayout, chunk_size: int, window: int | None = None) -> MaskMod:
@@ -130,7 +130,7 @@ def teacher_forcing_mask(layout: TokenLayout, chunk_size: int, window: int | Non
         return ok
 
     name = f"teacher_forcing_{chunk_size}" + ("" if window is None else f"_w{window}")
-    return _tag(teacher_forcing, name, (doc, copy, chunk), (doc, copy, chunk))
+    return _tag(teacher_forcing, name, (doc, copy, chunk), (doc, copy, chunk), teacher_forcing_mask.__doc__)
 
 
 def text_mask(layout: TokenLayout, text_tokens: int) -> MaskMod:
@@ -142,7 +142,7 @@ def text_mask(layout: TokenLayout, text_tokens: int) -> MaskMod:
     """
     if not isinstance(text_tokens, int) or text_tokens <= 0:
         raise ValueError(f"text_tokens must be a positive int, got {text_tokens!r}")
-    if int(layout.text_len.max()) > text_tokens if layout.text_len.numel() else False:
+    if layout.text_len.numel() and int(layout.text_len.max()) > text_tokens:
         raise ValueError(f"text_len {layout.text_len.tolist()} exceeds text_tokens={text_tokens}")
     doc = layout.doc
     tdoc = layout.text_doc(text_tokens).to(doc.device)
@@ -150,7 +150,7 @@ def text_mask(layout: TokenLayout, text_tokens: int) -> MaskMod:
     def text(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return (doc[q_idx] == tdoc[kv_idx]) & (doc[q_idx] >= 0)
 
-    return _tag(text, f"text_{text_tokens}", (doc,), (tdoc,))
+    return _tag(text, f"text_{text_tokens}", (doc,), (tdoc,), text_mask.__doc__)
 
 
 def all_of(*mask_mods: MaskMod) -> MaskMod:
@@ -171,7 +171,8 @@ def all_of(*mask_mods: MaskMod) -> MaskMod:
             raise ValueError(f"all_of needs masks from flexpack.masks (with q_keys), got {m!r}")
         q_keys += m.q_keys  # type: ignore[attr-defined]
         kv_keys += m.kv_keys  # type: ignore[attr-defined]
-    return _tag(intersection, "_and_".join(m.__name__ for m in mask_mods), q_keys, kv_keys)
+    name = "_and_".join(m.__name__ for m in mask_mods)
+    return _tag(intersection, name, q_keys, kv_keys, "Intersection of: " + ", ".join(m.__name__ for m in mask_mods))
 
 
 MASK_KINDS = ("document", "valid", "chunk_causal", "teacher_forcing", "text")

@@ -1,0 +1,136 @@
+"""Segment-range block masks equal create_block_mask's: same partial/full blocks, same order."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import and_masks, create_block_mask
+
+from flexpack.blockmask import BlockMaskBuilder, _ordered, block_structure, fast_block_mask
+from flexpack.layout import SequenceLayout, TokenLayout
+from flexpack.masks import document_mask, make_mask, valid_frame_mask
+
+KINDS = ("document", "valid", "chunk_causal", "teacher_forcing", "text")
+
+
+def assert_same_block_mask(a, b) -> None:
+    pa, fa = block_structure(a)
+    pb, fb = block_structure(b)
+    assert pa.equal(pb), "partial blocks differ"
+    assert fa.equal(fb), "full blocks differ"
+    assert a.seq_lengths == b.seq_lengths and a.BLOCK_SIZE == b.BLOCK_SIZE
+    # ordering is normalized the same way as create_block_mask (True blocks first, ascending)
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+                 "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
+        assert getattr(a, name).equal(getattr(b, name)), name
+
+
+def layout_for(rng: random.Random, kind: str, big: bool = False) -> tuple[TokenLayout, dict, int]:
+    copies = 1 if kind == "chunk_causal" else rng.choice([1, 2])
+    E = rng.randint(1, 12)
+    tpf = rng.choice([5, 9, 36, 37]) if big else rng.choice([1, 3, 7])
+    lens = [rng.randint(1, 12 if big else 40) for _ in range(E)]
+    text = [rng.randint(0, 9) for _ in lens]
+    if rng.random() < 0.3:
+        sl = SequenceLayout.from_rows([[n] for n in lens], max(lens) + rng.randint(0, 3), mode="pad", text_len=text)
+    else:
+        sl = SequenceLayout.from_rows([lens], sum(lens) + rng.randint(0, 7), text_len=text)
+    lay = sl.tokens(tpf - 1 if tpf > 1 else 1, 1 if tpf > 1 else 0, copies=copies)
+    kw: dict = {}
+    if kind in ("chunk_causal", "teacher_forcing"):
+        kw["chunk_size"] = rng.randint(1, 4)
+    if kind == "teacher_forcing":
+        kw["window"] = rng.choice([None, 0, 2])
+    if kind == "text":
+        kw["text_tokens"] = 9
+    kv_len = 9 * E if kind == "text" else lay.num_tokens
+    return lay, kw, kv_len
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fast_block_mask_equals_create_block_mask(kind: str) -> None:
+    rng = random.Random(hash(kind) % 1000)
+    for trial in range(12):
+        lay, kw, kv_len = layout_for(rng, kind, big=trial % 2 == 0)
+        mod = make_mask(lay, kind, **kw)
+        want = create_block_mask(mod, 1, 1, lay.num_tokens, kv_len, device="cpu")
+        assert_same_block_mask(fast_block_mask(mod, lay.num_tokens, kv_len), want)
+        # the bounded (sync-free) path gives the same result
+        cells = lay.frames.num_rows * lay.frames.frames_per_row * lay.copies + 1
+        bound = (cells, 2 * lay.text_len.numel() + 1 if kind == "text" else cells)
+        assert_same_block_mask(fast_block_mask(mod, lay.num_tokens, kv_len, max_segments=bound), want)
+
+
+def test_plain_document_layout_many_segments() -> None:
+    # 1 token per "frame": the frame bound is T, above MAX_SEGMENTS -> exact count path
+    lens = [1000, 37, 5000, 129, 4000, 3000, 127]
+    lay = SequenceLayout.from_lengths(lens, pad_to=sum(lens) + 300).tokens()
+    mod = document_mask(lay)
+    T = lay.num_tokens
+    got = fast_block_mask(mod, T, T, max_segments=(T, T))
+    assert_same_block_mask(got, create_block_mask(mod, 1, 1, T, T, device="cpu"))
+
+
+def test_mask_without_keys_falls_back_to_create_block_mask() -> None:
+    lay = SequenceLayout.from_rows([[3, 5]], 10).tokens(30, 6)
+    mod = and_masks(document_mask(lay), valid_frame_mask(lay))  # torch's and_masks drops q_keys
+    T = lay.num_tokens
+    assert_same_block_mask(fast_block_mask(mod, T, T), create_block_mask(mod, 1, 1, T, T, device="cpu"))
+
+
+def test_full_and_partial_blocks_pinned() -> None:
+    # episodes of 256 and 200 tokens, then 56 pad: blocks 0-1 = doc 0, block 2 = doc 1,
+    # block 3 = doc 1 + padding (partial with everything it touches)
+    lay = SequenceLayout.from_lengths([256, 200], pad_to=512).tokens()
+    partial, full = block_structure(fast_block_mask(document_mask(lay), 512, 512))
+    assert full.int().tolist() == [[1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 0]]
+    assert partial.int().tolist() == [[0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 1, 1]]
+    # a sequence end inside a block makes that block partial even when all its tokens match
+    lay = SequenceLayout.from_lengths([200]).tokens()
+    partial, full = block_structure(fast_block_mask(document_mask(lay), 200, 200))
+    assert full.int().tolist() == [[1, 0], [0, 0]] and partial.int().tolist() == [[0, 1], [1, 1]]
+
+
+def test_ordered_equals_stable_argsort() -> None:
+    m = torch.rand(7, 33) < 0.4
+    n, idx = _ordered(m)
+    assert n.equal(m.sum(-1).int())
+    assert idx.equal(torch.argsort(m.int(), dim=-1, descending=True, stable=True).int())
+
+
+def test_bad_key_shapes_raise() -> None:
+    lay = SequenceLayout.from_rows([[3]], 4).tokens()
+    with pytest.raises(ValueError, match="shapes"):
+        fast_block_mask(document_mask(lay), 5, 5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_builder_on_gpu_matches_and_does_not_recompile() -> None:
+    from flexpack.attention import _COUNTER
+
+    rng = random.Random(0)
+    refs = [int(x) for x in open("data/episode_frames_ref.txt").read().split("\n") if x.strip() and not x.startswith("#")]
+    builder = BlockMaskBuilder(compile=True, compile_backend=_COUNTER.backend)
+    Fr = 2080
+    for kind, copies in (("document", 1), ("chunk_causal", 1), ("teacher_forcing", 2)):
+        start = None
+        for step in range(6):
+            lens, total = [], 0
+            while True:
+                n = (rng.choice(refs) - 1) // 4 + 1
+                if total + n > Fr // copies:
+                    break
+                lens.append(n)
+                total += n
+            lay = SequenceLayout.from_rows([lens], Fr // copies).tokens(32, 4, copies=copies).to("cuda")
+            mod = make_mask(lay, kind, chunk_size=2 if kind != "document" else None)
+            T = lay.num_tokens
+            cells = Fr + 1
+            got = builder(mod, T, T, max_segments=(cells, cells))
+            if step == 0:
+                start = _COUNTER.n
+                assert_same_block_mask(got, create_block_mask(mod, 1, 1, T, T, device="cuda"))
+        assert _COUNTER.n == start, f"{kind}: builder recompiled"
