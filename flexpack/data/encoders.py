@@ -11,6 +11,7 @@ Both consume ``stride·(F−1)+1`` frames of an episode of T frames (F = (T−1)
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -63,6 +64,9 @@ class WanVAEEncoder:
             from diffusers import AutoencoderKLWan
         except ImportError as exc:  # diffusers is in the dev extra only
             raise ImportError("the wan-vae encoder needs diffusers (pip install 'flexpack[dev]')") from exc
+        if not (Path(path) / "config.json").is_file():
+            raise FileNotFoundError(f"{path}: no config.json; wan-vae:PATH needs a local AutoencoderKLWan folder "
+                                    "(as written by save_pretrained)")
         self.device, self.dtype = torch.device(device), dtype
         self.vae = AutoencoderKLWan.from_pretrained(path, local_files_only=True).to(self.device, dtype).eval()
         cfg = self.vae.config

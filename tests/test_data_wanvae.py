@@ -1,0 +1,65 @@
+"""`flexpack encode --encoder wan-vae:PATH` with a tiny random diffusers AutoencoderKLWan on disk."""
+
+import os
+
+import pytest
+import torch
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+pytest.importorskip("lerobot")
+diffusers = pytest.importorskip("diffusers", reason="diffusers (dev extra) is needed for the wan-vae encoder")
+
+from flexpack.cli import main  # noqa: E402
+from flexpack.data import LatentEpisodeDataset, cache, dataset_latent_frames  # noqa: E402
+from flexpack.data.episodes import EpisodeSource  # noqa: E402
+from flexpack.data.synthetic import make_synthetic_dataset  # noqa: E402
+
+LENGTHS = [9, 14]  # F = 3, 4; episode 1 drops its last video frame
+MEAN, STD = [0.1, 0.2, -0.1, 0.0], [1.5, 2.0, 0.5, 1.0]
+
+
+@pytest.fixture(scope="module")
+def tiny_vae(tmp_path_factory):
+    torch.manual_seed(0)
+    vae = diffusers.AutoencoderKLWan(
+        base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+        temperal_downsample=[False, True, True], latents_mean=MEAN, latents_std=STD,
+    )
+    path = tmp_path_factory.mktemp("vae") / "tiny-wan-vae"
+    vae.save_pretrained(path)
+    return path, vae.eval()
+
+
+def test_wan_vae_encoder_writes_normalized_posterior_mode(tiny_vae, tmp_path, capsys):
+    path, vae = tiny_vae
+    root = make_synthetic_dataset(tmp_path / "ds", lengths=LENGTHS, cameras=1, seed=2)
+    assert main(["encode", "--dataset", str(root), "--encoder", f"wan-vae:{path}", "--no-progress"]) == 0
+    assert "encoded 2 episode(s)" in capsys.readouterr().out
+    assert main(["check-dataset", str(root)]) == 0
+
+    cams = ["observation.images.cam0"]
+    heads = [cache.read_latent_header(cache.latent_path(root / "latents", cams, e)) for e in range(2)]
+    assert [h.frames for h in heads] == dataset_latent_frames(root) == [3, 4]
+    assert all(h.encoder == f"wan-vae:{path}" and h.channels == 4 and (h.height, h.width) == (4, 4) for h in heads)
+
+    video = EpisodeSource(root).decode(1, cams[0], 13)  # 14 frames -> the first 13 are encoded
+    x = (video.float() / 127.5 - 1).permute(1, 0, 2, 3).unsqueeze(0)
+    with torch.no_grad():
+        mode = vae.encode(x).latent_dist.mode()[0]
+    expected = (mode - torch.tensor(MEAN).view(4, 1, 1, 1)) / torch.tensor(STD).view(4, 1, 1, 1)
+    item = LatentEpisodeDataset(root)[1]
+    assert item["latent"].shape == (4, 4, 4, 4) and item["length"] == 4
+    torch.testing.assert_close(item["latent"], expected.bfloat16().float(), rtol=0.02, atol=0.02)
+
+    # resumable: the same encoder skips; the pool encoder replaces every file
+    assert main(["encode", "--dataset", str(root), "--encoder", f"wan-vae:{path}", "--no-progress"]) == 0
+    assert "encoded 0 episode(s), skipped 2" in capsys.readouterr().out
+    assert main(["encode", "--dataset", str(root), "--no-progress"]) == 0
+    assert "encoded 2 episode(s)" in capsys.readouterr().out
+    assert LatentEpisodeDataset(root)[1]["latent"].shape == (48, 4, 2, 2)
+
+
+def test_wan_vae_bad_path_names_it(tmp_path):
+    root = make_synthetic_dataset(tmp_path / "ds", lengths=[5], cameras=1)
+    with pytest.raises(FileNotFoundError, match="nope.*config.json"):
+        main(["encode", "--dataset", str(root), "--encoder", f"wan-vae:{tmp_path / 'nope'}", "--no-progress"])
