@@ -185,3 +185,15 @@ def test_cli_make_encode_check(tmp_path, capsys):
     # the default cache location is empty: check-dataset says so and fails
     assert main(["check-dataset", str(root)]) == 1
     assert "[missing]" in capsys.readouterr().out
+
+
+def test_dataloader_workers_give_the_same_items(one_cam):
+    ds = LatentEpisodeDataset(one_cam)
+    ds[0]  # the lazily opened lerobot dataset must not travel to the workers
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
+    items = list(loader)
+    assert [it["episode_index"] for it in items] == [0, 1, 2, 3]
+    for i, it in enumerate(items):
+        direct = ds[i]
+        assert torch.equal(it["latent"], direct["latent"]) and torch.equal(it["action"], direct["action"])
+        assert torch.equal(it["action_mask"], direct["action_mask"]) and it["task"] == direct["task"]
