@@ -181,6 +181,9 @@ class WanVA(nn.Module):
         t_action = acts = None
         A = 0
         action = getattr(batch, "action", None)
+        if action is not None and self.action_embed is None:
+            # dropping the actions silently would train a different model than the caller asked for
+            raise ValueError(f"batch.action {tuple(action.shape)} given but the model has action_channels=0")
         if self.action_embed is not None and action is not None:
             act = action if action.ndim == 5 else action[None]
             if act.ndim != 5 or act.shape[:2] != (copies, R) or act.shape[2] != cfg.action_channels or act.shape[3] != Fr:
@@ -288,10 +291,11 @@ class WanVA(nn.Module):
         assert torch.equal(tl.video_index, unit_CRF[..., None] * K + torch.arange(nv, device=unit_CRF.device))
         to_tokens = torch.argsort(unit_CRF.reshape(-1))  # grid order → token order
 
-        emb = self.patch_embed(patches)  # (copies, R, F, nv, D)
+        dtype = self.patch_embed.weight.dtype  # inputs follow the weights (fp32 data into a bf16 model)
+        emb = self.patch_embed(patches.to(dtype))  # (copies, R, F, nv, D)
         t_grid = t_video.reshape(U, 1)
         if na:
-            emb = torch.cat([emb, self.action_embed(acts)], dim=3)
+            emb = torch.cat([emb, self.action_embed(acts.to(dtype))], dim=3)
             t_grid = torch.stack([t_video, t_action], dim=-1).reshape(U, 2)
         x_UKD = emb.reshape(U, K, D)[to_tokens]
         S = t_grid.shape[1]
