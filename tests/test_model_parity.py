@@ -96,6 +96,18 @@ def test_from_diffusers_file_folder_and_file(tmp_path):
             assert rel_err(model.eval().forward_video(x, t, txt), ref) <= REL
 
 
+def test_from_diffusers_file_sharded(tmp_path):
+    kw, shape, L = CONFIGS[0]
+    m = reference(kw, seed=4)
+    m.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert (tmp_path / "diffusion_pytorch_model.safetensors.index.json").exists()
+    x, t, txt = inputs(shape, L)
+    with torch.no_grad():
+        ref = m(x, t, txt, return_dict=False)[0]
+        ours = WanVA.from_diffusers_file(str(tmp_path), attn=FlexAttnFunc("dense")).eval()
+        assert rel_err(ours.forward_video(x, t, txt), ref) <= REL
+
+
 def test_conversion_fails_loudly():
     kw, _, _ = CONFIGS[0]
     m = reference(kw)
