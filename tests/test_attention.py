@@ -184,6 +184,8 @@ def test_gpu_backends_forward_backward(backend: str, kind: str) -> None:
         pytest.skip("FA4 (flash_attn.cute) not installed")
     if backend in ("sdpa-loop", "varlen") and kind not in ("document", "valid"):
         pytest.skip("document masks only")
+    if backend == "flex-flash" and kind not in ("document", "teacher_forcing", "text"):
+        pytest.skip("FLASH: one document-like and one chunked mask suffice (compiles are slow)")
     rng = random.Random(11)
     attn = FlexAttnFunc(backend)
     lay, kw, K = random_case(rng, kind, frames=300, copies=2 if kind == "teacher_forcing" else 1)

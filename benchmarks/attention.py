@@ -1,0 +1,311 @@
+"""Attention over packed episodes on one GPU: which backend, how fast, and how fast the masks build.
+
+Run on the H200 (see BENCHMARKS.md for the command and the recorded table):
+
+    python benchmarks/attention.py --out $OUT/attention_h200.json          # full
+    python benchmarks/attention.py --smoke                                 # API check, tiny sizes
+
+Side by side, in one run, bf16, 24 heads x 128, episodes from data/episode_frames_ref.txt
+(latent frames F = (n - 1) // 4 + 1, 36 tokens per latent frame), packs of 1, 4, 6, 8 episodes:
+per-episode SDPA loop; flex_attention + create_block_mask(_compile=True) (Triton); torch varlen_attn;
+padded batch SDPA with a key-padding mask; FlexAttnFunc (Triton and FLASH) for the document mask
+and for the chunk-causal teacher-forcing mask (4 episodes, both copies); block-mask build time
+(ours vs create_block_mask); compile count over 200 steps of changing lengths at a fixed budget.
+
+Timing: 3 warm-up calls, then >= 20 timed calls each between CUDA events; the median is reported.
+TFLOP/s count unmasked (query, key) pairs only: forward 4*D*H*pairs, forward+backward 2.5x that.
+Block-mask builds are timed by wall clock around a synchronized call (they are launch-bound).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from flexpack.attention import FlexAttnFunc, compile_count, has_flash  # noqa: E402
+from flexpack.blockmask import _segments  # noqa: E402
+from flexpack.layout import SequenceLayout, TokenLayout  # noqa: E402
+
+H, D, TPF = 24, 128, 36
+DEV = "cuda"
+warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+
+def load_latent_frames(path: Path) -> list[int]:
+    lines = [ln.strip() for ln in path.read_text().splitlines()]
+    return [(int(x) - 1) // 4 + 1 for x in lines if x and not x.startswith("#")]
+
+
+def draw_pack(rng: random.Random, frames: list[int], n: int, cap: int, tries: int = 3000) -> list[int]:
+    """n episode lengths whose total is as large as possible but <= cap frames (seeded)."""
+    best: list[int] = []
+    for _ in range(tries):
+        pick = rng.sample(frames, n)
+        if sum(best) < sum(pick) <= cap:
+            best = pick
+    if not best:
+        raise ValueError(f"no pack of {n} episodes fits {cap} frames")
+    return best
+
+
+def pairs_of(prep) -> int:
+    """Exact unmasked (q, kv) pairs from the segment mask (no T x T grid)."""
+    mod = prep.mask_mod
+    nq, nk = len(mod.q_keys[0]), len(mod.kv_keys[0])
+    sq, rq, *_ = _segments(mod.q_keys, nq, nq)
+    sk, rk, *_ = _segments(mod.kv_keys, nk, nk)
+    Sq, Sk = int(sq[-1]) + 1, int(sk[-1]) + 1
+    lq = torch.bincount(sq, minlength=Sq).double()
+    lk = torch.bincount(sk, minlength=Sk).double()
+    z = torch.zeros((), dtype=torch.long, device=sq.device)
+    m = mod(z, z, rq[:Sq, None], rk[None, :Sk]).double()
+    return int(lq @ m @ lk)
+
+
+def bench(fn: Callable[[], object], runs: int, warmup: int = 3) -> float:
+    """Median milliseconds of ``fn`` between CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(runs):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def wall(fn: Callable[[], object], runs: int, warmup: int = 3) -> float:
+    """Median wall-clock milliseconds of a synchronized call (for launch-bound mask builds)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def fwd_fb(make_out: Callable[[], torch.Tensor], inputs: tuple, runs: int) -> tuple[float, float]:
+    with torch.no_grad():
+        t_fwd = bench(make_out, runs)
+    g = torch.randn_like(make_out())
+
+    def fb() -> None:
+        torch.autograd.grad(make_out(), inputs, g)
+
+    return t_fwd, bench(fb, runs)
+
+
+def qkv(T: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    return tuple(torch.randn(1, H, T, D, device=DEV, dtype=torch.bfloat16, generator=g).requires_grad_(True) for _ in range(3))
+
+
+def methods_document(lay: TokenLayout, runs: int, flash: bool) -> tuple[dict, dict]:
+    """All document-mask methods on one pack: {name: (fwd_ms, fb_ms)} and block-mask build times."""
+    T = lay.num_tokens
+    q, k, v = qkv(T)
+    runs_ = list(zip(lay.doc_start.tolist(), lay.doc_len.tolist()))
+    res: dict = {}
+
+    def loop_out() -> list[torch.Tensor]:
+        return [F.scaled_dot_product_attention(q[:, :, s:s + n], k[:, :, s:s + n], v[:, :, s:s + n]) for s, n in runs_]
+
+    def loop_fb() -> None:
+        outs = loop_out()
+        torch.autograd.grad(outs, (q, k, v), [torch.ones_like(o) for o in outs])
+
+    with torch.no_grad():
+        t_f = bench(loop_out, runs)
+    res["sdpa_loop"] = (t_f, bench(loop_fb, runs))
+
+    doc = lay.doc
+
+    def document(b, h, qi, ki):
+        return (doc[qi] == doc[ki]) & (doc[qi] >= 0)
+
+    cbm = create_block_mask(document, 1, 1, T, T, device=DEV, _compile=True)
+    builds = {"create_block_mask_ms": wall(lambda: create_block_mask(document, 1, 1, T, T, device=DEV, _compile=True), 10)}
+    flex_c = torch.compile(flex_attention, dynamic=False)
+    res["flex_cbm_triton"] = fwd_fb(lambda: flex_c(q, k, v, block_mask=cbm), (q, k, v), runs)
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    qt, kt, vt = (x.detach()[0].transpose(0, 1).contiguous().requires_grad_(True) for x in (q, k, v))  # (T, H, D)
+    bounds = sorted({0, T} | {s for s, _ in runs_} | {s + n for s, n in runs_})
+    cu = torch.tensor(bounds, dtype=torch.int32, device=DEV)
+    mx = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+    res["varlen"] = fwd_fb(lambda: varlen_attn(qt, kt, vt, cu, cu, mx, mx), (qt, kt, vt), runs)
+    del qt, kt, vt
+
+    L = max(n for _, n in runs_)
+    B = len(runs_)
+    pb = [torch.zeros(B, H, L, D, device=DEV, dtype=torch.bfloat16) for _ in range(3)]
+    for i, (s, n) in enumerate(runs_):
+        for dst, src in zip(pb, (q, k, v)):
+            dst[i, :, :n] = src.detach()[0, :, s:s + n]
+    pb = [x.requires_grad_(True) for x in pb]
+    kpm = (torch.arange(L, device=DEV)[None, :] < torch.tensor([n for _, n in runs_], device=DEV)[:, None])[:, None, None, :]
+    res["padded_sdpa"] = fwd_fb(lambda: F.scaled_dot_product_attention(*pb, attn_mask=kpm), tuple(pb), runs)
+    del pb
+
+    for name, backend in (("ours_triton", "flex"), ("ours_flash", "flex-flash"), ("ours_auto", "auto")):
+        if backend == "flex-flash" and not flash:
+            continue
+        attn = FlexAttnFunc(backend)
+        prep = attn.prepare(lay, "document")
+        try:
+            res[name] = fwd_fb(lambda: attn(q, k, v, prep), (q, k, v), runs)
+        except Exception as e:  # noqa: BLE001 - record and carry on (e.g. FLASH constraints)
+            res[name] = (float("nan"), float("nan"))
+            print(f"  {name} failed: {type(e).__name__}: {str(e)[:300]}")
+    attn = FlexAttnFunc("flex")
+    builds["blockmask_ms"] = wall(lambda: attn.prepare(lay, "document"), 30)
+    return res, builds
+
+
+def teacher_forcing(lay: TokenLayout, chunk: int, runs: int, flash: bool) -> dict:
+    T = lay.num_tokens
+    q, k, v = qkv(T, seed=1)
+    out: dict = {}
+    attn = FlexAttnFunc("flex")
+    prep = attn.prepare(lay, "teacher_forcing", chunk_size=chunk)
+    pairs = pairs_of(prep)
+    out["pairs"], out["pair_fraction"] = pairs, pairs / T / T
+    out["tf_blockmask_ms"] = wall(lambda: attn.prepare(lay, "teacher_forcing", chunk_size=chunk), 30)
+    mod = prep.mask_mod
+    create_block_mask(mod, 1, 1, T, T, device=DEV, _compile=True)
+    out["tf_create_block_mask_ms"] = wall(lambda: create_block_mask(mod, 1, 1, T, T, device=DEV, _compile=True), 5)
+    for name, backend in (("triton", "flex"), ("flash", "flex-flash")):
+        if backend == "flex-flash" and not flash:
+            continue
+        a = FlexAttnFunc(backend)
+        p = a.prepare(lay, "teacher_forcing", chunk_size=chunk)
+        try:
+            f, fb = fwd_fb(lambda: a(q, k, v, p), (q, k, v), runs)
+        except Exception as e:  # noqa: BLE001
+            print(f"  tf {name} failed: {type(e).__name__}: {str(e)[:300]}")
+            f = fb = float("nan")
+        out[f"{name}_fwd_ms"], out[f"{name}_fb_ms"] = f, fb
+        out[f"{name}_fwd_tflops"] = 4 * D * H * pairs / f / 1e9
+        out[f"{name}_fb_tflops"] = 2.5 * 4 * D * H * pairs / fb / 1e9
+    return out
+
+
+def recompile_count(frames: list[int], cap: int, steps: int, backend: str, rng: random.Random) -> dict:
+    """Compile count over ``steps`` fwd+bwd steps of changing lengths at one fixed token budget."""
+    attn = FlexAttnFunc(backend)
+    q, k, v = qkv(cap * TPF, seed=2)
+    counts = []
+    for step in range(steps):
+        lens, total = [], 0
+        while True:  # greedy fill with random episodes: a new length mix every step
+            n = rng.choice(frames)
+            if total + n > cap:
+                break
+            lens.append(n)
+            total += n
+        lay = SequenceLayout.from_rows([lens], cap).tokens(32, 4).to(DEV)
+        out = attn(q, k, v, attn.prepare(lay, "document"))
+        torch.autograd.grad(out.sum(), (q, k, v))
+        counts.append(compile_count())
+    return {"compiles_warmup": counts[0], "compiles_end": counts[-1], "recompiles_after_warmup": counts[-1] - counts[0], "steps": steps}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--frames-file", default="data/episode_frames_ref.txt")
+    ap.add_argument("--packs", default="1,4,6,8")
+    ap.add_argument("--cap-frames", type=int, default=2080, help="frame budget of a pack (2080 x 36 = 74,880 tokens)")
+    ap.add_argument("--chunk-size", type=int, default=4, help="chunk (latent frames) of the teacher-forcing mask")
+    ap.add_argument("--runs", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, 3 runs: catch API errors quickly")
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "attention_h200.json"))
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/attention.py needs CUDA")
+    frames = load_latent_frames(Path(args.frames_file))
+    packs = [int(x) for x in args.packs.split(",")]
+    cap, runs, steps = args.cap_frames, args.runs, args.steps
+    if args.smoke:
+        frames, cap, runs, steps, packs = [f // 8 + 1 for f in frames], 260, 3, 5, [1, 4]
+    flash = has_flash()
+    rng = random.Random(0)
+    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, FA4 {'yes' if flash else 'no'}")
+    result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "fa4": flash,
+                    "heads": H, "head_dim": D, "tokens_per_frame": TPF, "runs": runs,
+                    "flops": "fwd 4*D*H*pairs, fwd+bwd 2.5x fwd, unmasked pairs only", "packs": {}}
+    hdr = f"{'eps':>3} {'tokens':>7} {'method':<16} {'fwd ms':>8} {'fwd TF/s':>8} {'f+b ms':>8} {'f+b TF/s':>8} {'vs loop f+b':>11}"
+    print(hdr)
+    for n in packs:
+        lens = draw_pack(rng, frames, n, cap)
+        lay = SequenceLayout.from_rows([lens], sum(lens)).tokens(32, 4).to(DEV)  # no padding: T = episode tokens
+        pairs = int(sum((x * TPF) ** 2 for x in lens))
+        res, builds = methods_document(lay, runs, flash)
+        loop_fb = res["sdpa_loop"][1]
+        rows = {}
+        for name, (f, fb) in res.items():
+            rows[name] = {"fwd_ms": f, "fb_ms": fb, "fwd_tflops": 4 * D * H * pairs / f / 1e9,
+                          "fb_tflops": 10 * D * H * pairs / fb / 1e9, "fb_ratio_vs_loop": loop_fb / fb,
+                          "fwd_ratio_vs_loop": res["sdpa_loop"][0] / f}
+            r = rows[name]
+            print(f"{n:>3} {lay.num_tokens:>7} {name:<16} {f:8.2f} {r['fwd_tflops']:8.0f} {fb:8.2f} {r['fb_tflops']:8.0f} {r['fb_ratio_vs_loop']:11.2f}")
+        print(f"    block mask build: ours {builds['blockmask_ms']:.3f} ms, create_block_mask(_compile=True) {builds['create_block_mask_ms']:.2f} ms")
+        result["packs"][str(n)] = {"frames": lens, "tokens": lay.num_tokens, "pairs": pairs, "methods": rows, **builds}
+    big, four = result["packs"][str(packs[-1])], result["packs"][str(packs[min(1, len(packs) - 1)])]
+    result.update({
+        "fb_ratio_vs_loop": big["methods"]["ours_auto"]["fb_ratio_vs_loop"],
+        "fwd_ratio_vs_loop": big["methods"]["ours_auto"]["fwd_ratio_vs_loop"],
+        "blockmask_ms": big["blockmask_ms"], "create_block_mask_ms": big["create_block_mask_ms"],
+        "fb_ratio_vs_loop_4": four["methods"]["ours_auto"]["fb_ratio_vs_loop"],
+    })
+    # chunk-causal (one copy) block-mask build at the biggest pack, and teacher forcing (4 eps, 2 copies)
+    lay8 = SequenceLayout.from_rows([big["frames"]], sum(big["frames"])).tokens(32, 4).to(DEV)
+    a = FlexAttnFunc("flex")
+    result["cc_blockmask_ms"] = wall(lambda: a.prepare(lay8, "chunk_causal", chunk_size=args.chunk_size), 30)
+    tf_lens = draw_pack(rng, frames, 4, cap // 2)
+    lay_tf = SequenceLayout.from_rows([tf_lens], sum(tf_lens)).tokens(32, 4, copies=2).to(DEV)
+    tf = teacher_forcing(lay_tf, args.chunk_size, runs, flash)
+    tf.update({"frames": tf_lens, "tokens": lay_tf.num_tokens, "chunk_size": args.chunk_size})
+    result["teacher_forcing"] = tf
+    best = max((tf.get("triton_fb_tflops", 0), "triton"), (tf.get("flash_fb_tflops", 0) if flash else 0, "flash"))
+    result["tf_chunk_causal_fb_tflops"], result["tf_backend"] = best
+    result["tf_blockmask_ms"] = tf["tf_blockmask_ms"]
+    print(f"teacher forcing: {lay_tf.num_tokens} tokens, {tf['pair_fraction']:.1%} pairs, chunk {args.chunk_size}: "
+          + ", ".join(f"{k} {v:.2f}" for k, v in tf.items() if isinstance(v, float)))
+    print(f"chunk-causal block mask build (8 eps): {result['cc_blockmask_ms']:.3f} ms")
+    rc = recompile_count(frames, cap, steps, "auto", rng)
+    result.update(rc)
+    print(f"compiles over {steps} steps of changing lengths at {cap * TPF} tokens: {rc}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(args.out).with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=1, default=float))
+    tmp.replace(args.out)
+    print("wrote", args.out)
+    keys = ("fb_ratio_vs_loop", "fwd_ratio_vs_loop", "blockmask_ms", "create_block_mask_ms", "recompiles_after_warmup",
+            "tf_chunk_causal_fb_tflops", "tf_blockmask_ms", "fb_ratio_vs_loop_4", "cc_blockmask_ms")
+    print(json.dumps({k: result[k] for k in keys}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
