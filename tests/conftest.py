@@ -1,5 +1,14 @@
+import atexit
 import os
+import shutil
+import tempfile
 
 # Tests never reach a hub: datasets are built locally, models are small and random.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+# lerobot reads parquet through `datasets`, which caches arrow files per dataset; keep those out of
+# the user's home folder and remove them after the run.
+_hf_cache = tempfile.mkdtemp(prefix="flexpack-tests-hf-")
+os.environ["HF_DATASETS_CACHE"] = _hf_cache
+atexit.register(shutil.rmtree, _hf_cache, ignore_errors=True)
