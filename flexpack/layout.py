@@ -207,6 +207,9 @@ class TokenLayout:
         hpos, wpos: (T,) int64 patch row / column of video tokens (0 for action tokens).
         video_index:  (copies, R, Fr, video_tokens) int64 — token position of every video patch.
         action_index: (copies, R, Fr, action_tokens) int64 — token position of every action token.
+                      The ``K = video_tokens + action_tokens`` tokens of one (copy, row, frame) are
+                      one contiguous unit: ``video_index[..., j] = u*K + j``,
+                      ``action_index[..., j] = u*K + video_tokens + j`` for that unit ``u``.
         doc_start, doc_len: (E,) int64 — each episode's contiguous token run (all copies).
         text_len: (E,) int64 valid text tokens per episode.
         frames: the :class:`SequenceLayout` it was expanded from.

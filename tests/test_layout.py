@@ -23,6 +23,10 @@ def test_token_layout_invariants(rows, extra, nv, na, copies):
     # the two gather maps cover every token exactly once
     allpos = torch.cat([tl.video_index.reshape(-1), tl.action_index.reshape(-1)])
     assert torch.equal(allpos.sort().values, torch.arange(T))
+    # the K tokens of one (copy, row, frame) form one contiguous unit (the model relies on it)
+    K = nv + na
+    unit = torch.cat([tl.video_index, tl.action_index], dim=-1)
+    assert torch.equal(unit, (unit[..., :1] // K) * K + torch.arange(K))
     # every token carries the identity of the (copy, row, frame) it was mapped from
     for index, stream in ((tl.video_index, VIDEO), (tl.action_index, ACTION)):
         if index.numel() == 0:
