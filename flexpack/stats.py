@@ -23,15 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from flexpack.data.lengths import latent_frames  # one definition; that module never imports lerobot at import time
 from flexpack.sampler import LengthBucketBatchSampler, SamplerStats, TokenBudgetBatchSampler
-
-
-def latent_frames(n: int, stride: int = 4) -> int:
-    """Latent frames of an n-frame video under a causal VAE with temporal ``stride``:
-    the first frame alone, then one latent per ``stride`` frames, ``(n - 1) // stride + 1``."""
-    if n < 1 or stride < 1:
-        raise ValueError(f"need n >= 1 video frames and stride >= 1, got n={n}, stride={stride}")
-    return (n - 1) // stride + 1
 
 
 def read_frames_file(path: str | os.PathLike[str], stride: int = 4) -> list[int]:
