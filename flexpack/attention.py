@@ -14,8 +14,8 @@ Backends (all return zeros, never NaN, for query rows that may attend nothing, e
   ``"flex"`` without FA4); CPU -> ``"dense"``, except forward-only calls on long sequences
   (``T >= CPU_FLEX_MIN_TOKENS``), which use compiled flex to avoid the T x T mask.
 
-Compilation: one compiled FlexAttention per kernel-option set, ``dynamic=False``; a new shape
-compiles once, new layouts of the same shape do not (block-mask contents and the mask's closure
+Compilation: one compiled FlexAttention per (kernel options, shape), ``dynamic=False``, each with
+its own dynamo cache; a new shape compiles once, new layouts of the same shape do not (block-mask contents and the mask's closure
 tensors are graph inputs). :func:`compile_count` counts every graph compiled here.
 """
 
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from flexpack.blockmask import BlockMaskBuilder
+from flexpack.blockmask import BlockMaskBuilder, compile_fresh
 from flexpack.layout import TokenLayout
 from flexpack.masks import MASK_KINDS, MaskMod, dense_mask, make_mask
 
@@ -56,7 +56,7 @@ class _Counter:
 
 
 _COUNTER = _Counter()
-_COMPILED: dict[tuple, Callable] = {}  # a cache of compiled callables, one per kernel-option set
+_COMPILED: dict[tuple, Callable] = {}  # compiled flex callables, one per (kernel options, shapes)
 
 
 def compile_count() -> int:
@@ -76,10 +76,11 @@ def _flex_call(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask, kernel_op
     return flex_attention(q, k, v, block_mask=block_mask, kernel_options=kernel_options)
 
 
-def _compiled_flex(flash: bool) -> Callable:
-    key = ("flex", flash)
+def _compiled_flex(flash: bool, q: Tensor, k: Tensor) -> Callable:
+    # one private dynamo cache per shape signature (see compile_fresh); grad mode adds a 2nd entry
+    key = (flash, tuple(q.shape), tuple(k.shape), q.dtype, q.device)
     if key not in _COMPILED:
-        _COMPILED[key] = torch.compile(_flex_call, dynamic=False, backend=_COUNTER.backend)
+        _COMPILED[key] = compile_fresh(_flex_call, f"{len(_COMPILED)}", _COUNTER.backend)
     return _COMPILED[key]
 
 
@@ -224,7 +225,7 @@ class FlexAttnFunc:
             if q.device.type == "cpu" and needs_grad:
                 raise ValueError("FlexAttention has no CPU backward; use backend='dense' (or 'auto') for training on CPU")
             opts = {"BACKEND": "FLASH"} if backend == "flex-flash" else None
-            return _compiled_flex(backend == "flex-flash")(q, k, v, prep.block_mask(), opts)
+            return _compiled_flex(backend == "flex-flash", q, k)(q, k, v, prep.block_mask(), opts)
         if backend == "sdpa-loop":
             return _sdpa_loop(q, k, v, prep)
         return _varlen(q, k, v, prep)

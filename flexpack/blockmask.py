@@ -21,6 +21,7 @@ block sets and index order: True blocks first, ascending), tested in ``tests/tes
 
 from __future__ import annotations
 
+import types
 from typing import Callable
 
 import torch
@@ -44,9 +45,9 @@ def _segments(keys: tuple[Tensor, ...], length: int, s_max: int) -> tuple[Tensor
     for k in keys:
         new[1:] |= k[1:] != k[:-1]
     seg = new.long().cumsum(0) - 1  # (T,)
-    tok = torch.arange(length, device=dev)
-    # any token of a segment represents it (the mask is constant there); absent ids keep 0
-    rep = torch.zeros(s_max, dtype=torch.long, device=dev).scatter_reduce_(0, seg, tok, "amax", include_self=False)
+    # seg is sorted: the first token of segment s is where s starts; ids beyond the real count
+    # point at the last token (any index works, no block rectangle reaches them)
+    rep = torch.searchsorted(seg, torch.arange(s_max, device=dev)).clamp(max=length - 1)
     nb = _cdiv(length, BLOCK)
     starts = torch.arange(nb, device=dev) * BLOCK
     ends = (starts + BLOCK).clamp(max=length) - 1
@@ -56,14 +57,11 @@ def _segments(keys: tuple[Tensor, ...], length: int, s_max: int) -> tuple[Tensor
 
 def _ordered(m: Tensor) -> tuple[Tensor, Tensor]:
     """(..., N) bool -> (count, indices) with True columns first, ascending (= stable argsort desc)."""
+    # (a cumsum + scatter formulation hit an inductor codegen bug at ~585 x 585 blocks)
     mi = m.to(torch.int32)
-    t = mi.cumsum(-1)
-    n = t[..., -1:]
-    f = (1 - mi).cumsum(-1)
-    pos = torch.where(m, t - 1, n + f - 1).long()
-    cols = torch.arange(m.shape[-1], device=m.device, dtype=torch.int32).expand_as(mi)
-    idx = torch.empty_like(mi).scatter_(-1, pos, cols)
-    return n[..., 0].contiguous(), idx
+    n = mi.sum(-1, dtype=torch.int32)
+    idx = torch.argsort(mi, dim=-1, descending=True, stable=True).to(torch.int32)
+    return n.contiguous(), idx.contiguous()
 
 
 def _classify(
@@ -96,11 +94,13 @@ def _structure(
     zero = torch.zeros((), dtype=torch.long, device=rq.device)
     seg_mask = mask_mod(zero, zero, rq[:, None], rk[None, :]).expand(sq_max, sk_max)
     partial, full = _classify(seg_mask, lq, hq, oq, lk, hk, ok)
-    out = []
-    for m in (partial, full, partial.t(), full.t()):
-        n, idx = _ordered(m)
-        out += [n[None, None], idx[None, None]]
-    return tuple(out)
+    mats = (partial, full, partial.t(), full.t())
+    if partial.shape[0] == partial.shape[1]:  # one sort for all four (fewer kernel launches)
+        n, idx = _ordered(torch.stack(mats))
+        pairs = [(n[i], idx[i]) for i in range(4)]
+    else:
+        pairs = [_ordered(m) for m in mats]
+    return tuple(x[None, None] for pair in pairs for x in pair)
 
 
 def _num_segments(keys: tuple[Tensor, ...]) -> int:
@@ -111,17 +111,39 @@ def _num_segments(keys: tuple[Tensor, ...]) -> int:
     return n + int(new[1:].sum())
 
 
+def compile_fresh(fn: Callable, tag: str, backend: str | Callable = "inductor") -> Callable:
+    """``torch.compile(dynamic=False)`` of a private copy of ``fn``.
+
+    Dynamo keeps one cache per code object with a limit of 8 entries, after which it silently
+    falls back to eager (for FlexAttention: a very slow reference path). Pad mode has tens of
+    shapes, so every shape signature gets its own code object and therefore its own cache.
+    """
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{tag}")
+    copy = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+    return torch.compile(copy, dynamic=False, backend=backend)
+
+
 class BlockMaskBuilder:
     """Builds block masks from mask_mods of :mod:`flexpack.masks`; optionally compiled (CUDA).
 
     ``compile=True`` wraps the structure computation in ``torch.compile(dynamic=False)``: one
-    compilation per (mask code, q_len, kv_len, segment bounds) signature, none when only the
-    layout's contents change (closures are compared by code, their tensors are graph inputs).
+    compilation per (mask code, q_len, kv_len, segment bounds) signature, each with its own
+    dynamo cache (:func:`compile_fresh`), none when only the layout's contents change (closures
+    are compared by code, their tensors are graph inputs).
     """
 
     def __init__(self, compile: bool = False, compile_backend: str | Callable = "inductor") -> None:
         self.compile = compile
-        self._fn = torch.compile(_structure, dynamic=False, backend=compile_backend) if compile else _structure
+        self._backend = compile_backend
+        self._compiled: dict[tuple, Callable] = {}
+
+    def _fn(self, mask_mod: Callable, *args) -> tuple[Tensor, ...]:
+        if not self.compile:
+            return _structure(mask_mod, *args)
+        key = (getattr(mask_mod, "__code__", None), *args[2:])
+        if key not in self._compiled:
+            self._compiled[key] = compile_fresh(_structure, f"s{len(self._compiled)}", self._backend)
+        return self._compiled[key](mask_mod, *args)
 
     def __call__(
         self,
