@@ -4,17 +4,47 @@ Each episode shows a coloured blob moving over a gradient (per camera a differen
 has smooth sinusoidal actions and states, and one of a few tasks. With ``index_actions`` the
 action columns encode their own position instead: column 0 = frame index, column 1 = episode
 index, column k >= 2 = frame index + 1000·k (for alignment tests).
+
+With ``subtasks=K`` (2 or 3) every episode is annotated with K consecutive subtasks instead of
+one task: lerobot's per-frame ``"task"`` in ``add_frame`` gives each frame its subtask, so the
+parquet's ``task_index`` column holds K runs (cut at random frames; an episode shorter than K
+frames gets one run per frame) and ``meta/tasks.parquet`` lists every subtask.
+
+Frame size: ``size`` must be a multiple of 16 (the encoders' spatial stride, so no pixel is
+dropped) and at least 32. lerobot's default video codec, SVT-AV1, kills the process with a
+floating-point exception (SIGFPE, exit 136) on frames narrower than 25 pixels, so a smaller
+size is refused before anything is written.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
 
 TASKS = ["pick up the red cube", "open the drawer", "push the button twice", "stack the blue block on the green one"]
+SUBTASKS = ["reach for the red cube", "grasp the red cube", "lift the red cube", "put the cube in the bin"]
+MIN_SIZE, SPATIAL_STRIDE = 32, 16
+
+
+def check_size(size: int) -> None:
+    """Refuse frame sizes the encoders or lerobot's AV1 video encoder cannot handle."""
+    if size < MIN_SIZE or size % SPATIAL_STRIDE:
+        raise ValueError(
+            f"size={size}: the frame size must be a multiple of {SPATIAL_STRIDE} (the encoders' spatial stride) "
+            f"and >= {MIN_SIZE} (lerobot's SVT-AV1 video encoder crashes with SIGFPE on frames narrower than 25 px)"
+        )
+
+
+def subtask_runs(n: int, k: int, rng: np.random.Generator) -> list[tuple[int, int]]:
+    """Cut ``n`` frames into ``min(k, n)`` non-empty runs [start, stop) at random frames."""
+    k = min(k, n)
+    cuts = np.sort(rng.choice(np.arange(1, n), size=k - 1, replace=False)) if k > 1 else np.array([], dtype=int)
+    bounds = [0, *cuts.tolist(), n]
+    return list(zip(bounds[:-1], bounds[1:]))
 
 
 def _frame(t: int, episode: int, camera: int, size: int) -> np.ndarray:
@@ -38,9 +68,13 @@ def make_synthetic_dataset(
     fps: int = 10,
     action_dim: int = 6,
     index_actions: bool = False,
+    subtasks: int = 0,
     seed: int = 0,
 ) -> Path:
-    """Write the dataset to ``root`` (must not exist) and return it. ``lengths`` overrides the draw."""
+    """Write the dataset to ``root`` (must not exist) and return it. ``lengths`` overrides the draw.
+
+    ``subtasks``: 0 = one task per episode; 2 or 3 = that many annotated subtasks per episode.
+    """
     from lerobot.datasets.lerobot_dataset import LeRobotDataset
 
     root = Path(root)
@@ -50,7 +84,13 @@ def make_synthetic_dataset(
         raise ValueError(f"cameras must be 1 or 2, got {cameras}")
     if not 1 <= min_frames <= max_frames:
         raise ValueError(f"need 1 <= min_frames <= max_frames, got {min_frames}, {max_frames}")
+    if subtasks not in (0, 2, 3):
+        raise ValueError(f"subtasks must be 0 (one task per episode), 2 or 3, got {subtasks}")
+    check_size(size)
+    if lengths is not None and (not lengths or min(lengths) < 1):
+        raise ValueError(f"lengths must be >= 1 video frames each, got {lengths}")
     rng = np.random.default_rng(seed)
+    sub_rng = np.random.default_rng([seed, 1])  # own stream: subtasks leave the rest of the data unchanged
     if lengths is None:
         lengths = rng.integers(min_frames, max_frames + 1, size=episodes).tolist()
     cams = [f"observation.images.cam{c}" for c in range(cameras)]
@@ -65,13 +105,18 @@ def make_synthetic_dataset(
         freq = rng.uniform(0.05, 0.2, size=action_dim)
         offset = rng.uniform(0, 2 * np.pi, size=action_dim)
         task = TASKS[int(rng.integers(len(TASKS)))]
+        frame_tasks = [task] * int(n)
+        if subtasks:
+            first = int(sub_rng.integers(len(SUBTASKS) - subtasks + 1))
+            for j, (start, stop) in enumerate(subtask_runs(int(n), subtasks, sub_rng)):
+                frame_tasks[start:stop] = [SUBTASKS[first + j]] * (stop - start)
         for t in range(int(n)):
             if index_actions:
                 action = np.array([t, ep] + [t + 1000 * k for k in range(2, action_dim)], dtype=np.float32)[:action_dim]
             else:
                 action = np.sin(freq * t + offset).astype(np.float32)
             frame = {cam: _frame(t, ep, c, size) for c, cam in enumerate(cams)}
-            frame.update({"action": action, "observation.state": np.cos(freq * t + offset).astype(np.float32), "task": task})
+            frame.update({"action": action, "observation.state": np.cos(freq * t + offset).astype(np.float32), "task": frame_tasks[t]})
             ds.add_frame(frame)
         ds.save_episode(parallel_encoding=False)  # no fork from a threaded process
     ds.finalize()
@@ -85,20 +130,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-frames", type=int, default=41)
     parser.add_argument("--lengths", type=str, default=None, help="comma-separated video frames per episode")
     parser.add_argument("--cameras", type=int, default=1, choices=(1, 2))
-    parser.add_argument("--size", type=int, default=32, help="video height = width in pixels")
+    parser.add_argument("--size", type=int, default=32, help="video height = width in pixels (multiple of 16, >= 32)")
     parser.add_argument("--fps", type=int, default=10)
     parser.add_argument("--action-dim", type=int, default=6)
     parser.add_argument("--index-actions", action="store_true", help="actions encode their own frame index")
+    parser.add_argument("--subtasks", type=int, default=0, choices=(0, 2, 3),
+                        help="annotate every episode with this many consecutive subtasks (per-frame task)")
     parser.add_argument("--seed", type=int, default=0)
 
 
 def run(args: argparse.Namespace) -> int:
-    lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else None
-    root = make_synthetic_dataset(
-        args.root, episodes=args.episodes, min_frames=args.min_frames, max_frames=args.max_frames,
-        lengths=lengths, cameras=args.cameras, size=args.size, fps=args.fps, action_dim=args.action_dim,
-        index_actions=args.index_actions, seed=args.seed,
-    )
+    try:
+        lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else None
+    except ValueError:
+        print(f"flexpack make-dataset: error: --lengths {args.lengths!r}: expected comma-separated integers", file=sys.stderr)
+        return 2
+    try:
+        root = make_synthetic_dataset(
+            args.root, episodes=args.episodes, min_frames=args.min_frames, max_frames=args.max_frames,
+            lengths=lengths, cameras=args.cameras, size=args.size, fps=args.fps, action_dim=args.action_dim,
+            index_actions=args.index_actions, subtasks=args.subtasks, seed=args.seed,
+        )
+    except (ValueError, FileExistsError) as exc:
+        print(f"flexpack make-dataset: error: {exc}", file=sys.stderr)
+        return 2
     n = len(lengths) if lengths else args.episodes
-    print(f"wrote {n} episodes ({args.cameras} camera(s), {args.size}x{args.size}) to {root}")
+    sub = f", {args.subtasks} subtasks each" if args.subtasks else ""
+    print(f"wrote {n} episodes ({args.cameras} camera(s), {args.size}x{args.size}{sub}) to {root}")
     return 0
