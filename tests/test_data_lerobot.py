@@ -59,7 +59,8 @@ def test_item_shapes_and_dtypes(which, width, request):
     for i in range(len(ds)):
         item = ds[i]
         F = ds.lengths()[i]
-        assert set(item) == {"latent", "action", "action_mask", "text", "text_len", "episode_index", "task", "length"}
+        assert set(item) == {"latent", "action", "action_mask", "text", "text_len", "episode_index", "task", "length",
+                             "segment", "frame_range", "latent_range"}
         assert item["latent"].shape == (48, F, 2, width) and item["latent"].dtype == torch.float32
         assert item["action"].shape == (32, F, 4) and item["action"].dtype == torch.float32
         assert item["action_mask"].shape == (32, F, 4) and item["action_mask"].dtype == torch.bool

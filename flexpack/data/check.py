@@ -55,9 +55,10 @@ def check_dataset(
         problems.append(Problem("shape", None, source.info_file, f"no feature {action_key!r} in the dataset"))
         return problems, source
 
-    users: dict[int, list[int]] = {}
+    users: dict[int, list[int]] = {}  # task index -> episodes annotated with it (every subtask counts)
     for ep in source.episodes:
-        users.setdefault(source.task(ep)[1], []).append(ep)
+        for _, task_index in source.episode_tasks(ep):
+            users.setdefault(task_index, []).append(ep)
     for task_index, task in source.tasks().items():
         if task_index not in users:
             continue

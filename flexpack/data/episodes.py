@@ -52,6 +52,16 @@ class EpisodeSource:
             raise ValueError(f"{self.root}/meta/tasks.parquet: task {task!r} of episode {episode} is not listed")
         return task, int(index)
 
+    def episode_tasks(self, episode: int) -> list[tuple[str, int]]:
+        """Every task the episode's frames are annotated with (metadata order), with its index."""
+        out = []
+        for task in self._row(episode)["tasks"]:
+            index = self.meta.get_task_index(str(task))
+            if index is None:
+                raise ValueError(f"{self.root}/meta/tasks.parquet: task {task!r} of episode {episode} is not listed")
+            out.append((str(task), int(index)))
+        return out
+
     def tasks(self) -> dict[int, str]:
         """Every task index -> task string."""
         return {int(i): str(t) for t, i in zip(self.meta.tasks.index, self.meta.tasks["task_index"])}
@@ -91,6 +101,30 @@ class EpisodeSource:
             values = col.flatten().to_numpy(zero_copy_only=False)
             return values.reshape(len(col), -1)
         return col.to_numpy(zero_copy_only=False)
+
+    def frame_task_indices(self, episodes: list[int] | None = None) -> dict[int, np.ndarray]:
+        """Per-frame ``task_index`` (frame order) of each episode, read from the parquet files'
+        ``episode_index``/``frame_index``/``task_index`` columns only (no LeRobotDataset, no videos).
+        An episode with no rows maps to an empty array."""
+        import pyarrow.parquet as pq
+
+        episodes = list(self.episodes) if episodes is None else list(episodes)
+        files: dict[Path, list[int]] = {}
+        for ep in episodes:
+            files.setdefault(self.data_file(ep), []).append(ep)
+        out: dict[int, np.ndarray] = {}
+        for path, eps in files.items():
+            try:
+                table = pq.read_table(path, columns=["episode_index", "frame_index", "task_index"])
+            except Exception as exc:  # missing file, or a column lerobot v3 always writes
+                raise ValueError(f"{path}: cannot read the per-frame task_index of episodes {eps}: {exc}") from exc
+            ep_col = table.column("episode_index").to_numpy()
+            frame_col = table.column("frame_index").to_numpy()
+            task_col = table.column("task_index").to_numpy().astype(np.int64)
+            for ep in eps:
+                rows = np.flatnonzero(ep_col == ep)
+                out[ep] = task_col[rows[np.argsort(frame_col[rows], kind="stable")]]
+        return out
 
     def row_counts(self) -> dict[int, int]:
         """Rows per episode index actually present in the parquet data."""
