@@ -13,6 +13,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "make-dataset": ("flexpack.data.synthetic", "write a synthetic LeRobot dataset"),
     "encode": ("flexpack.data.encode", "encode a LeRobot dataset's videos into the latent cache"),
     "check-dataset": ("flexpack.data.check", "list every problem of a dataset and its latent cache"),
+    "train": ("flexpack.train", "train a WanVA on a LeRobot dataset from a TOML/JSON config (torchrun for FSDP2)"),
+    "verify": ("flexpack.verify", "check packed == per-episode outputs, loss and gradients; exit 1 on mismatch"),
 }
 
 

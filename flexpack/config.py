@@ -1,0 +1,291 @@
+"""The training config: one tree of keyword-only dataclasses, loaded from TOML or JSON.
+
+``TrainConfig`` holds ``data / model / objective / optim / schedule / checkpoint / runtime``.
+Variants are small files in ``configs/`` that name only what differs from the defaults below;
+nothing is ever executed. :func:`load_config` rejects unknown keys (naming the file and the key)
+and values of the wrong type, and applies ``section.key=value`` overrides (values parsed as TOML,
+falling back to a plain string), e.g. ``schedule.steps=40`` or ``model.overrides.dim=128``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from flexpack.objective import FlowMatchingConfig
+
+MODES = ("pack", "pad")
+DECAYS = ("cosine", "constant")
+DTYPES = ("float32", "bfloat16")
+MASKS = ("document", "chunk_causal", "teacher_forcing")
+
+
+def _positive(owner: str, **values: int | float) -> None:
+    for name, v in values.items():
+        if v <= 0:
+            raise ValueError(f"{owner}.{name} must be positive, got {v!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Where episodes come from and how micro-batches are formed.
+
+    ``mode = "pack"``: TokenBudgetBatchSampler + PackCollate, ``max_tokens`` per micro-batch.
+    ``mode = "pad"``: LengthBucketBatchSampler + PadCollate, ``batch_size`` episodes per micro-batch.
+    Tokens per latent frame (for the budget) follow from the latent's patch grid and
+    ``action_steps``; the dataset's action width is the model's ``action_channels``.
+    """
+
+    root: str = ""  # LeRobot dataset folder (with a latent cache)
+    latents_dir: str | None = None  # default ROOT/latents
+    cameras: tuple[str, ...] | None = None
+    action_steps: int = 4
+    stride: int = 4
+    normalize: bool = True
+    mode: str = "pack"
+    max_tokens: int = 65536
+    crop: bool = False
+    batch_size: int = 4
+    pool_factor: int = 50
+    pad_multiple: int = 8
+    num_workers: int = 0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"data.mode must be one of {MODES}, got {self.mode!r}")
+        _positive("data", action_steps=self.action_steps, stride=self.stride, max_tokens=self.max_tokens,
+                  batch_size=self.batch_size, pool_factor=self.pool_factor, pad_multiple=self.pad_multiple)
+        if self.num_workers < 0 or self.seed < 0:
+            raise ValueError(f"data.num_workers and data.seed must be >= 0, got {self.num_workers}, {self.seed}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """A WanVA preset with field overrides, and the self-attention mask of the forward."""
+
+    preset: str = "tiny"
+    overrides: dict[str, Any] = field(default_factory=dict)  # any WanVAConfig field
+    mask: str = "document"
+    chunk_size: int | None = None  # chunk_causal / teacher_forcing masks
+
+    def __post_init__(self) -> None:
+        self.wan_config()  # unknown preset or override fields raise here, at load time
+        if self.mask not in MASKS:
+            raise ValueError(f"model.mask must be one of {MASKS}, got {self.mask!r}")
+        if self.mask != "document" and (self.chunk_size is None or self.chunk_size <= 0):
+            raise ValueError(f"model.mask={self.mask!r} needs a positive model.chunk_size, got {self.chunk_size!r}")
+
+    def wan_config(self):
+        from flexpack.models.wan import WanVAConfig, wan_config
+
+        known = {f.name for f in dataclasses.fields(WanVAConfig)}
+        unknown = sorted(set(self.overrides) - known)
+        if unknown:
+            raise ValueError(f"model.overrides has unknown WanVAConfig fields {unknown} (known: {sorted(known)})")
+        kw = {k: tuple(v) if isinstance(v, list) else v for k, v in self.overrides.items()}
+        return wan_config(self.preset, **kw)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    lr: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0  # max global grad norm; 0 = no clipping
+    accum_steps: int = 1  # micro-batches per optimizer step
+
+    def __post_init__(self) -> None:
+        _positive("optim", lr=self.lr, eps=self.eps, accum_steps=self.accum_steps)
+        if self.weight_decay < 0 or self.grad_clip < 0:
+            raise ValueError(f"optim.weight_decay and optim.grad_clip must be >= 0, got {self.weight_decay}, {self.grad_clip}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScheduleConfig:
+    """LR: linear warmup to ``optim.lr``, then cosine to ``min_lr_ratio·lr`` at ``steps`` (or constant).
+
+    After a resume the LR re-warms linearly from ``rewarmup_from × schedule`` to the schedule over
+    ``rewarmup_steps`` steps (fresh optimizer moments after a restart are noisy; 0 = off).
+    """
+
+    steps: int = 1000
+    warmup_steps: int = 100
+    decay: str = "cosine"
+    min_lr_ratio: float = 0.1
+    rewarmup_steps: int = 0
+    rewarmup_from: float = 0.1
+
+    def __post_init__(self) -> None:
+        _positive("schedule", steps=self.steps)
+        if self.decay not in DECAYS:
+            raise ValueError(f"schedule.decay must be one of {DECAYS}, got {self.decay!r}")
+        if self.warmup_steps < 0 or self.rewarmup_steps < 0:
+            raise ValueError(f"schedule.warmup_steps/rewarmup_steps must be >= 0, got {self.warmup_steps}, {self.rewarmup_steps}")
+        for name in ("min_lr_ratio", "rewarmup_from"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"schedule.{name} must be in [0, 1], got {getattr(self, name)!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    every: int = 0  # optimizer steps between checkpoints; 0 = only at the end
+    keep: int = 2  # newest checkpoints kept
+    resume: bool = True  # continue from the newest checkpoint in runtime.out_dir
+
+    def __post_init__(self) -> None:
+        if self.every < 0 or self.keep < 1:
+            raise ValueError(f"checkpoint.every must be >= 0 and checkpoint.keep >= 1, got {self.every}, {self.keep}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RuntimeConfig:
+    out_dir: str = "out/run"  # run folder: checkpoints/, metrics.jsonl, config.json, profile/
+    device: str = "auto"  # auto: cuda:LOCAL_RANK when available, else cpu
+    dtype: str = "float32"  # bfloat16: FSDP mixed precision (params bf16, reduce fp32) or autocast
+    activation_checkpointing: bool = False
+    seed: int = 0
+    log_every: int = 1
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"runtime.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _positive("runtime", log_every=self.log_every)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    objective: FlowMatchingConfig = field(default_factory=FlowMatchingConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+
+    def __post_init__(self) -> None:
+        if self.objective.teacher_forcing and self.model.mask != "teacher_forcing":
+            raise ValueError(f"objective.teacher_forcing needs model.mask = 'teacher_forcing', got {self.model.mask!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------------------- loading
+def _check_type(value: Any, tp: Any, where: str) -> Any:
+    """``value`` converted to ``tp`` (lists → tuples, ints → floats) or a ValueError naming ``where``."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in (a for a in args if a is not type(None)):
+            try:
+                return _check_type(value, a, where)
+            except ValueError as exc:
+                errors.append(str(exc))
+        raise ValueError(errors[0])
+    if tp is Any:
+        return value
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{where} must be a list, got {value!r}")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_check_type(v, args[0], f"{where}[{i}]") for i, v in enumerate(value))
+        if len(value) != len(args):
+            raise ValueError(f"{where} must have {len(args)} entries, got {value!r}")
+        return tuple(_check_type(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"{where} must be a table, got {value!r}")
+        return dict(value)
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp in (int, float, str, bool) and not (isinstance(value, tp) and not (tp is int and isinstance(value, bool))):
+        raise ValueError(f"{where} must be {tp.__name__}, got {value!r}")
+    return value
+
+
+def from_dict(cls: type, data: dict[str, Any], where: str = "") -> Any:
+    """Build the dataclass ``cls`` from a nested dict, rejecting unknown keys and wrong types."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{where or cls.__name__} must be a table, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        names = ", ".join(f"{where}{k}" for k in unknown)
+        raise ValueError(f"unknown config key(s) {names} (known in {where.rstrip('.') or 'the top level'}: {sorted(known)})")
+    kw = {}
+    for name, value in data.items():
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            kw[name] = from_dict(tp, value, f"{where}{name}.")
+        else:
+            kw[name] = _check_type(value, tp, f"{where}{name}")
+    return cls(**kw)
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text  # a bare word: a string
+
+
+def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """``["schedule.steps=40", ...]`` applied to a nested dict (a copy)."""
+    out = json.loads(json.dumps(data))
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"override {item!r} is not KEY=VALUE (e.g. schedule.steps=40)")
+        *parents, leaf = key.strip().split(".")
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"override {item!r}: {p!r} is not a table")
+        node[leaf] = _parse_value(text.strip())
+    return out
+
+
+def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"config file {path} does not exist")
+    try:
+        if path.suffix == ".toml":
+            return tomllib.loads(path.read_text())
+        if path.suffix == ".json":
+            return json.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: cannot parse: {exc}") from None
+    raise ValueError(f"config file {path} must end in .toml or .json, got {path.suffix!r}")
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> TrainConfig:
+    """The defaults, updated by the file at ``path`` (TOML/JSON) and then by ``overrides``."""
+    data = read_config_file(path) if path is not None else {}
+    try:
+        return from_dict(TrainConfig, apply_overrides(data, overrides))
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{path or 'config'}: {exc}") from None
+
+
+def save_config(cfg: TrainConfig, path: str | os.PathLike) -> None:
+    """Write the resolved config as JSON, atomically (load it back with :func:`load_config`)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    os.replace(tmp, path)

@@ -1,0 +1,279 @@
+"""``flexpack train CONFIG``: the train loop, a plain function over a :class:`~flexpack.config.TrainConfig`.
+
+Order of one optimizer step (nanoGPT's): lr → checkpoint → micro-steps → clip → step → log.
+
+- Data: LatentEpisodeDataset; pack mode = TokenBudgetBatchSampler + PackCollate, pad mode =
+  LengthBucketBatchSampler + PadCollate. The sampler is sharded by rank and resumes mid-epoch.
+- Accumulation: ``optim.accum_steps`` micro-batches per step, each back-propagating
+  ``FlowLoss.accumulation_loss(totals)`` with ``totals`` = Σ ``loss_counts`` over the step's
+  micro-batches of all ranks, so a step equals one batch of all its episodes.
+- Noise is drawn per episode from ``(runtime.seed, step, episode index)`` (:mod:`flexpack.noise`):
+  how episodes are batched never changes their x_t, and a resumed run draws what it would have.
+- Multi-GPU: under ``torchrun`` with several ranks the model is FSDP2-sharded
+  (:mod:`flexpack.parallel`); checkpoints (:mod:`flexpack.checkpoint`) are full state dicts.
+- ``LINGBOT_PROFILE=n`` profiles n steps (:mod:`flexpack.profiling`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from tqdm import tqdm
+
+from flexpack import checkpoint
+from flexpack.collate import Batch, PackCollate, PadCollate
+from flexpack.config import ScheduleConfig, TrainConfig, load_config, save_config
+from flexpack.noise import episode_flow_sample, episode_seed
+from flexpack.objective import flow_loss, loss_counts
+from flexpack.parallel import is_sharded, parallelize, world
+from flexpack.profiling import StepProfiler
+
+
+def lr_at(step: int, base_lr: float, sched: ScheduleConfig, resumed_at: int | None = None) -> float:
+    """LR of optimizer step ``step`` (0-based): warmup, cosine/constant, re-warmup after a resume."""
+    if step < sched.warmup_steps:
+        lr = base_lr * (step + 1) / sched.warmup_steps
+    elif sched.decay == "constant":
+        lr = base_lr
+    else:
+        progress = min(1.0, (step - sched.warmup_steps) / max(1, sched.steps - sched.warmup_steps))
+        lr = base_lr * (sched.min_lr_ratio + (1 - sched.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+    if resumed_at is not None and 0 <= step - resumed_at < sched.rewarmup_steps:
+        lr *= sched.rewarmup_from + (1 - sched.rewarmup_from) * (step - resumed_at) / sched.rewarmup_steps
+    return lr
+
+
+class _VideoOnly:
+    """Collate wrapper for a model without action channels: items' actions are left out."""
+
+    def __init__(self, collate: Any) -> None:
+        self.collate = collate
+
+    def __call__(self, items: Sequence[dict]) -> Batch:
+        return self.collate([{k: v for k, v in it.items() if k not in ("action", "action_mask")} for it in items])
+
+
+@dataclass
+class Data:
+    dataset: Any
+    sampler: Any
+    collate: Any
+    tokens_per_frame: int
+
+
+def build_data(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> Data:
+    """Dataset, this rank's sampler and the matching collate; checks the data fits the model."""
+    from flexpack.data import LatentEpisodeDataset
+    from flexpack.sampler import LengthBucketBatchSampler, TokenBudgetBatchSampler
+
+    d, m = cfg.data, cfg.model.wan_config()
+    if not d.root:
+        raise ValueError("data.root is empty: set it to a LeRobot dataset folder with a latent cache")
+    ds = LatentEpisodeDataset(
+        d.root, latents_dir=d.latents_dir, action_dim=max(m.action_channels, 1), action_steps=d.action_steps,
+        stride=d.stride, cameras=list(d.cameras) if d.cameras else None, normalize=d.normalize,
+    )
+    item = ds[0]
+    C, _, H, W = item["latent"].shape
+    _, ph, pw = m.patch_size
+    if C != m.in_channels or H % ph or W % pw or item["text"].shape[1] != m.text_dim:
+        raise ValueError(
+            f"{d.root}: latents (C, H, W)={(C, H, W)} with text width {item['text'].shape[1]} do not fit the model "
+            f"(in_channels={m.in_channels}, patch={m.patch_size}, text_dim={m.text_dim}); set model.overrides"
+        )
+    tpf = (H // ph) * (W // pw) + (d.action_steps if m.action_channels else 0)
+    common = dict(rank=rank, world_size=world_size, seed=d.seed)
+    if d.mode == "pack":
+        sampler = TokenBudgetBatchSampler(ds.lengths(), d.max_tokens, tokens_per_frame=tpf, crop=d.crop, **common)
+        collate = PackCollate.from_token_budget(d.max_tokens, tpf, crop=d.crop)
+    else:
+        sampler = LengthBucketBatchSampler(ds.lengths(), d.batch_size, pool_factor=d.pool_factor,
+                                           pad_multiple=d.pad_multiple, tokens_per_frame=tpf, **common)
+        collate = PadCollate(d.pad_multiple)
+    return Data(ds, sampler, collate if m.action_channels else _VideoOnly(collate), tpf)
+
+
+def build_model(cfg: TrainConfig) -> nn.Module:
+    from flexpack.models import WanVA
+
+    torch.manual_seed(cfg.runtime.seed)  # every rank starts from the same weights
+    return WanVA(cfg.model.wan_config())
+
+
+def model_kwargs(cfg: TrainConfig) -> dict[str, Any]:
+    return {"mask": cfg.model.mask, "chunk_size": cfg.model.chunk_size}
+
+
+def accumulate(model: nn.Module, batches: Sequence[Batch], cfg: TrainConfig, *, step: int, device: torch.device) -> torch.Tensor:
+    """Forward + backward one optimizer step's micro-batches; returns this rank's (loss, latent, action)
+    shares, detached (summed over ranks they are the step's loss and its parts)."""
+    _, size = world()
+    counts = torch.tensor([[float(c) for c in loss_counts(b)] for b in batches]).sum(0)
+    if size > 1:
+        dist.all_reduce(counts)  # the objective is over every rank's episodes
+    totals = (float(counts[0]), float(counts[1]))
+    sharded = is_sharded(model)
+    bf16 = cfg.runtime.dtype == "bfloat16" and not sharded  # under FSDP its mixed precision casts instead
+    out = torch.zeros(3)
+    for i, batch in enumerate(batches):
+        if sharded:  # reduce-scatter gradients once per step, not per micro-batch
+            model.set_requires_gradient_sync(i == len(batches) - 1)
+        batch = batch.to(device, non_blocking=True)
+        seeds = [episode_seed(cfg.runtime.seed, step, e) for e in batch.layout.episode_index.tolist()]
+        sample = episode_flow_sample(batch, cfg.objective, seeds)
+        with torch.autocast(device.type, torch.bfloat16) if bf16 else contextlib.nullcontext():
+            pred = model(sample.inputs, **sample.model_kwargs(), **model_kwargs(cfg))
+        fl = flow_loss(pred, sample, batch, cfg.objective)
+        share = fl.accumulation_loss(totals)
+        (share * size).backward()  # FSDP averages gradients over ranks; the objective sums them
+        parts = [fl.latent_sum / max(totals[0], 1.0), fl.action_sum / max(totals[1], 1.0)]
+        out += torch.stack([share.detach(), *(p.detach() for p in parts)]).float().cpu()
+    return out
+
+
+def _stream(loader: Any, sampler: Any) -> Iterator[tuple[Batch, dict]]:
+    """Micro-batches forever, epoch after epoch, each with the sampler state right after it."""
+    while True:
+        epoch, pos = sampler.epoch, sampler.state_dict()["position"]
+        for batch in loader:
+            pos += 1  # count batches trained on, not drawn: loader workers prefetch
+            yield batch, sampler.state_dict(position=pos)
+        sampler.set_epoch(epoch + 1)
+
+
+def _device(spec: str) -> torch.device:
+    if spec == "auto":
+        spec = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
+    device = torch.device(spec)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
+@dataclass
+class TrainResult:
+    step: int  # optimizer steps done (over all runs of this folder)
+    start_step: int  # step this call started from (> 0 after a resume)
+    lrs: list[float] = field(default_factory=list)  # per step of this call
+    losses: list[float] = field(default_factory=list)  # per logged step
+    episodes: list[list[int]] = field(default_factory=list)  # episode indices of each micro-batch (this rank)
+    metrics: list[dict] = field(default_factory=list)
+    checkpoint: Path | None = None
+
+
+def train(cfg: TrainConfig, *, stop_after: int | None = None) -> TrainResult:
+    """Train ``cfg.schedule.steps`` optimizer steps (resuming from the run folder's newest checkpoint);
+    ``stop_after`` ends early after that step, with a checkpoint, as an interruption would."""
+    rank, size = world()
+    device = _device(cfg.runtime.device)
+    data = build_data(cfg, rank, size)
+    param_dtype = torch.bfloat16 if cfg.runtime.dtype == "bfloat16" else None
+    model = parallelize(build_model(cfg).to(device), device=device, param_dtype=param_dtype,
+                        activation_checkpointing=cfg.runtime.activation_checkpointing)
+    o, run = cfg.optim, Path(cfg.runtime.out_dir)
+    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    ckpt_root, start, resumed_at = run / "checkpoints", 0, None
+    found = checkpoint.latest(ckpt_root)
+    if found is not None and not cfg.checkpoint.resume:
+        raise ValueError(f"{run}: holds checkpoint {found.name} but checkpoint.resume is false; "
+                         "remove the folder or choose another runtime.out_dir")
+    if found is not None:
+        state = checkpoint.load(found, model, opt)
+        data.sampler.load_state_dict(state["sampler"])
+        start = resumed_at = int(state["step"])
+    if rank == 0:
+        save_config(cfg, run / "config.json")
+    loader = torch.utils.data.DataLoader(data.dataset, batch_sampler=data.sampler, collate_fn=data.collate,
+                                         num_workers=cfg.data.num_workers)
+    stream = _stream(loader, data.sampler)
+    end = cfg.schedule.steps if stop_after is None else min(stop_after, cfg.schedule.steps)
+    result = TrainResult(step=start, start_step=start, checkpoint=found)
+    sampler_state, step, tpf = data.sampler.state_dict(), start, data.tokens_per_frame
+    bar = tqdm(total=cfg.schedule.steps, initial=start, desc="train", unit="step",
+               disable=rank != 0 or not cfg.runtime.progress)
+    with StepProfiler(run, rank) as prof:
+        while step < end:
+            lr = lr_at(step, o.lr, cfg.schedule, resumed_at)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            if step > start and cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
+                result.checkpoint = checkpoint.save(ckpt_root, step, model, opt, sampler_state=sampler_state,
+                                                    keep=cfg.checkpoint.keep)
+            t0 = time.perf_counter()
+            micro = [next(stream) for _ in range(o.accum_steps)]
+            batches, sampler_state = [b for b, _ in micro], micro[-1][1]
+            sums = accumulate(model, batches, cfg, step=step, device=device)
+            norm = nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip or float("inf"))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            prof.step()
+            bar.update(1)
+            result.lrs.append(lr)
+            result.episodes += [b.layout.episode_index.tolist() for b in batches]
+            if step % cfg.runtime.log_every == 0 or step == end:
+                rec = _log(run, rank, step, lr, sums, norm, batches, tpf, time.perf_counter() - t0)
+                result.losses.append(rec["loss"])
+                result.metrics.append(rec)
+                bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{lr:.2e}", tok_s=f"{rec['tokens_per_s']:.0f}")
+    bar.close()
+    result.step = step
+    if step > start:
+        result.checkpoint = checkpoint.save(ckpt_root, step, model, opt, sampler_state=sampler_state,
+                                            keep=cfg.checkpoint.keep)
+    return result
+
+
+def _log(run: Path, rank: int, step: int, lr: float, sums: torch.Tensor, norm: torch.Tensor,
+         batches: Sequence[Batch], tpf: int, seconds: float) -> dict[str, Any]:
+    """Global loss parts, LR, grad norm, tokens/s and waste of this step; rank 0 appends metrics.jsonl."""
+    valid = sum(int(b.layout.episode_frames.sum()) for b in batches) * tpf
+    computed = sum(b.layout.frame_doc.numel() for b in batches) * tpf
+    stats = torch.cat([sums, torch.tensor([valid, computed], dtype=torch.float32)])
+    if world()[1] > 1:
+        dist.all_reduce(stats)
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a DTensor under FSDP
+    rec = {"step": step, "loss": float(stats[0]), "latent_loss": float(stats[1]), "action_loss": float(stats[2]),
+           "lr": lr, "grad_norm": float(norm), "tokens_per_s": float(stats[3]) / max(seconds, 1e-9),
+           "waste": 1.0 - float(stats[3]) / float(stats[4])}
+    if rank == 0:
+        run.mkdir(parents=True, exist_ok=True)
+        with open(run / "metrics.jsonl", "a") as f:  # an append-only log: one line per logged step
+            f.write(json.dumps(rec) + "\n")
+    return rec
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", type=Path, help="TOML or JSON config (configs/tiny_cpu.toml, ...)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config value, e.g. --set schedule.steps=40 (repeatable)")
+    parser.add_argument("--stop-after", type=int, default=None, help="stop (with a checkpoint) after this step")
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    started, rank = False, int(os.environ.get("RANK", "0"))
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        started = True
+    try:
+        result = train(cfg, stop_after=args.stop_after)
+    finally:
+        if started:
+            dist.destroy_process_group()
+    if rank == 0:
+        last = result.metrics[-1] if result.metrics else {}
+        print(f"trained steps {result.start_step} -> {result.step}; loss {last.get('loss', float('nan')):.4f}; "
+              f"checkpoint {result.checkpoint}")
+    return 0
