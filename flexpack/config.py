@@ -49,6 +49,7 @@ class DataConfig:
     action_steps: int = 4
     stride: int = 4
     normalize: bool = True
+    segments: bool | str = "auto"  # items per annotated task run ("auto", true) or whole episodes (false)
     mode: str = "pack"
     max_tokens: int = 65536
     crop: bool = False
@@ -61,6 +62,8 @@ class DataConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"data.mode must be one of {MODES}, got {self.mode!r}")
+        if self.segments not in (True, False, "auto"):
+            raise ValueError(f"data.segments must be true, false or 'auto', got {self.segments!r}")
         _positive("data", action_steps=self.action_steps, stride=self.stride, max_tokens=self.max_tokens,
                   batch_size=self.batch_size, pool_factor=self.pool_factor, pad_multiple=self.pad_multiple)
         if self.num_workers < 0 or self.seed < 0:

@@ -22,7 +22,7 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -54,14 +54,25 @@ def lr_at(step: int, base_lr: float, sched: ScheduleConfig, resumed_at: int | No
     return lr
 
 
-class _VideoOnly:
-    """Collate wrapper for a model without action channels: items' actions are left out."""
+class _Collate:
+    """The sampler's collate, plus ``extras["noise_keys"]``: (episode, segment) per episode slot, which
+    seed its noise; drops actions for a model without action channels."""
 
-    def __init__(self, collate: Any) -> None:
-        self.collate = collate
+    def __init__(self, collate: Any, actions: bool) -> None:
+        self.collate, self.actions = collate, actions
 
     def __call__(self, items: Sequence[dict]) -> Batch:
-        return self.collate([{k: v for k, v in it.items() if k not in ("action", "action_mask")} for it in items])
+        if not self.actions:
+            items = [{k: v for k, v in it.items() if k not in ("action", "action_mask")} for it in items]
+        batch = self.collate(items)
+        keys = [(int(it.get("episode_index", -1)), int(it.get("segment", -1))) for it in items]
+        return replace(batch, extras={**batch.extras, "noise_keys": keys})
+
+
+def noise_seeds(batch: Batch, seed: int, step: int) -> list[int]:
+    """One seed per episode slot from (run seed, step, episode, segment)."""
+    keys = batch.extras.get("noise_keys") or [(e, -1) for e in batch.layout.episode_index.tolist()]
+    return [episode_seed(seed, step, e, s + 1) for e, s in keys]
 
 
 @dataclass
@@ -82,7 +93,7 @@ def build_data(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> Data:
         raise ValueError("data.root is empty: set it to a LeRobot dataset folder with a latent cache")
     ds = LatentEpisodeDataset(
         d.root, latents_dir=d.latents_dir, action_dim=max(m.action_channels, 1), action_steps=d.action_steps,
-        stride=d.stride, cameras=list(d.cameras) if d.cameras else None, normalize=d.normalize,
+        stride=d.stride, cameras=list(d.cameras) if d.cameras else None, normalize=d.normalize, segments=d.segments,
     )
     item = ds[0]
     C, _, H, W = item["latent"].shape
@@ -101,7 +112,7 @@ def build_data(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> Data:
         sampler = LengthBucketBatchSampler(ds.lengths(), d.batch_size, pool_factor=d.pool_factor,
                                            pad_multiple=d.pad_multiple, tokens_per_frame=tpf, **common)
         collate = PadCollate(d.pad_multiple)
-    return Data(ds, sampler, collate if m.action_channels else _VideoOnly(collate), tpf)
+    return Data(ds, sampler, _Collate(collate, actions=m.action_channels > 0), tpf)
 
 
 def build_model(cfg: TrainConfig) -> nn.Module:
@@ -130,8 +141,7 @@ def accumulate(model: nn.Module, batches: Sequence[Batch], cfg: TrainConfig, *, 
         if sharded:  # reduce-scatter gradients once per step, not per micro-batch
             model.set_requires_gradient_sync(i == len(batches) - 1)
         batch = batch.to(device, non_blocking=True)
-        seeds = [episode_seed(cfg.runtime.seed, step, e) for e in batch.layout.episode_index.tolist()]
-        sample = episode_flow_sample(batch, cfg.objective, seeds)
+        sample = episode_flow_sample(batch, cfg.objective, noise_seeds(batch, cfg.runtime.seed, step))
         with torch.autocast(device.type, torch.bfloat16) if bf16 else contextlib.nullcontext():
             pred = model(sample.inputs, **sample.model_kwargs(), **model_kwargs(cfg))
         fl = flow_loss(pred, sample, batch, cfg.objective)
