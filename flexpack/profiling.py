@@ -53,6 +53,7 @@ class StepProfiler:
                 schedule=schedule(skip_first=self.warmup, wait=0, warmup=1, active=self.steps, repeat=1),
                 on_trace_ready=self._write,
                 record_shapes=True,
+                acc_events=True,  # one cycle only; silences the per-cycle clearing warning
             )
 
     @property
