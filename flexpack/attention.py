@@ -11,7 +11,7 @@ Backends (all return zeros, never NaN, for query rows that may attend nothing, e
 * ``"sdpa-loop"``: one SDPA call per episode (document / valid masks only).
 * ``"varlen"``: ``torch.nn.attention.varlen.varlen_attn`` over episode runs (CUDA; document masks).
 * ``"auto"``: CUDA -> ``AUTO_CUDA`` (measured in ``benchmarks/attention.py``; falls back to
-  ``"flex"`` without FA4); CPU -> ``"dense"``, except forward-only calls on long sequences
+  ``"flex"`` without FA4; a single-episode document mask uses one SDPA call); CPU -> ``"dense"``, except forward-only calls on long sequences
   (``T >= CPU_FLEX_MIN_TOKENS``), which use compiled flex to avoid the T x T mask.
 
 Compilation: one compiled FlexAttention per (kernel options, shape), ``dynamic=False``, each with
@@ -36,7 +36,8 @@ from flexpack.masks import MASK_KINDS, MaskMod, dense_mask, make_mask
 
 BACKENDS = ("auto", "dense", "flex", "flex-flash", "sdpa-loop", "varlen")
 DOCUMENT_ONLY = ("sdpa-loop", "varlen")
-# chosen from benchmarks/results/attention_h200.json (see BENCHMARKS.md)
+# chosen from benchmarks/results/attention_h200.json (see BENCHMARKS.md): FLASH beat Triton flex by
+# 1.2-1.4x fwd+bwd on document and teacher-forcing masks; "text" (kv != q length) was not measured
 AUTO_CUDA = {"document": "flex-flash", "valid": "flex-flash", "chunk_causal": "flex-flash",
              "teacher_forcing": "flex-flash", "text": "flex"}
 CPU_FLEX_MIN_TOKENS = 16384
@@ -189,6 +190,8 @@ class FlexAttnFunc:
         if self.backend != "auto":
             return self.backend
         if prep.device.type == "cuda":
+            if prep.kind in ("document", "valid") and prep.layout.text_len.numel() == 1:
+                return "sdpa-loop"  # one episode: a single SDPA call beat FLASH (0.93x) on the H200
             choice = AUTO_CUDA[prep.kind]
             return "flex" if choice == "flex-flash" and not has_flash() else choice
         if not needs_grad and prep.q_len >= CPU_FLEX_MIN_TOKENS:
