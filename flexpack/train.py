@@ -180,6 +180,7 @@ class TrainResult:
     episodes: list[list[int]] = field(default_factory=list)  # episode indices of each micro-batch (this rank)
     metrics: list[dict] = field(default_factory=list)
     checkpoint: Path | None = None
+    model: nn.Module | None = None  # the trained model (FSDP-sharded under torchrun)
 
 
 def train(cfg: TrainConfig, *, stop_after: int | None = None) -> TrainResult:
@@ -208,7 +209,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> TrainResult:
                                          num_workers=cfg.data.num_workers)
     stream = _stream(loader, data.sampler)
     end = cfg.schedule.steps if stop_after is None else min(stop_after, cfg.schedule.steps)
-    result = TrainResult(step=start, start_step=start, checkpoint=found)
+    result = TrainResult(step=start, start_step=start, checkpoint=found, model=model)
     sampler_state, step, tpf = data.sampler.state_dict(), start, data.tokens_per_frame
     bar = tqdm(total=cfg.schedule.steps, initial=start, desc="train", unit="step",
                disable=rank != 0 or not cfg.runtime.progress)
