@@ -16,8 +16,19 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	@touch $(STAMP)
 
+# The main job on an embedded default: a small synthetic LeRobot dataset (kept once made), its latent
+# cache (pool encoder), a few dozen CPU training steps of the tiny WanVA (configs/tiny_cpu.toml),
+# the packed == per-episode check on the trained weights, then the sampler statistics.
+# One OpenMP thread: the tiny model's ops are too small for a thread pool.
 demo: $(STAMP)
 	@mkdir -p $(OUT)
+	@test -d $(OUT)/demo-data || $(BIN)/flexpack make-dataset $(OUT)/demo-data --episodes 12
+	$(BIN)/flexpack encode --dataset $(OUT)/demo-data --no-progress
+	rm -rf $(OUT)/demo-run
+	OMP_NUM_THREADS=1 $(BIN)/flexpack train configs/tiny_cpu.toml --set data.root=$(OUT)/demo-data \
+	    --set runtime.out_dir=$(OUT)/demo-run
+	OMP_NUM_THREADS=1 $(BIN)/flexpack verify configs/tiny_cpu.toml --set data.root=$(OUT)/demo-data \
+	    --checkpoint $(OUT)/demo-run
 	$(BIN)/flexpack stats --frames-file data/episode_frames_ref.txt --mode pack \
 	    --max-tokens 65536 --tokens-per-frame 36 --world-size 8 --plot $(OUT)/stats_pack.png
 	$(BIN)/flexpack stats --frames-file data/episode_frames_ref.txt --mode pad \
