@@ -150,7 +150,7 @@ def verify_config(cfg: Any, *, micro_batches: int = 2, checkpoint_dir: str | Non
                   drop_packing: bool = False) -> VerifyReport:
     """Verify the first ``micro_batches`` micro-batches of the config's sampler (epoch 0, rank 0)."""
     from flexpack import checkpoint
-    from flexpack.train import build_data, build_model, model_kwargs
+    from flexpack.build import build_data, build_model, model_kwargs
 
     data = build_data(cfg)
     model = build_model(cfg)

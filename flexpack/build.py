@@ -1,0 +1,88 @@
+"""Build what a config describes: the dataset with its sampler and collate, and the model.
+
+Shared by :mod:`flexpack.train` and :mod:`flexpack.verify`, so both see the same micro-batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from flexpack.collate import Batch, PackCollate, PadCollate
+from flexpack.config import TrainConfig
+from flexpack.noise import episode_seed
+
+
+class _Collate:
+    """The sampler's collate, plus ``extras["noise_keys"]``: (episode, segment) per episode slot, which
+    seed its noise; drops actions for a model without action channels."""
+
+    def __init__(self, collate: Any, actions: bool) -> None:
+        self.collate, self.actions = collate, actions
+
+    def __call__(self, items: Sequence[dict]) -> Batch:
+        if not self.actions:
+            items = [{k: v for k, v in it.items() if k not in ("action", "action_mask")} for it in items]
+        batch = self.collate(items)
+        keys = [(int(it.get("episode_index", -1)), int(it.get("segment", -1))) for it in items]
+        return replace(batch, extras={**batch.extras, "noise_keys": keys})
+
+
+def noise_seeds(batch: Batch, seed: int, step: int) -> list[int]:
+    """One seed per episode slot from (run seed, step, episode, segment)."""
+    keys = batch.extras.get("noise_keys") or [(e, -1) for e in batch.layout.episode_index.tolist()]
+    return [episode_seed(seed, step, e, s + 1) for e, s in keys]
+
+
+@dataclass
+class Data:
+    dataset: Any
+    sampler: Any
+    collate: Any
+    tokens_per_frame: int
+
+
+def build_data(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> Data:
+    """Dataset, this rank's sampler and the matching collate; checks the data fits the model."""
+    from flexpack.data import LatentEpisodeDataset
+    from flexpack.sampler import LengthBucketBatchSampler, TokenBudgetBatchSampler
+
+    d, m = cfg.data, cfg.model.wan_config()
+    if not d.root:
+        raise ValueError("data.root is empty: set it to a LeRobot dataset folder with a latent cache")
+    ds = LatentEpisodeDataset(
+        d.root, latents_dir=d.latents_dir, action_dim=max(m.action_channels, 1), action_steps=d.action_steps,
+        stride=d.stride, cameras=list(d.cameras) if d.cameras else None, normalize=d.normalize, segments=d.segments,
+    )
+    item = ds[0]
+    C, _, H, W = item["latent"].shape
+    _, ph, pw = m.patch_size
+    if C != m.in_channels or H % ph or W % pw or item["text"].shape[1] != m.text_dim:
+        raise ValueError(
+            f"{d.root}: latents (C, H, W)={(C, H, W)} with text width {item['text'].shape[1]} do not fit the model "
+            f"(in_channels={m.in_channels}, patch={m.patch_size}, text_dim={m.text_dim}); set model.overrides"
+        )
+    tpf = (H // ph) * (W // pw) + (d.action_steps if m.action_channels else 0)
+    common = dict(rank=rank, world_size=world_size, seed=d.seed)
+    if d.mode == "pack":
+        sampler = TokenBudgetBatchSampler(ds.lengths(), d.max_tokens, tokens_per_frame=tpf, crop=d.crop, **common)
+        collate = PackCollate.from_token_budget(d.max_tokens, tpf, crop=d.crop)
+    else:
+        sampler = LengthBucketBatchSampler(ds.lengths(), d.batch_size, pool_factor=d.pool_factor,
+                                           pad_multiple=d.pad_multiple, tokens_per_frame=tpf, **common)
+        collate = PadCollate(d.pad_multiple)
+    return Data(ds, sampler, _Collate(collate, actions=m.action_channels > 0), tpf)
+
+
+def build_model(cfg: TrainConfig) -> nn.Module:
+    from flexpack.models import WanVA
+
+    torch.manual_seed(cfg.runtime.seed)  # every rank starts from the same weights
+    return WanVA(cfg.model.wan_config())
+
+
+def model_kwargs(cfg: TrainConfig) -> dict[str, Any]:
+    return {"mask": cfg.model.mask, "chunk_size": cfg.model.chunk_size}
