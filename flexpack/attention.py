@@ -41,6 +41,10 @@ DOCUMENT_ONLY = ("sdpa-loop", "varlen")
 AUTO_CUDA = {"document": "flex-flash", "valid": "flex-flash", "chunk_causal": "flex-flash",
              "teacher_forcing": "flex-flash", "text": "flex"}
 CPU_FLEX_MIN_TOKENS = 16384
+# Head dims for which the FLASH (FA4) backend was checked against a float64 reference on the H200
+# (benchmarks/flash_grad_check.py): at D=128 its gradients match; at D=16 dq is wrong (relative
+# error 1.2, with our block mask and with create_block_mask alike). Other head dims use Triton.
+FLASH_HEAD_DIMS = (128,)
 
 
 class _Counter:
@@ -220,6 +224,10 @@ class FlexAttnFunc:
             raise ValueError(f"q is on {q.device} but the mask on {prep.device}; pass device= to prepare()")
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
         backend = self._pick(prep, needs_grad)
+        if backend == "flex-flash" and q.shape[-1] not in FLASH_HEAD_DIMS:
+            if self.backend == "flex-flash":
+                raise ValueError(f"the FLASH backend is verified only for head dims {FLASH_HEAD_DIMS}, got {q.shape[-1]}")
+            backend = "flex"
         if backend in DOCUMENT_ONLY and prep.kind not in ("document", "valid"):
             raise ValueError(f"backend {backend!r} supports only document/valid masks, got {prep.kind!r}")
         if backend == "dense":

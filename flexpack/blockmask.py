@@ -22,10 +22,13 @@ block sets and index order: True blocks first, ascending), tested in ``tests/tes
 from __future__ import annotations
 
 import types
+import warnings
 from typing import Callable
 
 import torch
 from torch import Tensor
+from torch._dynamo.exc import BackendCompilerFailed
+from torch._inductor.exc import InductorError
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 BLOCK = 128
@@ -143,7 +146,14 @@ class BlockMaskBuilder:
         key = (getattr(mask_mod, "__code__", None), *args[2:])
         if key not in self._compiled:
             self._compiled[key] = compile_fresh(_structure, f"s{len(self._compiled)}", self._backend)
-        return self._compiled[key](mask_mod, *args)
+        try:
+            return self._compiled[key](mask_mod, *args)
+        except (BackendCompilerFailed, InductorError) as e:
+            # Seen on the H200 (torch 2.11): inductor codegen fails for the teacher-forcing
+            # structure at some segment counts. The eager build gives the same block mask.
+            warnings.warn(f"compiling the block-mask builder failed ({type(e).__name__}); building eagerly for this shape")
+            self._compiled[key] = _structure
+            return _structure(mask_mod, *args)
 
     def __call__(
         self,

@@ -63,6 +63,26 @@ def test_fast_block_mask_equals_create_block_mask(kind: str) -> None:
         assert_same_block_mask(fast_block_mask(mod, lay.num_tokens, kv_len, max_segments=bound), want)
 
 
+def test_compile_failure_falls_back_to_the_eager_build() -> None:
+    """An inductor failure (seen on the H200 for teacher forcing) must not fail the step."""
+    calls = []
+
+    def broken_backend(gm, example_inputs):
+        calls.append(1)
+        raise RuntimeError("codegen failed")
+
+    lay, kw, kv_len = layout_for(random.Random(5), "teacher_forcing")
+    mod = make_mask(lay, "teacher_forcing", **kw)
+    builder = BlockMaskBuilder(compile=True, compile_backend=broken_backend)
+    with pytest.warns(UserWarning, match="building eagerly"):
+        got = builder(mod, lay.num_tokens, kv_len)
+    assert calls, "the compiled path was not tried"
+    assert_same_block_mask(got, create_block_mask(mod, 1, 1, lay.num_tokens, kv_len, device="cpu"))
+    n = len(calls)
+    assert_same_block_mask(builder(mod, lay.num_tokens, kv_len), got)  # no second compile attempt
+    assert len(calls) == n
+
+
 def test_plain_document_layout_many_segments() -> None:
     # 1 token per "frame": the frame bound is T, above MAX_SEGMENTS -> exact count path
     lens = [1000, 37, 5000, 129, 4000, 3000, 127]
