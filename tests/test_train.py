@@ -179,3 +179,16 @@ def test_profiling_writes_trace_and_table_when_LINGBOT_PROFILE_2(dataset, tmp_pa
     monkeypatch.setenv("LINGBOT_PROFILE", "two")
     with pytest.raises(ValueError, match="LINGBOT_PROFILE must be a non-negative integer, got 'two'"):
         StepProfiler(tmp_path)
+
+
+def test_activation_checkpointing_from_outside_changes_nothing_but_memory(dataset, tmp_path):
+    plain = train(config(dataset, tmp_path / "plain", "schedule.steps=3"))
+    ac = train(config(dataset, tmp_path / "ac", "schedule.steps=3", "runtime.activation_checkpointing=true"))
+    assert type(ac.model.blocks[0]).__name__ == "CheckpointWrapper"
+    assert ac.losses == pytest.approx(plain.losses, rel=1e-5) and ac.episodes == plain.episodes
+    saved = torch.load(ac.checkpoint / "model.pt", weights_only=True)
+    assert not any("_checkpoint_wrapped_module" in k for k in saved)  # loads into an unwrapped model
+    assert set(saved) == set(plain.model.state_dict())
+    bf16 = train(config(dataset, tmp_path / "bf16", "schedule.steps=3", "runtime.dtype='bfloat16'"))
+    assert bf16.losses != plain.losses  # autocast engaged: bf16 matmuls
+    assert all(abs(a - b) < 0.05 * b for a, b in zip(bf16.losses, plain.losses))
