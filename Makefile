@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-stamp
 OUT    ?= out
 export HF_HUB_OFFLINE := 1
 
-.PHONY: demo test test-all install clean
+.PHONY: demo test install clean
 
 install: $(STAMP)
 
@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	@mkdir -p $(OUT)
 	@test -d $(OUT)/demo-data || $(BIN)/flexpack make-dataset $(OUT)/demo-data --episodes 12
-	$(BIN)/flexpack encode --dataset $(OUT)/demo-data --no-progress
+	$(BIN)/flexpack encode --dataset $(OUT)/demo-data
 	rm -rf $(OUT)/demo-run
 	OMP_NUM_THREADS=1 $(BIN)/flexpack train configs/tiny_cpu.toml --set data.root=$(OUT)/demo-data \
 	    --set runtime.out_dir=$(OUT)/demo-run
