@@ -18,11 +18,11 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from flexpack.atomic import atomic_path
 from flexpack.data.lengths import latent_frames  # one definition; that module never imports lerobot at import time
 from flexpack.sampler import LengthBucketBatchSampler, SamplerStats, TokenBudgetBatchSampler
 
@@ -148,15 +148,9 @@ def write_plot(path: str, lengths: list[int], st: SamplerStats, title: str) -> N
           title=f"fill, waste {100 * st.waste:.2f} %, {st.distinct_shapes} shape(s)")
     fig.suptitle(title)
     fig.tight_layout()
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".stats-", suffix=".png", dir=folder)
     try:
-        with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format="png", dpi=100)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, format="png", dpi=100)
     finally:
         plt.close(fig)
 

@@ -101,6 +101,9 @@ def test_plot_writes_png(tmp_path, capsys):
     data = png.read_bytes()
     assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 10_000
     assert os.listdir(tmp_path) == ["stats.png"]  # the temporary file was renamed, not left behind
+    umask = os.umask(0)
+    os.umask(umask)
+    assert png.stat().st_mode & 0o777 == 0o666 & ~umask  # an ordinary file, not mkstemp's private 0600
 
 
 def test_plot_into_missing_folder_fails_cleanly(tmp_path, capsys):

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from flexpack.atomic import atomic_path
+
 LATENT_FORMAT = "flexpack-latent-v1"
 TEXT_FORMAT = "flexpack-text-v1"
 IMAGE_PREFIX = "observation.images."
@@ -55,15 +57,9 @@ def write_safetensors_atomic(path: Path, tensors: dict[str, torch.Tensor], metad
     """Write ``tensors`` to ``path`` through a temporary file in the same folder and a rename."""
     from safetensors.torch import save_file
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
 
 
 @dataclass(frozen=True)
