@@ -108,6 +108,59 @@ def test_from_diffusers_file_sharded(tmp_path):
         assert rel_err(ours.forward_video(x, t, txt), ref) <= REL
 
 
+def test_loading_initializes_only_the_action_stream(tmp_path, monkeypatch):
+    """Loaders build on the meta device and adopt the checkpoint: no random init of the video weights
+    (minutes and ~20 GB at 5B); the action stream, absent from the checkpoint, gets a real init."""
+    kw, shape, L = CONFIGS[0]
+    m = reference(kw, seed=5)
+    m.save_pretrained(tmp_path)
+    real_init = torch.nn.init.kaiming_uniform_
+    inits = []
+
+    def recording_init(tensor, *args, **kwargs):
+        if not tensor.is_meta:
+            inits.append(tuple(tensor.shape))
+        return real_init(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.init, "kaiming_uniform_", recording_init)
+    x, t, txt = inputs(shape, L)
+    with torch.no_grad():
+        ref = m(x, t, txt, return_dict=False)[0]
+    for load in (lambda: WanVA.from_diffusers_file(str(tmp_path), attn=FlexAttnFunc("dense"), action_channels=3),
+                 lambda: WanVA.from_diffusers(m, attn=FlexAttnFunc("dense"), action_channels=3)):
+        inits.clear()
+        ours = load().eval()
+        D = ours.config.dim
+        assert sorted(inits) == [(3, D), (D, 3)]  # action_embed and action_head_proj, nothing else
+        assert not any(p.is_meta for p in ours.parameters())
+        for name in ("action_embed.weight", "action_head_proj.weight", "action_head_modulation"):
+            p = ours.get_parameter(name)
+            assert torch.isfinite(p).all() and p.abs().sum() > 0 and p.requires_grad, name
+        with torch.no_grad():
+            assert rel_err(ours.forward_video(x, t, txt), ref) <= REL
+    # from_diffusers copies: changing the diffusers model afterwards leaves ours alone
+    before = ours.blocks[0].self_attn.q.weight.clone()
+    with torch.no_grad():
+        m.blocks[0].attn1.to_q.weight.add_(1.0)
+    assert torch.equal(ours.blocks[0].self_attn.q.weight, before)
+
+
+def test_from_diffusers_file_takes_the_main_dtype_and_config_overrides(tmp_path):
+    kw, shape, L = CONFIGS[0]
+    m = reference(kw, seed=6)
+    m.save_pretrained(tmp_path)
+    cfg = config_from_diffusers(json.loads((tmp_path / "config.json").read_text()))
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(tmp_path / "diffusion_pytorch_model.safetensors")
+    mixed = {k: v if k.endswith("norm_q.weight") else v.to(torch.bfloat16) for k, v in sd.items()}
+    save_file(mixed, tmp_path / "mixed.safetensors")
+    ours = WanVA.from_diffusers_file(str(tmp_path / "mixed.safetensors"), cfg, attn=FlexAttnFunc("dense"),
+                                     action_channels=2)
+    assert ours.config.action_channels == 2  # overrides apply to a WanVAConfig too
+    assert {p.dtype for p in ours.parameters()} == {torch.bfloat16}
+
+
 def test_conversion_fails_loudly():
     kw, _, _ = CONFIGS[0]
     m = reference(kw)

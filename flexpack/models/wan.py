@@ -223,7 +223,8 @@ class WanVA(nn.Module):
 
     @classmethod
     def from_diffusers(cls, model: nn.Module, *, attn: Any = None, **config_overrides: Any) -> "WanVA":
-        """Copy a ``diffusers.WanTransformer3DModel``'s weights (action modules keep their init)."""
+        """Copy a ``diffusers.WanTransformer3DModel``'s weights (built on the meta device; the action
+        modules, which diffusers lacks, get a fresh init)."""
         from .wan_convert import from_diffusers
 
         return from_diffusers(cls, model, attn=attn, **config_overrides)
@@ -231,13 +232,26 @@ class WanVA(nn.Module):
     @classmethod
     def from_diffusers_file(cls, path: str, config: Any = None, *, attn: Any = None, **config_overrides: Any) -> "WanVA":
         """Load a diffusers-format checkpoint: a ``.safetensors`` file (``config`` or a ``config.json``
-        beside it gives the shape) or a folder with ``config.json`` and (sharded) weights."""
+        beside it gives the shape) or a folder with ``config.json`` and (sharded) weights.
+
+        The model is built on the meta device and adopts the checkpoint's tensors; only the action
+        stream is initialized (no random init of billions of weights that are overwritten anyway)."""
         from .wan_convert import from_diffusers_file
 
         return from_diffusers_file(cls, path, config, attn=attn, **config_overrides)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+    @torch.no_grad()
+    def reset_action_stream(self) -> None:
+        """Fresh weights for the action modules, distributed as at construction (``nn.Linear``'s
+        init; head modulation ~ N(0, 1/D)). Loaders call it for the part a video checkpoint lacks."""
+        if self.action_embed is None:
+            return
+        self.action_embed.reset_parameters()
+        self.action_head_proj.reset_parameters()
+        self.action_head_modulation.normal_(0.0, self.config.dim**-0.5)
 
     # -------------------------------------------------------------- internals
     @staticmethod

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Mapping
+from dataclasses import replace
+from typing import Any, Iterable, Mapping
 
 import torch
 from torch import Tensor, nn
@@ -101,8 +102,8 @@ def _rename(name: str, cfg: WanVAConfig) -> str | None:
     return f"blocks.{i}.{_BLOCK[stem]}.{leaf}" if stem in _BLOCK else None
 
 
-def load_converted(model: WanVA, sd: Mapping[str, Tensor]) -> WanVA:
-    """Load a converted state dict; only the action stream may be missing, shapes must match."""
+def _check_converted(model: WanVA, sd: Mapping[str, Tensor]) -> None:
+    """Only the action stream may be missing from ``sd``; names and shapes must match ``model``."""
     own = model.state_dict()
     for k, t in sd.items():
         if k not in own:
@@ -112,22 +113,64 @@ def load_converted(model: WanVA, sd: Mapping[str, Tensor]) -> WanVA:
     missing = [k for k in own if k not in sd and not k.startswith(_ACTION_PREFIXES)]
     if missing:
         raise ValueError(f"the checkpoint lacks WanVA weights {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+
+
+def load_converted(model: WanVA, sd: Mapping[str, Tensor]) -> WanVA:
+    """Load a converted state dict into an existing model (copying); the action stream keeps its weights."""
+    _check_converted(model, sd)
     model.load_state_dict(dict(sd), strict=False)
     return model
+
+
+def build_converted(
+    cls: type[WanVA], cfg: WanVAConfig, sd: dict[str, Tensor], *, attn: Any, device: torch.device | str,
+    dtype: torch.dtype, copy: bool,
+) -> WanVA:
+    """A WanVA holding ``sd``'s weights, without a random initialization of the whole model.
+
+    The model is built on the meta device and adopts the checkpoint tensors (``assign=True``,
+    cast to ``device``/``dtype``); only the action stream, which the checkpoint lacks, is
+    materialized and initialized (:meth:`WanVA.reset_action_stream`). At 5B this avoids ~20 GB of
+    fp32 random weights and minutes of init. ``copy=False`` may consume ``sd`` (its tensors are
+    moved into the model one by one); ``copy=True`` leaves the caller's tensors untouched.
+    """
+    with torch.device("meta"):
+        model = cls(cfg, attn=attn)
+    _check_converted(model, sd)
+    full: dict[str, Tensor] = {}
+    for k in list(sd):
+        t = sd[k] if copy else sd.pop(k)  # pop: drop the source tensor as soon as it is converted
+        full[k] = t.to(device=device, dtype=dtype, copy=copy).contiguous()
+    for k, p in model.state_dict().items():
+        if k not in full:  # the action stream: materialized here, initialized below
+            full[k] = torch.empty(p.shape, device=device, dtype=dtype)
+    model.load_state_dict(full, strict=True, assign=True)
+    model.reset_action_stream()
+    return model
+
+
+def _main_dtype(tensors: Iterable[Tensor]) -> torch.dtype:
+    """The floating dtype holding most elements (a bf16 file with a few fp32 norms stays bf16)."""
+    counts: dict[torch.dtype, int] = {}
+    for t in tensors:
+        if t.dtype.is_floating_point:
+            counts[t.dtype] = counts.get(t.dtype, 0) + t.numel()
+    return max(counts, key=counts.__getitem__) if counts else torch.float32
 
 
 def from_diffusers(cls: type[WanVA], model: nn.Module, *, attn: Any = None, **overrides: Any) -> WanVA:
     cfg = config_from_diffusers(dict(model.config), **overrides)
     p = next(model.parameters())
-    out = cls(cfg, attn=attn).to(device=p.device, dtype=p.dtype)
-    return load_converted(out, convert_state_dict(model.state_dict(), cfg))
+    sd = convert_state_dict(model.state_dict(), cfg)
+    return build_converted(cls, cfg, sd, attn=attn, device=p.device, dtype=p.dtype, copy=True)
 
 
 def from_diffusers_file(
     cls: type[WanVA], path: str, config: Any = None, *, attn: Any = None, **overrides: Any
 ) -> WanVA:
     """``path``: a ``.safetensors`` file or a folder with ``config.json`` and
-    ``diffusion_pytorch_model.safetensors`` (or its ``.index.json`` shards)."""
+    ``diffusion_pytorch_model.safetensors`` (or its ``.index.json`` shards). The model takes the
+    checkpoint's main floating dtype and lives on the CPU."""
     from safetensors.torch import load_file
 
     folder = path if os.path.isdir(path) else os.path.dirname(path)
@@ -151,10 +194,11 @@ def from_diffusers_file(
             raise ValueError(f"{path}: pass config= or put the diffusers config.json beside the weights")
         with open(cfg_path) as f:
             config = json.load(f)
-    cfg = config if isinstance(config, WanVAConfig) else config_from_diffusers(config, **overrides)
+    cfg = replace(config, **overrides) if isinstance(config, WanVAConfig) else config_from_diffusers(config, **overrides)
     sd: dict[str, Tensor] = {}
     for fn in files:
         sd.update(load_file(fn))
-    dtype = next(iter(sd.values())).dtype
-    model = cls(cfg, attn=attn).to(dtype=dtype if dtype.is_floating_point else torch.float32)
-    return load_converted(model, convert_state_dict(sd, cfg))
+    converted = convert_state_dict(sd, cfg)
+    del sd  # `converted` holds the only references now: build_converted releases them one by one
+    dtype = _main_dtype(converted.values())
+    return build_converted(cls, cfg, converted, attn=attn, device="cpu", dtype=dtype, copy=False)
