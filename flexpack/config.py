@@ -85,6 +85,9 @@ class ModelConfig:
             raise ValueError(f"model.mask must be one of {MASKS}, got {self.mask!r}")
         if self.mask != "document" and (self.chunk_size is None or self.chunk_size <= 0):
             raise ValueError(f"model.mask={self.mask!r} needs a positive model.chunk_size, got {self.chunk_size!r}")
+        if self.mask == "document" and self.chunk_size is not None:
+            raise ValueError(f"model.chunk_size={self.chunk_size!r} has no effect with model.mask='document'; "
+                             "set model.mask to 'chunk_causal' or 'teacher_forcing', or drop chunk_size")
 
     def wan_config(self):
         from flexpack.models.wan import WanVAConfig, wan_config
@@ -178,6 +181,12 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.objective.teacher_forcing and self.model.mask != "teacher_forcing":
             raise ValueError(f"objective.teacher_forcing needs model.mask = 'teacher_forcing', got {self.model.mask!r}")
+        if self.model.mask == "teacher_forcing" and not self.objective.teacher_forcing:
+            # without the clean copy every token is noisy: attention would shrink to the own chunk
+            raise ValueError("model.mask = 'teacher_forcing' needs objective.teacher_forcing = true (the clean copy)")
+        if self.runtime.activation_checkpointing and self.model.overrides.get("activation_checkpointing"):
+            raise ValueError("activation checkpointing is on twice (runtime.activation_checkpointing and "
+                             "model.overrides.activation_checkpointing): each block would be recomputed twice; keep one")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

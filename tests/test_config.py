@@ -60,6 +60,10 @@ def test_unknown_keys_are_rejected_naming_file_and_key(tmp_path, text, key):
     ('[model]\npreset = "huge"\n', r"unknown WanVA preset 'huge'"),
     ('[model]\nmask = "chunk_causal"\n', r"needs a positive model\.chunk_size"),
     ("[objective]\nteacher_forcing = true\n", r"teacher_forcing needs model\.mask"),
+    ('[model]\nmask = "teacher_forcing"\nchunk_size = 2\n', r"needs objective\.teacher_forcing = true"),
+    ("[model]\nchunk_size = 2\n", r"model\.chunk_size=2 has no effect with model\.mask='document'"),
+    ("[model]\noverrides = { activation_checkpointing = true }\n[runtime]\nactivation_checkpointing = true\n",
+     r"activation checkpointing is on twice"),
     ("[schedule]\nrewarmup_from = 1.5\n", r"rewarmup_from must be in \[0, 1\], got 1.5"),
 ])
 def test_bad_values_are_value_errors_naming_the_field(tmp_path, text, match):
@@ -92,3 +96,18 @@ def test_json_round_trip_and_file_errors(tmp_path):
         load_config(write(tmp_path, "a: 1", "c.yaml"))
     with pytest.raises(ValueError, match="cannot parse"):
         load_config(write(tmp_path, "[data\n"))
+
+
+def test_wan5b_config_builds_its_model_on_the_meta_device():
+    import torch
+
+    from flexpack.build import build_model
+
+    cfg = load_config(CONFIGS / "wan5b_pack.toml", ["data.root=/d"])
+    with torch.device("meta"):
+        model = build_model(cfg)
+    n = model.num_parameters()
+    print(f"configs/wan5b_pack.toml model: {n:,} parameters")
+    assert 4.9e9 < n < 5.1e9 and all(p.is_meta for p in model.parameters())
+    assert model.config.action_channels == 30 and model.action_embed.in_features == 30
+    assert model.attn.backend == "auto"
