@@ -184,6 +184,8 @@ class FlexAttnFunc:
             raise ValueError(f"mask {mask!r} has no keys (kv_len=0)")
         prep = PreparedMask(mask, layout, mod, layout.num_tokens, kv_len, self._builder(layout.doc.device))
         backend = self._pick(prep, needs_grad=True)
+        if backend != self._pick(prep, needs_grad=False):
+            return prep  # decided per call (CPU auto, long T): build lazily, never a useless T x T mask
         if backend in ("flex", "flex-flash"):
             prep.block_mask()
         elif backend == "dense":

@@ -174,6 +174,24 @@ def test_auto_on_cpu_picks_dense_for_training() -> None:
     assert attn._pick(attn.prepare(lay), needs_grad=True) == "dense"
 
 
+def test_auto_on_cpu_uses_flex_for_long_forward_only_calls_without_a_dense_mask(monkeypatch) -> None:
+    import flexpack.attention as attention
+
+    monkeypatch.setattr(attention, "CPU_FLEX_MIN_TOKENS", 256)  # stands in for 16k tokens: small and fast
+    lay = SequenceLayout.from_rows([[15, 12, 9]], FRAMES).tokens(5, 2)  # 280 tokens: the shape compiled above
+    q, k, v = qkv(lay.num_tokens, lay.num_tokens, dtype=torch.float32)
+    attn = FlexAttnFunc()
+    prep = attn.prepare(lay)
+    assert "dense" not in prep._cache  # a T x T bool mask (4 GB at 65k tokens) nobody would use
+    with torch.no_grad():
+        out = attn(q, k, v, prep)
+    assert "dense" not in prep._cache and "block" in prep._cache
+    torch.testing.assert_close(out, FlexAttnFunc("dense")(q, k, v, lay), rtol=1e-5, atol=1e-5)
+    qg = q.clone().requires_grad_()
+    attn(qg, k, v, prep).sum().backward()  # training on CPU still takes the dense path
+    assert "dense" in prep._cache and torch.isfinite(qg.grad).all()
+
+
 # ------------------------------------------------------------------ GPU (run on the H200)
 @pytest.mark.gpu
 @needs_cuda

@@ -130,6 +130,29 @@ def test_episodes_do_not_leak_and_timesteps_are_per_frame():
         assert torch.equal(out2[:, :, 4:], base[:, :, 4:])
 
 
+def test_masks_are_prepared_once_per_forward_and_shared_by_every_block():
+    class Counting(FlexAttnFunc):
+        def __init__(self):
+            super().__init__("dense")
+            self.prepared, self.seen = [], set()
+
+        def prepare(self, *args, **kw):
+            self.prepared.append(super().prepare(*args, **kw))
+            return self.prepared[-1]
+
+        def __call__(self, q, k, v, prep, *args, **kw):
+            self.seen.add(id(prep))
+            return super().__call__(q, k, v, prep, *args, **kw)
+
+    attn = Counting()
+    model = WanVA(wan_config("tiny", num_layers=3), attn=attn)
+    batch = PackCollate(9)(make_items([5, 3]))
+    with torch.no_grad():
+        run(model, batch, torch.full((1, 9), 400.0), mask="chunk_causal", chunk_size=2)
+    assert [p.kind for p in attn.prepared] == ["chunk_causal", "text"]  # once, not once per block
+    assert attn.seen == {id(p) for p in attn.prepared}
+
+
 def test_rope_bands_and_action_tokens_have_identity_spatial_rotation():
     assert rope_bands(128) == (44, 42, 42) and rope_bands(12) == (4, 4, 4)
     with pytest.raises(ValueError, match="even"):
