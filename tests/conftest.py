@@ -3,6 +3,8 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 # Tests never reach a hub: datasets are built locally, models are small and random.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -12,3 +14,15 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 _hf_cache = tempfile.mkdtemp(prefix="flexpack-tests-hf-")
 os.environ["HF_DATASETS_CACHE"] = _hf_cache
 atexit.register(shutil.rmtree, _hf_cache, ignore_errors=True)
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: the tiny model's ops are far too small for a thread pool; on shared
+    cores it only adds waits (train/verify tests use it)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

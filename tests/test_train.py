@@ -25,13 +25,7 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 VIDEO_FRAMES = [37, 29, 21, 17, 13, 9]  # latent frames 10, 8, 6, 5, 4, 3
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # the tiny model's ops are far too small for a thread pool; on 2 shared cores it only adds waits
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
