@@ -196,6 +196,7 @@ def test_camera_not_in_dataset(base, capsys):
     problems, _ = check_dataset(base, cameras=["cam0", "cam7"])
     kinds = [(p.kind, p.episode, p.file) for p in problems]
     assert ("camera", None, base / "meta" / "info.json") in kinds
+    assert kinds == [("camera", None, base / "meta" / "info.json")]  # no "missing" file per episode on top
     assert "cam7" in str(problems[0])
     assert main(["check-dataset", str(base), "--cameras", "cam7"]) == 1
     assert "cam7" in capsys.readouterr().out
@@ -208,3 +209,48 @@ def test_not_a_dataset(tmp_path, capsys):
     assert "info.json" in capsys.readouterr().out
     with pytest.raises(FileNotFoundError, match="info.json"):
         LatentEpisodeDataset(tmp_path)
+
+
+# --- datasets that cannot be checked at all: one clear error, never a traceback or a hub download ---
+
+
+def test_empty_dataset(tmp_path, capsys):
+    from lerobot.datasets.lerobot_dataset import LeRobotDataset
+
+    root = tmp_path / "empty"
+    features = {"action": {"dtype": "float32", "shape": (2,), "names": ["a0", "a1"]}}
+    LeRobotDataset.create("local/empty", fps=10, features=features, root=root, use_videos=False).finalize()
+    assert main(["check-dataset", str(root)]) == 2
+    err = capsys.readouterr().err
+    assert "info.json: the dataset has no episodes" in err and "Traceback" not in err
+    assert main(["encode", "--dataset", str(root), "--no-progress"]) == 2
+    assert "has no episodes" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="has no episodes"):
+        LatentEpisodeDataset(root)
+
+
+@pytest.mark.parametrize("missing", ["meta/tasks.parquet", "meta/episodes", "data"])
+def test_missing_metadata_or_data_is_named_not_downloaded(missing, ds_copy, capsys):
+    # lerobot would fetch a missing file from the hub (offline here: an unrelated hub error)
+    shutil.rmtree(ds_copy / missing) if (ds_copy / missing).is_dir() else (ds_copy / missing).unlink()
+    assert main(["check-dataset", str(ds_copy)]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("[missing] dataset: ") and str(ds_copy / missing) in out
+    with pytest.raises(FileNotFoundError, match=str(ds_copy / missing)):
+        LatentEpisodeDataset(ds_copy, segments=missing != "data")[0]
+
+
+@pytest.mark.parametrize("text", ["{not json", "{}"])
+def test_malformed_info_json(text, tmp_path, capsys):
+    (tmp_path / "meta").mkdir()
+    (tmp_path / "meta" / "info.json").write_text(text)
+    assert main(["check-dataset", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "info.json: not LeRobot v3 metadata" in err and "Traceback" not in err
+    assert main(["stats", "--dataset", str(tmp_path), "--mode", "pad"]) == 2
+    assert "info.json: not LeRobot v3 metadata" in capsys.readouterr().err
+
+
+def test_bad_stride(base, capsys):
+    assert main(["check-dataset", str(base), "--stride", "0"]) == 2
+    assert "stride must be >= 1, got 0" in capsys.readouterr().err

@@ -11,6 +11,7 @@ diffusers = pytest.importorskip("diffusers", reason="diffusers (dev extra) is ne
 
 from flexpack.cli import main  # noqa: E402
 from flexpack.data import LatentEpisodeDataset, cache, dataset_latent_frames  # noqa: E402
+from flexpack.data.encode import encode_dataset  # noqa: E402
 from flexpack.data.episodes import EpisodeSource  # noqa: E402
 from flexpack.data.synthetic import make_synthetic_dataset  # noqa: E402
 
@@ -59,7 +60,11 @@ def test_wan_vae_encoder_writes_normalized_posterior_mode(tiny_vae, tmp_path, ca
     assert LatentEpisodeDataset(root)[1]["latent"].shape == (48, 4, 2, 2)
 
 
-def test_wan_vae_bad_path_names_it(tmp_path):
+def test_wan_vae_bad_path_names_it(tmp_path, capsys):
     root = make_synthetic_dataset(tmp_path / "ds", lengths=[5], cameras=1)
     with pytest.raises(FileNotFoundError, match="nope.*config.json"):
-        main(["encode", "--dataset", str(root), "--encoder", f"wan-vae:{tmp_path / 'nope'}", "--no-progress"])
+        encode_dataset(root, encoder=f"wan-vae:{tmp_path / 'nope'}", progress=False)
+    # the command line says the same in one line and exits 2
+    assert main(["encode", "--dataset", str(root), "--encoder", f"wan-vae:{tmp_path / 'nope'}", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "nope" in err and "config.json" in err and "Traceback" not in err

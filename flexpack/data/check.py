@@ -22,19 +22,15 @@ from flexpack.data.problems import DatasetProblemError, Problem, inspect_latent,
 
 
 def _cameras(source: EpisodeSource, cameras: list[str] | None) -> tuple[list[str], list[Problem]]:
-    if not cameras:
-        try:
-            return resolve_cameras(source.video_keys, None, source.info_file), []
-        except DatasetProblemError as exc:
-            return [], [exc.problem]
+    """Feature keys of the camera set, or (no keys) a problem for each camera the dataset lacks:
+    a cache for a camera set that cannot exist is not checked file by file."""
     keys, problems = [], []
-    for cam in cameras:
+    for group in [cameras] if not cameras else [[c] for c in cameras]:
         try:
-            keys += resolve_cameras(source.video_keys, [cam], source.info_file)
+            keys += resolve_cameras(source.video_keys, group, source.info_file)
         except DatasetProblemError as exc:
-            keys.append(cam)
             problems.append(exc.problem)
-    return keys, problems
+    return ([] if problems else keys), problems
 
 
 def check_dataset(
@@ -46,6 +42,8 @@ def check_dataset(
     action_key: str = "action",
     progress: bool = False,
 ) -> tuple[list[Problem], EpisodeSource]:
+    if stride < 1:
+        raise ValueError(f"stride must be >= 1, got {stride}")
     source = EpisodeSource(root)
     out_dir = Path(latents_dir) if latents_dir is not None else cache.default_latents_dir(root)
     cams, problems = _cameras(source, cameras)
@@ -111,6 +109,9 @@ def run(args: argparse.Namespace) -> int:
     except FileNotFoundError as exc:
         print(f"[missing] dataset: {exc}")
         return 1
+    except ValueError as exc:  # not a dataset this can check (no episodes, bad metadata, bad arguments)
+        print(f"flexpack check-dataset: error: {exc}", file=sys.stderr)
+        return 2
     for p in problems:
         print(p)
     if problems:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -70,7 +71,10 @@ def encode_dataset(
             continue
         used = used_video_frames(n, enc.stride)
         videos = [source.decode(episode, cam, used) for cam in cams]
-        latent = encode_cameras(enc, videos, cams)
+        try:
+            latent = encode_cameras(enc, videos, cams)
+        except ValueError as exc:
+            raise ValueError(f"{source.root}: episode {episode}, cameras {cams}: {exc}") from exc
         cache.write_latent(
             path, latent, episode_index=episode, fps=source.meta.fps, encoder=enc.name,
             cameras=cams, video_frames=n, stride=enc.stride,
@@ -91,11 +95,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    report = encode_dataset(
-        args.dataset, encoder=args.encoder, text_encoder=args.text_encoder, cameras=args.cameras,
-        latents_dir=args.latents_dir, video_backend=args.video_backend, device=args.device,
-        progress=not args.no_progress,
-    )
+    try:
+        report = encode_dataset(
+            args.dataset, encoder=args.encoder, text_encoder=args.text_encoder, cameras=args.cameras,
+            latents_dir=args.latents_dir, video_backend=args.video_backend, device=args.device,
+            progress=not args.no_progress,
+        )
+    except (ValueError, OSError, ImportError) as exc:  # finished episodes stay cached: rerun to resume
+        print(f"flexpack encode: error: {exc}", file=sys.stderr)
+        return 2
     print(
         f"encoded {len(report.encoded)} episode(s), skipped {len(report.skipped)} already cached, "
         f"wrote {len(report.texts_written)} task text(s) -> {report.latents_dir} (cameras {report.cameras})"

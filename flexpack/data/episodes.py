@@ -24,6 +24,8 @@ class EpisodeSource:
         self.video_backend = video_backend
         self.episodes: list[int] = episode_indices(self.meta)
         self.video_frames: list[int] = episode_video_frames(self.meta)
+        if not self.episodes:
+            raise ValueError(f"{self.info_file}: the dataset has no episodes")
         self._position = {ep: i for i, ep in enumerate(self.episodes)}
         self._dataset: Any = None
         self._row_of_index: np.ndarray | None = None
@@ -73,6 +75,11 @@ class EpisodeSource:
     def _table(self) -> Any:
         if self._dataset is None:
             from lerobot.datasets.lerobot_dataset import LeRobotDataset
+
+            # lerobot fetches missing data files from the hub; a local dataset must have them all
+            missing = sorted({str(p) for p in map(self.data_file, self.episodes) if not p.is_file()})
+            if missing:
+                raise FileNotFoundError(f"{missing[0]}: data file missing ({len(missing)} of the dataset's data files)")
 
             self._dataset = LeRobotDataset(f"local/{self.root.name}", root=self.root, video_backend=self.video_backend)
             index = self._column_all("index").astype(np.int64)
@@ -145,7 +152,11 @@ class EpisodeSource:
         path = self.video_file(episode, camera)
         if not path.is_file():
             raise FileNotFoundError(f"{path}: video of camera {camera!r} for episode {episode} does not exist")
-        video = decode_video_frames(path, (timestamps + offset).tolist(), 1e-4, self.video_backend, return_uint8=True)
+        try:
+            video = decode_video_frames(path, (timestamps + offset).tolist(), 1e-4, self.video_backend, return_uint8=True)
+        except Exception as exc:  # pyav/torchcodec raise assorted types on a damaged file
+            raise ValueError(f"{path}: cannot decode camera {camera!r} of episode {episode} "
+                             f"({type(exc).__name__}: {exc})") from exc
         if video.shape[0] != frames:
             raise ValueError(f"{path}: decoded {video.shape[0]} frames of episode {episode}, expected {frames}")
         return video

@@ -8,6 +8,7 @@ video frames therefore has ``F = (n - 1) // stride + 1`` latent frames; the trai
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -30,15 +31,28 @@ def used_video_frames(n: int, stride: int = 4) -> int:
 def open_metadata(root: str | os.PathLike) -> Any:
     """``LeRobotDatasetMetadata`` of a local dataset; never downloads.
 
-    Raises FileNotFoundError naming ``meta/info.json`` when ``root`` holds no LeRobot dataset.
+    Raises FileNotFoundError naming ``meta/info.json`` when ``root`` holds no LeRobot dataset, or
+    naming the metadata file that is missing (lerobot would fetch a missing one from the hub), and
+    ValueError naming ``meta/info.json`` when it is not LeRobot metadata.
     """
     root = Path(root)
-    info = root / "meta" / "info.json"
-    if not info.is_file():
-        raise FileNotFoundError(f"{info}: not a LeRobot dataset (no meta/info.json under {root})")
+    info_file = root / "meta" / "info.json"
+    if not info_file.is_file():
+        raise FileNotFoundError(f"{info_file}: not a LeRobot dataset (no meta/info.json under {root})")
     from lerobot.datasets.dataset_metadata import LeRobotDatasetMetadata
 
-    return LeRobotDatasetMetadata(f"local/{root.name}", root=root)
+    try:
+        info = json.loads(info_file.read_text(encoding="utf-8"))
+        counts = {"episodes": int(info["total_episodes"]), "tasks": int(info["total_tasks"])}
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{info_file}: not LeRobot v3 metadata ({type(exc).__name__}: {exc})") from None
+    for what, path in (("tasks", root / "meta" / "tasks.parquet"), ("episodes", root / "meta" / "episodes")):
+        if counts[what] > 0 and not path.exists():
+            raise FileNotFoundError(f"{path}: missing, but {info_file} lists {counts[what]} {what}")
+    try:
+        return LeRobotDatasetMetadata(f"local/{root.name}", root=root)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ValueError(f"{info_file}: lerobot cannot read this dataset's metadata ({type(exc).__name__}: {exc})") from exc
 
 
 def episode_video_frames(meta: Any) -> list[int]:
