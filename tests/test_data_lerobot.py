@@ -198,3 +198,47 @@ def test_dataloader_workers_give_the_same_items(one_cam):
         direct = ds[i]
         assert torch.equal(it["latent"], direct["latent"]) and torch.equal(it["action"], direct["action"])
         assert torch.equal(it["action_mask"], direct["action_mask"]) and it["task"] == direct["task"]
+
+
+def test_make_dataset_bad_counts_and_no_partial_dataset(tmp_path, capsys, monkeypatch):
+    for argv, msg in [(["--episodes", "0"], "episodes must be >= 1, got 0"),
+                      (["--action-dim", "0"], "action_dim must be >= 1, got 0")]:
+        assert main(["make-dataset", str(tmp_path / "ds"), *argv]) == 2
+        err = capsys.readouterr().err
+        assert msg in err and "Traceback" not in err
+    # a run that fails half-way leaves neither the dataset nor its temporary folder, so a rerun works
+    import flexpack.data.synthetic as synthetic
+
+    frame = synthetic._frame
+
+    def fail_in_episode_1(t, episode, camera, size):
+        if episode == 1:
+            raise OSError("disk full")
+        return frame(t, episode, camera, size)
+
+    monkeypatch.setattr(synthetic, "_frame", fail_in_episode_1)
+    assert main(["make-dataset", str(tmp_path / "ds"), "--lengths", "5,5"]) == 2
+    assert "disk full" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []
+    monkeypatch.setattr(synthetic, "_frame", frame)
+    assert main(["make-dataset", str(tmp_path / "ds"), "--lengths", "5"]) == 0
+    assert dataset_latent_frames(tmp_path / "ds") == [2] and os.listdir(tmp_path) == ["ds"]
+
+
+def test_encode_errors_name_dataset_episode_and_file(one_cam, tmp_path, capsys):
+    assert main(["encode", "--dataset", str(tmp_path / "nope"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "nope/meta/info.json" in err and "Traceback" not in err
+    assert main(["encode", "--dataset", str(one_cam), "--cameras", "cam9", "--no-progress"]) == 2
+    assert "camera 'cam9' is not in the dataset" in capsys.readouterr().err
+    # a damaged video: the episodes already cached stay, the error names the file and the episode
+    root = tmp_path / "ds"
+    shutil.copytree(one_cam, root)
+    cams = ["observation.images.cam0"]
+    cache.latent_path(root / "latents", cams, 2).unlink()
+    video = EpisodeSource(root).video_file(2, cams[0])
+    video.write_bytes(video.read_bytes()[:300])
+    assert main(["encode", "--dataset", str(root), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"{video}: cannot decode camera 'observation.images.cam0' of episode 2" in err and "Traceback" not in err
+    assert [cache.latent_path(root / "latents", cams, e).is_file() for e in range(4)] == [True, True, False, True]

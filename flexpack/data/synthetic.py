@@ -19,7 +19,9 @@ size is refused before anything is written.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -70,16 +72,24 @@ def make_synthetic_dataset(
     index_actions: bool = False,
     subtasks: int = 0,
     seed: int = 0,
+    progress: bool = False,
 ) -> Path:
     """Write the dataset to ``root`` (must not exist) and return it. ``lengths`` overrides the draw.
 
     ``subtasks``: 0 = one task per episode; 2 or 3 = that many annotated subtasks per episode.
+    The dataset is written into a temporary folder next to ``root`` and renamed when complete,
+    so a failed or interrupted run leaves no partial dataset behind (which a rerun would refuse).
     """
     from lerobot.datasets.lerobot_dataset import LeRobotDataset
+    from tqdm import tqdm
 
     root = Path(root)
     if root.exists():
         raise FileExistsError(f"{root}: already exists; make-dataset writes a new dataset")
+    if lengths is None and episodes < 1:
+        raise ValueError(f"episodes must be >= 1, got {episodes}")
+    if action_dim < 1:
+        raise ValueError(f"action_dim must be >= 1, got {action_dim}")
     if cameras not in (1, 2):
         raise ValueError(f"cameras must be 1 or 2, got {cameras}")
     if not 1 <= min_frames <= max_frames:
@@ -98,28 +108,38 @@ def make_synthetic_dataset(
     features = {cam: {"dtype": "video", "shape": (size, size, 3), "names": ["height", "width", "channels"]} for cam in cams}
     features["action"] = {"dtype": "float32", "shape": (action_dim,), "names": names}
     features["observation.state"] = {"dtype": "float32", "shape": (action_dim,), "names": names}
-    ds = LeRobotDataset.create(
-        f"local/{root.name}", fps=fps, features=features, root=root, use_videos=True, video_backend="pyav"
-    )
-    for ep, n in enumerate(lengths):
-        freq = rng.uniform(0.05, 0.2, size=action_dim)
-        offset = rng.uniform(0, 2 * np.pi, size=action_dim)
-        task = TASKS[int(rng.integers(len(TASKS)))]
-        frame_tasks = [task] * int(n)
-        if subtasks:
-            first = int(sub_rng.integers(len(SUBTASKS) - subtasks + 1))
-            for j, (start, stop) in enumerate(subtask_runs(int(n), subtasks, sub_rng)):
-                frame_tasks[start:stop] = [SUBTASKS[first + j]] * (stop - start)
-        for t in range(int(n)):
-            if index_actions:
-                action = np.array([t, ep] + [t + 1000 * k for k in range(2, action_dim)], dtype=np.float32)[:action_dim]
-            else:
-                action = np.sin(freq * t + offset).astype(np.float32)
-            frame = {cam: _frame(t, ep, c, size) for c, cam in enumerate(cams)}
-            frame.update({"action": action, "observation.state": np.cos(freq * t + offset).astype(np.float32), "task": frame_tasks[t]})
-            ds.add_frame(frame)
-        ds.save_episode(parallel_encoding=False)  # no fork from a threaded process
-    ds.finalize()
+    root.parent.mkdir(parents=True, exist_ok=True)
+    tmp = root.with_name(f".{root.name}.tmp-{os.getpid()}")
+    ds = None
+    try:
+        ds = LeRobotDataset.create(
+            f"local/{root.name}", fps=fps, features=features, root=tmp, use_videos=True, video_backend="pyav"
+        )
+        for ep, n in enumerate(tqdm(lengths, desc="make-dataset", unit="ep", disable=not progress)):
+            freq = rng.uniform(0.05, 0.2, size=action_dim)
+            offset = rng.uniform(0, 2 * np.pi, size=action_dim)
+            task = TASKS[int(rng.integers(len(TASKS)))]
+            frame_tasks = [task] * int(n)
+            if subtasks:
+                first = int(sub_rng.integers(len(SUBTASKS) - subtasks + 1))
+                for j, (start, stop) in enumerate(subtask_runs(int(n), subtasks, sub_rng)):
+                    frame_tasks[start:stop] = [SUBTASKS[first + j]] * (stop - start)
+            for t in range(int(n)):
+                if index_actions:
+                    action = np.array([t, ep] + [t + 1000 * k for k in range(2, action_dim)], dtype=np.float32)[:action_dim]
+                else:
+                    action = np.sin(freq * t + offset).astype(np.float32)
+                frame = {cam: _frame(t, ep, c, size) for c, cam in enumerate(cams)}
+                frame.update({"action": action, "observation.state": np.cos(freq * t + offset).astype(np.float32), "task": frame_tasks[t]})
+                ds.add_frame(frame)
+            ds.save_episode(parallel_encoding=False)  # no fork from a threaded process
+        ds.finalize()
+        os.rename(tmp, root)
+    finally:
+        if ds is not None:  # close lerobot's writers now: collected later, they would write into tmp again
+            with contextlib.suppress(Exception):
+                ds.finalize()
+        shutil.rmtree(tmp, ignore_errors=True)
     return root
 
 
@@ -145,13 +165,14 @@ def run(args: argparse.Namespace) -> int:
     except ValueError:
         print(f"flexpack make-dataset: error: --lengths {args.lengths!r}: expected comma-separated integers", file=sys.stderr)
         return 2
+    os.environ.setdefault("SVT_LOG", "1")  # SVT-AV1 log level: errors only (else ~25 info lines per video)
     try:
         root = make_synthetic_dataset(
             args.root, episodes=args.episodes, min_frames=args.min_frames, max_frames=args.max_frames,
             lengths=lengths, cameras=args.cameras, size=args.size, fps=args.fps, action_dim=args.action_dim,
-            index_actions=args.index_actions, subtasks=args.subtasks, seed=args.seed,
+            index_actions=args.index_actions, subtasks=args.subtasks, seed=args.seed, progress=True,
         )
-    except (ValueError, FileExistsError) as exc:
+    except (ValueError, OSError) as exc:
         print(f"flexpack make-dataset: error: {exc}", file=sys.stderr)
         return 2
     n = len(lengths) if lengths else args.episodes
