@@ -165,7 +165,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError:
         print(f"flexpack make-dataset: error: --lengths {args.lengths!r}: expected comma-separated integers", file=sys.stderr)
         return 2
-    os.environ.setdefault("SVT_LOG", "1")  # SVT-AV1 log level: errors only (else ~25 info lines per video)
+    # quiet encoders: SVT-AV1 prints ~25 info lines per video, `datasets` a progress bar per episode
+    os.environ.setdefault("SVT_LOG", "1")
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     try:
         root = make_synthetic_dataset(
             args.root, episodes=args.episodes, min_frames=args.min_frames, max_frames=args.max_frames,
