@@ -113,22 +113,28 @@ def write_latent(
     return header
 
 
-def read_latent_header(path: Path) -> LatentHeader:
-    """Parse a latent file's header. Raises ValueError (naming the file) if it is not one."""
+def _read_header(path: Path, tensor: str, fmt: str) -> tuple[dict[str, str], tuple[int, ...]]:
+    """Header metadata and the shape of ``tensor`` (no data read); ValueError unless a ``fmt`` file."""
     from safetensors import safe_open
 
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
-            if "latent" not in f.keys():
-                raise ValueError(f"has no tensor 'latent' (tensors: {sorted(f.keys())})")
-            shape = tuple(f.get_slice("latent").get_shape())
+            if tensor not in f.keys():
+                raise ValueError(f"has no tensor {tensor!r} (tensors: {sorted(f.keys())})")
+            shape = tuple(f.get_slice(tensor).get_shape())
     except ValueError:
         raise
     except Exception as exc:  # safetensors raises its own error types for corrupt headers
         raise ValueError(f"cannot be read as safetensors: {exc}") from exc
-    if meta.get("format") != LATENT_FORMAT:
-        raise ValueError(f"header format is {meta.get('format')!r}, expected {LATENT_FORMAT!r}")
+    if meta.get("format") != fmt:
+        raise ValueError(f"header format is {meta.get('format')!r}, expected {fmt!r}")
+    return meta, shape
+
+
+def read_latent_header(path: Path) -> LatentHeader:
+    """Parse a latent file's header. Raises ValueError (naming the file) if it is not one."""
+    meta, shape = _read_header(path, "latent", LATENT_FORMAT)
     try:
         return LatentHeader(
             episode_index=int(meta["episode_index"]),
@@ -181,20 +187,7 @@ def write_text(path: Path, text_LD: torch.Tensor, *, encoder: str, task: str, ta
 
 
 def read_text_header(path: Path) -> TextHeader:
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            if "text" not in f.keys():
-                raise ValueError(f"has no tensor 'text' (tensors: {sorted(f.keys())})")
-            shape = tuple(f.get_slice("text").get_shape())
-    except ValueError:
-        raise
-    except Exception as exc:
-        raise ValueError(f"cannot be read as safetensors: {exc}") from exc
-    if meta.get("format") != TEXT_FORMAT:
-        raise ValueError(f"header format is {meta.get('format')!r}, expected {TEXT_FORMAT!r}")
+    meta, shape = _read_header(path, "text", TEXT_FORMAT)
     try:
         return TextHeader(meta["encoder"], meta["task"], int(meta["task_index"]), int(meta["text_len"]), shape)
     except (KeyError, ValueError) as exc:
