@@ -102,6 +102,7 @@ class PreparedMask:
     q_len: int
     kv_len: int
     builder: BlockMaskBuilder
+    kv_segments: int | None = None  # bound on kv-side segments (text: 2 per slot + 1)
     _cache: dict = field(default_factory=dict)
 
     @property
@@ -112,7 +113,7 @@ class PreparedMask:
         if "block" not in self._cache:
             lay = self.layout
             cells = lay.frames.num_rows * lay.frames.frames_per_row * lay.copies + 1
-            kv_cells = 2 * lay.text_len.numel() + 1 if self.kind == "text" else cells
+            kv_cells = self.kv_segments or cells
             self._cache["block"] = self.builder(self.mask_mod, self.q_len, self.kv_len, max_segments=(cells, kv_cells))
         return self._cache["block"]
 
@@ -171,18 +172,27 @@ class FlexAttnFunc:
         chunk_size: int | None = None,
         window: int | None = None,
         text_tokens: int | None = None,
+        text_slots: int | None = None,
         device: torch.device | str | None = None,
     ) -> PreparedMask:
-        """Build the mask for ``layout`` once (per step); pass the result to every layer's call."""
+        """Build the mask for ``layout`` once (per step); pass the result to every layer's call.
+
+        For ``mask="text"``, k/v hold ``text_slots * text_tokens`` keys (default: one slot per
+        episode); :func:`flexpack.masks.text_slots` gives a slot count that keeps the shape
+        fixed as the number of episodes per micro-batch varies.
+        """
         if mask not in MASK_KINDS:
             raise ValueError(f"unknown mask {mask!r}; expected one of {MASK_KINDS}")
         if device is not None and layout.doc.device != torch.device(device):
             layout = layout.to(device)
-        mod = make_mask(layout, mask, chunk_size=chunk_size, window=window, text_tokens=text_tokens)
-        kv_len = layout.text_len.numel() * text_tokens if mask == "text" else layout.num_tokens
+        mod = make_mask(layout, mask, chunk_size=chunk_size, window=window, text_tokens=text_tokens, text_slots=text_slots)
+        kv_len, kv_segments = layout.num_tokens, None
+        if mask == "text":
+            slots = layout.text_len.numel() if text_slots is None else text_slots
+            kv_len, kv_segments = slots * text_tokens, 2 * slots + 1
         if kv_len == 0:
             raise ValueError(f"mask {mask!r} has no keys (kv_len=0)")
-        prep = PreparedMask(mask, layout, mod, layout.num_tokens, kv_len, self._builder(layout.doc.device))
+        prep = PreparedMask(mask, layout, mod, layout.num_tokens, kv_len, self._builder(layout.doc.device), kv_segments)
         backend = self._pick(prep, needs_grad=True)
         if backend != self._pick(prep, needs_grad=False):
             return prep  # decided per call (CPU auto, long T): build lazily, never a useless T x T mask

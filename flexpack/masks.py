@@ -133,19 +133,35 @@ def teacher_forcing_mask(layout: TokenLayout, chunk_size: int, window: int | Non
     return _tag(teacher_forcing, name, (doc, copy, chunk), (doc, copy, chunk), teacher_forcing_mask.__doc__)
 
 
-def text_mask(layout: TokenLayout, text_tokens: int) -> MaskMod:
-    """Cross-attention from layout tokens (queries) to ``E * text_tokens`` flattened text tokens.
+def text_slots(num_episodes: int) -> int:
+    """Episode slots for text cross-attention: the next power of two, so that the key length
+    ``slots * text_tokens`` takes few values as the episode count per micro-batch varies (pack
+    mode packs 1..N episodes into one shape; without slots every count would compile anew)."""
+    if num_episodes < 0:
+        raise ValueError(f"num_episodes must be >= 0, got {num_episodes}")
+    return 1 << max(num_episodes - 1, 0).bit_length()
 
-    Note: key ``j`` belongs to episode ``j // text_tokens`` and is valid if
-    ``j % text_tokens < text_len[episode]``; a query sees only its own episode's valid text.
+
+def text_mask(layout: TokenLayout, text_tokens: int, text_slots: int | None = None) -> MaskMod:
+    """Cross-attention from layout tokens (queries) to ``S * text_tokens`` flattened text tokens.
+
+    Note: key ``j`` belongs to episode slot ``j // text_tokens`` and is valid if that slot holds
+    an episode (``< E``) and ``j % text_tokens < text_len[episode]``; a query sees only its own
+    episode's valid text. ``S = text_slots`` (default ``E``) may exceed ``E`` so that the key
+    length stays fixed while the episode count varies (no recompiles); the extra slots are empty.
     Padding queries and episodes with ``text_len == 0`` see nothing (their output is zero).
     """
     if not isinstance(text_tokens, int) or text_tokens <= 0:
         raise ValueError(f"text_tokens must be a positive int, got {text_tokens!r}")
-    if layout.text_len.numel() and int(layout.text_len.max()) > text_tokens:
+    E = layout.text_len.numel()
+    if text_slots is not None and text_slots < E:
+        raise ValueError(f"text_slots={text_slots} is fewer than the layout's {E} episodes")
+    if E and int(layout.text_len.max()) > text_tokens:
         raise ValueError(f"text_len {layout.text_len.tolist()} exceeds text_tokens={text_tokens}")
     doc = layout.doc
     tdoc = layout.text_doc(text_tokens).to(doc.device)
+    if text_slots is not None and text_slots > E:
+        tdoc = torch.cat([tdoc, tdoc.new_full(((text_slots - E) * text_tokens,), -1)])
 
     def text(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return (doc[q_idx] == tdoc[kv_idx]) & (doc[q_idx] >= 0)
@@ -185,6 +201,7 @@ def make_mask(
     chunk_size: int | None = None,
     window: int | None = None,
     text_tokens: int | None = None,
+    text_slots: int | None = None,
 ) -> MaskMod:
     """The mask_mod for one of :data:`MASK_KINDS` ("valid" = document ∧ valid-frame)."""
     if kind == "document":
@@ -202,7 +219,7 @@ def make_mask(
     if kind == "text":
         if text_tokens is None:
             raise ValueError("mask 'text' needs text_tokens (text tokens per episode)")
-        return text_mask(layout, text_tokens)
+        return text_mask(layout, text_tokens, text_slots)
     raise ValueError(f"unknown mask {kind!r}; expected one of {MASK_KINDS}")
 
 

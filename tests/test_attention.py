@@ -231,3 +231,29 @@ def test_flash_refuses_unverified_head_dims() -> None:
     q, k, v = qkv(16, 16, dtype=torch.float32)
     with pytest.raises(ValueError, match=r"head dims \(128,\), got 16"):
         FlexAttnFunc("flex-flash")(q, k, v, lay)
+
+
+def test_text_slots_keep_the_key_length_fixed_without_recompiles() -> None:
+    """Pack mode varies the episode count per micro-batch; padded text slots keep one shape."""
+    from flexpack.masks import text_slots
+
+    assert [text_slots(n) for n in (0, 1, 2, 3, 4, 5, 9)] == [1, 1, 2, 4, 4, 8, 16]
+    attn, L, slots = FlexAttnFunc("flex"), 5, 4
+    rng = random.Random(9)
+    counts = []
+    for trial, n_eps in enumerate((3, 2, 4, 3, 1)):
+        lens = [rng.randint(1, 6) for _ in range(n_eps)]
+        lay = SequenceLayout.from_rows([lens], 30, text_len=[rng.randint(0, L) for _ in lens]).tokens(5, 2)
+        q, k, v = qkv(lay.num_tokens, slots * L, dtype=torch.float32, seed=trial)
+        prep = attn.prepare(lay, "text", text_tokens=L, text_slots=slots)
+        assert prep.kv_len == slots * L
+        with torch.no_grad():
+            out = attn(q, k, v, prep)
+        mask = dense_mask(prep.mask_mod, lay.num_tokens, slots * L)
+        assert not mask[:, n_eps * L:].any(), "empty slots must be invisible"
+        torch.testing.assert_close(out.double(), reference(q, k, v, mask), rtol=1e-4, atol=1e-4)
+        counts.append(compile_count())
+    assert len(set(counts[1:])) == 1, f"recompiled as the episode count changed: {counts}"
+    lay = SequenceLayout.from_rows([[2, 2, 2]], 8, text_len=[1, 1, 1]).tokens()
+    with pytest.raises(ValueError, match="text_slots=2 is fewer"):
+        attn.prepare(lay, "text", text_tokens=L, text_slots=2)

@@ -151,6 +151,13 @@ def test_masks_are_prepared_once_per_forward_and_shared_by_every_block():
         run(model, batch, torch.full((1, 9), 400.0), mask="chunk_causal", chunk_size=2)
     assert [p.kind for p in attn.prepared] == ["chunk_causal", "text"]  # once, not once per block
     assert attn.seen == {id(p) for p in attn.prepared}
+    # 2 episodes -> 2 text slots; 3 episodes -> 4 slots (power of two: few compiled shapes)
+    L = batch.text.shape[1]
+    assert attn.prepared[1].kv_len == 2 * L
+    batch3 = PackCollate(12)(make_items([5, 3, 2]))
+    with torch.no_grad():
+        run(model, batch3, torch.full((1, 12), 400.0), mask="chunk_causal", chunk_size=2)
+    assert attn.prepared[-1].kind == "text" and attn.prepared[-1].kv_len == 4 * batch3.text.shape[1]
 
 
 def test_rope_bands_and_action_tokens_have_identity_spatial_rotation():

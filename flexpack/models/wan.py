@@ -31,10 +31,12 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from ..layout import SequenceLayout, TokenLayout
+from ..masks import text_slots
 from .rope import rope_bands, rope_cos_sin
 from .wan_blocks import MLP, TimeEmbed, WanBlock, layer_norm_fp32
 
@@ -322,8 +324,12 @@ class WanVA(nn.Module):
         if text is not None:
             if text.ndim != 3 or text.shape[0] != tl.text_len.shape[0]:
                 raise ValueError(f"text must be (E={tl.text_len.shape[0]}, L, Dt), got {tuple(text.shape)}")
-            text_SD = self.text_embed(text.to(emb.dtype)).flatten(0, 1)  # (E*L, D)
-            text_mask = self.attn.prepare(tl, "text", text_tokens=text.shape[1])
+            # keys padded to a power-of-two number of episode slots: one compiled shape per slot
+            # count rather than per episode count (the extra slots are masked out)
+            E, L = text.shape[:2]
+            slots = text_slots(E)
+            text_SD = F.pad(self.text_embed(text.to(emb.dtype)), (0, 0, 0, 0, 0, slots - E)).flatten(0, 1)  # (S*L, D)
+            text_mask = self.attn.prepare(tl, "text", text_tokens=L, text_slots=slots)
 
         use_ckpt = cfg.activation_checkpointing and torch.is_grad_enabled()
         for block in self.blocks:
