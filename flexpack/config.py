@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from flexpack.atomic import atomic_path
 from flexpack.objective import FlowMatchingConfig
 
 MODES = ("pack", "pad")
@@ -298,6 +299,5 @@ def save_config(cfg: TrainConfig, path: str | os.PathLike) -> None:
     """Write the resolved config as JSON, atomically (load it back with :func:`load_config`)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")

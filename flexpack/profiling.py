@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
+from flexpack.atomic import atomic_path
+
 ENV, ENV_WARMUP = "LINGBOT_PROFILE", "LINGBOT_PROFILE_WARMUP"
 
 
@@ -76,12 +78,10 @@ class StepProfiler:
     def _write(self, prof: profile) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         trace = self.dir / f"trace_rank{self.rank}.json"
-        tmp = trace.with_name(f".{trace.name}.{os.getpid()}.tmp")
-        prof.export_chrome_trace(str(tmp))
-        os.replace(tmp, trace)
+        with atomic_path(trace) as tmp:
+            prof.export_chrome_trace(str(tmp))
         table = prof.key_averages().table(sort_by=self._sort, row_limit=30)
         top = self.dir / f"top_ops_rank{self.rank}.txt"
-        tmp = top.with_name(f".{top.name}.{os.getpid()}.tmp")
-        tmp.write_text(f"{self.steps} profiled step(s) after {self.warmup} + 1 warm-up, sorted by {self._sort}\n{table}\n")
-        os.replace(tmp, top)
+        with atomic_path(top) as tmp:
+            tmp.write_text(f"{self.steps} profiled step(s) after {self.warmup} + 1 warm-up, sorted by {self._sort}\n{table}\n")
         self.written = [trace, top]

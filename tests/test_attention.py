@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from flexpack.attention import FlexAttnFunc, compile_count, has_flash
-from flexpack.layout import SequenceLayout, TokenLayout
+from flexpack.layout import SequenceLayout
 from flexpack.masks import dense_mask, make_mask
 
 H, D = 2, 16
