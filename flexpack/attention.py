@@ -146,11 +146,15 @@ class FlexAttnFunc:
     tokens. Build the mask once per step with :meth:`prepare` and pass the result to every layer.
     """
 
-    def __init__(self, backend: str = "auto", *, compile_block_mask: bool | None = None) -> None:
+    def __init__(self, backend: str = "auto", *, compile_block_mask: bool | None = None, range_masks: bool = True) -> None:
+        """``range_masks``: inside partial blocks the flex kernels evaluate the mask as key ranges
+        per query (:func:`flexpack.blockmask.range_mask_mod`, same values); ``False`` evaluates
+        the mask_mod of :mod:`flexpack.masks` there instead (kept for comparison)."""
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
         self.backend = backend
         self._compile_bm = compile_block_mask
+        self._range_masks = range_masks
         self._builders: dict[bool, BlockMaskBuilder] = {}
 
     @property
@@ -161,7 +165,7 @@ class FlexAttnFunc:
         # compiling the builder pays off on CUDA (few kernel launches); on CPU it only costs time
         comp = device.type == "cuda" if self._compile_bm is None else self._compile_bm
         if comp not in self._builders:
-            self._builders[comp] = BlockMaskBuilder(compile=comp, compile_backend=_COUNTER.backend)
+            self._builders[comp] = BlockMaskBuilder(compile=comp, compile_backend=_COUNTER.backend, range_mods=self._range_masks)
         return self._builders[comp]
 
     def prepare(

@@ -40,8 +40,9 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _segments(keys: tuple[Tensor, ...], length: int, s_max: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Segment id per token, a representative token per segment, and each block's segment range."""
+def _segments(keys: tuple[Tensor, ...], length: int, s_max: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Segment id per token, a representative token per segment, each block's segment range,
+    and each segment's first token (``length`` for ids beyond the real count)."""
     dev = keys[0].device
     new = torch.zeros(length, dtype=torch.bool, device=dev)
     new[0] = True
@@ -50,12 +51,59 @@ def _segments(keys: tuple[Tensor, ...], length: int, s_max: int) -> tuple[Tensor
     seg = new.long().cumsum(0) - 1  # (T,)
     # seg is sorted: the first token of segment s is where s starts; ids beyond the real count
     # point at the last token (any index works, no block rectangle reaches them)
-    rep = torch.searchsorted(seg, torch.arange(s_max, device=dev)).clamp(max=length - 1)
+    first = torch.searchsorted(seg, torch.arange(s_max, device=dev))
+    rep = first.clamp(max=length - 1)
     nb = _cdiv(length, BLOCK)
     starts = torch.arange(nb, device=dev) * BLOCK
     ends = (starts + BLOCK).clamp(max=length) - 1
     over = starts + BLOCK > length  # the last block runs past the end: never full
-    return seg, rep, seg[starts], seg[ends], over
+    return seg, rep, seg[starts], seg[ends], over, first
+
+
+def _ranges(seg_mask: Tensor, seg_q: Tensor, first_k: Tensor, kv_len: int, runs: int) -> tuple[Tensor, ...]:
+    """Per query token, ``runs`` key ranges ``[lo, hi)`` (int32) whose union is its allowed keys.
+
+    A row's allowed kv segments are grouped into maximal runs of consecutive segments; run ``r``
+    covers the tokens from its first segment's start to its last segment's end. Missing runs are
+    empty (``lo = kv_len > hi = 0``). Exact when no row has more than ``runs`` runs, which the
+    masks of :mod:`flexpack.masks` guarantee through their ``runs`` bound.
+    """
+    end_k = torch.cat([first_k[1:], first_k.new_full((1,), kv_len)])
+    allowed = seg_mask & (end_k > first_k)[None, :]  # ids beyond the real count are empty
+    begins = allowed.clone()
+    begins[:, 1:] &= ~allowed[:, :-1]
+    run_id = begins.to(torch.int32).cumsum(1)
+    out = []
+    for r in range(1, runs + 1):
+        sel = allowed & (run_id == r)
+        lo = torch.where(sel, first_k[None, :], kv_len).amin(1)
+        hi = torch.where(sel, end_k[None, :], 0).amax(1)
+        out += [lo[seg_q].to(torch.int32), hi[seg_q].to(torch.int32)]
+    return tuple(out)
+
+
+def range_mask_mod(*bounds: Tensor) -> Callable:
+    """``mask_mod`` that keeps ``kv`` in ``[lo_r[q], hi_r[q])`` for one of the given ranges.
+
+    ``bounds`` is ``(lo_1, hi_1[, lo_2, hi_2])``, each (Tq,) int32. Partial blocks then cost two
+    compares per range on per-row values, instead of gathers of several per-token keys on both
+    sides; the closure's code depends only on the number of ranges (no recompiles per layout).
+    """
+    if len(bounds) == 2:
+        lo1, hi1 = bounds
+
+        def one_range(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            return (kv_idx >= lo1[q_idx]) & (kv_idx < hi1[q_idx])
+
+        return one_range
+    if len(bounds) == 4:
+        lo1, hi1, lo2, hi2 = bounds
+
+        def two_ranges(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            return ((kv_idx >= lo1[q_idx]) & (kv_idx < hi1[q_idx])) | ((kv_idx >= lo2[q_idx]) & (kv_idx < hi2[q_idx]))
+
+        return two_ranges
+    raise ValueError(f"range_mask_mod takes 1 or 2 ranges (2 or 4 tensors), got {len(bounds)} tensors")
 
 
 def _ordered(m: Tensor) -> tuple[Tensor, Tensor]:
@@ -90,10 +138,11 @@ def _structure(
     kv_len: int,
     sq_max: int,
     sk_max: int,
+    runs: int = 0,
 ) -> tuple[Tensor, ...]:
-    """All eight BlockMask index tensors, shaped (1, 1, ...)."""
-    _, rq, lq, hq, oq = _segments(q_keys, q_len, sq_max)
-    _, rk, lk, hk, ok = _segments(kv_keys, kv_len, sk_max)
+    """All eight BlockMask index tensors, shaped (1, 1, ...), then ``2 * runs`` range bounds."""
+    sq, rq, lq, hq, oq, _ = _segments(q_keys, q_len, sq_max)
+    _, rk, lk, hk, ok, first_k = _segments(kv_keys, kv_len, sk_max)
     zero = torch.zeros((), dtype=torch.long, device=rq.device)
     seg_mask = mask_mod(zero, zero, rq[:, None], rk[None, :]).expand(sq_max, sk_max)
     partial, full = _classify(seg_mask, lq, hq, oq, lk, hk, ok)
@@ -103,7 +152,8 @@ def _structure(
         pairs = [(n[i], idx[i]) for i in range(4)]
     else:
         pairs = [_ordered(m) for m in mats]
-    return tuple(x[None, None] for pair in pairs for x in pair)
+    ranges = _ranges(seg_mask, sq, first_k, kv_len, runs) if runs else ()
+    return tuple(x[None, None] for pair in pairs for x in pair) + ranges
 
 
 def _num_segments(keys: tuple[Tensor, ...]) -> int:
@@ -133,10 +183,15 @@ class BlockMaskBuilder:
     compilation per (mask code, q_len, kv_len, segment bounds) signature, each with its own
     dynamo cache (:func:`compile_fresh`), none when only the layout's contents change (closures
     are compared by code, their tensors are graph inputs).
+
+    ``range_mods=True`` (default) gives the BlockMask, for masks with a ``runs`` bound, a
+    :func:`range_mask_mod` with the same values as the mask (the kernels evaluate it inside
+    partial blocks); ``False`` keeps the mask's own mask_mod there.
     """
 
-    def __init__(self, compile: bool = False, compile_backend: str | Callable = "inductor") -> None:
+    def __init__(self, compile: bool = False, compile_backend: str | Callable = "inductor", range_mods: bool = True) -> None:
         self.compile = compile
+        self.range_mods = range_mods
         self._backend = compile_backend
         self._compiled: dict[tuple, Callable] = {}
 
@@ -187,18 +242,21 @@ class BlockMaskBuilder:
             if max_segments is not None:  # the bound was loose; the real count may still be small
                 return self(mask_mod, q_len, kv_len)
             return create_block_mask(mask_mod, 1, 1, q_len, kv_len, device=q_keys[0].device)
-        t = self._fn(mask_mod, q_keys, kv_keys, q_len, kv_len, sq, sk)
+        runs = (getattr(mask_mod, "runs", None) or 0) if self.range_mods else 0
+        t = self._fn(mask_mod, q_keys, kv_keys, q_len, kv_len, sq, sk, runs if runs in (1, 2) else 0)
         return BlockMask(
             seq_lengths=(q_len, kv_len),
             kv_num_blocks=t[0], kv_indices=t[1], full_kv_num_blocks=t[2], full_kv_indices=t[3],
             q_num_blocks=t[4], q_indices=t[5], full_q_num_blocks=t[6], full_q_indices=t[7],
-            BLOCK_SIZE=(BLOCK, BLOCK), mask_mod=mask_mod,
+            BLOCK_SIZE=(BLOCK, BLOCK), mask_mod=range_mask_mod(*t[8:]) if len(t) > 8 else mask_mod,
         )
 
 
-def fast_block_mask(mask_mod: Callable, q_len: int, kv_len: int, *, max_segments: tuple[int, int] | None = None) -> BlockMask:
+def fast_block_mask(
+    mask_mod: Callable, q_len: int, kv_len: int, *, max_segments: tuple[int, int] | None = None, range_mods: bool = True
+) -> BlockMask:
     """Eager :class:`BlockMaskBuilder` call (see there)."""
-    return BlockMaskBuilder(compile=False)(mask_mod, q_len, kv_len, max_segments=max_segments)
+    return BlockMaskBuilder(compile=False, range_mods=range_mods)(mask_mod, q_len, kv_len, max_segments=max_segments)
 
 
 def block_structure(bm: BlockMask) -> tuple[Tensor, Tensor]:

@@ -15,6 +15,11 @@ Conventions pinned here (and in ``tests/test_masks.py``):
 Each closure also carries ``q_keys`` / ``kv_keys``: the per-token tensors its value depends on.
 The mask is constant on runs of tokens where all keys are constant, which is what
 :mod:`flexpack.blockmask` uses to build block masks without evaluating the ``T x T`` grid.
+It also carries ``runs``: an upper bound on the number of contiguous key ranges one query sees
+(or ``None``). The token order of :class:`~flexpack.layout.TokenLayout` (episodes contiguous,
+copy by copy, frame by frame) makes every mask here a union of at most two ranges per query,
+which lets the attention kernels evaluate partial blocks with two compares per range instead of
+this module's gathers (see :mod:`flexpack.blockmask`).
 """
 
 from __future__ import annotations
@@ -29,12 +34,15 @@ from flexpack.layout import CLEAN, TokenLayout
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
 
-def _tag(fn: MaskMod, name: str, q_keys: tuple[Tensor, ...], kv_keys: tuple[Tensor, ...], doc: str | None = None) -> MaskMod:
+def _tag(
+    fn: MaskMod, name: str, q_keys: tuple[Tensor, ...], kv_keys: tuple[Tensor, ...], doc: str | None = None, runs: int | None = None
+) -> MaskMod:
     fn.__name__ = name
     fn.__doc__ = doc  # the factory's docstring: its Note pins the convention
     fn.__qualname__ = name
     fn.q_keys = q_keys  # type: ignore[attr-defined]
     fn.kv_keys = kv_keys  # type: ignore[attr-defined]
+    fn.runs = runs  # type: ignore[attr-defined]
     return fn
 
 
@@ -56,7 +64,7 @@ def document_mask(layout: TokenLayout) -> MaskMod:
     def document(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return (doc[q_idx] == doc[kv_idx]) & (doc[q_idx] >= 0)
 
-    return _tag(document, "document", (doc,), (doc,), document_mask.__doc__)
+    return _tag(document, "document", (doc,), (doc,), document_mask.__doc__, runs=1)
 
 
 def _token_valid(layout: TokenLayout) -> Tensor:
@@ -100,7 +108,7 @@ def chunk_causal_mask(layout: TokenLayout, chunk_size: int) -> MaskMod:
         same = (doc[q_idx] == doc[kv_idx]) & (doc[q_idx] >= 0)
         return same & (chunk[kv_idx] <= chunk[q_idx])
 
-    return _tag(chunk_causal, f"chunk_causal_{chunk_size}", (doc, chunk), (doc, chunk), chunk_causal_mask.__doc__)
+    return _tag(chunk_causal, f"chunk_causal_{chunk_size}", (doc, chunk), (doc, chunk), chunk_causal_mask.__doc__, runs=1)
 
 
 def teacher_forcing_mask(layout: TokenLayout, chunk_size: int, window: int | None = None) -> MaskMod:
@@ -130,7 +138,7 @@ def teacher_forcing_mask(layout: TokenLayout, chunk_size: int, window: int | Non
         return ok
 
     name = f"teacher_forcing_{chunk_size}" + ("" if window is None else f"_w{window}")
-    return _tag(teacher_forcing, name, (doc, copy, chunk), (doc, copy, chunk), teacher_forcing_mask.__doc__)
+    return _tag(teacher_forcing, name, (doc, copy, chunk), (doc, copy, chunk), teacher_forcing_mask.__doc__, runs=layout.copies)
 
 
 def text_slots(num_episodes: int) -> int:
@@ -166,7 +174,7 @@ def text_mask(layout: TokenLayout, text_tokens: int, text_slots: int | None = No
     def text(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return (doc[q_idx] == tdoc[kv_idx]) & (doc[q_idx] >= 0)
 
-    return _tag(text, f"text_{text_tokens}", (doc,), (tdoc,), text_mask.__doc__)
+    return _tag(text, f"text_{text_tokens}", (doc,), (tdoc,), text_mask.__doc__, runs=1)
 
 
 def all_of(*mask_mods: MaskMod) -> MaskMod:
@@ -188,7 +196,11 @@ def all_of(*mask_mods: MaskMod) -> MaskMod:
         q_keys += m.q_keys  # type: ignore[attr-defined]
         kv_keys += m.kv_keys  # type: ignore[attr-defined]
     name = "_and_".join(m.__name__ for m in mask_mods)
-    return _tag(intersection, name, q_keys, kv_keys, "Intersection of: " + ", ".join(m.__name__ for m in mask_mods))
+    # an intersection of ranges is a range, but a union of ranges intersected with one is not:
+    # the bound holds when at most one operand has more than one range
+    bounds = [getattr(m, "runs", None) for m in mask_mods]
+    runs = None if None in bounds or sum(b > 1 for b in bounds) > 1 else max(bounds)
+    return _tag(intersection, name, q_keys, kv_keys, "Intersection of: " + ", ".join(m.__name__ for m in mask_mods), runs)
 
 
 MASK_KINDS = ("document", "valid", "chunk_causal", "teacher_forcing", "text")
@@ -207,7 +219,9 @@ def make_mask(
     if kind == "document":
         return document_mask(layout)
     if kind == "valid":
-        return all_of(document_mask(layout), valid_frame_mask(layout))
+        mod = all_of(document_mask(layout), valid_frame_mask(layout))
+        mod.runs = layout.copies  # type: ignore[attr-defined]  # each copy's valid frames are one run
+        return mod
     if kind in ("chunk_causal", "teacher_forcing"):
         if chunk_size is None:
             raise ValueError(f"mask {kind!r} needs chunk_size")

@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import and_masks, create_block_mask
 
-from flexpack.blockmask import BlockMaskBuilder, _ordered, block_structure, fast_block_mask
+from flexpack.blockmask import BlockMaskBuilder, _ordered, block_structure, fast_block_mask, range_mask_mod
 from flexpack.layout import SequenceLayout, TokenLayout
-from flexpack.masks import document_mask, make_mask, valid_frame_mask
+from flexpack.masks import all_of, dense_mask, document_mask, make_mask, teacher_forcing_mask, valid_frame_mask
 
 KINDS = ("document", "valid", "chunk_causal", "teacher_forcing", "text")
 
@@ -61,6 +61,57 @@ def test_fast_block_mask_equals_create_block_mask(kind: str) -> None:
         cells = lay.frames.num_rows * lay.frames.frames_per_row * lay.copies + 1
         bound = (cells, 2 * lay.text_len.numel() + 1 if kind == "text" else cells)
         assert_same_block_mask(fast_block_mask(mod, lay.num_tokens, kv_len, max_segments=bound), want)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_range_mask_mod_equals_the_mask(kind: str) -> None:
+    """The kernels' mask_mod (key ranges per query) has the mask's values on every token pair."""
+    rng = random.Random(hash(kind) % 991)
+    names = set()
+    for trial in range(30):
+        lay, kw, kv_len = layout_for(rng, kind, big=trial % 3 == 0)
+        mod = make_mask(lay, kind, **kw)
+        want = dense_mask(mod, lay.num_tokens, kv_len)
+        cells = lay.frames.num_rows * lay.frames.frames_per_row * lay.copies + 1
+        bound = (cells, 2 * lay.text_len.numel() + 1 if kind == "text" else cells)
+        for ms in (None, bound):
+            bm = fast_block_mask(mod, lay.num_tokens, kv_len, max_segments=ms)
+            names.add(bm.mask_mod.__name__)
+            assert dense_mask(bm.mask_mod, lay.num_tokens, kv_len).equal(want), (trial, kw, ms)
+    assert names <= {"one_range", "two_ranges"} and names, names
+    if kind in ("teacher_forcing", "valid"):
+        assert "two_ranges" in names  # the random layouts did exercise two copies
+
+
+def test_range_bounds_pinned_for_teacher_forcing() -> None:
+    # one episode of 4 frames, 1 token per frame, chunk 2: noisy tokens 0-3, clean tokens 4-7
+    lay = SequenceLayout.from_rows([[4]], 4).tokens(copies=2)
+    bm = fast_block_mask(teacher_forcing_mask(lay, 2), 8, 8)
+    rows = dense_mask(bm.mask_mod, 8, 8).int().tolist()
+    assert rows == [
+        [1, 1, 0, 0, 0, 0, 0, 0],  # noisy chunk 0: its own chunk only
+        [1, 1, 0, 0, 0, 0, 0, 0],
+        [0, 0, 1, 1, 1, 1, 0, 0],  # noisy chunk 1: its own chunk + clean chunk 0 (two ranges)
+        [0, 0, 1, 1, 1, 1, 0, 0],
+        [0, 0, 0, 0, 1, 1, 0, 0],  # clean chunk 0: clean chunk 0
+        [0, 0, 0, 0, 1, 1, 0, 0],
+        [0, 0, 0, 0, 1, 1, 1, 1],  # clean chunk 1: clean chunks 0-1
+        [0, 0, 0, 0, 1, 1, 1, 1],
+    ]
+
+
+def test_masks_without_a_range_bound_keep_their_own_mask_mod() -> None:
+    lay = SequenceLayout.from_rows([[3, 2]], 6).tokens(2, 1, copies=2)
+    two = teacher_forcing_mask(lay, 1)
+    mod = all_of(two, valid_frame_mask(lay))  # valid_frame alone has no bound
+    assert mod.runs is None
+    assert fast_block_mask(mod, lay.num_tokens, lay.num_tokens).mask_mod is mod
+    assert all_of(two, two).runs is None  # two unions of two ranges: up to three ranges
+    assert all_of(two, document_mask(lay)).runs == 2
+    off = fast_block_mask(two, lay.num_tokens, lay.num_tokens, range_mods=False)
+    assert off.mask_mod is two
+    with pytest.raises(ValueError, match="1 or 2 ranges"):
+        range_mask_mod(torch.zeros(3, dtype=torch.int32))
 
 
 def test_compile_failure_falls_back_to_the_eager_build() -> None:
