@@ -9,11 +9,17 @@ Side by side, in one run, bf16, 24 heads x 128, episodes from data/episode_frame
 (latent frames F = (n - 1) // 4 + 1, 36 tokens per latent frame), packs of 1, 4, 6, 8 episodes:
 per-episode SDPA loop; flex_attention + create_block_mask(_compile=True) (Triton); torch varlen_attn;
 padded batch SDPA with a key-padding mask; FlexAttnFunc (Triton and FLASH) for the document mask
-and for the chunk-causal teacher-forcing mask (4 episodes, both copies); block-mask build time
-(ours vs create_block_mask); compile count over 200 steps of changing lengths at a fixed budget.
+and for the chunk-causal teacher-forcing mask (4 episodes, both copies), each with the kernels'
+mask evaluated as key ranges (default) and as the mask's own per-token keys ("_keys"); FA4's
+built-in causal varlen kernel over the same copies as a reference for the teacher-forcing rate;
+block-mask build time (ours vs create_block_mask); compile count over 200 steps of changing
+lengths at a fixed budget.
 
 Timing: 3 warm-up calls, then >= 20 timed calls each between CUDA events; the median is reported.
-TFLOP/s count unmasked (query, key) pairs only: forward 4*D*H*pairs, forward+backward 2.5x that.
+The headline ratio vs the per-episode loop is also measured paired: loop and ours alternate in
+7 rounds and the median of the per-round ratios is reported (robust to clock drift).
+TFLOP/s count unmasked (query, key) pairs only: forward 4*D*H*pairs, forward+backward 3.5x that
+(the backward's five matmuls are 2.5x the forward's two; FlashAttention's benchmarks count alike).
 Block-mask builds are timed by wall clock around a synchronized call (they are launch-bound).
 """
 
@@ -35,7 +41,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from flexpack.attention import FlexAttnFunc, _compiled_flex, compile_count, has_flash  # noqa: E402
+from flexpack.attention import AUTO_CUDA, FlexAttnFunc, _compiled_flex, compile_count, has_flash  # noqa: E402
 from flexpack.blockmask import _segments  # noqa: E402
 from flexpack.layout import SequenceLayout, TokenLayout  # noqa: E402
 
@@ -115,6 +121,16 @@ def fwd_fb(make_out: Callable[[], torch.Tensor], inputs: tuple, runs: int) -> tu
     return t_fwd, bench(fb, runs)
 
 
+def tflops(pairs: int, ms: float, fb: bool) -> float:
+    """TFLOP/s on unmasked pairs: forward 4*D*H*pairs, forward+backward 3.5x that."""
+    return (3.5 if fb else 1.0) * 4 * D * H * pairs / ms / 1e9
+
+
+def paired_ratio(loop: Callable[[], object], ours: Callable[[], object], rounds: int = 7, runs: int = 10) -> float:
+    """Median over alternating rounds of (loop ms / ours ms)."""
+    return statistics.median(bench(loop, runs) / bench(ours, runs) for _ in range(rounds))
+
+
 def qkv(T: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
     g = torch.Generator(device=DEV).manual_seed(seed)
     return tuple(torch.randn(1, H, T, D, device=DEV, dtype=torch.bfloat16, generator=g).requires_grad_(True) for _ in range(3))
@@ -166,10 +182,12 @@ def methods_document(lay: TokenLayout, runs: int, flash: bool) -> tuple[dict, di
     res["padded_sdpa"] = fwd_fb(lambda: F.scaled_dot_product_attention(*pb, attn_mask=kpm), tuple(pb), runs)
     del pb
 
-    for name, backend in (("ours_triton", "flex"), ("ours_flash", "flex-flash"), ("ours_auto", "auto")):
+    variants = (("ours_triton", "flex", True), ("ours_flash", "flex-flash", True), ("ours_flash_keys", "flex-flash", False),
+                ("ours_auto", "auto", True))
+    for name, backend, ranges in variants:
         if backend == "flex-flash" and not flash:
             continue
-        attn = FlexAttnFunc(backend)
+        attn = FlexAttnFunc(backend, range_masks=ranges)
         prep = attn.prepare(lay, "document")
         try:
             res[name] = fwd_fb(lambda: attn(q, k, v, prep), (q, k, v), runs)
@@ -178,6 +196,10 @@ def methods_document(lay: TokenLayout, runs: int, flash: bool) -> tuple[dict, di
         except Exception as e:  # noqa: BLE001 - record and carry on (e.g. FLASH constraints)
             res[name] = (float("nan"), float("nan"))
             print(f"  {name} failed: {type(e).__name__}: {str(e)[:300]}")
+        if name == "ours_auto":
+            g = torch.randn(1, H, T, D, device=DEV, dtype=torch.bfloat16)
+            builds["fb_ratio_paired"] = paired_ratio(loop_fb, lambda: torch.autograd.grad(attn(q, k, v, prep), (q, k, v), g))
+            builds["fwd_ratio_paired"] = paired_ratio(loop_out, lambda: attn(q, k, v, prep))
     attn = FlexAttnFunc("flex")
     builds["blockmask_ms"] = wall(lambda: attn.prepare(lay, "document"), 30)
     builds["blockmask_gpu_ms"] = bench(lambda: attn.prepare(lay, "document"), 30)  # GPU time alone
@@ -196,10 +218,11 @@ def teacher_forcing(lay: TokenLayout, chunk: int, runs: int, flash: bool) -> dic
     mod = prep.mask_mod
     create_block_mask(mod, 1, 1, T, T, device=DEV, _compile=True)
     out["tf_create_block_mask_ms"] = wall(lambda: create_block_mask(mod, 1, 1, T, T, device=DEV, _compile=True), 5)
-    for name, backend in (("triton", "flex"), ("flash", "flex-flash")):
+    variants = (("triton", "flex", True), ("triton_keys", "flex", False), ("flash", "flex-flash", True), ("flash_keys", "flex-flash", False))
+    for name, backend, ranges in variants:
         if backend == "flex-flash" and not flash:
             continue
-        a = FlexAttnFunc(backend)
+        a = FlexAttnFunc(backend, range_masks=ranges)
         p = a.prepare(lay, "teacher_forcing", chunk_size=chunk)
         try:
             f, fb = fwd_fb(lambda: a(q, k, v, p), (q, k, v), runs)
@@ -207,9 +230,52 @@ def teacher_forcing(lay: TokenLayout, chunk: int, runs: int, flash: bool) -> dic
             print(f"  tf {name} failed: {type(e).__name__}: {str(e)[:300]}")
             f = fb = float("nan")
         out[f"{name}_fwd_ms"], out[f"{name}_fb_ms"] = f, fb
-        out[f"{name}_fwd_tflops"] = 4 * D * H * pairs / f / 1e9
-        out[f"{name}_fb_tflops"] = 2.5 * 4 * D * H * pairs / fb / 1e9
+        out[f"{name}_fwd_tflops"], out[f"{name}_fb_tflops"] = tflops(pairs, f, False), tflops(pairs, fb, True)
+    if flash:
+        out.update(fa4_causal_reference(lay, runs))
     return out
+
+
+def fa4_causal_reference(lay: TokenLayout, runs: int) -> dict:
+    """FA4's own causal varlen kernel over the layout's copy runs: a reference rate for causal-like masks."""
+    from flash_attn.cute.interface import flash_attn_varlen_func
+
+    starts = lay.doc_start.tolist()
+    lens = lay.doc_len.tolist()
+    bounds = sorted({b for s, n in zip(starts, lens) for b in (s, s + n // 2, s + n)})  # noisy, clean copies
+    cu = torch.tensor(bounds, dtype=torch.int32, device=DEV)
+    mx = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+    n_tok = bounds[-1] - bounds[0]
+    qt, kt, vt = (x[0].transpose(0, 1)[bounds[0]:bounds[-1]].contiguous().requires_grad_(True) for x in qkv(lay.num_tokens, seed=3))
+    pairs = sum((b - a) * (b - a + 1) // 2 for a, b in zip(bounds[:-1], bounds[1:]))
+    cu = cu - bounds[0]
+
+    def run() -> torch.Tensor:
+        r = flash_attn_varlen_func(qt, kt, vt, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=mx, max_seqlen_k=mx, causal=True)
+        return r[0] if isinstance(r, tuple) else r
+
+    try:
+        f, fb = fwd_fb(run, (qt, kt, vt), runs)
+    except Exception as e:  # noqa: BLE001
+        print(f"  fa4 causal reference failed: {type(e).__name__}: {str(e)[:300]}")
+        return {}
+    return {"fa4_causal_tokens": n_tok, "fa4_causal_pairs": pairs, "fa4_causal_fwd_ms": f, "fa4_causal_fb_ms": fb,
+            "fa4_causal_fwd_tflops": tflops(pairs, f, False), "fa4_causal_fb_tflops": tflops(pairs, fb, True)}
+
+
+def tf_builds(frames: list[int], cap: int, chunk: int, rng: random.Random, n_layouts: int = 6) -> dict:
+    """Compiled teacher-forcing block-mask builds over several packs: time, and eager fallbacks seen."""
+    times, fallbacks = [], 0
+    for _ in range(n_layouts):
+        lens = draw_pack(rng, frames, rng.randint(2, 6), cap)
+        lay = SequenceLayout.from_rows([lens], cap).tokens(32, 4, copies=2).to(DEV)
+        a = FlexAttnFunc("flex")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            a.prepare(lay, "teacher_forcing", chunk_size=chunk)
+        fallbacks += sum("building eagerly" in str(w.message) for w in caught)
+        times.append(wall(lambda: a.prepare(lay, "teacher_forcing", chunk_size=chunk), 20))
+    return {"tf_build_ms_all": times, "tf_build_ms_max": max(times), "tf_build_fallbacks": fallbacks}
 
 
 def recompile_count(frames: list[int], cap: int, steps: int, backend: str, rng: random.Random) -> dict:
@@ -255,7 +321,7 @@ def main() -> None:
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, FA4 {'yes' if flash else 'no'}")
     result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "fa4": flash,
                     "heads": H, "head_dim": D, "tokens_per_frame": TPF, "runs": runs,
-                    "flops": "fwd 4*D*H*pairs, fwd+bwd 2.5x fwd, unmasked pairs only", "packs": {}}
+                    "flops": "fwd 4*D*H*pairs, fwd+bwd 3.5x fwd, unmasked pairs only", "packs": {}}
     t0 = time.time()
 
     def save(note: str) -> None:
@@ -278,21 +344,25 @@ def main() -> None:
         rows = {}
         print(hdr)
         for name, (f, fb) in res.items():
-            rows[name] = {"fwd_ms": f, "fb_ms": fb, "fwd_tflops": 4 * D * H * pairs / f / 1e9,
-                          "fb_tflops": 10 * D * H * pairs / fb / 1e9, "fb_ratio_vs_loop": res["sdpa_loop"][1] / fb,
+            rows[name] = {"fwd_ms": f, "fb_ms": fb, "fwd_tflops": tflops(pairs, f, False),
+                          "fb_tflops": tflops(pairs, fb, True), "fb_ratio_vs_loop": res["sdpa_loop"][1] / fb,
                           "fwd_ratio_vs_loop": res["sdpa_loop"][0] / f}
             r = rows[name]
             print(f"{n:>3} {sum(lens) * TPF:>7} {name:<16} {f:8.2f} {r['fwd_tflops']:8.0f} {fb:8.2f} {r['fb_tflops']:8.0f} {r['fb_ratio_vs_loop']:11.2f}")
         print(f"    block mask build: ours {builds['blockmask_ms']:.3f} ms (GPU {builds['blockmask_gpu_ms']:.3f}),"
-              f" create_block_mask(_compile=True) {builds['create_block_mask_ms']:.2f} ms")
+              f" create_block_mask(_compile=True) {builds['create_block_mask_ms']:.2f} ms;"
+              f" paired ratio vs loop: f+b {builds.get('fb_ratio_paired', float('nan')):.3f}, fwd {builds.get('fwd_ratio_paired', float('nan')):.3f}")
         result["packs"][str(n)] = {"frames": lens, "tokens": sum(lens) * TPF, "budget_tokens": lay.num_tokens,
                                    "pairs": pairs, "methods": rows, **builds}
         if n == 8:
             result.update({"fb_ratio_vs_loop": rows["ours_auto"]["fb_ratio_vs_loop"],
                            "fwd_ratio_vs_loop": rows["ours_auto"]["fwd_ratio_vs_loop"],
+                           "fb_ratio_vs_loop_paired": builds["fb_ratio_paired"],
+                           "fwd_ratio_vs_loop_paired": builds["fwd_ratio_paired"],
                            "blockmask_ms": builds["blockmask_ms"], "create_block_mask_ms": builds["create_block_mask_ms"]})
         if n == 4:
             result["fb_ratio_vs_loop_4"] = rows["ours_auto"]["fb_ratio_vs_loop"]
+            result["fb_ratio_vs_loop_4_paired"] = builds["fb_ratio_paired"]
         save(f"pack {n}")
 
     order = sorted(packs, key=lambda n: (n != max(packs), n != 4, n))  # most important first
@@ -301,9 +371,11 @@ def main() -> None:
     tf = teacher_forcing(lay_tf, args.chunk_size, runs, flash)
     tf.update({"frames": tf_lens, "tokens": sum(tf_lens) * TPF * 2, "budget_tokens": lay_tf.num_tokens, "chunk_size": args.chunk_size})
     result["teacher_forcing"] = tf
-    best = max((tf.get("triton_fb_tflops", 0), "triton"), (tf.get("flash_fb_tflops", 0) if flash else 0, "flash"))
-    result["tf_chunk_causal_fb_tflops"], result["tf_backend"] = best
+    # the rate of what FlexAttnFunc("auto") runs for this mask (AUTO_CUDA), range masks on
+    auto_name = "flash" if flash and AUTO_CUDA["teacher_forcing"] == "flex-flash" else "triton"
+    result["tf_chunk_causal_fb_tflops"], result["tf_backend"] = tf[f"{auto_name}_fb_tflops"], auto_name
     result["tf_blockmask_ms"] = tf["tf_blockmask_ms"]
+    tf.update(tf_builds(frames, cap // 2, args.chunk_size, rng))
     print(f"teacher forcing: {tf['tokens']} tokens, {tf['pair_fraction']:.1%} pairs, chunk {args.chunk_size}: "
           + ", ".join(f"{k} {v:.2f}" for k, v in tf.items() if isinstance(v, float)))
     save("teacher forcing")
@@ -317,8 +389,9 @@ def main() -> None:
     save("recompiles")
     for n in order[1:]:
         doc_pack(n)
-    keys = ("fb_ratio_vs_loop", "fwd_ratio_vs_loop", "blockmask_ms", "create_block_mask_ms", "recompiles_after_warmup",
-            "tf_chunk_causal_fb_tflops", "tf_blockmask_ms", "fb_ratio_vs_loop_4", "cc_blockmask_ms")
+    keys = ("fb_ratio_vs_loop", "fb_ratio_vs_loop_paired", "fwd_ratio_vs_loop", "blockmask_ms", "create_block_mask_ms",
+            "recompiles_after_warmup", "tf_chunk_causal_fb_tflops", "tf_blockmask_ms", "fb_ratio_vs_loop_4",
+            "fb_ratio_vs_loop_4_paired", "cc_blockmask_ms")
     print(json.dumps({k: result.get(k) for k in keys}, indent=1))
 
 
