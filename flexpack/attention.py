@@ -89,6 +89,10 @@ def _compiled_flex(flash: bool, q: Tensor, k: Tensor) -> Callable:
     return _COMPILED[key]
 
 
+def _pow2(n: int, least: int = 64) -> int:
+    return max(least, 1 << max(n - 1, 0).bit_length())
+
+
 @dataclass(eq=False)
 class PreparedMask:
     """A mask built once per step from a layout and shared by every layer.
@@ -111,11 +115,21 @@ class PreparedMask:
 
     def block_mask(self) -> BlockMask:
         if "block" not in self._cache:
-            lay = self.layout
-            cells = lay.frames.num_rows * lay.frames.frames_per_row * lay.copies + 1
-            kv_cells = self.kv_segments or cells
-            self._cache["block"] = self.builder(self.mask_mod, self.q_len, self.kv_len, max_segments=(cells, kv_cells))
+            self._cache["block"] = self.builder(self.mask_mod, self.q_len, self.kv_len, max_segments=self.segment_bounds())
         return self._cache["block"]
+
+    def segment_bounds(self) -> tuple[int, int]:
+        """Static (q, kv) segment counts for the block-mask builder: the mask's host-side bounds
+        rounded up to a power of two (>= 64), so that shapes, and compiles, change rarely; at
+        most one cell per (copy, row, frame)."""
+        lay = self.layout
+        cells = lay.frames.num_rows * lay.frames.frames_per_row * lay.copies + 1
+        kv_cells = self.kv_segments or cells
+        seg = getattr(self.mask_mod, "segments", None)
+        if seg is None:
+            return cells, kv_cells
+        return min(_pow2(seg[0]), cells), min(_pow2(seg[1]), kv_cells)
+
 
     def dense(self) -> tuple[Tensor, Tensor]:
         """(Tq, Tk) bool mask with empty rows opened (to keep SDPA finite) and (Tq,) row-has-keys."""

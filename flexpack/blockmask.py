@@ -65,20 +65,24 @@ def _ranges(seg_mask: Tensor, seg_q: Tensor, first_k: Tensor, kv_len: int, runs:
 
     A row's allowed kv segments are grouped into maximal runs of consecutive segments; run ``r``
     covers the tokens from its first segment's start to its last segment's end. Missing runs are
-    empty (``lo = kv_len > hi = 0``). Exact when no row has more than ``runs`` runs, which the
+    empty (``lo == hi == kv_len``). Exact when no row has more than ``runs`` runs, which the
     masks of :mod:`flexpack.masks` guarantee through their ``runs`` bound.
     """
-    end_k = torch.cat([first_k[1:], first_k.new_full((1,), kv_len)])
-    allowed = seg_mask & (end_k > first_k)[None, :]  # ids beyond the real count are empty
-    begins = allowed.clone()
-    begins[:, 1:] &= ~allowed[:, :-1]
-    run_id = begins.to(torch.int32).cumsum(1)
-    out = []
-    for r in range(1, runs + 1):
-        sel = allowed & (run_id == r)
-        lo = torch.where(sel, first_k[None, :], kv_len).amin(1)
-        hi = torch.where(sel, end_k[None, :], 0).amax(1)
-        out += [lo[seg_q].to(torch.int32), hi[seg_q].to(torch.int32)]
+    sk = seg_mask.shape[1]
+    # segment j covers tokens [bound[j], bound[j + 1]); ids beyond the real count are empty
+    bound = torch.cat([first_k, first_k.new_full((1,), kv_len)])
+    allowed = seg_mask & (bound[1:] > bound[:-1])[None, :]
+    col = torch.arange(sk, device=seg_mask.device)[None, :]
+
+    def first(cond: Tensor) -> Tensor:  # (Sq,) first column where cond holds, else sk
+        return torch.where(cond, col, sk).amin(1, keepdim=True)
+
+    out, after = [], col.new_full((seg_mask.shape[0], 1), -1)
+    for _ in range(runs):  # reductions only: inductor's scan codegen failed here on the H200
+        start = first(allowed & (col > after))
+        after = first(~allowed & (col > start))  # one past the run's last segment
+        lo, hi = bound[start.clamp(max=sk)], bound[after.clamp(max=sk)]
+        out += [lo[:, 0][seg_q].to(torch.int32), hi[:, 0][seg_q].to(torch.int32)]
     return tuple(out)
 
 
@@ -206,7 +210,8 @@ class BlockMaskBuilder:
         except (BackendCompilerFailed, InductorError) as e:
             # Seen on the H200 (torch 2.11): inductor codegen fails for the teacher-forcing
             # structure at some segment counts. The eager build gives the same block mask.
-            warnings.warn(f"compiling the block-mask builder failed ({type(e).__name__}); building eagerly for this shape")
+            msg = " ".join(str(e).split())[:400]
+            warnings.warn(f"compiling the block-mask builder failed ({type(e).__name__}: {msg}); building eagerly for this shape")
             self._compiled[key] = _structure
             return _structure(mask_mod, *args)
 

@@ -213,6 +213,8 @@ class TokenLayout:
         doc_start, doc_len: (E,) int64 — each episode's contiguous token run (all copies).
         text_len: (E,) int64 valid text tokens per episode.
         frames: the :class:`SequenceLayout` it was expanded from.
+        runs:   host-side ``(episode slot or -1, frames)`` of every run in token order (rows one
+                after another); lets masks bound their segment counts without a device sync.
     """
 
     doc: Tensor
@@ -230,6 +232,7 @@ class TokenLayout:
     video_tokens: int
     action_tokens: int
     copies: int
+    runs: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -298,9 +301,11 @@ def _expand(layout: SequenceLayout, nv: int, na: int, copies: int, grid_hw: tupl
             wpos[flat] = j % grid_hw[1]
     starts = (layout.episode_row.cpu() * Fr + layout.episode_start.cpu()) * tpf * copies
     lens = layout.episode_frames.cpu() * tpf * copies
+    first = new_run.nonzero()  # (runs, 2) row, frame of every run's first frame, in token order
+    runs = tuple(zip(fd[first[:, 0], first[:, 1]].tolist(), n[first[:, 0], first[:, 1]].tolist()))
     out = TokenLayout(
         doc, frame, stream, copy, hpos, wpos, video_index, action_index, starts, lens,
-        layout.text_len.cpu(), layout.to("cpu"), nv, na, copies,
+        layout.text_len.cpu(), layout.to("cpu"), nv, na, copies, runs,
     )
     return out.to(dev_out) if dev_out.type != "cpu" else out
 

@@ -15,6 +15,11 @@ Conventions pinned here (and in ``tests/test_masks.py``):
 Each closure also carries ``q_keys`` / ``kv_keys``: the per-token tensors its value depends on.
 The mask is constant on runs of tokens where all keys are constant, which is what
 :mod:`flexpack.blockmask` uses to build block masks without evaluating the ``T x T`` grid.
+It also carries ``segments``: host-side upper bounds ``(q, kv)`` on the number of those runs
+(computed from ``TokenLayout.runs``, no device sync; ``None`` when unknown), so the block-mask
+builder works on a grid of the real size instead of one cell per frame. Keys of padding tokens
+are constant (chunk ``-1``, copy ``NOISY``) so that a padding run is one segment; padding is
+masked out by its ``doc == -1`` anyway.
 It also carries ``runs``: an upper bound on the number of contiguous key ranges one query sees
 (or ``None``). The token order of :class:`~flexpack.layout.TokenLayout` (episodes contiguous,
 copy by copy, frame by frame) makes every mask here a union of at most two ranges per query,
@@ -29,13 +34,19 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from flexpack.layout import CLEAN, TokenLayout
+from flexpack.layout import CLEAN, NOISY, TokenLayout
 
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
 
 def _tag(
-    fn: MaskMod, name: str, q_keys: tuple[Tensor, ...], kv_keys: tuple[Tensor, ...], doc: str | None = None, runs: int | None = None
+    fn: MaskMod,
+    name: str,
+    q_keys: tuple[Tensor, ...],
+    kv_keys: tuple[Tensor, ...],
+    doc: str | None = None,
+    runs: int | None = None,
+    segments: tuple[int, int] | None = None,
 ) -> MaskMod:
     fn.__name__ = name
     fn.__doc__ = doc  # the factory's docstring: its Note pins the convention
@@ -43,7 +54,25 @@ def _tag(
     fn.q_keys = q_keys  # type: ignore[attr-defined]
     fn.kv_keys = kv_keys  # type: ignore[attr-defined]
     fn.runs = runs  # type: ignore[attr-defined]
+    fn.segments = segments  # type: ignore[attr-defined]
     return fn
+
+
+def _segment_bound(layout: TokenLayout, per_episode: Callable[[int], int]) -> int | None:
+    """Upper bound on key segments in token order: ``per_episode(frames)`` per episode run, one
+    per padding run, plus one spare; ``None`` for layouts without host-side runs."""
+    if not layout.runs:
+        return None
+    return sum(per_episode(n) if d >= 0 else 1 for d, n in layout.runs) + 1
+
+
+def _both(bound: int | None) -> tuple[int, int] | None:
+    return None if bound is None else (bound, bound)
+
+
+def _chunk_key(layout: TokenLayout, chunk_size: int) -> Tensor:
+    """frame // chunk_size inside episodes, -1 on padding (one segment per padding run)."""
+    return torch.where(layout.doc >= 0, layout.frame // chunk_size, -1)
 
 
 def _check_chunk(chunk_size: int, window: int | None = None) -> None:
@@ -64,7 +93,8 @@ def document_mask(layout: TokenLayout) -> MaskMod:
     def document(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return (doc[q_idx] == doc[kv_idx]) & (doc[q_idx] >= 0)
 
-    return _tag(document, "document", (doc,), (doc,), document_mask.__doc__, runs=1)
+    seg = _both(_segment_bound(layout, lambda n: 1))
+    return _tag(document, "document", (doc,), (doc,), document_mask.__doc__, runs=1, segments=seg)
 
 
 def _token_valid(layout: TokenLayout) -> Tensor:
@@ -102,13 +132,14 @@ def chunk_causal_mask(layout: TokenLayout, chunk_size: int) -> MaskMod:
     if layout.copies != 1:
         raise ValueError(f"chunk_causal_mask needs copies=1, got copies={layout.copies}; use teacher_forcing_mask")
     doc = layout.doc
-    chunk = layout.frame // chunk_size
+    chunk = _chunk_key(layout, chunk_size)
+    seg = _both(_segment_bound(layout, lambda n: -(-n // chunk_size)))
 
     def chunk_causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         same = (doc[q_idx] == doc[kv_idx]) & (doc[q_idx] >= 0)
         return same & (chunk[kv_idx] <= chunk[q_idx])
 
-    return _tag(chunk_causal, f"chunk_causal_{chunk_size}", (doc, chunk), (doc, chunk), chunk_causal_mask.__doc__, runs=1)
+    return _tag(chunk_causal, f"chunk_causal_{chunk_size}", (doc, chunk), (doc, chunk), chunk_causal_mask.__doc__, runs=1, segments=seg)
 
 
 def teacher_forcing_mask(layout: TokenLayout, chunk_size: int, window: int | None = None) -> MaskMod:
@@ -120,8 +151,10 @@ def teacher_forcing_mask(layout: TokenLayout, chunk_size: int, window: int | Non
     ``cq - ck <= W``. With copies=1 every token is noisy, so only same-chunk attention remains.
     """
     _check_chunk(chunk_size, window)
-    doc, copy = layout.doc, layout.copy
-    chunk = layout.frame // chunk_size
+    doc = layout.doc
+    copy = torch.where(doc >= 0, layout.copy, NOISY)
+    chunk = _chunk_key(layout, chunk_size)
+    seg = _both(_segment_bound(layout, lambda n: layout.copies * -(-n // chunk_size)))
     win = window
 
     def teacher_forcing(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
@@ -138,7 +171,7 @@ def teacher_forcing_mask(layout: TokenLayout, chunk_size: int, window: int | Non
         return ok
 
     name = f"teacher_forcing_{chunk_size}" + ("" if window is None else f"_w{window}")
-    return _tag(teacher_forcing, name, (doc, copy, chunk), (doc, copy, chunk), teacher_forcing_mask.__doc__, runs=layout.copies)
+    return _tag(teacher_forcing, name, (doc, copy, chunk), (doc, copy, chunk), teacher_forcing_mask.__doc__, runs=layout.copies, segments=seg)
 
 
 def text_slots(num_episodes: int) -> int:
@@ -174,7 +207,9 @@ def text_mask(layout: TokenLayout, text_tokens: int, text_slots: int | None = No
     def text(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return (doc[q_idx] == tdoc[kv_idx]) & (doc[q_idx] >= 0)
 
-    return _tag(text, f"text_{text_tokens}", (doc,), (tdoc,), text_mask.__doc__, runs=1)
+    q_bound = _segment_bound(layout, lambda n: 1)
+    seg = None if q_bound is None else (q_bound, 2 * (tdoc.numel() // text_tokens) + 1)  # valid + padding per slot
+    return _tag(text, f"text_{text_tokens}", (doc,), (tdoc,), text_mask.__doc__, runs=1, segments=seg)
 
 
 def all_of(*mask_mods: MaskMod) -> MaskMod:
@@ -221,6 +256,8 @@ def make_mask(
     if kind == "valid":
         mod = all_of(document_mask(layout), valid_frame_mask(layout))
         mod.runs = layout.copies  # type: ignore[attr-defined]  # each copy's valid frames are one run
+        # keys (doc, valid): per episode and copy a valid prefix and an invalid rest
+        mod.segments = _both(_segment_bound(layout, lambda n: 2 * layout.copies))  # type: ignore[attr-defined]
         return mod
     if kind in ("chunk_causal", "teacher_forcing"):
         if chunk_size is None:

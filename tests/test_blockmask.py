@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import warnings
 
 import pytest
 import torch
@@ -81,6 +82,31 @@ def test_range_mask_mod_equals_the_mask(kind: str) -> None:
     assert names <= {"one_range", "two_ranges"} and names, names
     if kind in ("teacher_forcing", "valid"):
         assert "two_ranges" in names  # the random layouts did exercise two copies
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_host_segment_bounds_cover_the_real_counts(kind: str) -> None:
+    """The bounds computed on the host (no sync) are >= the real segment counts, tight, and the
+    prepared block mask built on them equals create_block_mask's."""
+    from flexpack.attention import FlexAttnFunc
+    from flexpack.blockmask import _num_segments
+
+    attn = FlexAttnFunc("flex", compile_block_mask=False)
+    rng = random.Random(hash(kind) % 313)
+    for trial in range(25):
+        lay, kw, kv_len = layout_for(rng, kind, big=trial % 2 == 0)
+        prep = attn.prepare(lay, kind, **kw)
+        mod = prep.mask_mod
+        real = (_num_segments(mod.q_keys), _num_segments(mod.kv_keys))
+        assert real[0] <= mod.segments[0] and real[1] <= mod.segments[1], (trial, mod.segments, real)
+        if kind != "valid":  # valid counts a (never used here) invalid tail per copy
+            assert mod.segments[0] <= real[0] + 1, (trial, mod.segments, real)
+        sq, sk = prep.segment_bounds()
+        cells = lay.frames.num_rows * lay.frames.frames_per_row * lay.copies + 1
+        assert sq >= min(mod.segments[0], cells) and sk >= min(mod.segments[1], kv_len)
+        assert sq & (sq - 1) == 0 or sq == cells  # a power of two, or the per-frame bound if smaller
+        want = create_block_mask(mod, 1, 1, lay.num_tokens, kv_len, device="cpu")
+        assert_same_block_mask(prep.block_mask(), want)
 
 
 def test_range_bounds_pinned_for_teacher_forcing() -> None:
@@ -180,11 +206,12 @@ def test_bad_key_shapes_raise() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_compiled_builder_on_gpu_matches_and_does_not_recompile() -> None:
-    from flexpack.attention import _COUNTER
+    from flexpack.attention import _COUNTER, FlexAttnFunc
 
     rng = random.Random(0)
     refs = [int(x) for x in open("data/episode_frames_ref.txt").read().split("\n") if x.strip() and not x.startswith("#")]
     builder = BlockMaskBuilder(compile=True, compile_backend=_COUNTER.backend)
+    attn = FlexAttnFunc("flex")
     Fr = 2080
     for kind, copies in (("document", 1), ("chunk_causal", 1), ("teacher_forcing", 2)):
         start = None
@@ -200,8 +227,15 @@ def test_compiled_builder_on_gpu_matches_and_does_not_recompile() -> None:
             mod = make_mask(lay, kind, chunk_size=2 if kind != "document" else None)
             T = lay.num_tokens
             cells = Fr + 1
-            got = builder(mod, T, T, max_segments=(cells, cells))
-            if step == 0:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                got = builder(mod, T, T, max_segments=(cells, cells))
+                prep = attn.prepare(lay, kind, chunk_size=2 if kind != "document" else None)  # host bounds
+            assert not [w for w in caught if "building eagerly" in str(w.message)], [str(w.message) for w in caught]
+            want = create_block_mask(mod, 1, 1, T, T, device="cuda")
+            assert_same_block_mask(prep.block_mask(), want)
+            if step == 0:  # the range mask_mod has the mask's values (T x T: once per kind)
+                assert dense_mask(prep.block_mask().mask_mod, T, T).equal(dense_mask(mod, T, T))
                 start = _COUNTER.n
-                assert_same_block_mask(got, create_block_mask(mod, 1, 1, T, T, device="cuda"))
+                assert_same_block_mask(got, want)
         assert _COUNTER.n == start, f"{kind}: builder recompiled"
