@@ -16,7 +16,9 @@ Backends (all return zeros, never NaN, for query rows that may attend nothing, e
 
 Compilation: one compiled FlexAttention per (kernel options, shape), ``dynamic=False``, each with
 its own dynamo cache; a new shape compiles once, new layouts of the same shape do not (block-mask contents and the mask's closure
-tensors are graph inputs). :func:`compile_count` counts every graph compiled here.
+tensors are graph inputs). The block-mask builder compiles once per (mask kind, shape, power-of-two
+bucket of segment counts): a handful of graphs over a training run. :func:`compile_count` counts
+every graph compiled here.
 """
 
 from __future__ import annotations

@@ -276,8 +276,8 @@ def make_mask(
 
 def dense_mask(mask_mod: MaskMod, q_len: int, kv_len: int, device: torch.device | str | None = None) -> Tensor:
     """(q_len, kv_len) bool: the mask evaluated on the full index grid (the reference)."""
-    if device is None:
-        keys = getattr(mask_mod, "q_keys", ())
+    if device is None:  # the device of the tensors the closure reads (keys, or range bounds)
+        keys = getattr(mask_mod, "q_keys", ()) or [c.cell_contents for c in mask_mod.__closure__ or () if isinstance(c.cell_contents, Tensor)]
         device = keys[0].device if keys else "cpu"
     q = torch.arange(q_len, device=device)[:, None]
     kv = torch.arange(kv_len, device=device)[None, :]
