@@ -34,7 +34,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from flexpack.blockmask import BlockMaskBuilder, compile_fresh
 from flexpack.layout import TokenLayout
-from flexpack.masks import MASK_KINDS, MaskMod, dense_mask, make_mask
+from flexpack.masks import MASK_KINDS, MaskMod, dense_mask, make_mask, next_pow2
 
 BACKENDS = ("auto", "dense", "flex", "flex-flash", "sdpa-loop", "varlen")
 DOCUMENT_ONLY = ("sdpa-loop", "varlen")
@@ -91,10 +91,6 @@ def _compiled_flex(flash: bool, q: Tensor, k: Tensor) -> Callable:
     return _COMPILED[key]
 
 
-def _pow2(n: int, least: int = 64) -> int:
-    return max(least, 1 << max(n - 1, 0).bit_length())
-
-
 @dataclass(eq=False)
 class PreparedMask:
     """A mask built once per step from a layout and shared by every layer.
@@ -130,8 +126,7 @@ class PreparedMask:
         seg = getattr(self.mask_mod, "segments", None)
         if seg is None:
             return cells, kv_cells
-        return min(_pow2(seg[0]), cells), min(_pow2(seg[1]), kv_cells)
-
+        return min(max(64, next_pow2(seg[0])), cells), min(max(64, next_pow2(seg[1])), kv_cells)
 
     def dense(self) -> tuple[Tensor, Tensor]:
         """(Tq, Tk) bool mask with empty rows opened (to keep SDPA finite) and (Tq,) row-has-keys."""

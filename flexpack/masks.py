@@ -70,9 +70,10 @@ def _both(bound: int | None) -> tuple[int, int] | None:
     return None if bound is None else (bound, bound)
 
 
-def _chunk_key(layout: TokenLayout, chunk_size: int) -> Tensor:
-    """frame // chunk_size inside episodes, -1 on padding (one segment per padding run)."""
-    return torch.where(layout.doc >= 0, layout.frame // chunk_size, -1)
+def _chunk_key(layout: TokenLayout, chunk_size: int, inside: Tensor | None = None) -> Tensor:
+    """frame // chunk_size inside episodes, -1 on padding (one segment per padding run).
+    ``inside`` is ``layout.doc >= 0`` when the caller has it already."""
+    return torch.where(layout.valid if inside is None else inside, layout.frame // chunk_size, -1)
 
 
 def _check_chunk(chunk_size: int, window: int | None = None) -> None:
@@ -152,8 +153,9 @@ def teacher_forcing_mask(layout: TokenLayout, chunk_size: int, window: int | Non
     """
     _check_chunk(chunk_size, window)
     doc = layout.doc
-    copy = torch.where(doc >= 0, layout.copy, NOISY)
-    chunk = _chunk_key(layout, chunk_size)
+    inside = layout.valid
+    copy = torch.where(inside, layout.copy, NOISY)
+    chunk = _chunk_key(layout, chunk_size, inside)
     seg = _both(_segment_bound(layout, lambda n: layout.copies * -(-n // chunk_size)))
     win = window
 
@@ -174,13 +176,18 @@ def teacher_forcing_mask(layout: TokenLayout, chunk_size: int, window: int | Non
     return _tag(teacher_forcing, name, (doc, copy, chunk), (doc, copy, chunk), teacher_forcing_mask.__doc__, runs=layout.copies, segments=seg)
 
 
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (1 for n <= 1): sizes that take few values as n varies."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def text_slots(num_episodes: int) -> int:
     """Episode slots for text cross-attention: the next power of two, so that the key length
     ``slots * text_tokens`` takes few values as the episode count per micro-batch varies (pack
     mode packs 1..N episodes into one shape; without slots every count would compile anew)."""
     if num_episodes < 0:
         raise ValueError(f"num_episodes must be >= 0, got {num_episodes}")
-    return 1 << max(num_episodes - 1, 0).bit_length()
+    return next_pow2(num_episodes)
 
 
 def text_mask(layout: TokenLayout, text_tokens: int, text_slots: int | None = None) -> MaskMod:
