@@ -111,7 +111,7 @@ FRAMES = 40  # fixed shape: T = 40 frames x 7 tokens x copies; contents vary
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_compiled_flex_forward_matches_reference(kind: str) -> None:
-    rng = random.Random(hash(kind) % 97)
+    rng = random.Random(300 + KINDS.index(kind))
     attn = FlexAttnFunc("flex")
     for trial in range(3):
         lay, kw, K = random_case(rng, kind, frames=FRAMES, copies=2 if kind == "teacher_forcing" else 1)
