@@ -17,7 +17,8 @@ Backends (all return zeros, never NaN, for query rows that may attend nothing, e
 Compilation: one compiled FlexAttention per (kernel options, shape), ``dynamic=False``, each with
 its own dynamo cache; a new shape compiles once, new layouts of the same shape do not (block-mask contents and the mask's closure
 tensors are graph inputs). The block-mask builder compiles once per (mask kind, shape, power-of-two
-bucket of segment counts): a handful of graphs over a training run. :func:`compile_count` counts
+bucket of segment counts): a handful of graphs over a training run, each also captured once as a
+CUDA graph that later builds replay (captures are not compiles). :func:`compile_count` counts
 every graph compiled here.
 """
 
@@ -157,14 +158,27 @@ class FlexAttnFunc:
     tokens. Build the mask once per step with :meth:`prepare` and pass the result to every layer.
     """
 
-    def __init__(self, backend: str = "auto", *, compile_block_mask: bool | None = None, range_masks: bool = True) -> None:
+    def __init__(
+        self,
+        backend: str = "auto",
+        *,
+        compile_block_mask: bool | None = None,
+        range_masks: bool = True,
+        graph_block_mask: bool | None = None,
+    ) -> None:
         """``range_masks``: inside partial blocks the flex kernels evaluate the mask as key ranges
         per query (:func:`flexpack.blockmask.range_mask_mod`, same values); ``False`` evaluates
-        the mask_mod of :mod:`flexpack.masks` there instead (kept for comparison)."""
+        the mask_mod of :mod:`flexpack.masks` there instead (kept for comparison).
+        ``compile_block_mask`` / ``graph_block_mask``: compile the block-mask builder (default: on
+        CUDA) and replay each compiled signature as a CUDA graph (default: when compiled on CUDA);
+        see :class:`~flexpack.blockmask.BlockMaskBuilder`."""
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
         self.backend = backend
+        if graph_block_mask and compile_block_mask is False:
+            raise ValueError("graph_block_mask=True needs a compiled block-mask builder (compile_block_mask=False given)")
         self._compile_bm = compile_block_mask
+        self._graph_bm = graph_block_mask
         self._range_masks = range_masks
         self._builders: dict[bool, BlockMaskBuilder] = {}
 
@@ -176,7 +190,9 @@ class FlexAttnFunc:
         # compiling the builder pays off on CUDA (few kernel launches); on CPU it only costs time
         comp = device.type == "cuda" if self._compile_bm is None else self._compile_bm
         if comp not in self._builders:
-            self._builders[comp] = BlockMaskBuilder(compile=comp, compile_backend=_COUNTER.backend, range_mods=self._range_masks)
+            graphs = comp and self._graph_bm is not False
+            self._builders[comp] = BlockMaskBuilder(compile=comp, compile_backend=_COUNTER.backend, range_mods=self._range_masks,
+                                                    cuda_graphs=graphs)
         return self._builders[comp]
 
     def prepare(

@@ -191,11 +191,14 @@ def test_full_and_partial_blocks_pinned() -> None:
     assert full.int().tolist() == [[1, 0], [0, 0]] and partial.int().tolist() == [[0, 1], [1, 1]]
 
 
-def test_ordered_equals_stable_argsort() -> None:
-    m = torch.rand(7, 33) < 0.4
-    n, idx = _ordered(m)
-    assert n.equal(m.sum(-1).int())
-    assert idx.equal(torch.argsort(m.int(), dim=-1, descending=True, stable=True).int())
+@pytest.mark.parametrize("shape", [(7, 33), (4, 60, 60), (3, 1)])
+def test_ordered_equals_stable_argsort(shape: tuple[int, ...]) -> None:
+    g = torch.Generator().manual_seed(0)
+    for p in (0.0, 0.4, 1.0):  # rows without Trues, mixed rows, rows without Falses
+        m = torch.rand(shape, generator=g) < p
+        n, idx = _ordered(m)
+        assert n.equal(m.sum(-1).int()) and idx.dtype == torch.int32
+        assert idx.equal(torch.argsort(m.int(), dim=-1, descending=True, stable=True).int())
 
 
 def test_bad_key_shapes_raise() -> None:
@@ -244,3 +247,66 @@ def test_compiled_builder_on_gpu_matches_and_does_not_recompile() -> None:
             assert_same_block_mask(got, want)
             if step == 0:  # the range mask_mod has the mask's values (T x T: once per kind)
                 assert dense_mask(prep.block_mask().mask_mod, T, T, "cuda").equal(dense_mask(mod, T, T))
+
+
+def test_graph_inputs_and_rebind() -> None:
+    """The pieces a captured CUDA graph relies on (the capture itself runs in the GPU test)."""
+    from flexpack.blockmask import _graph_inputs, _rebind
+
+    rng = random.Random(3)
+    a, _, _ = layout_for(rng, "teacher_forcing")
+    b, _, _ = layout_for(rng, "teacher_forcing")
+    while b.num_tokens != a.num_tokens or b.copies != a.copies:
+        b, _, _ = layout_for(rng, "teacher_forcing")
+    ma, mb = teacher_forcing_mask(a, 2, window=1), teacher_forcing_mask(b, 2, window=1)
+    unique, pattern = _graph_inputs(ma, ma.q_keys, ma.kv_keys)
+    # doc, copy and chunk each serve in the closure, as q keys and as kv keys: read once
+    assert len(unique) == 3 and len(pattern) == 9 and set(pattern) == {0, 1, 2}
+    unique_b, pattern_b = _graph_inputs(mb, mb.q_keys, mb.kv_keys)
+    assert pattern_b == pattern
+    # a's mask re-bound to b's tensors is b's mask; the window (a scalar cell) is kept
+    ncl = len([c for c in ma.__closure__ if isinstance(c.cell_contents, torch.Tensor)])
+    moved = _rebind(ma, [unique_b[i] for i in pattern_b[:ncl]])
+    T = a.num_tokens
+    assert dense_mask(moved, T, T).equal(dense_mask(mb, T, T))
+    assert not dense_mask(ma, T, T).equal(dense_mask(mb, T, T))
+    # closures holding other mask_mods cannot be re-bound: not captured
+    both = all_of(document_mask(a), valid_frame_mask(a))
+    assert _graph_inputs(both, both.q_keys, both.kv_keys) is None
+    with pytest.raises(ValueError, match="needs compile=True"):
+        BlockMaskBuilder(compile=False, cuda_graphs=True)
+    from flexpack.attention import FlexAttnFunc
+
+    with pytest.raises(ValueError, match="needs a compiled block-mask builder"):
+        FlexAttnFunc("flex", compile_block_mask=False, graph_block_mask=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_builds_match_and_keep_earlier_masks() -> None:
+    """Replayed builds equal create_block_mask's, masks built earlier stay intact (no aliasing of
+    the graph's memory), masks differing only in a scalar (the window) get their own graph."""
+    rng = random.Random(1)
+    builder = BlockMaskBuilder(compile=True)
+    Fr, built = 256, []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for kind, copies, kw in (("document", 1, {}), ("chunk_causal", 1, {"chunk_size": 2}),
+                                 ("teacher_forcing", 2, {"chunk_size": 2, "window": None}),
+                                 ("teacher_forcing", 2, {"chunk_size": 2, "window": 1})):
+            for _ in range(3):
+                lens, total = [], 0
+                while total < Fr // copies - 4:
+                    n = min(rng.randint(3, 60), Fr // copies - total)
+                    lens.append(n)
+                    total += n
+                lay = SequenceLayout.from_rows([lens], Fr // copies).tokens(32, 4, copies=copies).to("cuda")
+                mod = make_mask(lay, kind, **kw)
+                T = lay.num_tokens
+                got = builder(mod, T, T, max_segments=(Fr + 1, Fr + 1))
+                built.append((got, mod, T))
+    assert not [w for w in caught if "failed" in str(w.message)], [str(w.message) for w in caught]  # capture, compile
+    assert len(builder._graphs) == 4 and all(g is not None for g in builder._graphs.values())
+    for got, mod, T in built:  # checked after all builds: each still holds its own mask
+        assert_same_block_mask(got, create_block_mask(mod, 1, 1, T, T, device="cuda"))
+        assert dense_mask(got.mask_mod, T, T, "cuda").equal(dense_mask(mod, T, T))
