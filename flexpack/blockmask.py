@@ -138,12 +138,12 @@ def _ordered(m: Tensor) -> tuple[Tensor, Tensor]:
     mi = m.to(torch.int32)
     true_seen = mi.cumsum(-1, dtype=torch.int32)
     n = true_seen[..., -1:]
-    col = torch.arange(1, m.shape[-1] + 1, dtype=torch.int32, device=m.device).expand_as(true_seen)
-    false_seen = col - true_seen
-    j = col - 1
-    in_true = torch.searchsorted(true_seen.contiguous(), j + 1, out_int32=True)
-    in_false = torch.searchsorted(false_seen.contiguous(), (j - n + 1).clamp(min=1), out_int32=True)
-    idx = torch.where(j < n, in_true, in_false)
+    # slot j (0-based) wants the (j + 1)-th True, or the (j + 1 - n)-th False, column
+    rank = torch.arange(1, m.shape[-1] + 1, dtype=torch.int32, device=m.device).expand_as(true_seen).contiguous()
+    false_seen = rank - true_seen  # Falses among the first columns, as rank counts columns too
+    in_true = torch.searchsorted(true_seen.contiguous(), rank, out_int32=True)
+    in_false = torch.searchsorted(false_seen.contiguous(), (rank - n).clamp(min=1), out_int32=True)
+    idx = torch.where(rank <= n, in_true, in_false)
     return n[..., 0].contiguous(), idx.contiguous()
 
 
@@ -211,34 +211,37 @@ def compile_fresh(fn: Callable, tag: str, backend: str | Callable = "inductor") 
     return torch.compile(copy, dynamic=False, backend=backend)
 
 
-def _closure_tensors(fn: Callable) -> list[Tensor] | None:
-    """Tensors in ``fn``'s closure, in cell order; ``None`` if a cell holds anything but tensors
-    and plain scalars (e.g. other mask_mods), which a captured graph could not re-bind."""
-    out = []
+def _closure_split(fn: Callable) -> tuple[list[Tensor], tuple] | None:
+    """(tensors, other values) of ``fn``'s closure, in cell order; ``None`` if a cell holds anything
+    but tensors and plain scalars (e.g. other mask_mods), which a captured graph could not re-bind."""
+    tensors, scalars = [], []
     for cell in fn.__closure__ or ():
         v = cell.cell_contents
         if isinstance(v, Tensor):
-            out.append(v)
-        elif not isinstance(v, (int, float, bool, str, type(None))):
+            tensors.append(v)
+        elif isinstance(v, (int, float, bool, str, type(None))):
+            scalars.append(v)
+        else:
             return None
-    return out
+    return tensors, tuple(scalars)
 
 
-def _graph_inputs(mask_mod: Callable, q_keys: tuple[Tensor, ...], kv_keys: tuple[Tensor, ...]) -> tuple[list[Tensor], tuple[int, ...]] | None:
-    """The distinct tensors a build reads (closure, q and kv keys) and the pattern that maps the
-    positions of ``closure + q_keys + kv_keys`` onto them (the same tensor often plays several roles)."""
-    cl = _closure_tensors(mask_mod)
-    if cl is None:
+def _graph_inputs(mask_mod: Callable, q_keys: tuple[Tensor, ...], kv_keys: tuple[Tensor, ...]) -> tuple[list[Tensor], tuple[int, ...], tuple] | None:
+    """The distinct tensors a build reads (closure, q and kv keys), the pattern that maps the
+    positions of ``closure + q_keys + kv_keys`` onto them (the same tensor often plays several
+    roles), and the closure's scalar values; ``None`` when the closure cannot be re-bound."""
+    split = _closure_split(mask_mod)
+    if split is None:
         return None
     unique: list[Tensor] = []
     pattern = []
-    for t in (*cl, *q_keys, *kv_keys):
+    for t in (*split[0], *q_keys, *kv_keys):
         i = next((j for j, u in enumerate(unique) if u is t), None)
         if i is None:
             i = len(unique)
             unique.append(t)
         pattern.append(i)
-    return unique, tuple(pattern)
+    return unique, tuple(pattern), split[1]
 
 
 def _rebind(fn: Callable, tensors: list[Tensor]) -> Callable:
@@ -259,13 +262,13 @@ class _CapturedBuild:
     those are part of the builder's key.
     """
 
-    def __init__(self, fn: Callable, mask_mod: Callable, args: tuple) -> None:
+    def __init__(self, fn: Callable, mask_mod: Callable, args: tuple, unique: list[Tensor], pattern: tuple[int, ...]) -> None:
         q_keys, kv_keys, *rest = args
-        unique, self.pattern = _graph_inputs(mask_mod, q_keys, kv_keys)  # type: ignore[misc]
+        self.pattern = pattern
         self.static = [t.clone() for t in unique]
-        ncl = len(_closure_tensors(mask_mod) or ())
-        nq = len(q_keys)
-        slot = [self.static[i] for i in self.pattern]
+        nq, nkv = len(q_keys), len(kv_keys)
+        ncl = len(pattern) - nq - nkv
+        slot = [self.static[i] for i in pattern]
         static_args = (_rebind(mask_mod, slot[:ncl]), tuple(slot[ncl:ncl + nq]), tuple(slot[ncl + nq:]), *rest)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -276,14 +279,11 @@ class _CapturedBuild:
         with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             self.outs = list(fn(*static_args))
 
-    def matches(self, mask_mod: Callable, q_keys: tuple[Tensor, ...], kv_keys: tuple[Tensor, ...]) -> list[Tensor] | None:
-        """The distinct input tensors if they fit the static buffers, else ``None``."""
-        got = _graph_inputs(mask_mod, q_keys, kv_keys)
-        if got is None or got[1] != self.pattern:
-            return None
-        if any(t.shape != s.shape or t.dtype != s.dtype or t.device != s.device for t, s in zip(got[0], self.static)):
-            return None
-        return got[0]
+    def fits(self, unique: list[Tensor], pattern: tuple[int, ...]) -> bool:
+        """Whether these distinct input tensors fit the static buffers."""
+        return pattern == self.pattern and all(
+            t.shape == s.shape and t.dtype == s.dtype and t.device == s.device for t, s in zip(unique, self.static)
+        )
 
     def __call__(self, inputs: list[Tensor]) -> tuple[Tensor, ...]:
         torch._foreach_copy_(self.static, inputs)
@@ -333,11 +333,12 @@ class BlockMaskBuilder:
         key = (getattr(mask_mod, "__code__", None), *args[2:])
         if key not in self._compiled:
             self._compiled[key] = compile_fresh(_structure, f"s{len(self._compiled)}", self._backend)
-        if self.cuda_graphs and args[0][0].is_cuda:
-            graph = self._graph(key, mask_mod, args)
-            inputs = graph.matches(mask_mod, args[0], args[1]) if graph is not None else None
-            if inputs is not None:
-                return graph(inputs)  # type: ignore[misc]
+        inputs = _graph_inputs(mask_mod, args[0], args[1]) if self.cuda_graphs and args[0][0].is_cuda else None
+        if inputs is not None:
+            unique, pattern, scalars = inputs
+            graph = self._graph((*key, scalars, args[0][0].device), key, mask_mod, args, unique, pattern)
+            if graph is not None and graph.fits(unique, pattern):
+                return graph(unique)
         return self._run_compiled(key, mask_mod, args)
 
     def _run_compiled(self, key: tuple, mask_mod: Callable, args: tuple) -> tuple[Tensor, ...]:
@@ -351,19 +352,15 @@ class BlockMaskBuilder:
             self._compiled[key] = _structure
             return _structure(mask_mod, *args)
 
-    def _graph(self, key: tuple, mask_mod: Callable, args: tuple) -> _CapturedBuild | None:
-        """This signature's CUDA graph, captured on first use; ``None`` when the mask cannot be
-        captured (closure of other mask_mods, eager fallback, or a failed capture)."""
-        if _closure_tensors(mask_mod) is None:
-            return None
-        scalars = tuple(c.cell_contents for c in mask_mod.__closure__ or () if not isinstance(c.cell_contents, Tensor))
-        gkey = (*key, scalars, args[0][0].device)
+    def _graph(self, gkey: tuple, key: tuple, mask_mod: Callable, args: tuple, unique: list[Tensor], pattern: tuple[int, ...]) -> _CapturedBuild | None:
+        """The CUDA graph of ``gkey`` (compile key, closure scalars, device), captured on first use;
+        ``None`` after an eager fallback or a failed capture."""
         if gkey not in self._graphs:
             self._run_compiled(key, mask_mod, args)  # compiles a new signature outside the capture
             graph = None
             if self._compiled[key] is not _structure:
                 try:
-                    graph = _CapturedBuild(self._compiled[key], mask_mod, args)
+                    graph = _CapturedBuild(self._compiled[key], mask_mod, args, unique, pattern)
                 except RuntimeError as e:
                     msg = " ".join(str(e).split())[:300]
                     warnings.warn(f"capturing the block-mask build as a CUDA graph failed ({msg}); launching the compiled build instead")

@@ -259,10 +259,10 @@ def test_graph_inputs_and_rebind() -> None:
     while b.num_tokens != a.num_tokens or b.copies != a.copies:
         b, _, _ = layout_for(rng, "teacher_forcing")
     ma, mb = teacher_forcing_mask(a, 2, window=1), teacher_forcing_mask(b, 2, window=1)
-    unique, pattern = _graph_inputs(ma, ma.q_keys, ma.kv_keys)
+    unique, pattern, _ = _graph_inputs(ma, ma.q_keys, ma.kv_keys)
     # doc, copy and chunk each serve in the closure, as q keys and as kv keys: read once
     assert len(unique) == 3 and len(pattern) == 9 and set(pattern) == {0, 1, 2}
-    unique_b, pattern_b = _graph_inputs(mb, mb.q_keys, mb.kv_keys)
+    unique_b, pattern_b, _ = _graph_inputs(mb, mb.q_keys, mb.kv_keys)
     assert pattern_b == pattern
     # a's mask re-bound to b's tensors is b's mask; the window (a scalar cell) is kept
     ncl = len([c for c in ma.__closure__ if isinstance(c.cell_contents, torch.Tensor)])
