@@ -41,9 +41,9 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from flexpack.attention import AUTO_CUDA, FlexAttnFunc, _compiled_flex, compile_count, has_flash  # noqa: E402
-from flexpack.blockmask import _segments  # noqa: E402
-from flexpack.layout import SequenceLayout, TokenLayout  # noqa: E402
+from flexpack.attention.flex import AUTO_CUDA, FlexAttnFunc, _compiled_flex, compile_count, has_flash  # noqa: E402
+from flexpack.attention.blockmask import _segments  # noqa: E402
+from flexpack.packing.layout import SequenceLayout, TokenLayout  # noqa: E402
 
 H, D, TPF = 24, 128, 36
 DEV = "cuda"

@@ -28,8 +28,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.attention import draw_pack, load_latent_frames  # noqa: E402
-from flexpack.attention import FlexAttnFunc  # noqa: E402
-from flexpack.layout import SequenceLayout  # noqa: E402
+from flexpack.attention.flex import FlexAttnFunc  # noqa: E402
+from flexpack.packing.layout import SequenceLayout  # noqa: E402
 
 TPF_VIDEO, TPF_ACTION = 32, 4
 

@@ -12,9 +12,9 @@ import random
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from flexpack.attention import FlexAttnFunc
-from flexpack.layout import SequenceLayout
-from flexpack.masks import dense_mask, make_mask
+from flexpack.attention.flex import FlexAttnFunc
+from flexpack.packing.layout import SequenceLayout
+from flexpack.attention.masks import dense_mask, make_mask
 
 
 def ref(q, k, v, mask):

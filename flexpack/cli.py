@@ -9,12 +9,12 @@ import sys
 # subcommand -> (module, one-line help). Each module defines ``add_arguments(parser)`` and
 # ``run(args) -> int``; modules are imported lazily so ``flexpack stats`` never imports lerobot.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "stats": ("flexpack.stats", "waste, shapes and rank balance of a sampler on episode lengths"),
+    "stats": ("flexpack.packing.stats", "waste, shapes and rank balance of a sampler on episode lengths"),
     "make-dataset": ("flexpack.data.synthetic", "write a synthetic LeRobot dataset"),
     "encode": ("flexpack.data.encode", "encode a LeRobot dataset's videos into the latent cache"),
     "check-dataset": ("flexpack.data.check", "list every problem of a dataset and its latent cache"),
-    "train": ("flexpack.train", "train a WanVA on a LeRobot dataset from a TOML/JSON config (torchrun for FSDP2)"),
-    "verify": ("flexpack.verify", "check packed == per-episode outputs, loss and gradients; exit 1 on mismatch"),
+    "train": ("flexpack.training.loop", "train a WanVA on a LeRobot dataset from a TOML/JSON config (torchrun for FSDP2)"),
+    "verify": ("flexpack.training.verify", "check packed == per-episode outputs, loss and gradients; exit 1 on mismatch"),
 }
 
 

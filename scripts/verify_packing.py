@@ -10,7 +10,7 @@ Prints a table per episode and exits 1 when anything differs beyond the toleranc
 import argparse
 import sys
 
-from flexpack import verify
+from flexpack.training import verify
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flexpack.attention import FlexAttnFunc, compile_count, has_flash
-from flexpack.layout import SequenceLayout
-from flexpack.masks import dense_mask, make_mask
+from flexpack.attention.flex import FlexAttnFunc, compile_count, has_flash
+from flexpack.packing.layout import SequenceLayout
+from flexpack.attention.masks import dense_mask, make_mask
 
 H, D = 2, 16
 KINDS = ("document", "valid", "chunk_causal", "teacher_forcing", "text")
@@ -175,7 +175,7 @@ def test_auto_on_cpu_picks_dense_for_training() -> None:
 
 
 def test_auto_on_cpu_uses_flex_for_long_forward_only_calls_without_a_dense_mask(monkeypatch) -> None:
-    import flexpack.attention as attention
+    import flexpack.attention.flex as attention
 
     monkeypatch.setattr(attention, "CPU_FLEX_MIN_TOKENS", 256)  # stands in for 16k tokens: small and fast
     lay = SequenceLayout.from_rows([[15, 12, 9]], FRAMES).tokens(5, 2)  # 280 tokens: the shape compiled above
@@ -235,7 +235,7 @@ def test_flash_refuses_unverified_head_dims() -> None:
 
 def test_text_slots_keep_the_key_length_fixed_without_recompiles() -> None:
     """Pack mode varies the episode count per micro-batch; padded text slots keep one shape."""
-    from flexpack.masks import text_slots
+    from flexpack.attention.masks import text_slots
 
     assert [text_slots(n) for n in (0, 1, 2, 3, 4, 5, 9)] == [1, 1, 2, 4, 4, 8, 16]
     attn, L, slots = FlexAttnFunc("flex"), 5, 4

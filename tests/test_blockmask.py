@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import and_masks, create_block_mask
 
-from flexpack.blockmask import BlockMaskBuilder, _ordered, block_structure, fast_block_mask, range_mask_mod
-from flexpack.layout import SequenceLayout, TokenLayout
-from flexpack.masks import all_of, dense_mask, document_mask, make_mask, teacher_forcing_mask, valid_frame_mask
+from flexpack.attention.blockmask import BlockMaskBuilder, _ordered, block_structure, fast_block_mask, range_mask_mod
+from flexpack.packing.layout import SequenceLayout, TokenLayout
+from flexpack.attention.masks import all_of, dense_mask, document_mask, make_mask, teacher_forcing_mask, valid_frame_mask
 
 KINDS = ("document", "valid", "chunk_causal", "teacher_forcing", "text")
 
@@ -88,8 +88,8 @@ def test_range_mask_mod_equals_the_mask(kind: str) -> None:
 def test_host_segment_bounds_cover_the_real_counts(kind: str) -> None:
     """The bounds computed on the host (no sync) are >= the real segment counts, tight, and the
     prepared block mask built on them equals create_block_mask's."""
-    from flexpack.attention import FlexAttnFunc
-    from flexpack.blockmask import _num_segments
+    from flexpack.attention.flex import FlexAttnFunc
+    from flexpack.attention.blockmask import _num_segments
 
     attn = FlexAttnFunc("flex", compile_block_mask=False)
     rng = random.Random(200 + KINDS.index(kind))
@@ -210,7 +210,7 @@ def test_bad_key_shapes_raise() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_compiled_builder_on_gpu_matches_and_does_not_recompile() -> None:
-    from flexpack.attention import _COUNTER, FlexAttnFunc
+    from flexpack.attention.flex import _COUNTER, FlexAttnFunc
 
     rng = random.Random(0)
     refs = [int(x) for x in open("data/episode_frames_ref.txt").read().split("\n") if x.strip() and not x.startswith("#")]
@@ -251,7 +251,7 @@ def test_compiled_builder_on_gpu_matches_and_does_not_recompile() -> None:
 
 def test_graph_inputs_and_rebind() -> None:
     """The pieces a captured CUDA graph relies on (the capture itself runs in the GPU test)."""
-    from flexpack.blockmask import _graph_inputs, _rebind
+    from flexpack.attention.blockmask import _graph_inputs, _rebind
 
     rng = random.Random(3)
     a, _, _ = layout_for(rng, "teacher_forcing")
@@ -275,7 +275,7 @@ def test_graph_inputs_and_rebind() -> None:
     assert _graph_inputs(both, both.q_keys, both.kv_keys) is None
     with pytest.raises(ValueError, match="needs compile=True"):
         BlockMaskBuilder(compile=False, cuda_graphs=True)
-    from flexpack.attention import FlexAttnFunc
+    from flexpack.attention.flex import FlexAttnFunc
 
     with pytest.raises(ValueError, match="needs a compiled block-mask builder"):
         FlexAttnFunc("flex", compile_block_mask=False, graph_block_mask=True)

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from flexpack.collate import PackCollate, PadCollate
-from flexpack.layout import cu_seqlens_from_position_ids
+from flexpack.packing.collate import PackCollate, PadCollate
+from flexpack.packing.layout import cu_seqlens_from_position_ids
 
 C, H, W, CA, A, DT = 3, 2, 4, 5, 4, 6
 

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flexpack.layout import ACTION, CLEAN, NOISY, VIDEO, SequenceLayout, cu_seqlens_from_position_ids
+from flexpack.packing.layout import ACTION, CLEAN, NOISY, VIDEO, SequenceLayout, cu_seqlens_from_position_ids
 
 rows_strategy = st.lists(st.lists(st.integers(1, 9), min_size=0, max_size=4), min_size=1, max_size=4)
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import and_masks, or_masks
 
-from flexpack.layout import SequenceLayout, TokenLayout
-from flexpack.masks import (
+from flexpack.packing.layout import SequenceLayout, TokenLayout
+from flexpack.attention.masks import (
     chunk_causal_mask,
     dense_mask,
     document_mask,
@@ -116,7 +116,7 @@ def test_bad_arguments_raise(bad) -> None:
 
 # ---------------------------------------------------------------- reference rule
 def reference_mask(lay: TokenLayout, kind: str, chunk: int = 1, window: int | None = None, L: int = 0) -> torch.Tensor:
-    """The spec written pair by pair in plain Python (independent of flexpack.masks)."""
+    """The spec written pair by pair in plain Python (independent of flexpack.attention.masks)."""
     doc, fr, cp = lay.doc.tolist(), lay.frame.tolist(), lay.copy.tolist()
     T = len(doc)
     if kind == "text":

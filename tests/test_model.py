@@ -8,12 +8,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from flexpack.attention import FlexAttnFunc
-from flexpack.collate import PackCollate, PadCollate
-from flexpack.layout import SequenceLayout
+from flexpack.attention.flex import FlexAttnFunc
+from flexpack.packing.collate import PackCollate, PadCollate
+from flexpack.packing.layout import SequenceLayout
 from flexpack.models import WanVA, wan_config
 from flexpack.models.rope import apply_rope, rope_bands, rope_cos_sin
-from flexpack.objective import FlowMatchingConfig, make_flow_sample, training_loss
+from flexpack.training.objective import FlowMatchingConfig, make_flow_sample, training_loss
 
 C, H, W, CA, A, L, DT = 4, 4, 6, 7, 3, 5, 32
 REL = 1e-5

@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from flexpack.attention import FlexAttnFunc
+from flexpack.attention.flex import FlexAttnFunc
 from flexpack.models import WanVA
-from flexpack.layout import SequenceLayout
+from flexpack.packing.layout import SequenceLayout
 from flexpack.models.wan_convert import config_from_diffusers, convert_state_dict, load_converted
 
 diffusers = pytest.importorskip("diffusers")

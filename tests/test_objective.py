@@ -8,11 +8,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from flexpack.attention import FlexAttnFunc
-from flexpack.collate import PackCollate, PadCollate
-from flexpack.layout import SequenceLayout
+from flexpack.attention.flex import FlexAttnFunc
+from flexpack.packing.collate import PackCollate, PadCollate
+from flexpack.packing.layout import SequenceLayout
 from flexpack.models import WanVA, wan_config
-from flexpack.objective import (
+from flexpack.training.objective import (
     FlowMatchingConfig,
     flow_loss,
     loss_counts,

@@ -11,15 +11,15 @@ import torch
 
 pytest.importorskip("lerobot")
 
-from flexpack import checkpoint  # noqa: E402
+from flexpack.training import checkpoint  # noqa: E402
 from flexpack.cli import main as cli_main  # noqa: E402
-from flexpack.collate import PackCollate, PadCollate  # noqa: E402
-from flexpack.config import ScheduleConfig, load_config  # noqa: E402
+from flexpack.packing.collate import PackCollate, PadCollate  # noqa: E402
+from flexpack.training.config import ScheduleConfig, load_config  # noqa: E402
 from flexpack.data.encode import encode_dataset  # noqa: E402
 from flexpack.data.synthetic import make_synthetic_dataset  # noqa: E402
 from flexpack.models import WanVA, wan_config  # noqa: E402
-from flexpack.profiling import StepProfiler  # noqa: E402
-from flexpack.train import accumulate, lr_at, train  # noqa: E402
+from flexpack.training.profiling import StepProfiler  # noqa: E402
+from flexpack.training.loop import accumulate, lr_at, train  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 VIDEO_FRAMES = [37, 29, 21, 17, 13, 9]  # latent frames 10, 8, 6, 5, 4, 3

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from flexpack.collate import PackCollate, PadCollate
+from flexpack.packing.collate import PackCollate, PadCollate
 from flexpack.models import WanVA, wan_config
-from flexpack.objective import FlowMatchingConfig
-from flexpack.verify import verify_batch
+from flexpack.training.objective import FlowMatchingConfig
+from flexpack.training.verify import verify_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -72,7 +72,7 @@ def test_dropped_doc_ids_fail(collate):
 
 def test_noise_does_not_depend_on_batching():
     """The same episode gets the same x_t packed with others, padded, or alone."""
-    from flexpack.noise import episode_flow_sample
+    from flexpack.training.noise import episode_flow_sample
 
     its = items([5, 3])
     cfg = FlowMatchingConfig()

@@ -5,7 +5,7 @@ The head dimension is split into three bands, as Wan does: height and width get
 Channels rotate in interleaved pairs ``(x[2i], x[2i+1])``; band ``b`` of size ``d`` rotates pair
 ``i`` by ``pos_b / theta ** (2i / d)``.
 
-Positions come from the :class:`~flexpack.layout.TokenLayout` (``frame`` restarts per episode,
+Positions come from the :class:`~flexpack.packing.layout.TokenLayout` (``frame`` restarts per episode,
 ``hpos``/``wpos`` the patch grid), never from a token's place in the packed sequence, so a packed
 episode sees exactly the rotations it would see alone.
 

@@ -6,7 +6,7 @@ patch embedding, sinusoidal timestep → MLP → 6-way AdaLN modulation, text ML
 LayerNorm → cross-attention to text; AdaLN → GELU-tanh FFN → gated residual), and an
 AdaLN-modulated output head. On top of it: action tokens (a Linear from action channels in, a
 Linear to action channels out, their own timestep per frame) and one flat token sequence for
-the whole micro-batch, described by a :class:`~flexpack.layout.TokenLayout`.
+the whole micro-batch, described by a :class:`~flexpack.packing.layout.TokenLayout`.
 
 Token sequence. ``layout.tokens()`` puts every (copy, row, frame) "unit" at a contiguous run of
 ``K = video_tokens + action_tokens`` tokens (video first). The model therefore keeps hidden states
@@ -15,7 +15,7 @@ as ``(U, K, D)``: modulation is per unit and stream and broadcasts over the unit
 65k tokens × dim 3072 in fp32, and its slices would be saved for backward in every block).
 
 Attention sees one sequence of ``T = U * K`` tokens (batch dim 1) through
-:class:`~flexpack.attention.FlexAttnFunc`; both masks (self and text) are prepared once per
+:class:`~flexpack.attention.flex.FlexAttnFunc`; both masks (self and text) are prepared once per
 forward and shared by all blocks. Outputs at padding frames are set to zero, so nothing flows
 back from them even if a loss forgot to mask.
 
@@ -35,8 +35,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from ..layout import SequenceLayout, TokenLayout
-from ..masks import text_slots
+from ..packing.layout import SequenceLayout, TokenLayout
+from ..attention.masks import text_slots
 from .rope import rope_bands, rope_cos_sin
 from .wan_blocks import MLP, TimeEmbed, WanBlock, layer_norm_fp32
 
@@ -139,7 +139,7 @@ class WanVA(nn.Module):
         self.action_head_modulation = nn.Parameter(torch.randn(2, D) / D**0.5) if Ca else None
         self.action_head_proj = nn.Linear(D, Ca) if Ca else None
         if attn is None:
-            from ..attention import FlexAttnFunc  # imported late: attention may pull in compile machinery
+            from ..attention.flex import FlexAttnFunc  # imported late: attention may pull in compile machinery
 
             attn = FlexAttnFunc(cfg.attn_backend)
         self.attn = attn
@@ -159,7 +159,7 @@ class WanVA(nn.Module):
         """Predict the flow for a packed or padded micro-batch.
 
         Args:
-            batch: a :class:`~flexpack.collate.Batch` (or anything with ``latent``, ``action``, ``text``
+            batch: a :class:`~flexpack.packing.collate.Batch` (or anything with ``latent``, ``action``, ``text``
                 fields) holding the *model inputs*: ``latent`` (R, C, Fr, H, W) or, with teacher
                 forcing, (2, R, C, Fr, H, W) = (noisy, clean); ``action`` (R, Ca, Fr, A) or
                 (2, R, Ca, Fr, A) likewise; ``text`` (E, L, Dt) or None.

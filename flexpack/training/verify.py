@@ -7,7 +7,7 @@ For each micro-batch checked, the model (same weights) runs twice:
 - **alone**: every episode as its own unpadded micro-batch.
 
 Both paths see identical x_t: σ and noise are drawn per episode from a generator seeded by the
-episode alone (:func:`flexpack.noise.episode_flow_sample`). Compared, per episode: the model's
+episode alone (:func:`flexpack.training.noise.episode_flow_sample`). Compared, per episode: the model's
 video and action predictions, and the episode's loss; for the micro-batch: the total loss
 (batched ``FlowLoss.loss`` vs Σ ``accumulation_loss`` of the episodes alone) and every parameter
 gradient. Errors are ``max |a − b| / max |b|``; anything above ``tol`` fails (exit status 1).
@@ -27,9 +27,9 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from flexpack.collate import Batch, PackCollate
-from flexpack.noise import episode_flow_sample, episode_seed
-from flexpack.objective import FlowMatchingConfig, flow_loss, loss_counts
+from flexpack.packing.collate import Batch, PackCollate
+from flexpack.training.noise import episode_flow_sample, episode_seed
+from flexpack.training.objective import FlowMatchingConfig, flow_loss, loss_counts
 
 TOL = 1e-4
 
@@ -149,8 +149,8 @@ def verify_batch(
 def verify_config(cfg: Any, *, micro_batches: int = 2, checkpoint_dir: str | None = None, tol: float = TOL,
                   drop_packing: bool = False) -> VerifyReport:
     """Verify the first ``micro_batches`` micro-batches of the config's sampler (epoch 0, rank 0)."""
-    from flexpack import checkpoint
-    from flexpack.build import build_data, build_model, model_kwargs
+    from flexpack.training import checkpoint
+    from flexpack.training.build import build_data, build_model, model_kwargs
 
     data = build_data(cfg)
     model = build_model(cfg)
@@ -183,7 +183,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from flexpack.config import load_config
+    from flexpack.training.config import load_config
 
     if args.micro_batches < 1:
         raise ValueError(f"--micro-batches must be >= 1, got {args.micro_batches}")

@@ -1,4 +1,4 @@
-"""``flexpack train CONFIG``: the train loop, a plain function over a :class:`~flexpack.config.TrainConfig`.
+"""``flexpack train CONFIG``: the train loop, a plain function over a :class:`~flexpack.training.config.TrainConfig`.
 
 Order of one optimizer step (nanoGPT's): lr → checkpoint → micro-steps → clip → step → log.
 
@@ -7,11 +7,11 @@ Order of one optimizer step (nanoGPT's): lr → checkpoint → micro-steps → c
 - Accumulation: ``optim.accum_steps`` micro-batches per step, each back-propagating
   ``FlowLoss.accumulation_loss(totals)`` with ``totals`` = Σ ``loss_counts`` over the step's
   micro-batches of all ranks, so a step equals one batch of all its episodes.
-- Noise is drawn per episode from ``(runtime.seed, step, episode index)`` (:mod:`flexpack.noise`):
+- Noise is drawn per episode from ``(runtime.seed, step, episode index)`` (:mod:`flexpack.training.noise`):
   how episodes are batched never changes their x_t, and a resumed run draws what it would have.
 - Multi-GPU: under ``torchrun`` with several ranks the model is FSDP2-sharded
-  (:mod:`flexpack.parallel`); checkpoints (:mod:`flexpack.checkpoint`) are full state dicts.
-- ``LINGBOT_PROFILE=n`` profiles n steps (:mod:`flexpack.profiling`).
+  (:mod:`flexpack.training.parallel`); checkpoints (:mod:`flexpack.training.checkpoint`) are full state dicts.
+- ``LINGBOT_PROFILE=n`` profiles n steps (:mod:`flexpack.training.profiling`).
 """
 
 from __future__ import annotations
@@ -31,14 +31,14 @@ import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
-from flexpack import checkpoint
-from flexpack.build import build_data, build_model, model_kwargs, noise_seeds
-from flexpack.collate import Batch
-from flexpack.config import ScheduleConfig, TrainConfig, load_config, save_config
-from flexpack.noise import episode_flow_sample
-from flexpack.objective import flow_loss, loss_counts
-from flexpack.parallel import is_sharded, parallelize, world
-from flexpack.profiling import StepProfiler
+from flexpack.training import checkpoint
+from flexpack.training.build import build_data, build_model, model_kwargs, noise_seeds
+from flexpack.packing.collate import Batch
+from flexpack.training.config import ScheduleConfig, TrainConfig, load_config, save_config
+from flexpack.training.noise import episode_flow_sample
+from flexpack.training.objective import flow_loss, loss_counts
+from flexpack.training.parallel import is_sharded, parallelize, world
+from flexpack.training.profiling import StepProfiler
 
 
 def lr_at(step: int, base_lr: float, sched: ScheduleConfig, resumed_at: int | None = None) -> float:

@@ -1,6 +1,6 @@
 """Attention masks as small pure ``mask_mod(b, h, q_idx, kv_idx) -> bool`` functions over a layout.
 
-Every factory reads a :class:`~flexpack.layout.TokenLayout` once and returns a closure over its
+Every factory reads a :class:`~flexpack.packing.layout.TokenLayout` once and returns a closure over its
 per-token tensors, so the result works with FlexAttention (``create_block_mask``, compiled
 kernels), with dense evaluation on index grids (``mask_mod(b, h, q[:, None], kv[None, :])``) and
 with ``torch.nn.attention.flex_attention.and_masks`` / ``or_masks``.
@@ -14,17 +14,17 @@ Conventions pinned here (and in ``tests/test_masks.py``):
 
 Each closure also carries ``q_keys`` / ``kv_keys``: the per-token tensors its value depends on.
 The mask is constant on runs of tokens where all keys are constant, which is what
-:mod:`flexpack.blockmask` uses to build block masks without evaluating the ``T x T`` grid.
+:mod:`flexpack.attention.blockmask` uses to build block masks without evaluating the ``T x T`` grid.
 It also carries ``segments``: host-side upper bounds ``(q, kv)`` on the number of those runs
 (computed from ``TokenLayout.runs``, no device sync; ``None`` when unknown), so the block-mask
 builder works on a grid of the real size instead of one cell per frame. Keys of padding tokens
 are constant (chunk ``-1``, copy ``NOISY``) so that a padding run is one segment; padding is
 masked out by its ``doc == -1`` anyway.
 It also carries ``runs``: an upper bound on the number of contiguous key ranges one query sees
-(or ``None``). The token order of :class:`~flexpack.layout.TokenLayout` (episodes contiguous,
+(or ``None``). The token order of :class:`~flexpack.packing.layout.TokenLayout` (episodes contiguous,
 copy by copy, frame by frame) makes every mask here a union of at most two ranges per query,
 which lets the attention kernels evaluate partial blocks with two compares per range instead of
-this module's gathers (see :mod:`flexpack.blockmask`).
+this module's gathers (see :mod:`flexpack.attention.blockmask`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from flexpack.layout import CLEAN, NOISY, TokenLayout
+from flexpack.packing.layout import CLEAN, NOISY, TokenLayout
 
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
@@ -234,7 +234,7 @@ def all_of(*mask_mods: MaskMod) -> MaskMod:
     kv_keys: tuple[Tensor, ...] = ()
     for m in mask_mods:
         if not hasattr(m, "q_keys"):
-            raise ValueError(f"all_of needs masks from flexpack.masks (with q_keys), got {m!r}")
+            raise ValueError(f"all_of needs masks from flexpack.attention.masks (with q_keys), got {m!r}")
         q_keys += m.q_keys  # type: ignore[attr-defined]
         kv_keys += m.kv_keys  # type: ignore[attr-defined]
     name = "_and_".join(m.__name__ for m in mask_mods)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from flexpack.atomic import atomic_path
-from flexpack.objective import FlowMatchingConfig
+from flexpack.training.objective import FlowMatchingConfig
 
 MODES = ("pack", "pad")
 DECAYS = ("cosine", "constant")

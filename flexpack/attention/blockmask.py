@@ -1,6 +1,6 @@
 """FlexAttention block masks from per-block segment ranges, without evaluating the T x T grid.
 
-Idea: the masks of :mod:`flexpack.masks` depend only on a few per-token keys (episode, copy,
+Idea: the masks of :mod:`flexpack.attention.masks` depend only on a few per-token keys (episode, copy,
 chunk, ...), listed on each mask_mod as ``q_keys`` / ``kv_keys``. A *segment* is a maximal run of
 tokens whose keys are all equal, so the mask is constant on every (q-segment, kv-segment)
 rectangle. Tokens keep episodes contiguous, so a 128-token block covers a contiguous range of
@@ -23,7 +23,7 @@ block sets and index order: True blocks first, ascending), tested in ``tests/tes
 Three refinements make the kernels and the build fast:
 
 * The segment grid is as small as the mask's host-side bound allows (``mask_mod.segments``, see
-  :mod:`flexpack.masks`; :class:`~flexpack.attention.PreparedMask` rounds it up to a power of
+  :mod:`flexpack.attention.masks`; :class:`~flexpack.attention.flex.PreparedMask` rounds it up to a power of
   two so that shapes, and compiles, change rarely): 64 x 64 for a document mask instead of one
   cell per frame.
 * For masks with a ``runs`` bound the BlockMask carries :func:`range_mask_mod` instead of the
@@ -82,7 +82,7 @@ def _ranges(seg_mask: Tensor, seg_q: Tensor, first_k: Tensor, kv_len: int, runs:
     A row's allowed kv segments are grouped into maximal runs of consecutive segments; run ``r``
     covers the tokens from its first segment's start to its last segment's end. Missing runs are
     empty (``lo == hi == kv_len``). Exact when no row has more than ``runs`` runs, which the
-    masks of :mod:`flexpack.masks` guarantee through their ``runs`` bound.
+    masks of :mod:`flexpack.attention.masks` guarantee through their ``runs`` bound.
     """
     sk = seg_mask.shape[1]
     # segment j covers tokens [bound[j], bound[j + 1]); ids beyond the real count are empty
@@ -292,7 +292,7 @@ class _CapturedBuild:
 
 
 class BlockMaskBuilder:
-    """Builds block masks from mask_mods of :mod:`flexpack.masks`; optionally compiled (CUDA).
+    """Builds block masks from mask_mods of :mod:`flexpack.attention.masks`; optionally compiled (CUDA).
 
     ``compile=True`` wraps the structure computation in ``torch.compile(dynamic=False)``: one
     compilation per (mask code, q_len, kv_len, segment bounds) signature, each with its own

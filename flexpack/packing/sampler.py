@@ -26,7 +26,7 @@ Misuse to avoid:
 - Wrapping with ``DataLoader(num_workers>0)`` prefetches batches: the sampler's own position then
   runs ahead of training. Save ``state_dict(position=batches_trained)`` instead.
 - One live iterator at a time: two iterators share (and advance) one position.
-- Lengths must be latent frames, not video frames (see ``flexpack.stats.latent_frames``).
+- Lengths must be latent frames, not video frames (see ``flexpack.packing.stats.latent_frames``).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from flexpack.packing import pack_bins
+from flexpack.packing.bins import pack_bins
 
 COST_HIDDEN_SIZE = 3072  # model width d behind the attention weight of batch_cost (Wan-5B class)
 
@@ -345,7 +345,7 @@ class TokenBudgetBatchSampler(_EpochBatchSampler):
     along the frame axis into ``budget_frames = max_tokens // tokens_per_frame`` frames (one shape
     for the whole run). Epoch e, from ``rng = numpy.random.default_rng(seed + e)``:
 
-    1. Packing (:func:`flexpack.packing.pack_bins`): minimum-bin-slack with a seeded jitter of the
+    1. Packing (:func:`flexpack.packing.bins.pack_bins`): minimum-bin-slack with a seeded jitter of the
        size order, never worse than best-fit-decreasing; on the reference lengths it reaches the
        lower bound. The bin count is rounded up to a multiple of ``world_size`` with bins of
        repeated episodes (the tail padding; ``stats().repeated_samples`` counts them).

@@ -14,8 +14,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from flexpack.layout import SequenceLayout
-from flexpack.objective import FlowMatchingConfig, FlowSample, make_flow_sample, sample_sigma
+from flexpack.packing.layout import SequenceLayout
+from flexpack.training.objective import FlowMatchingConfig, FlowSample, make_flow_sample, sample_sigma
 
 
 def episode_seed(*parts: int) -> int:
@@ -27,7 +27,7 @@ def episode_flow_sample(batch: Any, cfg: FlowMatchingConfig, seeds: Sequence[int
     """``make_flow_sample`` with σ and noises drawn per episode; ``seeds[e]`` seeds episode slot ``e``.
 
     Per episode ``e`` (``F`` valid frames) its generator draws, in this order: σ as
-    :func:`~flexpack.objective.sample_sigma` would for the episode alone, latent noise (C, F, H, W)
+    :func:`~flexpack.training.objective.sample_sigma` would for the episode alone, latent noise (C, F, H, W)
     float32, then action noise (Ca, F, A) float32 when the batch has actions.
     """
     lay = batch.layout

@@ -24,7 +24,7 @@ from typing import Any
 
 from flexpack.atomic import atomic_path
 from flexpack.data.lengths import latent_frames  # one definition; that module never imports lerobot at import time
-from flexpack.sampler import LengthBucketBatchSampler, SamplerStats, TokenBudgetBatchSampler
+from flexpack.packing.sampler import LengthBucketBatchSampler, SamplerStats, TokenBudgetBatchSampler
 
 
 def read_frames_file(path: str | os.PathLike[str], stride: int = 4) -> list[int]:

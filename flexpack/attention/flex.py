@@ -5,7 +5,7 @@ Backends (all return zeros, never NaN, for query rows that may attend nothing, e
 * ``"dense"``: SDPA with a dense boolean mask evaluated from the same mask_mod; autograd on any
   device. This is the CPU training path (FlexAttention has no CPU backward) and the reference.
 * ``"flex"``: ``torch.compile``'d FlexAttention (Triton on CUDA, C++ on CPU: forward only there),
-  with the block mask from :mod:`flexpack.blockmask`.
+  with the block mask from :mod:`flexpack.attention.blockmask`.
 * ``"flex-flash"``: the same with ``kernel_options={"BACKEND": "FLASH"}`` (FA4 / CuTe; CUDA only,
   needs the ``flash_attn.cute`` package).
 * ``"sdpa-loop"``: one SDPA call per episode (document / valid masks only).
@@ -33,9 +33,9 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from flexpack.blockmask import BlockMaskBuilder, compile_fresh
-from flexpack.layout import TokenLayout
-from flexpack.masks import MASK_KINDS, MaskMod, dense_mask, make_mask, next_pow2
+from flexpack.attention.blockmask import BlockMaskBuilder, compile_fresh
+from flexpack.packing.layout import TokenLayout
+from flexpack.attention.masks import MASK_KINDS, MaskMod, dense_mask, make_mask, next_pow2
 
 BACKENDS = ("auto", "dense", "flex", "flex-flash", "sdpa-loop", "varlen")
 DOCUMENT_ONLY = ("sdpa-loop", "varlen")
@@ -167,11 +167,11 @@ class FlexAttnFunc:
         graph_block_mask: bool | None = None,
     ) -> None:
         """``range_masks``: inside partial blocks the flex kernels evaluate the mask as key ranges
-        per query (:func:`flexpack.blockmask.range_mask_mod`, same values); ``False`` evaluates
-        the mask_mod of :mod:`flexpack.masks` there instead (kept for comparison).
+        per query (:func:`flexpack.attention.blockmask.range_mask_mod`, same values); ``False`` evaluates
+        the mask_mod of :mod:`flexpack.attention.masks` there instead (kept for comparison).
         ``compile_block_mask`` / ``graph_block_mask``: compile the block-mask builder (default: on
         CUDA) and replay each compiled signature as a CUDA graph (default: when compiled on CUDA);
-        see :class:`~flexpack.blockmask.BlockMaskBuilder`."""
+        see :class:`~flexpack.attention.blockmask.BlockMaskBuilder`."""
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
         self.backend = backend
@@ -209,7 +209,7 @@ class FlexAttnFunc:
         """Build the mask for ``layout`` once (per step); pass the result to every layer's call.
 
         For ``mask="text"``, k/v hold ``text_slots * text_tokens`` keys (default: one slot per
-        episode); :func:`flexpack.masks.text_slots` gives a slot count that keeps the shape
+        episode); :func:`flexpack.attention.masks.text_slots` gives a slot count that keeps the shape
         fixed as the number of episodes per micro-batch varies.
         """
         if mask not in MASK_KINDS:

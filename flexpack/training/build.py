@@ -1,6 +1,6 @@
 """Build what a config describes: the dataset with its sampler and collate, and the model.
 
-Shared by :mod:`flexpack.train` and :mod:`flexpack.verify`, so both see the same micro-batches.
+Shared by :mod:`flexpack.training.loop` and :mod:`flexpack.training.verify`, so both see the same micro-batches.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from flexpack.collate import Batch, PackCollate, PadCollate
-from flexpack.config import TrainConfig
-from flexpack.noise import episode_seed
+from flexpack.packing.collate import Batch, PackCollate, PadCollate
+from flexpack.training.config import TrainConfig
+from flexpack.training.noise import episode_seed
 
 
 class _Collate:
@@ -48,7 +48,7 @@ class Data:
 def build_data(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> Data:
     """Dataset, this rank's sampler and the matching collate; checks the data fits the model."""
     from flexpack.data import LatentEpisodeDataset
-    from flexpack.sampler import LengthBucketBatchSampler, TokenBudgetBatchSampler
+    from flexpack.packing.sampler import LengthBucketBatchSampler, TokenBudgetBatchSampler
 
     d, m = cfg.data, cfg.model.wan_config()
     if not d.root:

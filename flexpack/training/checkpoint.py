@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from flexpack.parallel import world
+from flexpack.training.parallel import world
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
