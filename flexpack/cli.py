@@ -9,7 +9,7 @@ import sys
 # subcommand -> (module, one-line help). Each module defines ``add_arguments(parser)`` and
 # ``run(args) -> int``; modules are imported lazily so ``flexpack stats`` never imports lerobot.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "stats": ("flexpack.packing.stats", "waste, shapes and rank balance of a sampler on episode lengths"),
+    "stats": ("flexpack.cli_stats", "waste, shapes and rank balance of a sampler on episode lengths"),
     "make-dataset": ("flexpack.data.synthetic", "write a synthetic LeRobot dataset"),
     "encode": ("flexpack.data.encode", "encode a LeRobot dataset's videos into the latent cache"),
     "check-dataset": ("flexpack.data.check", "list every problem of a dataset and its latent cache"),

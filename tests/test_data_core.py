@@ -28,9 +28,9 @@ def test_latent_frames_formula():
     assert latent_frames(9, stride=2) == 5
     with pytest.raises(ValueError, match="n=0"):
         latent_frames(0)
-    import flexpack.packing.stats
+    import flexpack.packing.lengths
 
-    assert flexpack.packing.stats.latent_frames is latent_frames  # one definition, shared by stats and data
+    assert flexpack.packing.lengths.latent_frames is latent_frames  # one definition, shared by stats and data
 
 
 def test_step_frames_pins_the_alignment():

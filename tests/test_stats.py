@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from flexpack.cli import main
-from flexpack.packing.stats import latent_frames, read_frames_file
+from flexpack.packing.lengths import latent_frames, read_frames_file
 
 ROOT = Path(__file__).resolve().parents[1]
 REF = ROOT / "data" / "episode_frames_ref.txt"

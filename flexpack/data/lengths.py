@@ -1,9 +1,7 @@
 """Episode lengths from LeRobot metadata, without loading data or latents.
 
-The Wan VAE is causal in time with stride 4: the first latent frame encodes video frame 0
-alone, every later latent frame encodes the next ``stride`` video frames. An episode of ``n``
-video frames therefore has ``F = (n - 1) // stride + 1`` latent frames; the trailing
-``(n - 1) % stride`` video frames do not fill a latent frame and are dropped.
+Latent frames per episode follow :func:`flexpack.packing.lengths.latent_frames` (the VAE's
+temporal stride; one definition, shared with the packing core).
 """
 
 from __future__ import annotations
@@ -13,19 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-
-def latent_frames(n: int, stride: int = 4) -> int:
-    """Latent frames of an episode of ``n >= 1`` video frames (``(n - 1) // stride + 1``)."""
-    if n < 1:
-        raise ValueError(f"an episode needs at least 1 video frame, got n={n}")
-    if stride < 1:
-        raise ValueError(f"stride must be >= 1, got {stride}")
-    return (n - 1) // stride + 1
-
-
-def used_video_frames(n: int, stride: int = 4) -> int:
-    """Video frames the encoder consumes: ``stride * (F - 1) + 1`` (the rest are dropped)."""
-    return stride * (latent_frames(n, stride) - 1) + 1
+from flexpack.packing.lengths import latent_frames, used_video_frames  # noqa: F401  (used_video_frames re-exported)
 
 
 def open_metadata(root: str | os.PathLike) -> Any:

@@ -1,5 +1,6 @@
-"""Models: the Wan-style video-action DiT (:class:`WanVA`) and its presets."""
+"""Models: the Wan-style video-action DiT (:class:`WanVA`), its config and presets, diffusers conversion; import the packing layout and the attention layer, never training."""
 
-from .wan import PRESETS, WanVA, WanVAConfig, WanVAOutput, wan_config
+from .wan import WanVA, WanVAOutput
+from .wan_config import PRESETS, WanVAConfig, wan_config
 
 __all__ = ["PRESETS", "WanVA", "WanVAConfig", "WanVAOutput", "wan_config"]

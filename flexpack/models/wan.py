@@ -25,8 +25,7 @@ back, so the model can hold bf16 weights and activations.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,72 +36,10 @@ from torch.utils.checkpoint import checkpoint
 
 from ..packing.layout import SequenceLayout, TokenLayout
 from ..attention.masks import text_slots
-from .rope import rope_bands, rope_cos_sin
+from .rope import rope_cos_sin
 from .wan_blocks import MLP, TimeEmbed, WanBlock, layer_norm_fp32
-
-
-@dataclass(frozen=True, kw_only=True)
-class WanVAConfig:
-    """Shape and options of :class:`WanVA` (defaults: the Wan 2.2 5B shape, video only)."""
-
-    dim: int = 3072
-    num_heads: int = 24
-    ffn_dim: int = 14336
-    num_layers: int = 30
-    patch_size: tuple[int, int, int] = (1, 2, 2)
-    in_channels: int = 48
-    out_channels: int | None = None  # None: same as in_channels
-    action_channels: int = 0  # 0: no action stream
-    text_dim: int = 4096
-    freq_dim: int = 256
-    eps: float = 1e-6
-    cross_attn_norm: bool = True
-    rope_theta: float = 10000.0
-    attn_backend: str = "auto"
-    activation_checkpointing: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("dim", "num_heads", "ffn_dim", "num_layers", "in_channels", "text_dim", "freq_dim"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"WanVAConfig.{name} must be positive, got {getattr(self, name)}")
-        if self.dim % self.num_heads:
-            raise ValueError(f"WanVAConfig.dim={self.dim} is not divisible by num_heads={self.num_heads}")
-        rope_bands(self.dim // self.num_heads)  # raises for an odd head_dim
-        if len(self.patch_size) != 3 or min(self.patch_size) <= 0:
-            raise ValueError(f"WanVAConfig.patch_size must be 3 positive ints, got {self.patch_size}")
-        if self.action_channels < 0:
-            raise ValueError(f"WanVAConfig.action_channels must be >= 0, got {self.action_channels}")
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.num_heads
-
-    @property
-    def out_dim(self) -> int:
-        return self.out_channels or self.in_channels
-
-    @property
-    def patch_volume(self) -> int:
-        return math.prod(self.patch_size)
-
-
-PRESETS: dict[str, WanVAConfig] = {
-    # CPU tests and the demo: a train step in a few milliseconds.
-    "tiny": WanVAConfig(
-        dim=64, num_heads=4, ffn_dim=128, num_layers=2, in_channels=4, action_channels=7, text_dim=32, freq_dim=32
-    ),
-    # Wan 2.2 TI2V-5B transformer shape; 30 action channels is a LingBot-style action vector width.
-    "wan2.2-5b": WanVAConfig(
-        dim=3072, num_heads=24, ffn_dim=14336, num_layers=30, in_channels=48, action_channels=30, text_dim=4096, freq_dim=256
-    ),
-}
-
-
-def wan_config(name: str, **overrides: Any) -> WanVAConfig:
-    """A preset (``"tiny"``, ``"wan2.2-5b"``) with keyword overrides."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown WanVA preset {name!r}; known: {sorted(PRESETS)}")
-    return replace(PRESETS[name], **overrides)
+from .wan_config import WanVAConfig
+from .wan_convert import from_diffusers, from_diffusers_file
 
 
 @dataclass(frozen=True, eq=False)
@@ -227,8 +164,6 @@ class WanVA(nn.Module):
     def from_diffusers(cls, model: nn.Module, *, attn: Any = None, **config_overrides: Any) -> "WanVA":
         """Copy a ``diffusers.WanTransformer3DModel``'s weights (built on the meta device; the action
         modules, which diffusers lacks, get a fresh init)."""
-        from .wan_convert import from_diffusers
-
         return from_diffusers(cls, model, attn=attn, **config_overrides)
 
     @classmethod
@@ -238,8 +173,6 @@ class WanVA(nn.Module):
 
         The model is built on the meta device and adopts the checkpoint's tensors; only the action
         stream is initialized (no random init of billions of weights that are overwritten anyway)."""
-        from .wan_convert import from_diffusers_file
-
         return from_diffusers_file(cls, path, config, attn=attn, **config_overrides)
 
     def num_parameters(self) -> int:

@@ -15,7 +15,9 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import Tensor, nn
 
-from .wan import WanVA, WanVAConfig
+from .wan_config import WanVAConfig
+
+# The model class is an argument (``cls``), so this module never imports flexpack.models.wan.
 
 # WanVA tensors a diffusers checkpoint does not hold; they keep their initialization.
 _ACTION_PREFIXES = ("action_embed.", "action_head_modulation", "action_head_proj.")
@@ -102,7 +104,7 @@ def _rename(name: str, cfg: WanVAConfig) -> str | None:
     return f"blocks.{i}.{_BLOCK[stem]}.{leaf}" if stem in _BLOCK else None
 
 
-def _check_converted(model: WanVA, sd: Mapping[str, Tensor]) -> None:
+def _check_converted(model: nn.Module, sd: Mapping[str, Tensor]) -> None:
     """Only the action stream may be missing from ``sd``; names and shapes must match ``model``."""
     own = model.state_dict()
     for k, t in sd.items():
@@ -115,7 +117,7 @@ def _check_converted(model: WanVA, sd: Mapping[str, Tensor]) -> None:
         raise ValueError(f"the checkpoint lacks WanVA weights {missing[:8]}{' ...' if len(missing) > 8 else ''}")
 
 
-def load_converted(model: WanVA, sd: Mapping[str, Tensor]) -> WanVA:
+def load_converted(model: nn.Module, sd: Mapping[str, Tensor]) -> nn.Module:
     """Load a converted state dict into an existing model (copying); the action stream keeps its weights."""
     _check_converted(model, sd)
     model.load_state_dict(dict(sd), strict=False)
@@ -123,9 +125,9 @@ def load_converted(model: WanVA, sd: Mapping[str, Tensor]) -> WanVA:
 
 
 def build_converted(
-    cls: type[WanVA], cfg: WanVAConfig, sd: dict[str, Tensor], *, attn: Any, device: torch.device | str,
+    cls: type[nn.Module], cfg: WanVAConfig, sd: dict[str, Tensor], *, attn: Any, device: torch.device | str,
     dtype: torch.dtype, copy: bool,
-) -> WanVA:
+) -> nn.Module:
     """A WanVA holding ``sd``'s weights, without a random initialization of the whole model.
 
     The model is built on the meta device and adopts the checkpoint tensors (``assign=True``,
@@ -158,7 +160,7 @@ def _main_dtype(tensors: Iterable[Tensor]) -> torch.dtype:
     return max(counts, key=counts.__getitem__) if counts else torch.float32
 
 
-def from_diffusers(cls: type[WanVA], model: nn.Module, *, attn: Any = None, **overrides: Any) -> WanVA:
+def from_diffusers(cls: type[nn.Module], model: nn.Module, *, attn: Any = None, **overrides: Any) -> nn.Module:
     cfg = config_from_diffusers(dict(model.config), **overrides)
     p = next(model.parameters())
     sd = convert_state_dict(model.state_dict(), cfg)
@@ -166,8 +168,8 @@ def from_diffusers(cls: type[WanVA], model: nn.Module, *, attn: Any = None, **ov
 
 
 def from_diffusers_file(
-    cls: type[WanVA], path: str, config: Any = None, *, attn: Any = None, **overrides: Any
-) -> WanVA:
+    cls: type[nn.Module], path: str, config: Any = None, *, attn: Any = None, **overrides: Any
+) -> nn.Module:
     """``path``: a ``.safetensors`` file or a folder with ``config.json`` and
     ``diffusion_pytorch_model.safetensors`` (or its ``.index.json`` shards). The model takes the
     checkpoint's main floating dtype and lives on the CPU."""

@@ -26,7 +26,7 @@ Misuse to avoid:
 - Wrapping with ``DataLoader(num_workers>0)`` prefetches batches: the sampler's own position then
   runs ahead of training. Save ``state_dict(position=batches_trained)`` instead.
 - One live iterator at a time: two iterators share (and advance) one position.
-- Lengths must be latent frames, not video frames (see ``flexpack.packing.stats.latent_frames``).
+- Lengths must be latent frames, not video frames (see ``flexpack.packing.lengths.latent_frames``).
 """
 
 from __future__ import annotations

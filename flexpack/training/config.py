@@ -91,7 +91,7 @@ class ModelConfig:
                              "set model.mask to 'chunk_causal' or 'teacher_forcing', or drop chunk_size")
 
     def wan_config(self):
-        from flexpack.models.wan import WanVAConfig, wan_config
+        from flexpack.models.wan_config import WanVAConfig, wan_config
 
         known = {f.name for f in dataclasses.fields(WanVAConfig)}
         unknown = sorted(set(self.overrides) - known)

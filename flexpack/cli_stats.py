@@ -1,0 +1,101 @@
+"""``flexpack stats``: waste, shapes and rank balance of a sampler on a list of episode lengths.
+
+Examples::
+
+    flexpack stats --frames-file data/episode_frames_ref.txt --mode pack \\
+        --max-tokens 65536 --tokens-per-frame 36 --world-size 8 --json
+    flexpack stats --frames-file data/episode_frames_ref.txt --mode pad --batch-size 4 \\
+        --pool-factor 50 --pad-multiple 8 --world-size 8 --plot out/stats_pad.png
+
+A frames file lists video frame counts, one per line; ``#`` starts a comment, blank lines are
+skipped. Video frames n become latent frames ``latent_frames(n) = (n - 1) // 4 + 1``. Errors in
+the input exit with code 2 and a message naming the file and line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from flexpack.packing.lengths import read_frames_file
+from flexpack.packing.sampler import LengthBucketBatchSampler, TokenBudgetBatchSampler
+from flexpack.packing.stats import summary, table, write_plot
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--frames-file", metavar="FILE", help="video frame counts, one per line")
+    src.add_argument("--dataset", metavar="ROOT", help="LeRobot dataset root (lengths from its metadata)")
+    p.add_argument("--mode", choices=("pad", "pack"), required=True, help="bucket+pad or token-budget packing")
+    p.add_argument("--batch-size", type=int, default=4, help="pad mode: episodes per batch (default 4)")
+    p.add_argument("--pool-factor", type=int, default=50, help="pad mode: batches per sorted pool (default 50)")
+    p.add_argument("--pad-multiple", type=int, default=8, help="pad mode: round padded F up to this (default 8)")
+    p.add_argument("--max-tokens", type=int, default=65536, help="pack mode: tokens per micro-batch (default 65536)")
+    p.add_argument("--tokens-per-frame", type=int, default=36,
+                   help="tokens per latent frame, video + action (default 36)")
+    p.add_argument("--crop", action="store_true", help="pack mode: crop episodes longer than the budget")
+    p.add_argument("--world-size", type=int, default=1, help="number of ranks (default 1)")
+    p.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
+    p.add_argument("--epoch", type=int, default=0, help="epoch whose batches are measured (default 0)")
+    p.add_argument("--stride", type=int, default=4, help="VAE temporal stride for latent frames (default 4)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--plot", metavar="PNG", help="write a length histogram and per-batch fill plot")
+
+
+def _load_lengths(args: argparse.Namespace) -> list[int]:
+    if args.frames_file is not None:
+        return read_frames_file(args.frames_file, args.stride)
+    try:
+        from flexpack.data.lengths import dataset_latent_frames
+    except ImportError as e:
+        raise ValueError(f"--dataset needs flexpack.data.lengths.dataset_latent_frames, which is not available ({e})")
+    try:
+        lengths = list(dataset_latent_frames(args.dataset, stride=args.stride))
+    except (OSError, KeyError, ImportError) as e:
+        raise ValueError(f"{args.dataset}: cannot read episode lengths: {e}") from None
+    if not lengths:
+        raise ValueError(f"{args.dataset}: the dataset's metadata lists no episodes")
+    return lengths
+
+
+def build_sampler(args: argparse.Namespace, lengths: list[int]) -> LengthBucketBatchSampler | TokenBudgetBatchSampler:
+    """Rank 0's sampler for the CLI arguments; its ``stats()`` covers all ranks."""
+    common = dict(rank=0, world_size=args.world_size, seed=args.seed, tokens_per_frame=args.tokens_per_frame)
+    if args.mode == "pad":
+        s: Any = LengthBucketBatchSampler(lengths, args.batch_size, pool_factor=args.pool_factor,
+                                          pad_multiple=args.pad_multiple, **common)
+    else:
+        s = TokenBudgetBatchSampler(lengths, args.max_tokens, crop=args.crop, **common)
+    s.set_epoch(args.epoch)
+    return s
+
+
+def _parameters(args: argparse.Namespace) -> dict[str, Any]:
+    keys = ["world_size", "seed", "epoch", "tokens_per_frame"]
+    keys += ["batch_size", "pool_factor", "pad_multiple"] if args.mode == "pad" else ["max_tokens", "crop"]
+    return {k: getattr(args, k) for k in keys}
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        lengths = _load_lengths(args)
+        t0 = time.perf_counter()
+        sampler = build_sampler(args, lengths)
+        st = sampler.stats(progress=True)
+        seconds = time.perf_counter() - t0
+    except ValueError as e:
+        print(f"flexpack stats: error: {e}", file=sys.stderr)
+        return 2
+    s = summary(lengths, st, mode=args.mode, source=args.frames_file or args.dataset, parameters=_parameters(args),
+                seconds=seconds)
+    if args.plot:
+        try:
+            write_plot(args.plot, lengths, st, f"flexpack stats --mode {args.mode}")
+        except OSError as e:
+            print(f"flexpack stats: error: cannot write plot {args.plot}: {e}", file=sys.stderr)
+            return 2
+    print(json.dumps(s) if args.json else table(s))
+    return 0
