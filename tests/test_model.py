@@ -144,13 +144,25 @@ def test_masks_are_prepared_once_per_forward_and_shared_by_every_block():
             self.seen.add(id(prep))
             return super().__call__(q, k, v, prep, *args, **kw)
 
+        def bind(self, prep, head_dim, **kw):  # the model binds each prepared mask once per forward
+            bound = super().bind(prep, head_dim, **kw)
+            calls = self.bound.setdefault(id(bound), [bound, 0])
+
+            def counted(q, k, v):
+                calls[1] += 1
+                self.seen.add(id(bound.prep))
+                return bound(q, k, v)
+            return counted
+
     attn = Counting()
+    attn.bound = {}
     model = WanVA(wan_config("tiny", num_layers=3), attn=attn)
     batch = PackCollate(9)(make_items([5, 3]))
     with torch.no_grad():
         run(model, batch, torch.full((1, 9), 400.0), mask="chunk_causal", chunk_size=2)
     assert [p.kind for p in attn.prepared] == ["chunk_causal", "text"]  # once, not once per block
     assert attn.seen == {id(p) for p in attn.prepared}
+    assert sorted(n for _, n in attn.bound.values()) == [3, 3]  # each bound mask serves all 3 blocks
     # 2 episodes -> 2 text slots; 3 episodes -> 4 slots (power of two: few compiled shapes)
     L = batch.text.shape[1]
     assert attn.prepared[1].kv_len == 2 * L

@@ -266,23 +266,71 @@ class FlexAttnFunc:
         if q.device != prep.device:
             raise ValueError(f"q is on {q.device} but the mask on {prep.device}; pass device= to prepare()")
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        backend = self._resolve(prep, needs_grad, q.shape[-1])
+        if backend in ("flex", "flex-flash") and q.device.type == "cpu" and needs_grad:
+            raise ValueError("FlexAttention has no CPU backward; use backend='dense' (or 'auto') for training on CPU")
+        return _run(backend, q, k, v, prep)
+
+    def _resolve(self, prep: PreparedMask, needs_grad: bool, head_dim: int) -> str:
+        """The backend a call with these properties runs (FLASH only at verified head dims)."""
         backend = self._pick(prep, needs_grad)
-        if backend == "flex-flash" and q.shape[-1] not in FLASH_HEAD_DIMS:
+        if backend == "flex-flash" and head_dim not in FLASH_HEAD_DIMS:
             if self.backend == "flex-flash":
-                raise ValueError(f"the FLASH backend is verified only for head dims {FLASH_HEAD_DIMS}, got {q.shape[-1]}")
+                raise ValueError(f"the FLASH backend is verified only for head dims {FLASH_HEAD_DIMS}, got {head_dim}")
             backend = "flex"
         if backend in DOCUMENT_ONLY and prep.kind not in ("document", "valid"):
             raise ValueError(f"backend {backend!r} supports only document/valid masks, got {prep.kind!r}")
-        if backend == "dense":
-            return _dense(q, k, v, prep)
+        return backend
+
+    def bind(self, prep: PreparedMask, head_dim: int, *, needs_grad: bool | None = None) -> "BoundAttention":
+        """``(q, k, v) -> out`` for one prepared mask, with the backend decided now, outside any
+        compiled region (a compiled block then traces only the kernel call, no dispatch logic).
+
+        ``needs_grad`` defaults to ``torch.is_grad_enabled()``: bind inside the forward that uses it."""
+        grad = torch.is_grad_enabled() if needs_grad is None else needs_grad
+        backend = self._resolve(prep, grad, head_dim)
+        block = None
         if backend in ("flex", "flex-flash"):
-            if q.device.type == "cpu" and needs_grad:
+            if prep.device.type == "cpu" and grad:
                 raise ValueError("FlexAttention has no CPU backward; use backend='dense' (or 'auto') for training on CPU")
-            opts = {"BACKEND": "FLASH"} if backend == "flex-flash" else None
-            return _compiled_flex(backend == "flex-flash", q, k)(q, k, v, prep.block_mask(), opts)
-        if backend == "sdpa-loop":
-            return _sdpa_loop(q, k, v, prep)
-        return _varlen(q, k, v, prep)
+            block = prep.block_mask()
+        elif backend == "dense":
+            prep.dense()
+        elif backend == "sdpa-loop":
+            prep.runs()
+        return BoundAttention(backend, prep, block)
+
+
+@dataclass(eq=False)
+class BoundAttention:
+    """Attention over one prepared mask with a fixed backend (see :meth:`FlexAttnFunc.bind`).
+
+    Eager calls go through the module's compiled FlexAttention kernels; inside a ``torch.compile``'d
+    region (a compiled transformer block) the kernel call is traced into that region's graph, so
+    the block's norms, modulation, RoPE and casts fuse around it.
+    """
+
+    backend: str
+    prep: PreparedMask
+    block_mask: BlockMask | None = None  # flex backends: built at bind time, a plain input of the traced call
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        if self.block_mask is not None and torch.compiler.is_compiling():
+            opts = {"BACKEND": "FLASH"} if self.backend == "flex-flash" else None
+            return flex_attention(q, k, v, block_mask=self.block_mask, kernel_options=opts)
+        return _run(self.backend, q, k, v, self.prep)
+
+
+def _run(backend: str, q: Tensor, k: Tensor, v: Tensor, prep: PreparedMask) -> Tensor:
+    """One eager attention call with a resolved backend."""
+    if backend == "dense":
+        return _dense(q, k, v, prep)
+    if backend in ("flex", "flex-flash"):
+        opts = {"BACKEND": "FLASH"} if backend == "flex-flash" else None
+        return _compiled_flex(backend == "flex-flash", q, k)(q, k, v, prep.block_mask(), opts)
+    if backend == "sdpa-loop":
+        return _sdpa_loop(q, k, v, prep)
+    return _varlen(q, k, v, prep)
 
 
 def _dense(q: Tensor, k: Tensor, v: Tensor, prep: PreparedMask) -> Tensor:

@@ -25,6 +25,7 @@ back, so the model can hold bf16 weights and activations.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,6 +93,7 @@ class WanVA(nn.Module):
         mask: str = "document",
         chunk_size: int | None = None,
         window: int | None = None,
+        text_slots: int | None = None,
     ) -> WanVAOutput:
         """Predict the flow for a packed or padded micro-batch.
 
@@ -105,6 +107,8 @@ class WanVA(nn.Module):
             action_timestep: same shape, for action tokens; defaults to ``timestep``.
             mask: self-attention mask name for ``FlexAttnFunc.prepare`` (``"document"``,
                 ``"chunk_causal"``, ``"teacher_forcing"``, ...).
+            text_slots: at least this many text key slots (default: the next power of two of the
+                episode count); a fixed value for a whole run keeps one compiled shape per pack.
         """
         cfg = self.config
         layout = batch.layout if layout is None else layout
@@ -134,7 +138,7 @@ class WanVA(nn.Module):
             t_action = t_video if action_timestep is None else self._per_copy(action_timestep, (copies, R, Fr), "action_timestep")
         patches, (h, w) = self._patchify(lat)
         tl = layout.tokens(video_tokens=h * w, action_tokens=A, copies=copies, grid_hw=(h, w))
-        vid, act_out = self._run(patches, acts, tl, t_video, t_action, batch.text, mask, chunk_size, window)
+        vid, act_out = self._run(patches, acts, tl, t_video, t_action, batch.text, mask, chunk_size, window, text_slots)
         valid_RF = layout.frame_valid.to(vid.dtype)
         video = self._unpatchify(vid * valid_RF[..., None, None], h, w)
         action_out = None if act_out is None else (act_out * valid_RF[..., None, None]).permute(0, 3, 1, 2)
@@ -226,6 +230,7 @@ class WanVA(nn.Module):
         mask: str,
         chunk_size: int | None,
         window: int | None,
+        min_text_slots: int | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """Token-level forward. patches (copies,R,F,nv,P), acts (copies,R,F,A,Ca) →
         video (R,F,nv,P_out), action (R,F,A,Ca) for copy 0 (the noisy one)."""
@@ -260,13 +265,14 @@ class WanVA(nn.Module):
             # keys padded to a power-of-two number of episode slots: one compiled shape per slot
             # count rather than per episode count (the extra slots are masked out)
             E, L = text.shape[:2]
-            slots = text_slots(E)
+            slots = max(text_slots(E), min_text_slots or 0)
             text_SD = F.pad(self.text_embed(text.to(emb.dtype)), (0, 0, 0, 0, 0, slots - E)).flatten(0, 1)  # (S*L, D)
             text_mask = self.attn.prepare(tl, "text", text_tokens=L, text_slots=slots)
 
+        self_attend, text_attend = self._bind(self_mask), self._bind(text_mask)
         use_ckpt = cfg.activation_checkpointing and torch.is_grad_enabled()
         for block in self.blocks:
-            args = (x_UKD, mod_US6D, text_SD, rope, self.attn, self_mask, text_mask, nv)
+            args = (x_UKD, mod_US6D, text_SD, rope, self_attend, text_attend, nv)
             x_UKD = checkpoint(block, *args, use_reentrant=False) if use_ckpt else block(*args)
 
         noisy = unit_CRF[0].reshape(-1)  # (R*F,) units of the noisy copy, in grid order
@@ -279,7 +285,21 @@ class WanVA(nn.Module):
             act_out = act_out.view(R, Fr, na, -1)
         return vid.view(R, Fr, nv, -1), act_out
 
+    def _bind(self, prepared: Any) -> Any:
+        """``(q, k, v) -> out`` over a prepared mask (None stays None); attention callables without
+        ``bind`` are called as ``attn(q, k, v, prepared)``."""
+        if prepared is None:
+            return None
+        bind = getattr(self.attn, "bind", None)
+        if bind is not None:
+            return bind(prepared, self.config.head_dim)
+        return functools.partial(_call_with_mask, self.attn, prepared)
+
     @staticmethod
     def _head(x_NKD: Tensor, temb_ND: Tensor, table_2D: Tensor, proj: nn.Linear, dtype: torch.dtype) -> Tensor:
         shift, scale = (table_2D.float()[None] + temb_ND[:, None]).unbind(1)  # each (N, D)
         return proj((x_NKD * (1 + scale[:, None]) + shift[:, None]).to(dtype))
+
+
+def _call_with_mask(attn: Any, prepared: Any, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    return attn(q, k, v, prepared)

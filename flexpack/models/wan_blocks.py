@@ -98,7 +98,9 @@ class Attention(nn.Module):
         self.norm_q = RMSNorm(dim, eps)
         self.norm_k = RMSNorm(dim, eps)
 
-    def forward(self, x_TD: Tensor, ctx_SD: Tensor, attn_fn: Any, mask: Any, rope: tuple[Tensor, Tensor] | None) -> Tensor:
+    def forward(self, x_TD: Tensor, ctx_SD: Tensor, attend: Any, rope: tuple[Tensor, Tensor] | None) -> Tensor:
+        """``attend(q, k, v)``: attention over the step's prepared mask
+        (:meth:`~flexpack.attention.flex.FlexAttnFunc.bind`), q (1, H, T, hd), k/v (1, H, S, hd)."""
         H = self.num_heads
         q_THd = self.norm_q(self.q(x_TD)).unflatten(-1, (H, -1))
         k_SHd = self.norm_k(self.k(ctx_SD)).unflatten(-1, (H, -1))
@@ -106,7 +108,7 @@ class Attention(nn.Module):
         if rope is not None:
             q_THd, k_SHd = apply_rope(q_THd, *rope), apply_rope(k_SHd, *rope)
         # the whole micro-batch is one sequence: (1, H, T, hd)
-        o_1HTd = attn_fn(q_THd.transpose(0, 1)[None], k_SHd.transpose(0, 1)[None], v_SHd.transpose(0, 1)[None], mask)
+        o_1HTd = attend(q_THd.transpose(0, 1)[None], k_SHd.transpose(0, 1)[None], v_SHd.transpose(0, 1)[None])
         return self.o(o_1HTd[0].transpose(0, 1).flatten(1).to(x_TD.dtype))
 
 
@@ -131,22 +133,23 @@ class WanBlock(nn.Module):
         mod_US6D: Tensor,
         text_SD: Tensor | None,
         rope: tuple[Tensor, Tensor],
-        attn_fn: Any,
-        self_mask: Any,
-        text_mask: Any,
+        self_attend: Any,
+        text_attend: Any,
         nv: int,
     ) -> Tensor:
+        """One block; ``self_attend`` / ``text_attend`` are the step's bound attention calls
+        (``(q, k, v) -> out``), decided outside so that a compiled block traces kernels only."""
         dt = x_UKD.dtype
         shift, scale, gate, c_shift, c_scale, c_gate = (self.modulation.float() + mod_US6D.float()).unbind(2)
         h = stream_affine(layer_norm_fp32(x_UKD, self.eps), 1 + scale, shift, nv).to(dt)
-        a = self.self_attn(h.flatten(0, 1), h.flatten(0, 1), attn_fn, self_mask, rope).view_as(x_UKD)
+        a = self.self_attn(h.flatten(0, 1), h.flatten(0, 1), self_attend, rope).view_as(x_UKD)
         x_UKD = (x_UKD.float() + stream_affine(a, gate, None, nv)).to(dt)
         if text_SD is not None:
             if self.cross_norm_weight is not None:
                 h = layer_norm_fp32(x_UKD, self.eps, self.cross_norm_weight, self.cross_norm_bias).to(dt)
             else:
                 h = x_UKD
-            x_UKD = x_UKD + self.cross_attn(h.flatten(0, 1), text_SD, attn_fn, text_mask, None).view_as(x_UKD)
+            x_UKD = x_UKD + self.cross_attn(h.flatten(0, 1), text_SD, text_attend, None).view_as(x_UKD)
         h = stream_affine(layer_norm_fp32(x_UKD, self.eps), 1 + c_scale, c_shift, nv).to(dt)
         f = self.ffn(h)
         return (x_UKD.float() + stream_affine(f.float(), c_gate, None, nv)).to(dt)

@@ -74,6 +74,13 @@ class Batch:
         extras = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in self.extras.items()}
         return replace(self, layout=self.layout.to(device), extras=extras, **moved)
 
+    def pin_memory(self) -> "Batch":
+        """The data tensors in page-locked memory (``DataLoader(pin_memory=True)`` calls this), so
+        ``to(device, non_blocking=True)`` copies without blocking the host; the layout stays as is
+        (its tensors are small and also read on the host)."""
+        pinned = {f.name: getattr(self, f.name).pin_memory() for f in fields(self) if isinstance(getattr(self, f.name), Tensor)}
+        return replace(self, **pinned)
+
 
 def _name(item: Item, i: int) -> str:
     return f"item {i} (episode {item.get('episode_index', '?')})"

@@ -174,6 +174,10 @@ class _EpochBatchSampler:
         if epoch != self._epoch:
             self._epoch, self._position = epoch, 0
 
+    def max_batch_size(self, epoch: int | None = None) -> int:
+        """Most samples in one of this rank's batches of ``epoch`` (default: the current one)."""
+        return max((len(b) for b in self._plan(epoch)[self.rank]), default=0)
+
     def __len__(self) -> int:
         """Batches this rank yields in the current epoch (the same on every rank)."""
         return len(self._plan()[self.rank])

@@ -43,6 +43,8 @@ class Data:
     sampler: Any
     collate: Any
     tokens_per_frame: int
+    text_tokens: int = 0  # text tokens per episode (the text cache's padded length)
+    text_slots: int | None = None  # text key slots for the whole run (one compiled shape per pack)
 
 
 def build_data(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> Data:
@@ -74,7 +76,17 @@ def build_data(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> Data:
         sampler = LengthBucketBatchSampler(ds.lengths(), d.batch_size, pool_factor=d.pool_factor,
                                            pad_multiple=d.pad_multiple, tokens_per_frame=tpf, **common)
         collate = PadCollate(d.pad_multiple)
-    return Data(ds, sampler, _Collate(collate, actions=m.action_channels > 0), tpf)
+    return Data(ds, sampler, _Collate(collate, actions=m.action_channels > 0), tpf,
+                text_tokens=int(item["text"].shape[0]), text_slots=run_text_slots(sampler))
+
+
+def run_text_slots(sampler: Any) -> int:
+    """Text key slots for a run: the next power of two of the most episodes in one micro-batch of
+    the sampler's first epoch. A later micro-batch with more episodes gets more slots (one more
+    compiled shape), never fewer."""
+    from flexpack.attention.masks import text_slots
+
+    return text_slots(max(1, sampler.max_batch_size()))
 
 
 def build_model(cfg: TrainConfig) -> nn.Module:

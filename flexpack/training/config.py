@@ -10,6 +10,7 @@ falling back to a plain string), e.g. ``schedule.steps=40`` or ``model.overrides
 from __future__ import annotations
 
 import dataclasses
+import math
 import json
 import os
 import tomllib
@@ -158,7 +159,9 @@ class RuntimeConfig:
     out_dir: str = "out/run"  # run folder: checkpoints/, metrics.jsonl, config.json, profile/
     device: str = "auto"  # auto: cuda:LOCAL_RANK when available, else cpu
     dtype: str = "float32"  # bfloat16: FSDP mixed precision (params bf16, reduce fp32) or autocast
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool | int = False  # true: every block; n: the first n blocks
+    compile: bool | str = "auto"  # compile each block (fused step); auto: on CUDA in pack mode
+    peak_tflops: float | None = None  # bf16 peak for `mfu` in metrics.jsonl; None: measured at start (CUDA)
     seed: int = 0
     log_every: int = 1
     progress: bool = True
@@ -167,6 +170,13 @@ class RuntimeConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"runtime.dtype must be one of {DTYPES}, got {self.dtype!r}")
         _positive("runtime", log_every=self.log_every)
+        if self.compile not in (True, False, "auto"):
+            raise ValueError(f"runtime.compile must be true, false or 'auto', got {self.compile!r}")
+        if not isinstance(self.activation_checkpointing, bool) and self.activation_checkpointing < 0:
+            raise ValueError(f"runtime.activation_checkpointing must be true, false or a block count >= 0, "
+                             f"got {self.activation_checkpointing!r}")
+        if self.peak_tflops is not None and not (self.peak_tflops > 0 and math.isfinite(self.peak_tflops)):
+            raise ValueError(f"runtime.peak_tflops must be a positive number, got {self.peak_tflops!r}")
 
 
 @dataclass(frozen=True, kw_only=True)

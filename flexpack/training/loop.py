@@ -17,11 +17,9 @@ Order of one optimizer step (nanoGPT's): lr → checkpoint → micro-steps → c
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -31,14 +29,14 @@ import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
-from flexpack.training import checkpoint
-from flexpack.training.build import build_data, build_model, model_kwargs, noise_seeds
 from flexpack.packing.collate import Batch
+from flexpack.training import checkpoint
+from flexpack.training.build import build_data, build_model
 from flexpack.training.config import ScheduleConfig, TrainConfig, load_config, save_config
-from flexpack.training.noise import episode_flow_sample
-from flexpack.training.objective import flow_loss, loss_counts
-from flexpack.training.parallel import is_sharded, parallelize, world
+from flexpack.training.metrics import StepMeter
+from flexpack.training.parallel import parallelize, world
 from flexpack.training.profiling import StepProfiler
+from flexpack.training.step import accumulate, make_optimizer, train_step  # noqa: F401  (accumulate: public here too)
 
 
 def lr_at(step: int, base_lr: float, sched: ScheduleConfig, resumed_at: int | None = None) -> float:
@@ -55,32 +53,6 @@ def lr_at(step: int, base_lr: float, sched: ScheduleConfig, resumed_at: int | No
     return lr
 
 
-def accumulate(model: nn.Module, batches: Sequence[Batch], cfg: TrainConfig, *, step: int, device: torch.device) -> torch.Tensor:
-    """Forward + backward one optimizer step's micro-batches; returns this rank's (loss, latent, action)
-    shares, detached (summed over ranks they are the step's loss and its parts)."""
-    _, size = world()
-    counts = torch.tensor([[float(c) for c in loss_counts(b)] for b in batches]).sum(0)
-    if size > 1:
-        dist.all_reduce(counts)  # the objective is over every rank's episodes
-    totals = (float(counts[0]), float(counts[1]))
-    sharded = is_sharded(model)
-    bf16 = cfg.runtime.dtype == "bfloat16" and not sharded  # under FSDP its mixed precision casts instead
-    out = torch.zeros(3)
-    for i, batch in enumerate(batches):
-        if sharded:  # reduce-scatter gradients once per step, not per micro-batch
-            model.set_requires_gradient_sync(i == len(batches) - 1)
-        batch = batch.to(device, non_blocking=True)
-        sample = episode_flow_sample(batch, cfg.objective, noise_seeds(batch, cfg.runtime.seed, step))
-        with torch.autocast(device.type, torch.bfloat16) if bf16 else contextlib.nullcontext():
-            pred = model(sample.inputs, **sample.model_kwargs(), **model_kwargs(cfg))
-        fl = flow_loss(pred, sample, batch, cfg.objective)
-        share = fl.accumulation_loss(totals)
-        (share * size).backward()  # FSDP averages gradients over ranks; the objective sums them
-        parts = [fl.latent_sum / max(totals[0], 1.0), fl.action_sum / max(totals[1], 1.0)]
-        out += torch.stack([share.detach(), *(p.detach() for p in parts)]).float().cpu()
-    return out
-
-
 def _stream(loader: Any, sampler: Any) -> Iterator[tuple[Batch, dict]]:
     """Micro-batches forever, epoch after epoch, each with the sampler state right after it."""
     while True:
@@ -89,6 +61,14 @@ def _stream(loader: Any, sampler: Any) -> Iterator[tuple[Batch, dict]]:
             pos += 1  # count batches trained on, not drawn: loader workers prefetch
             yield batch, sampler.state_dict(position=pos)
         sampler.set_epoch(epoch + 1)
+
+
+def use_compile(cfg: TrainConfig, device: torch.device) -> bool:
+    """``runtime.compile``: ``"auto"`` compiles the blocks on CUDA in pack mode (one shape per pack;
+    pad mode's many shapes would each compile)."""
+    if cfg.runtime.compile == "auto":
+        return device.type == "cuda" and cfg.data.mode == "pack"
+    return bool(cfg.runtime.compile)
 
 
 def _device(spec: str) -> torch.device:
@@ -121,10 +101,10 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> TrainResult:
     param_dtype = torch.bfloat16 if cfg.runtime.dtype == "bfloat16" else None
     with device:  # built where it runs: no full fp32 copy of a 5B model in host memory per rank
         model = build_model(cfg)
-    model = parallelize(model, device=device, param_dtype=param_dtype,
+    model = parallelize(model, device=device, param_dtype=param_dtype, compile=use_compile(cfg, device),
                         activation_checkpointing=cfg.runtime.activation_checkpointing)
     o, run = cfg.optim, Path(cfg.runtime.out_dir)
-    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    opt = make_optimizer(model, cfg, device)
     ckpt_root, start, resumed_at = run / "checkpoints", 0, None
     found = checkpoint.latest(ckpt_root)
     if found is not None and not cfg.checkpoint.resume:
@@ -137,13 +117,15 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> TrainResult:
     if rank == 0:
         save_config(cfg, run / "config.json")
     loader = torch.utils.data.DataLoader(data.dataset, batch_sampler=data.sampler, collate_fn=data.collate,
-                                         num_workers=cfg.data.num_workers)
+                                         num_workers=cfg.data.num_workers, pin_memory=device.type == "cuda")
     stream = _stream(loader, data.sampler)
     end = cfg.schedule.steps if stop_after is None else min(stop_after, cfg.schedule.steps)
     result = TrainResult(step=start, start_step=start, checkpoint=found, model=model)
     sampler_state, step, tpf = data.sampler.state_dict(), start, data.tokens_per_frame
     bar = tqdm(total=cfg.schedule.steps, initial=start, desc="train", unit="step",
                disable=rank != 0 or not cfg.runtime.progress)
+    meter = StepMeter(cfg, device, tpf, text_tokens=data.text_tokens)
+    extra = {"text_slots": data.text_slots}
     with StepProfiler(run, rank) as prof:
         while step < end:
             lr = lr_at(step, o.lr, cfg.schedule, resumed_at)
@@ -152,20 +134,17 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> TrainResult:
             if step > start and cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
                 result.checkpoint = checkpoint.save(ckpt_root, step, model, opt, sampler_state=sampler_state,
                                                     keep=cfg.checkpoint.keep)
-            t0 = time.perf_counter()
             micro = [next(stream) for _ in range(o.accum_steps)]
             batches, sampler_state = [b for b, _ in micro], micro[-1][1]
-            sums = accumulate(model, batches, cfg, step=step, device=device)
-            norm = nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip or float("inf"))
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            sums, norm = train_step(model, opt, batches, cfg, step=step, device=device, extra_model_kwargs=extra)
+            meter.add(batches)
             step += 1
             prof.step()
             bar.update(1)
             result.lrs.append(lr)
             result.episodes += [b.layout.episode_index.tolist() for b in batches]
             if step % cfg.runtime.log_every == 0 or step == end:
-                rec = _log(run, rank, step, lr, sums, norm, batches, tpf, time.perf_counter() - t0)
+                rec = _log(run, rank, step, lr, sums, norm, batches, tpf, meter)
                 result.losses.append(rec["loss"])
                 result.metrics.append(rec)
                 bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{lr:.2e}", tok_s=f"{rec['tokens_per_s']:.0f}")
@@ -178,17 +157,18 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> TrainResult:
 
 
 def _log(run: Path, rank: int, step: int, lr: float, sums: torch.Tensor, norm: torch.Tensor,
-         batches: Sequence[Batch], tpf: int, seconds: float) -> dict[str, Any]:
-    """Global loss parts, LR, grad norm, tokens/s and waste of this step; rank 0 appends metrics.jsonl."""
+         batches: Sequence[Batch], tpf: int, meter: StepMeter) -> dict[str, Any]:
+    """Global loss parts, LR, grad norm, waste of this step, and the throughput of the steps since
+    the last log (tokens/s, step time, peak memory, MFU); rank 0 appends metrics.jsonl. The only
+    point of the step where the host waits for the GPU."""
     valid = sum(int(b.layout.episode_frames.sum()) for b in batches) * tpf
     computed = sum(b.layout.frame_doc.numel() for b in batches) * tpf
-    stats = torch.cat([sums, torch.tensor([valid, computed], dtype=torch.float32)])
+    stats = torch.cat([sums.float().cpu(), torch.tensor([valid, computed], dtype=torch.float32)])
     if world()[1] > 1:
         dist.all_reduce(stats)
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a DTensor under FSDP
     rec = {"step": step, "loss": float(stats[0]), "latent_loss": float(stats[1]), "action_loss": float(stats[2]),
-           "lr": lr, "grad_norm": float(norm), "tokens_per_s": float(stats[3]) / max(seconds, 1e-9),
-           "waste": 1.0 - float(stats[3]) / float(stats[4])}
+           "lr": lr, "grad_norm": float(norm), "waste": 1.0 - float(stats[3]) / float(stats[4]), **meter.read()}
     if rank == 0:
         run.mkdir(parents=True, exist_ok=True)
         with open(run / "metrics.jsonl", "a") as f:  # an append-only log: one line per logged step

@@ -1,21 +1,22 @@
 """Noise drawn per episode, so a micro-batch's x_t does not depend on how episodes were batched.
 
 :func:`episode_flow_sample` draws σ, latent noise and action noise for every episode from its own
-generator (seeded by the caller, e.g. from ``(run seed, step, episode index)``) and places them into
-the micro-batch's (R, Fr) grid at the episode's row and offset. An episode therefore gets the same
+seed (given by the caller, e.g. from ``(run seed, step, episode index)``), as counter-based draws
+indexed by coordinates inside the episode, on the batch's device. An episode therefore gets the same
 x_t whether it is packed with others, padded in a batch or alone — which is what makes packed vs
 per-episode runs comparable (``flexpack verify``) and micro-batching invisible to the objective.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 import numpy as np
 import torch
+from torch import Tensor
 
-from flexpack.packing.layout import SequenceLayout
-from flexpack.training.objective import FlowMatchingConfig, FlowSample, make_flow_sample, sample_sigma
+from flexpack.training.objective import FlowMatchingConfig, FlowSample, make_flow_sample
 
 
 def episode_seed(*parts: int) -> int:
@@ -26,28 +27,63 @@ def episode_seed(*parts: int) -> int:
 def episode_flow_sample(batch: Any, cfg: FlowMatchingConfig, seeds: Sequence[int]) -> FlowSample:
     """``make_flow_sample`` with σ and noises drawn per episode; ``seeds[e]`` seeds episode slot ``e``.
 
-    Per episode ``e`` (``F`` valid frames) its generator draws, in this order: σ as
-    :func:`~flexpack.training.objective.sample_sigma` would for the episode alone, latent noise (C, F, H, W)
-    float32, then action noise (Ca, F, A) float32 when the batch has actions.
+    Every value is a counter-based draw (:func:`_uniform24` of a 32-bit hash) keyed by the episode's
+    seed and the value's coordinates *inside the episode* — latent ``(frame, channel, y, x)``, action
+    ``(frame, channel, step)``, σ ``(chunk)`` — so an episode gets the same x_t packed, padded or
+    alone, and a cropped episode keeps the noise of the frames it keeps. All episodes are drawn in
+    one pass of element-wise ops on the batch's device: no host loop over episodes, no host sync,
+    no noise tensor to copy (the seeds, ``E`` integers, are the only host-to-device transfer).
     """
     lay = batch.layout
     E = lay.num_episodes
     if len(seeds) != E:
         raise ValueError(f"need one seed per episode: {E} episodes, got {len(seeds)} seeds")
     x, a = batch.latent, batch.action
-    sigma = torch.zeros(lay.frame_doc.shape, dtype=torch.float32)
-    noise = torch.zeros(x.shape, dtype=torch.float32)
-    action_noise = None if a is None else torch.zeros(a.shape, dtype=torch.float32)
-    rows, starts, frames = (t.tolist() for t in (lay.episode_row, lay.episode_start, lay.episode_frames))
-    for e in range(E):
-        r, s, n = rows[e], starts[e], frames[e]
-        g = torch.Generator().manual_seed(int(seeds[e]))
-        sigma[r, s : s + n] = sample_sigma(SequenceLayout.from_rows([[n]], n), cfg, g)[0]
-        noise[r, :, s : s + n] = torch.randn((x.shape[1], n, *x.shape[3:]), generator=g)
-        if action_noise is not None:
-            action_noise[r, :, s : s + n] = torch.randn((a.shape[1], n, a.shape[3]), generator=g)
     dev = x.device
-    return make_flow_sample(
-        batch, cfg, sigma=sigma.to(dev), noise=noise.to(dev, x.dtype),
-        action_noise=None if action_noise is None else action_noise.to(dev, a.dtype),
-    )
+    # six 32-bit keys per episode (σ, two latent uniforms, two action uniforms, spare), one row per slot
+    keys = np.stack([np.random.SeedSequence(int(s)).generate_state(6, np.uint32) for s in seeds]) if E else np.zeros((0, 6))
+    keys_E6 = torch.from_numpy(keys.astype(np.int64)).to(dev, non_blocking=True)
+    doc = lay.frame_doc.to(dev)  # (R, Fr), -1 = padding
+    valid = doc >= 0
+    k_RF6 = keys_E6[doc.clamp(min=0)] if E else torch.zeros((*doc.shape, 6), dtype=torch.int64, device=dev)
+    pos = lay.frame_pos.to(dev)
+    chunk = pos // cfg.chunk_size if cfg.chunk_size is not None else torch.zeros_like(pos)
+    sigma = torch.where(valid, _uniform24(_mix32(chunk ^ k_RF6[..., 0])), 0.0)
+
+    R, C, Fr, H, W = x.shape
+    c = torch.arange(C, device=dev).view(1, C, 1, 1, 1)
+    yx = torch.arange(H * W, device=dev).view(1, 1, 1, H, W)
+    ctr = (pos.view(R, 1, Fr, 1, 1) * C + c) * (H * W) + yx  # (R, C, Fr, H, W) index inside the episode
+    noise = _normal(ctr, k_RF6[..., 1].view(R, 1, Fr, 1, 1), k_RF6[..., 2].view(R, 1, Fr, 1, 1))
+    action_noise = None
+    if a is not None:
+        _, Ca, _, A = a.shape
+        ca = torch.arange(Ca, device=dev).view(1, Ca, 1, 1)
+        st = torch.arange(A, device=dev).view(1, 1, 1, A)
+        actr = (pos.view(R, 1, Fr, 1) * Ca + ca) * A + st
+        action_noise = _normal(actr, k_RF6[..., 3].view(R, 1, Fr, 1), k_RF6[..., 4].view(R, 1, Fr, 1)).to(a.dtype)
+    return make_flow_sample(batch, cfg, sigma=sigma, noise=noise.to(x.dtype), action_noise=action_noise)
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """A 32-bit integer hash on int64 tensors holding values in [0, 2**32) (two xorshift-multiply
+    rounds; the 27-bit multiplier keeps every product below 2**63, so int64 never overflows)."""
+    x = x & _M32
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & _M32
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & _M32
+    return (x >> 16) ^ x
+
+
+def _uniform24(h: Tensor) -> Tensor:
+    """float32 in (0, 1) from the top 24 bits of a 32-bit hash (exact in float32, never 0)."""
+    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)
+
+
+def _normal(counter: Tensor, key1: Tensor, key2: Tensor) -> Tensor:
+    """Standard normal float32 per counter (Box-Muller over two keyed hashes of it)."""
+    u1 = _uniform24(_mix32(_mix32(counter ^ key1) + key2))
+    u2 = _uniform24(_mix32(_mix32(counter ^ key2) + key1))
+    return torch.sqrt(-2.0 * torch.log(u1)) * torch.cos((2.0 * math.pi) * u2)

@@ -1,7 +1,12 @@
-"""Parallelize a plain WanVA from outside: activation checkpointing, then FSDP2 per block, then the root.
+"""Parallelize a plain WanVA from outside: regional compilation, activation checkpointing, then
+FSDP2 per block, then the root.
 
-The model file knows nothing of ranks. :func:`parallelize` wraps each transformer block in a
-non-reentrant checkpoint wrapper (when asked), and — only when ``torch.distributed`` is
+The model file knows nothing of ranks. :func:`parallelize` compiles each block's forward
+(``compile=True``: one inductor graph per block with FlexAttention inside, so AdaLN modulation,
+norms, gates, RoPE and casts fuse around the kernels; every block shares the same compiled code,
+so a 30-layer model compiles once), wraps transformer blocks in a non-reentrant checkpoint
+wrapper around the compiled forward (all of them, or the first ``n``: selective checkpointing
+trades memory for the recompute of the rest), and — only when ``torch.distributed`` is
 initialized with more than one rank — applies ``fully_shard`` to every block and finally to the
 root module (embeddings, heads), over a 1-D mesh of all ranks. Parameters become DTensors
 sharded on dim 0; each block's parameters are all-gathered for its forward and backward.
@@ -11,6 +16,8 @@ checkpoints load into unwrapped, unsharded models.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,24 +37,63 @@ def is_sharded(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
+class GraphCounter:
+    """Counts the graphs inductor compiles for the model's blocks (recompiles show up here)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def backend(self, gm: torch.fx.GraphModule, example_inputs: list) -> Any:
+        from torch._inductor.compile_fx import compile_fx
+
+        self.n += 1
+        return compile_fx(gm, example_inputs)
+
+
+BLOCK_GRAPHS = GraphCounter()
+
+
+def compiled_graphs() -> int:
+    """Graphs compiled so far: the model's blocks plus FlexAttnFunc's own (kernels, block-mask builders)."""
+    from flexpack.attention.flex import compile_count
+
+    return BLOCK_GRAPHS.n + compile_count()
+
+
+def compile_blocks(model: nn.Module, *, fullgraph: bool = True) -> None:
+    """Compile each block's ``forward`` in place (state-dict keys and module hooks unchanged, so FSDP's
+    hooks stay outside the compiled code). Shapes are static: one graph per pack shape."""
+    import torch._dynamo
+
+    # every block shares one code object; leave room for a few shapes (pad mode, text-slot buckets)
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    for block in model.blocks:
+        block.forward = torch.compile(block.forward, backend=BLOCK_GRAPHS.backend, fullgraph=fullgraph, dynamic=False)
+
+
 def parallelize(
     model: nn.Module,
     *,
     device: torch.device,
-    activation_checkpointing: bool = False,
+    activation_checkpointing: bool | int = False,
     param_dtype: torch.dtype | None = None,
+    compile: bool = False,
 ) -> nn.Module:
-    """Apply AC → ``fully_shard`` per block → root, in place; returns ``model``.
+    """Apply compile → AC → ``fully_shard`` per block → root, in place; returns ``model``.
 
+    ``activation_checkpointing``: ``True`` checkpoints every block, an int ``n`` the first ``n``.
     ``param_dtype`` (e.g. bf16) is the FSDP mixed-precision compute dtype of the parameters
-    (gradients are reduced in fp32); ignored without FSDP.
+    (gradients are reduced in fp32); ignored without FSDP. ``compile``: :func:`compile_blocks`.
     """
     blocks = model.blocks
-    if activation_checkpointing:
+    if compile:  # inside the checkpoint: a recompute replays the compiled forward
+        compile_blocks(model)
+    n_ckpt = len(blocks) if activation_checkpointing is True else int(activation_checkpointing)
+    if n_ckpt:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-        for i, block in enumerate(blocks):
-            blocks[i] = checkpoint_wrapper(block)  # non-reentrant by default
+        for i in range(min(n_ckpt, len(blocks))):
+            blocks[i] = checkpoint_wrapper(blocks[i])  # non-reentrant by default
     _, size = world()
     if size == 1:
         return model

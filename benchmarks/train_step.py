@@ -1,0 +1,317 @@
+"""Whole training steps: flexpack's own step code in pack and pad mode vs diffusers one episode per step.
+
+What ``flexpack train`` runs for a step (model from a TrainConfig via ``build_model`` +
+``parallelize``, ``train_step`` = ``accumulate`` + clip + fused AdamW, items through the real
+collate, per-episode device noise) is timed on 65,536-token packs, against diffusers'
+``WanTransformer3DModel`` of the same shape trained one episode per step (eager and
+``torch.compile(dynamic=True)``) on the same episodes, and against flexpack's pad mode. Latents
+are synthetic (no lerobot), text is 512 tokens per episode, no actions; fp32 weights with bf16
+autocast everywhere. MFU counts useful FLOPs only (``flexpack.training.flops``) against an
+8192³ bf16 matmul measured in the same run.
+
+    python benchmarks/train_step.py --out $OUT/train_step_h200.json                # both sets, all variants
+    python benchmarks/train_step.py --sets short --variants pack-compiled,diffusers-compiled
+    python benchmarks/train_step.py --smoke                                        # CPU, tiny shapes: API check
+
+Each variant: warm-up steps (compiles), then the median of ``--steps`` steps; results are merged
+into the JSON after every variant, so a run cut short keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from flexpack.packing.collate import PackCollate, PadCollate  # noqa: E402
+from flexpack.packing.lengths import read_frames_file  # noqa: E402
+from flexpack.packing.sampler import LengthBucketBatchSampler, TokenBudgetBatchSampler  # noqa: E402
+from flexpack.training.build import _Collate, build_model, run_text_slots  # noqa: E402
+from flexpack.training.config import from_dict, TrainConfig  # noqa: E402
+from flexpack.training.flops import batch_flops, episode_flops, measured_bf16_peak  # noqa: E402
+from flexpack.training.parallel import compiled_graphs, parallelize  # noqa: E402
+from flexpack.training.step import make_optimizer, train_step  # noqa: E402
+
+REF = Path(__file__).resolve().parents[1] / "data" / "episode_frames_ref.txt"
+VARIANTS = ("pack-compiled", "pack-eager", "diffusers-compiled", "diffusers-eager", "pad-eager")
+
+
+def length_sets(smoke: bool) -> dict[str, list[int]]:
+    """Latent frames per episode: the reference lengths (F 103-362) and a short-episode set
+    (F 56-146, uniform, seeded: real robot datasets often have 50-150 latent frames)."""
+    if smoke:
+        return {"ref": [5, 7, 3, 9, 4, 6, 8, 5] * 4, "short": [2, 3, 4, 2, 3] * 40}
+    return {"ref": read_frames_file(REF), "short": np.random.default_rng(0).integers(56, 147, 1280).tolist()}
+
+
+def config(args: argparse.Namespace, mode: str, compile_: bool) -> TrainConfig:
+    model = {"preset": "tiny", "overrides": {"num_layers": args.layers, "action_channels": 0}} if args.smoke else \
+        {"preset": "wan2.2-5b", "overrides": {"num_layers": args.layers, "action_channels": 0}}
+    return from_dict(TrainConfig, {
+        "data": {"mode": mode, "max_tokens": args.max_tokens},
+        "model": model,
+        "optim": {"lr": 1e-5, "betas": [0.9, 0.95], "grad_clip": 1.0},
+        "runtime": {"dtype": "bfloat16", "compile": compile_, "progress": False},
+    })
+
+
+class Items:
+    """Synthetic dataset items (the keys LatentEpisodeDataset yields), made once per episode on demand."""
+
+    def __init__(self, lengths: list[int], C: int, H: int, W: int, L: int, Dt: int) -> None:
+        self.lengths, self.shape, self.L, self.Dt = lengths, (C, H, W), L, Dt
+
+    def __getitem__(self, i: int) -> dict:
+        g = torch.Generator().manual_seed(1000 + i)
+        C, H, W = self.shape
+        return {"latent": torch.randn(C, self.lengths[i], H, W, generator=g).to(torch.bfloat16),
+                "text": torch.randn(self.L, self.Dt, generator=g).to(torch.bfloat16) * 0.1,
+                "episode_index": i, "segment": -1}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _peak_reset(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak_gb(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
+
+
+def _medians(times: list[float], host: list[float], tokens: list[int], flops: list[float], peak: float) -> dict:
+    tok_s = [n / t for n, t in zip(tokens, times)]
+    return {"step_s": statistics.median(times), "host_ms_per_step": 1e3 * statistics.median(host),
+            "tokens_per_s": statistics.median(tok_s), "mfu": statistics.median(f / t / peak for f, t in zip(flops, times)),
+            "steps": len(times), "tokens_per_step": statistics.median(tokens)}
+
+
+def run_flexpack(args, name: str, lengths: list[int], batches: list[list[int]], items: Items, mode: str,
+                 compile_: bool, device: torch.device, peak: float) -> dict:
+    cfg = config(args, mode, compile_)
+    m = cfg.model.wan_config()
+    tpf = items.shape[1] // m.patch_size[1] * (items.shape[2] // m.patch_size[2])
+    if mode == "pack":
+        sampler = TokenBudgetBatchSampler(lengths, args.max_tokens, tokens_per_frame=tpf)
+        collate = _Collate(PackCollate.from_token_budget(args.max_tokens, tpf), actions=False)
+    else:
+        sampler = LengthBucketBatchSampler(lengths, args.pad_batch, pad_multiple=8, tokens_per_frame=tpf)
+        collate = _Collate(PadCollate(8), actions=False)
+    plan = batches if mode == "pack" else list(sampler)[: len(batches)]
+    extra = {"text_slots": run_text_slots(sampler)}
+    with device:
+        model = build_model(cfg)
+    model = parallelize(model, device=device, compile=compile_)
+    opt = make_optimizer(model, cfg, device)
+    made = [collate([items[i] for i in b]) for b in plan]
+    if device.type == "cuda":
+        made = [b.pin_memory() for b in made]
+    warm = args.warmup
+    times, host, tokens, flops, losses = [], [], [], [], []
+    graphs_after_warmup = None
+    for k, batch in enumerate(made):
+        if k == warm:
+            graphs_after_warmup = compiled_graphs()
+            _peak_reset(device)
+        _sync(device)
+        t0 = time.perf_counter()
+        sums, _ = train_step(model, opt, [batch], cfg, step=k, device=device, extra_model_kwargs=extra)
+        t_host = time.perf_counter() - t0
+        _sync(device)
+        t = time.perf_counter() - t0
+        losses.append(float(sums[0]))
+        if k >= warm:
+            times.append(t)
+            host.append(t_host)
+            tokens.append(int(batch.layout.episode_frames.sum()) * tpf)
+            flops.append(batch_flops(m, batch.layout, tpf, items.L))
+    out = _medians(times, host, tokens, flops, peak)
+    out.update(peak_mem_gb=_peak_gb(device), recompiles_after_warmup=compiled_graphs() - graphs_after_warmup,
+               losses=losses, finite=all(np.isfinite(losses)), computed_tokens_per_step=made[0].layout.frame_doc.numel() * tpf)
+    if args.profile and mode == "pack" and device.type == "cuda":
+        out["kernel_split"] = profile_split(lambda: train_step(model, opt, [made[warm]], cfg, step=0, device=device,
+                                                               extra_model_kwargs=extra), device)
+    del model, opt
+    return out
+
+
+def run_diffusers(args, lengths: list[int], batches: list[list[int]], items: Items, compile_: bool,
+                  device: torch.device, peak: float) -> dict:
+    import diffusers
+
+    cfg = config(args, "pack", False).model.wan_config()
+    torch.manual_seed(0)
+    with device:
+        model = diffusers.WanTransformer3DModel(
+            patch_size=cfg.patch_size, num_attention_heads=cfg.num_heads, attention_head_dim=cfg.head_dim,
+            in_channels=cfg.in_channels, out_channels=cfg.out_dim, text_dim=cfg.text_dim, freq_dim=cfg.freq_dim,
+            ffn_dim=cfg.ffn_dim, num_layers=cfg.num_layers, cross_attn_norm=cfg.cross_attn_norm,
+            qk_norm="rms_norm_across_heads", eps=cfg.eps, rope_max_seq_len=1024)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), weight_decay=0.01, fused=device.type == "cuda")
+    fwd = torch.compile(model, dynamic=True) if compile_ else model
+    tpf = items.shape[1] // cfg.patch_size[1] * (items.shape[2] // cfg.patch_size[2])
+
+    def step(i: int) -> float:
+        it = items[i]
+        x = it["latent"][None].to(device, non_blocking=True).float()
+        text = it["text"][None].to(device, non_blocking=True)
+        noise = torch.randn_like(x)
+        sigma = torch.rand((), device=device)
+        x_t = (1 - sigma) * x + sigma * noise
+        with torch.autocast(device.type, torch.bfloat16):
+            pred = fwd(hidden_states=x_t, timestep=(sigma * 1000)[None], encoder_hidden_states=text, return_dict=False)[0]
+        loss = (pred.float() - (noise - x)).square().mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    # warm-up: three different lengths (a dynamic-shape compile settles after the second shape)
+    for i in sorted({b[0] for b in batches[: args.warmup]} | {batches[0][-1], batches[-1][0]})[:4]:
+        step(i)
+    _sync(device)
+    _peak_reset(device)
+    times, host, tokens, flops, losses = [], [], [], [], []
+    for b in batches[args.warmup:]:  # the same episodes as the timed packs, one step each
+        t_pack = h_pack = 0.0
+        for i in b:
+            _sync(device)
+            t0 = time.perf_counter()
+            loss = step(i)
+            h = time.perf_counter() - t0
+            _sync(device)
+            t_pack += time.perf_counter() - t0
+            h_pack += h
+            losses.append(float(loss))
+        times.append(t_pack)
+        host.append(h_pack / len(b))
+        tokens.append(sum(lengths[i] for i in b) * tpf)
+        flops.append(episode_flops(cfg, [lengths[i] * tpf for i in b], [items.L] * len(b)))
+    out = _medians(times, host, tokens, flops, peak)
+    out.update(peak_mem_gb=_peak_gb(device), finite=all(np.isfinite(losses)), episodes=sum(len(b) for b in batches[args.warmup:]))
+    del model, opt, fwd
+    return out
+
+
+def profile_split(fn, device: torch.device) -> dict:
+    """Share of CUDA kernel time per category in one step (attention / gemm / elementwise / other)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        _sync(device)
+    cats: dict[str, float] = {"attention": 0.0, "gemm": 0.0, "elementwise": 0.0, "optimizer": 0.0, "other": 0.0}
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0.0))
+        n = e.key.lower()
+        if t <= 0 or e.key.startswith("ProfilerStep"):
+            continue
+        if "flash" in n or "flex" in n or "attention" in n or "fmha" in n or "cutlass" in n and "attn" in n:
+            cats["attention"] += t
+        elif "gemm" in n or "sm90" in n or "cublas" in n or "matmul" in n or "xmma" in n or "nvjet" in n:
+            cats["gemm"] += t
+        elif "adam" in n or "multi_tensor" in n:
+            cats["optimizer"] += t
+        elif "triton" in n or "elementwise" in n or "reduce" in n or "copy" in n or "norm" in n or "cat" in n:
+            cats["elementwise"] += t
+        else:
+            cats["other"] += t
+    total = sum(cats.values()) or 1.0
+    top = sorted(((getattr(e, "device_time_total", 0.0), e.key) for e in prof.key_averages()), reverse=True)[:15]
+    return {"shares": {k: v / total for k, v in cats.items()}, "device_ms": total / 1e3,
+            "top": [[k[:90], round(t / 1e3, 3)] for t, k in top]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sets", default="ref,short")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=65536)
+    p.add_argument("--profile", action="store_true", help="kernel-time split of one packed step")
+    p.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks the code paths, times nothing real")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/train_step_h200.json"))
+    args = p.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    if args.smoke:
+        args.layers, args.max_tokens, args.steps, args.warmup = 2, 512, 2, 1
+    peak = measured_bf16_peak(device) if device.type == "cuda" else 1e12
+    C, H, W, L, Dt = (4, 4, 4, 6, 32) if args.smoke else (48, 8, 16, 512, 4096)  # 32 video tokens per frame
+    results = json.loads(args.out.read_text()) if args.out.exists() else {}
+    results.update(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                   date=time.strftime("%Y-%m-%d"), torch=torch.__version__, layers=args.layers,
+                   bf16_matmul_tflops=peak / 1e12, command=" ".join(sys.argv))
+    sets = length_sets(args.smoke)
+    variants = args.variants.split(",")
+    for set_name in args.sets.split(","):
+        lengths = sets[set_name]
+        tpf = (H // 2) * (W // 2)
+        sampler = TokenBudgetBatchSampler(lengths, args.max_tokens, tokens_per_frame=tpf)
+        batches = list(sampler)[: args.warmup + args.steps]
+        items = Items(lengths, C, H, W, L, Dt)
+        res = results.setdefault(set_name, {})
+        res["episodes_per_pack"] = statistics.mean(len(b) for b in batches)
+        res["frames"] = [min(lengths), max(lengths)]
+        args.pad_batch = max(1, round(args.max_tokens / (statistics.mean(lengths) * tpf)))
+        for v in variants:
+            t0 = time.perf_counter()
+            try:
+                if v.startswith("diffusers"):
+                    r = run_diffusers(args, lengths, batches, items, v.endswith("compiled"), device, peak)
+                else:
+                    mode = "pad" if v.startswith("pad") else "pack"
+                    r = run_flexpack(args, v, lengths, batches, items, mode, v.endswith("compiled"), device, peak)
+            except Exception as exc:  # keep the other variants' numbers; say what failed
+                r = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+            r["wall_s"] = time.perf_counter() - t0
+            res[v] = r
+            _summarize(res)
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(results, indent=1))
+            print(f"[{set_name}] {v}: " + (r.get("error") or
+                  f"{r['tokens_per_s']:.0f} tok/s, step {r['step_s']*1e3:.0f} ms, mfu {r['mfu']:.3f}, host {r['host_ms_per_step']:.0f} ms, "
+                  f"peak {r.get('peak_mem_gb') or 0:.1f} GB, recompiles {r.get('recompiles_after_warmup')}, wall {r['wall_s']:.0f} s"),
+                  flush=True)
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    print(json.dumps({k: {kk: vv for kk, vv in v.items() if not isinstance(vv, dict)} for k, v in results.items()
+                      if isinstance(v, dict)}, indent=1))
+
+
+def _summarize(res: dict) -> None:
+    """The issue's flat keys per length set, from whatever variants have numbers."""
+    def tok(v):
+        return res.get(v, {}).get("tokens_per_s")
+    pack = res.get("pack-compiled", {}) if tok("pack-compiled") else res.get("pack-eager", {})
+    res.update(pack_tokens_per_s=pack.get("tokens_per_s"), diffusers_compiled_tokens_per_s=tok("diffusers-compiled"),
+               diffusers_eager_tokens_per_s=tok("diffusers-eager"), pad_tokens_per_s=tok("pad-eager"),
+               mfu_pack=pack.get("mfu"), peak_mem_gb_pack=pack.get("peak_mem_gb"),
+               recompiles_after_warmup=pack.get("recompiles_after_warmup"), host_ms_per_step=pack.get("host_ms_per_step"))
+    if pack.get("tokens_per_s") and tok("diffusers-compiled"):
+        res["pack_vs_diffusers_compiled"] = pack["tokens_per_s"] / tok("diffusers-compiled")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
+    main()

@@ -1,0 +1,59 @@
+"""Throughput figures of the train loop's logged steps: tokens/s, step time, peak memory, MFU.
+
+Measured over the window of steps since the previous log, ending at a device synchronization, so
+no step waits for the GPU to be timed (timing each step would put a sync on every step).
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from typing import Any, Sequence
+
+import torch
+
+from flexpack.training.config import TrainConfig
+from flexpack.training.flops import batch_flops, measured_bf16_peak
+
+
+class StepMeter:
+    """Accumulates the steps of one logging window; :meth:`read` closes it."""
+
+    def __init__(self, cfg: TrainConfig, device: torch.device, tokens_per_frame: int, *, text_tokens: int) -> None:
+        self.device, self.tpf, self.text_tokens = device, tokens_per_frame, text_tokens
+        self.model_cfg = cfg.model.wan_config()
+        self.peak = None
+        if device.type == "cuda":
+            self.peak = cfg.runtime.peak_tflops * 1e12 if cfg.runtime.peak_tflops else measured_bf16_peak(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        self._open()
+
+    def _open(self) -> None:
+        self.t0, self.steps, self.valid_tokens, self.flops = time.perf_counter(), 0, 0, 0.0
+
+    def add(self, batches: Sequence[Any]) -> None:
+        """Count one optimizer step's micro-batches (host-side layouts: no device work)."""
+        self.steps += 1
+        for b in batches:
+            self.valid_tokens += int(b.layout.episode_frames.sum()) * self.tpf
+            if self.peak is not None:
+                text = self.text_tokens if b.text is None else int(b.text.shape[1])
+                self.flops += batch_flops(self.model_cfg, b.layout, self.tpf, text)
+
+    def read(self) -> dict[str, Any]:
+        """``tokens_per_s``, ``step_s``, ``peak_mem_gb`` and (CUDA) ``mfu`` of the window; starts the next."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            peak_mem = torch.cuda.max_memory_allocated(self.device) / 1e9
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:  # the process's resident-set peak (KiB on Linux, bytes on macOS)
+            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            peak_mem = rss / (1e9 if sys.platform == "darwin" else 1e6)
+        seconds = max(time.perf_counter() - self.t0, 1e-9)
+        step_s = seconds / max(self.steps, 1)
+        out = {"tokens_per_s": self.valid_tokens / seconds, "step_s": step_s, "peak_mem_gb": peak_mem}
+        if self.peak is not None:
+            out["mfu"] = self.flops / seconds / self.peak
+        self._open()
+        return out

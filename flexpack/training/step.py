@@ -1,0 +1,73 @@
+"""One optimizer step of the train loop, shared by ``flexpack train`` and ``benchmarks/train_step.py``.
+
+:func:`accumulate` runs the step's micro-batches forward and backward; :func:`train_step` adds
+clipping and the optimizer update. Nothing here waits for the GPU: loss counts come from the
+host-side layout, noise is drawn on the device (:mod:`flexpack.training.noise`), loss parts and
+the gradient norm stay device tensors until the caller logs them, so the host can queue the next
+step while the GPU runs this one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from flexpack.packing.collate import Batch
+from flexpack.training.build import model_kwargs, noise_seeds
+from flexpack.training.config import TrainConfig
+from flexpack.training.noise import episode_flow_sample
+from flexpack.training.objective import flow_loss, loss_counts
+from flexpack.training.parallel import is_sharded, world
+
+
+def accumulate(model: nn.Module, batches: Sequence[Batch], cfg: TrainConfig, *, step: int, device: torch.device,
+               extra_model_kwargs: dict[str, Any] | None = None) -> torch.Tensor:
+    """Forward + backward one optimizer step's micro-batches (on the host, before ``.to(device)``);
+    returns this rank's (loss, latent, action) shares as a device tensor, detached (summed over
+    ranks they are the step's loss and its parts)."""
+    _, size = world()
+    counts = torch.stack([torch.stack(loss_counts(b)).float().cpu() for b in batches]).sum(0)
+    if size > 1:
+        dist.all_reduce(counts)  # the objective is over every rank's episodes
+    totals = (float(counts[0]), float(counts[1]))
+    sharded = is_sharded(model)
+    bf16 = cfg.runtime.dtype == "bfloat16" and not sharded  # under FSDP its mixed precision casts instead
+    kw = {**model_kwargs(cfg), **(extra_model_kwargs or {})}
+    out = torch.zeros(3, device=device)
+    for i, batch in enumerate(batches):
+        if sharded:  # reduce-scatter gradients once per step, not per micro-batch
+            model.set_requires_gradient_sync(i == len(batches) - 1)
+        seeds = noise_seeds(batch, cfg.runtime.seed, step)  # from host-side keys
+        batch = batch.to(device, non_blocking=True)
+        sample = episode_flow_sample(batch, cfg.objective, seeds)
+        with torch.autocast(device.type, torch.bfloat16) if bf16 else contextlib.nullcontext():
+            pred = model(sample.inputs, **sample.model_kwargs(), **kw)
+        fl = flow_loss(pred, sample, batch, cfg.objective)
+        share = fl.accumulation_loss(totals)
+        (share * size).backward()  # FSDP averages gradients over ranks; the objective sums them
+        parts = [fl.latent_sum / max(totals[0], 1.0), fl.action_sum / max(totals[1], 1.0)]
+        out += torch.stack([share.detach(), *(p.detach() for p in parts)]).float()
+    return out
+
+
+def make_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW over the model's parameters; the fused CUDA kernel on CUDA (one launch per step)."""
+    o = cfg.optim
+    return torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
+                             fused=device.type == "cuda")
+
+
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, batches: Sequence[Batch], cfg: TrainConfig, *,
+               step: int, device: torch.device, extra_model_kwargs: dict[str, Any] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`accumulate` → clip → optimizer step → zero grads; returns (loss parts, grad norm), both
+    device tensors."""
+    sums = accumulate(model, batches, cfg, step=step, device=device, extra_model_kwargs=extra_model_kwargs)
+    norm = nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip or float("inf"), foreach=True)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return sums, norm
