@@ -43,7 +43,7 @@ from flexpack.training.parallel import compiled_graphs, parallelize  # noqa: E40
 from flexpack.training.step import make_optimizer, train_step  # noqa: E402
 
 REF = Path(__file__).resolve().parents[1] / "data" / "episode_frames_ref.txt"
-VARIANTS = ("pack-compiled", "pack-eager", "diffusers-compiled", "diffusers-eager", "pad-eager")
+VARIANTS = ("pack-compiled", "pack-eager", "diffusers-compiled", "diffusers-regional", "diffusers-eager", "pad-eager")
 
 
 def length_sets(smoke: bool) -> dict[str, list[int]]:
@@ -121,32 +121,53 @@ def run_flexpack(args, name: str, lengths: list[int], batches: list[list[int]], 
     if device.type == "cuda":
         made = [b.pin_memory() for b in made]
     warm = args.warmup
-    times, host, tokens, flops, losses = [], [], [], [], []
-    graphs_after_warmup = None
-    for k, batch in enumerate(made):
-        if k == warm:
-            graphs_after_warmup = compiled_graphs()
-            _peak_reset(device)
+    for k in range(warm):  # compiles, captures, allocator warm-up
+        train_step(model, opt, [made[k]], cfg, step=k, device=device, extra_model_kwargs=extra)
+    _sync(device)
+    graphs_after_warmup = compiled_graphs()
+    _peak_reset(device)
+    timed = made[warm:]
+    # pass 1, a sync around every step: host time to queue one step (the GPU idle meanwhile)
+    host = []
+    for k, batch in enumerate(timed):
         _sync(device)
         t0 = time.perf_counter()
-        sums, _ = train_step(model, opt, [batch], cfg, step=k, device=device, extra_model_kwargs=extra)
-        t_host = time.perf_counter() - t0
-        _sync(device)
-        t = time.perf_counter() - t0
-        losses.append(float(sums[0]))
-        if k >= warm:
-            times.append(t)
-            host.append(t_host)
-            tokens.append(int(batch.layout.episode_frames.sum()) * tpf)
-            flops.append(batch_flops(m, batch.layout, tpf, items.L))
+        train_step(model, opt, [batch], cfg, step=warm + k, device=device, extra_model_kwargs=extra)
+        host.append(time.perf_counter() - t0)
+    _sync(device)
+    # pass 2, as the train loop runs: no sync between steps; an event before each step
+    times, sums = _event_times(lambda k: train_step(model, opt, [timed[k]], cfg, step=warm + len(timed) + k,
+                                                    device=device, extra_model_kwargs=extra)[0], len(timed), device)
+    losses = [float(x[0]) for x in sums]
+    tokens = [int(b.layout.episode_frames.sum()) * tpf for b in timed]
+    flops = [batch_flops(m, b.layout, tpf, items.L) for b in timed]
     out = _medians(times, host, tokens, flops, peak)
     out.update(peak_mem_gb=_peak_gb(device), recompiles_after_warmup=compiled_graphs() - graphs_after_warmup,
                losses=losses, finite=all(np.isfinite(losses)), computed_tokens_per_step=made[0].layout.frame_doc.numel() * tpf)
     if args.profile and mode == "pack" and device.type == "cuda":
         out["kernel_split"] = profile_split(lambda: train_step(model, opt, [made[warm]], cfg, step=0, device=device,
                                                                extra_model_kwargs=extra), device)
-    del model, opt
     return out
+
+
+def _event_times(step, n: int, device: torch.device) -> tuple[list[float], list]:
+    """Seconds per call of ``step(k)``, k < n, from device events queued between calls (no host
+    sync until the end, so the host runs ahead as in training); returns (times, step results)."""
+    if device.type != "cuda":
+        out, times = [], []
+        for k in range(n):
+            t0 = time.perf_counter()
+            out.append(step(k))
+            times.append(time.perf_counter() - t0)
+        return times, out
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
+    out = []
+    for k in range(n):
+        events[k].record()
+        out.append(step(k))
+    events[n].record()
+    events[n].synchronize()
+    return [events[k].elapsed_time(events[k + 1]) / 1e3 for k in range(n)], out
 
 
 def run_diffusers(args, lengths: list[int], batches: list[list[int]], items: Items, compile_: bool,
@@ -163,13 +184,23 @@ def run_diffusers(args, lengths: list[int], batches: list[list[int]], items: Ite
             qk_norm="rms_norm_across_heads", eps=cfg.eps, rope_max_seq_len=1024)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), weight_decay=0.01, fused=device.type == "cuda")
-    fwd = torch.compile(model, dynamic=True) if compile_ else model
+    fwd = model
+    if compile_ == "whole":
+        fwd = torch.compile(model, dynamic=True)
+    elif compile_ == "regional":  # diffusers' own recipe: each repeated block, dynamic shapes
+        model.compile_repeated_blocks(fullgraph=True, dynamic=True)
     tpf = items.shape[1] // cfg.patch_size[1] * (items.shape[2] // cfg.patch_size[2])
 
-    def step(i: int) -> float:
-        it = items[i]
-        x = it["latent"][None].to(device, non_blocking=True).float()
-        text = it["text"][None].to(device, non_blocking=True)
+    inputs: dict[int, tuple] = {}
+
+    def load(i: int) -> tuple:  # made before timing, as the packs are collated before timing
+        if i not in inputs:
+            it = items[i]
+            inputs[i] = (it["latent"][None].to(device).float(), it["text"][None].to(device))
+        return inputs[i]
+
+    def step(i: int) -> torch.Tensor:
+        x, text = load(i)
         noise = torch.randn_like(x)
         sigma = torch.rand((), device=device)
         x_t = (1 - sigma) * x + sigma * noise
@@ -180,33 +211,41 @@ def run_diffusers(args, lengths: list[int], batches: list[list[int]], items: Ite
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss
+        return loss.detach()
 
-    # warm-up: three different lengths (a dynamic-shape compile settles after the second shape)
-    for i in sorted({b[0] for b in batches[: args.warmup]} | {batches[0][-1], batches[-1][0]})[:4]:
+    # warm-up: several different lengths (a dynamic-shape compile settles after the second shape)
+    warm_eps = sorted({i for b in batches[: args.warmup] for i in b}, key=lambda i: lengths[i])
+    for i in warm_eps[:: max(1, len(warm_eps) // 6)]:
         step(i)
     _sync(device)
+    graphs0 = _dynamo_graphs()
     _peak_reset(device)
-    times, host, tokens, flops, losses = [], [], [], [], []
-    for b in batches[args.warmup:]:  # the same episodes as the timed packs, one step each
-        t_pack = h_pack = 0.0
+    timed = batches[args.warmup:]
+    for b in timed:
         for i in b:
-            _sync(device)
-            t0 = time.perf_counter()
-            loss = step(i)
-            h = time.perf_counter() - t0
-            _sync(device)
-            t_pack += time.perf_counter() - t0
-            h_pack += h
-            losses.append(float(loss))
-        times.append(t_pack)
-        host.append(h_pack / len(b))
-        tokens.append(sum(lengths[i] for i in b) * tpf)
-        flops.append(episode_flops(cfg, [lengths[i] * tpf for i in b], [items.L] * len(b)))
+            load(i)
+    host = []
+    for b in timed[:3]:  # host time to queue one episode step, synced around it
+        _sync(device)
+        t0 = time.perf_counter()
+        step(b[0])
+        host.append(time.perf_counter() - t0)
+    _sync(device)
+    # the same episodes as the timed packs, one optimizer step each, queued without syncs
+    times, losses = _event_times(lambda k: [step(i) for i in timed[k]], len(timed), device)
+    losses = [float(x) for group in losses for x in group]
+    tokens = [sum(lengths[i] for i in b) * tpf for b in timed]
+    flops = [episode_flops(cfg, [lengths[i] * tpf for i in b], [items.L] * len(b)) for b in timed]
     out = _medians(times, host, tokens, flops, peak)
-    out.update(peak_mem_gb=_peak_gb(device), finite=all(np.isfinite(losses)), episodes=sum(len(b) for b in batches[args.warmup:]))
-    del model, opt, fwd
+    out.update(peak_mem_gb=_peak_gb(device), finite=all(np.isfinite(losses)), episodes=sum(len(b) for b in timed),
+               recompiles_after_warmup=_dynamo_graphs() - graphs0, compile=compile_ or "eager")
     return out
+
+
+def _dynamo_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def profile_split(fn, device: torch.device) -> dict:
@@ -235,7 +274,7 @@ def profile_split(fn, device: torch.device) -> dict:
         else:
             cats["other"] += t
     total = sum(cats.values()) or 1.0
-    top = sorted(((getattr(e, "device_time_total", 0.0), e.key) for e in prof.key_averages()), reverse=True)[:15]
+    top = sorted(((getattr(e, "device_time_total", 0.0), e.key) for e in prof.key_averages()), reverse=True)[:60]
     return {"shares": {k: v / total for k, v in cats.items()}, "device_ms": total / 1e3,
             "top": [[k[:90], round(t / 1e3, 3)] for t, k in top]}
 
@@ -277,10 +316,19 @@ def main() -> None:
             t0 = time.perf_counter()
             try:
                 if v.startswith("diffusers"):
-                    r = run_diffusers(args, lengths, batches, items, v.endswith("compiled"), device, peak)
+                    how = {"diffusers-compiled": "whole", "diffusers-regional": "regional"}.get(v, False)
+                    r = run_diffusers(args, lengths, batches, items, how, device, peak)
                 else:
+                    from flexpack.attention import flex
+
                     mode = "pad" if v.startswith("pad") else "pack"
-                    r = run_flexpack(args, v, lengths, batches, items, mode, v.endswith("compiled"), device, peak)
+                    text_backend = flex.AUTO_CUDA["text"]
+                    if v.endswith("textflash"):  # experiment: FA4 for the text cross-attention too
+                        flex.AUTO_CUDA["text"] = "flex-flash"
+                    try:
+                        r = run_flexpack(args, v, lengths, batches, items, mode, "compiled" in v, device, peak)
+                    finally:
+                        flex.AUTO_CUDA["text"] = text_backend
             except Exception as exc:  # keep the other variants' numbers; say what failed
                 r = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
             r["wall_s"] = time.perf_counter() - t0
@@ -304,12 +352,13 @@ def _summarize(res: dict) -> None:
     def tok(v):
         return res.get(v, {}).get("tokens_per_s")
     pack = res.get("pack-compiled", {}) if tok("pack-compiled") else res.get("pack-eager", {})
-    res.update(pack_tokens_per_s=pack.get("tokens_per_s"), diffusers_compiled_tokens_per_s=tok("diffusers-compiled"),
+    compiled = max((tok(v) or 0.0 for v in ("diffusers-compiled", "diffusers-regional")), default=0.0) or None
+    res.update(pack_tokens_per_s=pack.get("tokens_per_s"), diffusers_compiled_tokens_per_s=compiled,
                diffusers_eager_tokens_per_s=tok("diffusers-eager"), pad_tokens_per_s=tok("pad-eager"),
                mfu_pack=pack.get("mfu"), peak_mem_gb_pack=pack.get("peak_mem_gb"),
                recompiles_after_warmup=pack.get("recompiles_after_warmup"), host_ms_per_step=pack.get("host_ms_per_step"))
-    if pack.get("tokens_per_s") and tok("diffusers-compiled"):
-        res["pack_vs_diffusers_compiled"] = pack["tokens_per_s"] / tok("diffusers-compiled")
+    if pack.get("tokens_per_s") and compiled:
+        res["pack_vs_diffusers_compiled"] = pack["tokens_per_s"] / compiled
 
 
 if __name__ == "__main__":

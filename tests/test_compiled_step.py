@@ -20,18 +20,26 @@ def items(lens, seed):
              "episode_index": i} for i, F in enumerate(lens)]
 
 
-@pytest.mark.slow
-def test_compiled_blocks_equal_eager_compile_once_and_keep_packing_exact(one_thread):
+DEVICES = [pytest.param("cpu", marks=pytest.mark.slow),
+           pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_blocks_equal_eager_compile_once_and_keep_packing_exact(one_thread, device):
+    """On CUDA the blocks trace FlexAttention (FA4 where installed, head dim 128) into their graphs."""
     torch.manual_seed(0)
-    eager = WanVA(wan_config("tiny", num_layers=2), attn=FlexAttnFunc("dense"))
-    compiled = WanVA(wan_config("tiny", num_layers=2), attn=FlexAttnFunc("dense"))
+    shape = dict(num_layers=2) if device == "cpu" else dict(num_layers=2, dim=256, num_heads=2, ffn_dim=512)
+    backend = "dense" if device == "cpu" else "auto"
+    with torch.device(device):
+        eager = WanVA(wan_config("tiny", **shape), attn=FlexAttnFunc(backend))
+        compiled = WanVA(wan_config("tiny", **shape), attn=FlexAttnFunc(backend))
     compiled.load_state_dict(eager.state_dict())
     keys = set(compiled.state_dict())
-    parallelize(compiled, device=torch.device("cpu"), compile=True, activation_checkpointing=1)
+    parallelize(compiled, device=torch.device(device), compile=True, activation_checkpointing=1)
     assert set(compiled.state_dict()) == keys  # checkpoints stay loadable into plain models
     cfg, before = FlowMatchingConfig(), BLOCK_GRAPHS.n
     for k, lens in enumerate([[5, 3], [2, 2, 3]]):  # two layouts of one pack shape
-        batch = PackCollate(8)(items(lens, k))
+        batch = PackCollate(8)(items(lens, k)).to(device)
         sample = episode_flow_sample(batch, cfg, list(range(len(lens))))
         grads = []
         for model in (compiled, eager):
@@ -40,10 +48,12 @@ def test_compiled_blocks_equal_eager_compile_once_and_keep_packing_exact(one_thr
             flow_loss(pred, sample, batch, cfg).loss.backward()
             grads.append((pred.video.detach(), [p.grad.clone() for p in model.parameters()]))
         (v_c, g_c), (v_e, g_e) = grads
-        assert float((v_c - v_e).abs().max() / v_e.abs().max()) < 1e-5
-        assert max(float((a - b).abs().max() / b.abs().max().clamp(min=1e-12)) for a, b in zip(g_c, g_e)) < 1e-4
+        tol = 1e-5 if device == "cpu" else 2e-3  # CUDA: TF32/kernel reduction order differ from eager
+        assert float((v_c - v_e).abs().max() / v_e.abs().max()) < tol
+        assert max(float((a - b).abs().max() / b.abs().max().clamp(min=1e-12)) for a, b in zip(g_c, g_e)) < 10 * tol
         # one graph (forward + backward) serves both blocks (one checkpointed); new layouts do not recompile
         assert BLOCK_GRAPHS.n - before <= 1
     # packed == per-episode through the compiled blocks (the singles' shape compiles once more)
-    report = verify_batch(compiled, items([4, 4], 9), PackCollate(8), cfg)
+    its = [{k: v.to(device) if torch.is_tensor(v) else v for k, v in it.items()} for it in items([4, 4], 9)]
+    report = verify_batch(compiled, its, PackCollate(8), cfg)
     assert report.ok, report.table()
