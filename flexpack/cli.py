@@ -6,6 +6,8 @@ import argparse
 import importlib
 import sys
 
+from flexpack.errors import is_user_error, one_line
+
 # subcommand -> (module, one-line help). Each module defines ``add_arguments(parser)`` and
 # ``run(args) -> int``; modules are imported lazily so ``flexpack stats`` never imports lerobot.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -20,6 +22,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flexpack", description=__doc__)
+    parser.add_argument("--debug", action="store_true",
+                        help="show the traceback of every error (by default only bugs show one)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     wanted = next((a for a in argv if not a.startswith("-")), None)
     for name, (module, help_text) in COMMANDS.items():
@@ -30,10 +34,18 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand. User errors (:mod:`flexpack.errors`) print ``flexpack CMD: error: ...``
+    on one line and return 2; other exceptions are bugs and propagate with their traceback."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(argv).parse_args(argv)
-    module = importlib.import_module(COMMANDS[args.command][0])
-    return int(module.run(args) or 0)
+    try:
+        module = importlib.import_module(COMMANDS[args.command][0])
+        return int(module.run(args) or 0)
+    except Exception as exc:
+        if args.debug or not is_user_error(exc):
+            raise
+        print(f"flexpack {args.command}: error: {one_line(exc)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
