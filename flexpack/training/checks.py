@@ -15,7 +15,7 @@ import math
 import os
 import re
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -145,3 +145,30 @@ def check_token_budget(cfg: Any, dataset: Any, tokens_per_frame: int) -> None:
                     f"({tokens_per_frame} per frame) > data.max_tokens = {d.max_tokens} "
                     f"({len(too_long)} item(s) too long); raise data.max_tokens to at least {need} "
                     "or set data.crop = true")
+
+
+_WRAPPERS = re.compile(r"(^|\.)(_checkpoint_wrapped_module|_orig_mod|_fsdp_wrapped_module)\.")
+
+
+def check_state_shapes(file: str | os.PathLike, saved: Mapping[str, Any], model: Any) -> None:
+    """One line when a saved model state dict does not fit ``model`` (instead of torch's line per
+    tensor): how many tensors differ in shape, with the first ones, and missing / unexpected names.
+    Wrapper prefixes (activation checkpointing, ``torch.compile``) are ignored; under FSDP2 the
+    shapes compared are the full (unsharded) ones."""
+    want = {_WRAPPERS.sub(r"\1", k): tuple(v.shape) for k, v in model.state_dict().items()}
+    got = {_WRAPPERS.sub(r"\1", k): tuple(v.shape) for k, v in saved.items()}
+    differ = [k for k in want if k in got and want[k] != got[k]]
+    missing = [k for k in want if k not in got]
+    unexpected = [k for k in got if k not in want]
+    if not (differ or missing or unexpected):
+        return
+    parts = []
+    if differ:
+        shown = ", ".join(f"{k}: checkpoint {list(got[k])} vs model {list(want[k])}" for k in differ[:3])
+        parts.append(f"{len(differ)} tensor(s) differ in shape ({shown}{', ...' if len(differ) > 3 else ''})")
+    if missing:
+        parts.append(f"{len(missing)} tensor(s) of the model are not in it (e.g. {missing[0]})")
+    if unexpected:
+        parts.append(f"{len(unexpected)} tensor(s) in it are not in the model (e.g. {unexpected[0]})")
+    raise UserError(f"{file}: the checkpoint is of another model shape than the config builds: {'; '.join(parts)}; "
+                    "use the model config it was trained with (model.preset / model.overrides)")
