@@ -142,6 +142,10 @@ def test_out_dir_that_is_a_file_fails_before_the_data_is_read(capsys, tmp_path):
     assert code == 2 and f"runtime.out_dir = '{afile}' is a file; choose a folder" in one_error_line(err, "train")
     code, err = run_cli(capsys, *train_args(tmp_path / "no-data", afile / "run"))
     assert code == 2 and f"is below {afile}, which is a file" in one_error_line(err, "train")
+    # a creatable folder passes and is not left behind when the data then fails
+    code, err = run_cli(capsys, *train_args(tmp_path / "no-data", tmp_path / "new" / "run"))
+    assert code == 2 and "not a LeRobot dataset" in one_error_line(err, "train")
+    assert not (tmp_path / "new").exists()
 
 
 @pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root writes into read-only folders")
@@ -323,3 +327,18 @@ def test_flex_attn_func_takes_a_sequence_layout_or_says_what_to_pass():
     with pytest.raises(TypeError, match=r"prepare\(\) got a SequenceLayout"):
         attn.prepare(layout)
     assert math.isfinite(float(want.sum()))
+
+
+# ------------------------------------------------------------------ the other subcommands share the path
+@pytest.mark.parametrize("command,argv,message", [
+    ("stats", ["--frames-file", "{tmp}/nope.txt", "--mode", "pack"], "{tmp}/nope.txt"),
+    ("make-dataset", ["{tmp}", "--lengths", "9,x"], "--lengths '9,x': expected comma-separated integers"),
+    ("make-dataset", ["{tmp}"], "{tmp}: already exists"),
+    ("encode", ["--dataset", "{tmp}/none", "--no-progress"], "{tmp}/none"),
+    ("check-dataset", ["{tmp}", "--stride", "0"], "stride must be >= 1, got 0"),
+])
+def test_every_subcommand_reports_user_errors_the_same_way(capsys, tmp_path, command, argv, message):
+    code, err = run_cli(capsys, command, *[a.format(tmp=tmp_path) for a in argv])
+    assert code == 2 and message.format(tmp=tmp_path) in one_error_line(err, command)
+    with pytest.raises((ValueError, OSError)):  # --debug: the traceback instead
+        main(["--debug", command, *[a.format(tmp=tmp_path) for a in argv]])

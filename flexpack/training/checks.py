@@ -16,7 +16,7 @@ import os
 import re
 import uuid
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -76,12 +76,14 @@ def check_finite(node: Any, where: str = "") -> None:
 
 def check_out_dir(path: str | os.PathLike) -> Path:
     """``runtime.out_dir`` can hold the run: not a file, and a folder this process can create and
-    write to (probed with a real file: permission bits say nothing for root or on network mounts)."""
+    write to (probed with a real file: permission bits say nothing for root or on network mounts).
+    Folders made for the probe are removed again: a run that fails later leaves nothing behind."""
     run = Path(path)
     for p in [run, *run.parents]:
         if p.exists() and not p.is_dir():
             what = "is a file" if p == run else f"is below {p}, which is a file"
             raise UserError(f"runtime.out_dir = {str(path)!r} {what}; choose a folder")
+    made = [p for p in [run, *run.parents] if not p.exists()]
     try:
         run.mkdir(parents=True, exist_ok=True)
         probe = run / f".write-test-{uuid.uuid4().hex}"
@@ -89,6 +91,10 @@ def check_out_dir(path: str | os.PathLike) -> Path:
         probe.unlink()
     except OSError as exc:
         raise UserError(f"runtime.out_dir = {str(path)!r} is not writable: {exc.strerror or exc}") from exc
+    finally:
+        for p in made:  # deepest first
+            with suppress(OSError):
+                p.rmdir()
     return run
 
 
