@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-_PACKAGE = str(Path(__file__).resolve().parent)
+_PACKAGE = Path(__file__).resolve().parent
 _OS_USER = (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError, FileExistsError)
 
 
@@ -35,18 +35,15 @@ def _raised_in_flexpack(exc: BaseException) -> bool:
         while tb is not None:
             files.append(tb.tb_frame.f_code.co_filename)
             tb = tb.tb_next
-    return bool(files) and str(Path(files[-1]).resolve()).startswith(_PACKAGE)
+    return bool(files) and _PACKAGE in Path(files[-1]).resolve().parents
 
 
 def is_user_error(exc: BaseException) -> bool:
     """True when ``exc`` is the user's to fix (see the module docstring)."""
     if isinstance(exc, UserError):
         return True
-    try:
-        from flexpack.data.problems import DatasetProblemError
-    except ImportError:  # the data wing's dependencies are missing: nothing of it raised
-        DatasetProblemError = ()  # type: ignore[assignment,misc]
-    if DatasetProblemError and isinstance(exc, DatasetProblemError):
+    # by name, so that classifying an error never imports the data wing (and torch with it)
+    if any(c.__name__ == "DatasetProblemError" and c.__module__ == "flexpack.data.problems" for c in type(exc).__mro__):
         return True
     return isinstance(exc, (ValueError, *_OS_USER)) and _raised_in_flexpack(exc)
 

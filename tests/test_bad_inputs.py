@@ -174,6 +174,7 @@ def test_missing_dataset(capsys, tmp_path):
     ("model.overrides.action_channels=2", "the dataset has 6 action columns but the model has "
                                           "model.overrides.action_channels = 2; raise model.overrides.action_channels to at least 6"),
     ("model.overrides.in_channels=16", "do not fit the model (in_channels=16"),
+    ("data.max_tokens=3", "data.max_tokens = 3 is less than one latent frame (5 tokens"),
 ])
 def test_data_that_does_not_fit_the_config(capsys, tiny_dataset, tmp_path, setting, message):
     code, err = run_cli(capsys, *train_args(tiny_dataset, tmp_path / "run", setting))

@@ -137,6 +137,9 @@ def config_terms(cfg: Any) -> Iterator[None]:
 def check_token_budget(cfg: Any, dataset: Any, tokens_per_frame: int) -> None:
     """Pack mode: every item fits ``data.max_tokens`` unless ``data.crop`` cuts it (named by episode)."""
     d = cfg.data
+    if d.max_tokens < tokens_per_frame:
+        raise UserError(f"data.max_tokens = {d.max_tokens} is less than one latent frame ({tokens_per_frame} tokens: "
+                        f"video patches + data.action_steps); raise data.max_tokens")
     if d.crop:
         return
     lengths = dataset.lengths()
