@@ -113,9 +113,12 @@ def preflight(cfg: Any, stop_after: int | None = None) -> "torch.device":  # noq
     """Everything about ``cfg`` that can fail without data or a model; returns the device."""
     if stop_after is not None and (isinstance(stop_after, bool) or not isinstance(stop_after, int) or stop_after < 1):
         raise UserError(f"--stop-after must be an integer >= 1, got {stop_after!r}")
+    from flexpack.training.parallel import world
+
     check_finite(cfg)
     device = resolve_device(cfg.runtime.device)
-    check_out_dir(cfg.runtime.out_dir)
+    if world()[0] == 0:  # only rank 0 writes into the run folder (and one prober avoids mkdir/rmdir races)
+        check_out_dir(cfg.runtime.out_dir)
     return device
 
 
