@@ -193,6 +193,15 @@ def test_stride_mismatch_in_train_and_check_dataset(capsys, tiny_dataset, tmp_pa
                       "(6 episode(s), e.g. 0), checked with stride 2; pass --stride 4 or re-encode the cache")
 
 
+def test_missing_stats_hint_names_data_normalize(capsys, tiny_dataset, tmp_path):
+    root = tmp_path / "ds"
+    shutil.copytree(tiny_dataset, root)
+    (root / "meta" / "stats.json").unlink()
+    code, err = run_cli(capsys, *train_args(root, tmp_path / "run"))
+    line = one_error_line(err, "train")
+    assert code == 2 and f"{root}: the dataset has no stats for 'action'; set data.normalize = false" in line
+
+
 @pytest.mark.parametrize("workers", [0, 1])
 def test_corrupt_latent_is_one_line_naming_file_and_episode(capsys, tiny_dataset, tmp_path, workers):
     root = tmp_path / "ds"

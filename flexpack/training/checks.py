@@ -125,16 +125,20 @@ def preflight(cfg: Any, stop_after: int | None = None) -> "torch.device":  # noq
 @contextmanager
 def config_terms(cfg: Any) -> Iterator[None]:
     """Re-word the data library's hints in config keys: the dataset takes ``action_dim`` from the
-    model's ``action_channels``, which the user sets as ``model.overrides.action_channels``."""
+    model's ``action_channels``, which the user sets as ``model.overrides.action_channels``, and
+    ``normalize`` from ``data.normalize``."""
     try:
         yield
     except ValueError as exc:
-        m = re.search(r"the dataset has (\d+) action columns, more than action_dim=(\d+)", str(exc))
-        if m is None:
-            raise
-        raise UserError(f"{cfg.data.root}: the dataset has {m[1]} action columns but the model has "
-                        f"model.overrides.action_channels = {m[2]}; raise model.overrides.action_channels "
-                        f"to at least {m[1]}") from exc
+        text = str(exc)
+        m = re.search(r"the dataset has (\d+) action columns, more than action_dim=(\d+)", text)
+        if m is not None:
+            raise UserError(f"{cfg.data.root}: the dataset has {m[1]} action columns but the model has "
+                            f"model.overrides.action_channels = {m[2]}; raise model.overrides.action_channels "
+                            f"to at least {m[1]}") from exc
+        if "pass normalize=False" in text:
+            raise UserError(f"{cfg.data.root}: " + text.replace("pass normalize=False", "set data.normalize = false")) from exc
+        raise
 
 
 def check_token_budget(cfg: Any, dataset: Any, tokens_per_frame: int) -> None:
