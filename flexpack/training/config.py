@@ -104,8 +104,17 @@ class ModelConfig:
         unknown = sorted(set(self.overrides) - known)
         if unknown:
             raise ValueError(f"model.overrides has unknown WanVAConfig fields {unknown} (known: {sorted(known)})")
-        kw = {k: tuple(v) if isinstance(v, list) else v for k, v in self.overrides.items()}
-        return wan_config(self.preset, **kw)
+        hints = typing.get_type_hints(WanVAConfig)
+        kw = {k: _check_type(v, hints[k], f"model.overrides.{k}") for k, v in self.overrides.items()}
+        try:
+            wc = wan_config(self.preset, **kw)
+        except (ValueError, TypeError) as exc:  # named as the config writes them
+            raise ValueError(str(exc).replace("WanVAConfig.", "model.overrides.")) from None
+        from flexpack.attention.flex import BACKENDS
+
+        if wc.attn_backend not in BACKENDS:  # else only met when the model is built, after the data
+            raise ValueError(f"model.overrides.attn_backend must be one of {BACKENDS}, got {wc.attn_backend!r}")
+        return wc
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -319,8 +328,9 @@ def _source(exc: Exception, path: str | os.PathLike | None, overrides: Sequence[
         key = item.partition("=")[0].strip()
         parent, _, leaf = key.rpartition(".")
         named = re.search(rf"(?<![\w.]){re.escape(key)}(?![\w])", text)
-        # model.overrides.dimm is reported as "model.overrides has unknown ... fields ['dimm']"
-        if named or (parent and parent in text and f"'{leaf}'" in text):
+        # model.overrides.dimm is reported as "model.overrides has unknown ... fields ['dimm']",
+        # num_heads as "model.overrides.dim=64 is not divisible by num_heads=5"
+        if named or (parent == "model.overrides" and parent in text and re.search(rf"\b{re.escape(leaf)}\b", text)):
             return f"--set {item.strip()}"
     return str(path) if path is not None else "config"
 
