@@ -156,6 +156,9 @@ class FlexAttnFunc:
     q: (1, H, Tq, D), k/v: (1, H, Tk, D) -> (1, H, Tq, D). ``Tq == T`` (the layout's tokens);
     ``Tk == T`` except for ``mask="text"``, where k/v are the ``E * text_tokens`` flattened text
     tokens. Build the mask once per step with :meth:`prepare` and pass the result to every layer.
+    The layout is a :class:`TokenLayout`; a :class:`SequenceLayout` (frames) is expanded to
+    ``Tq / frames`` tokens per frame where the mask does not depend on the stream or copy of a
+    token, and is otherwise a ``TypeError`` saying to pass ``layout.tokens(...)``.
     """
 
     def __init__(
@@ -252,7 +255,7 @@ class FlexAttnFunc:
         q: Tensor,
         k: Tensor,
         v: Tensor,
-        layout_or_prepared: TokenLayout | PreparedMask,
+        layout_or_prepared: TokenLayout | SequenceLayout | PreparedMask,
         mask: str = "document",
         **mask_kw,
     ) -> Tensor:
