@@ -1,4 +1,9 @@
-"""The ``flexpack`` command line: one subcommand per module, imported only when used."""
+"""The ``flexpack`` command line: one subcommand per module, imported only when used.
+
+Errors take one path for every subcommand: a user error (:mod:`flexpack.errors`) is printed as
+``flexpack CMD: error: <one line>`` with exit status 2; a bug keeps its traceback;
+``flexpack --debug CMD ...`` shows the traceback of user errors too.
+"""
 
 from __future__ import annotations
 
@@ -21,7 +26,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="flexpack", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="flexpack", description="Packed variable-length robot episodes for video/VLA diffusion transformers.",
+        epilog="A bad input is one line 'flexpack CMD: error: ...' and exit status 2; --debug shows its traceback.")
     parser.add_argument("--debug", action="store_true",
                         help="show the traceback of every error (by default only bugs show one)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
