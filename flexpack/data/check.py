@@ -3,7 +3,8 @@
 Runs the inspections of ``flexpack.data.problems`` on every episode and task (the same ones
 ``LatentEpisodeDataset`` raises on at load time) plus the checks only a whole pass can make
 (latent (C, H, W) equal across episodes, action rows present). Prints one line per problem,
-naming kind, episode and file; exits 1 if there is any, else 0 with a summary line.
+naming kind, episode and file; exits 1 if there is any, else 0 with a summary line. When the
+latent headers record another temporal stride than ``--stride``, a first line says which.
 """
 
 from __future__ import annotations
