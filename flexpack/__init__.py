@@ -7,7 +7,7 @@ Three wings, each importing only downwards:
     training/   config, build, train loop, objective, noise, parallelism, checkpoints, profiling, verify
 
 beside ``data/`` (LeRobot datasets, latent and text caches, encoders) and ``models/`` (the Wan
-DiT). ``flexpack.atomic`` and the command line stay at the top. The names users write most are
+DiT). ``flexpack.atomic``, ``flexpack.errors`` and the command line stay at the top. The names users write most are
 re-exported here and imported on first use, so ``import flexpack`` stays cheap and never
 imports lerobot (``flexpack.data`` imports it lazily).
 """

@@ -13,15 +13,31 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     """Yield a temporary path next to ``path``; rename it onto ``path`` when the block succeeds.
 
     Readers never see a half-written file under the final name, and a failed write leaves an
-    existing file untouched and no temporary behind. The temporary is an ordinary file the
-    caller creates (``open``, ``save_file``, ``savefig``), so it gets the usual permissions
-    (``tempfile.mkstemp`` would make it private, 0600).
+    existing file untouched and no temporary behind. The caller creates the temporary (``open``,
+    ``save_file``, ``savefig``); before the rename it gets an ordinary file's mode, ``0666`` minus
+    the umask (0644 usually), whatever the writer used: safetensors' ``save_file`` creates its
+    file private (0600), which would keep others sharing a latent cache from reading it.
     """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         yield tmp
+        if tmp.is_file():
+            os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def _umask() -> int:
+    """The process umask (read without changing it where Linux allows)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)  # elsewhere: set and restore (no other thread writes files meanwhile)
+    os.umask(mask)
+    return mask

@@ -1,10 +1,17 @@
-"""The ``flexpack`` command line: one subcommand per module, imported only when used."""
+"""The ``flexpack`` command line: one subcommand per module, imported only when used.
+
+Errors take one path for every subcommand: a user error (:mod:`flexpack.errors`) is printed as
+``flexpack CMD: error: <one line>`` with exit status 2; a bug keeps its traceback;
+``flexpack --debug CMD ...`` shows the traceback of user errors too.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
+
+from flexpack.errors import is_user_error, one_line
 
 # subcommand -> (module, one-line help). Each module defines ``add_arguments(parser)`` and
 # ``run(args) -> int``; modules are imported lazily so ``flexpack stats`` never imports lerobot.
@@ -19,7 +26,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="flexpack", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="flexpack", description="Packed variable-length robot episodes for video/VLA diffusion transformers.",
+        epilog="A bad input is one line 'flexpack CMD: error: ...' and exit status 2; --debug shows its traceback.")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the traceback of every error (by default only bugs show one)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     wanted = next((a for a in argv if not a.startswith("-")), None)
     for name, (module, help_text) in COMMANDS.items():
@@ -30,10 +41,18 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand. User errors (:mod:`flexpack.errors`) print ``flexpack CMD: error: ...``
+    on one line and return 2; other exceptions are bugs and propagate with their traceback."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(argv).parse_args(argv)
-    module = importlib.import_module(COMMANDS[args.command][0])
-    return int(module.run(args) or 0)
+    try:
+        module = importlib.import_module(COMMANDS[args.command][0])
+        return int(module.run(args) or 0)
+    except Exception as exc:
+        if args.debug or not is_user_error(exc):
+            raise
+        print(f"flexpack {args.command}: error: {one_line(exc)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

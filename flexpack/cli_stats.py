@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from typing import Any
 
+from flexpack.errors import UserError, one_line
 from flexpack.packing.lengths import read_frames_file
 from flexpack.packing.sampler import LengthBucketBatchSampler, TokenBudgetBatchSampler
 from flexpack.packing.stats import summary, table, write_plot
@@ -86,16 +86,14 @@ def run(args: argparse.Namespace) -> int:
         sampler = build_sampler(args, lengths)
         st = sampler.stats(progress=True)
         seconds = time.perf_counter() - t0
-    except ValueError as e:
-        print(f"flexpack stats: error: {e}", file=sys.stderr)
-        return 2
+    except ValueError as e:  # the frames file, the dataset or the sampler's arguments
+        raise UserError(one_line(e)) from e
     s = summary(lengths, st, mode=args.mode, source=args.frames_file or args.dataset, parameters=_parameters(args),
                 seconds=seconds)
     if args.plot:
         try:
             write_plot(args.plot, lengths, st, f"flexpack stats --mode {args.mode}")
         except OSError as e:
-            print(f"flexpack stats: error: cannot write plot {args.plot}: {e}", file=sys.stderr)
-            return 2
+            raise UserError(f"cannot write plot {args.plot}: {e}") from e
     print(json.dumps(s) if args.json else table(s))
     return 0

@@ -26,3 +26,20 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+TINY_VIDEO_FRAMES = [37, 29, 21, 17, 13, 9]  # latent frames 10, 8, 6, 5, 4, 3
+
+
+@pytest.fixture(scope="session")
+def tiny_dataset(tmp_path_factory):
+    """A synthetic LeRobot dataset with its pool-encoded latent cache, built once per test run
+    (for configs/tiny_cpu.toml: 48-channel 2x2 latents, 6 action columns). Do not modify it:
+    copy it (shutil.copytree) to break it."""
+    pytest.importorskip("lerobot")
+    from flexpack.data.encode import encode_dataset
+    from flexpack.data.synthetic import make_synthetic_dataset
+
+    root = make_synthetic_dataset(tmp_path_factory.mktemp("tiny") / "ds", lengths=TINY_VIDEO_FRAMES, seed=1)
+    encode_dataset(root, progress=False)
+    return root

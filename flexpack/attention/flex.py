@@ -34,7 +34,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from flexpack.attention.blockmask import BlockMaskBuilder, compile_fresh
-from flexpack.packing.layout import TokenLayout
+from flexpack.packing.layout import SequenceLayout, TokenLayout
 from flexpack.attention.masks import MASK_KINDS, MaskMod, dense_mask, make_mask, next_pow2
 
 BACKENDS = ("auto", "dense", "flex", "flex-flash", "sdpa-loop", "varlen")
@@ -156,6 +156,9 @@ class FlexAttnFunc:
     q: (1, H, Tq, D), k/v: (1, H, Tk, D) -> (1, H, Tq, D). ``Tq == T`` (the layout's tokens);
     ``Tk == T`` except for ``mask="text"``, where k/v are the ``E * text_tokens`` flattened text
     tokens. Build the mask once per step with :meth:`prepare` and pass the result to every layer.
+    The layout is a :class:`TokenLayout`; a :class:`SequenceLayout` (frames) is expanded to
+    ``Tq / frames`` tokens per frame where the mask does not depend on the stream or copy of a
+    token, and is otherwise a ``TypeError`` saying to pass ``layout.tokens(...)``.
     """
 
     def __init__(
@@ -214,6 +217,8 @@ class FlexAttnFunc:
         """
         if mask not in MASK_KINDS:
             raise ValueError(f"unknown mask {mask!r}; expected one of {MASK_KINDS}")
+        if isinstance(layout, SequenceLayout):
+            raise TypeError(_NEEDS_TOKENS.format(what="prepare() got a SequenceLayout (frames)"))
         if device is not None and layout.doc.device != torch.device(device):
             layout = layout.to(device)
         mod = make_mask(layout, mask, chunk_size=chunk_size, window=window, text_tokens=text_tokens, text_slots=text_slots)
@@ -250,11 +255,13 @@ class FlexAttnFunc:
         q: Tensor,
         k: Tensor,
         v: Tensor,
-        layout_or_prepared: TokenLayout | PreparedMask,
+        layout_or_prepared: TokenLayout | SequenceLayout | PreparedMask,
         mask: str = "document",
         **mask_kw,
     ) -> Tensor:
         prep = layout_or_prepared
+        if isinstance(prep, SequenceLayout):
+            prep = _frames_to_tokens(prep, q.shape[2] if q.dim() == 4 else -1, mask)
         if isinstance(prep, TokenLayout):
             prep = self.prepare(prep, mask, device=q.device, **mask_kw)
         elif mask_kw or (mask != "document" and mask != prep.kind):
@@ -331,6 +338,22 @@ def _run(backend: str, q: Tensor, k: Tensor, v: Tensor, prep: PreparedMask) -> T
     if backend == "sdpa-loop":
         return _sdpa_loop(q, k, v, prep)
     return _varlen(q, k, v, prep)
+
+
+_NEEDS_TOKENS = ("{what}; FlexAttnFunc needs the token layout: pass "
+                 "layout.tokens(video_tokens=h * w, action_tokens=..., copies=..., grid_hw=(h, w))")
+
+
+def _frames_to_tokens(layout: SequenceLayout, q_len: int, mask: str) -> TokenLayout:
+    """A frame layout as tokens where the mask cannot depend on what is missing: with ``Tq`` a
+    multiple of the frame count every frame holds ``Tq / frames`` tokens, and document, valid,
+    chunk-causal and text masks look only at a token's episode and frame, never at whether it is
+    a video or an action token. Teacher forcing also needs the copies, which frames do not say."""
+    frames = layout.frame_doc.numel()
+    if mask == "teacher_forcing" or q_len <= 0 or q_len % frames:
+        got = f"a SequenceLayout of {frames} frames for q of {q_len} tokens" + (" and mask='teacher_forcing'" if mask == "teacher_forcing" else "")
+        raise TypeError(_NEEDS_TOKENS.format(what=f"got {got}"))
+    return layout.tokens(video_tokens=q_len // frames)
 
 
 def _dense(q: Tensor, k: Tensor, v: Tensor, prep: PreparedMask) -> Tensor:

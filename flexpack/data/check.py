@@ -3,7 +3,8 @@
 Runs the inspections of ``flexpack.data.problems`` on every episode and task (the same ones
 ``LatentEpisodeDataset`` raises on at load time) plus the checks only a whole pass can make
 (latent (C, H, W) equal across episodes, action rows present). Prints one line per problem,
-naming kind, episode and file; exits 1 if there is any, else 0 with a summary line.
+naming kind, episode and file; exits 1 if there is any, else 0 with a summary line. When the
+latent headers record another temporal stride than ``--stride``, a first line says which.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import numpy as np
 from tqdm import tqdm
 
 from flexpack.data import cache
+from flexpack.errors import UserError, one_line
 from flexpack.data.episodes import EpisodeSource
 from flexpack.data.problems import DatasetProblemError, Problem, inspect_latent, inspect_text, resolve_cameras
 
@@ -67,6 +69,7 @@ def check_dataset(
     rows = source.row_counts()
     reference: tuple[int, tuple[int, int, int]] | None = None  # (episode, (C, H, W)) of the first good latent
     frames_of = dict(zip(source.episodes, source.video_frames))
+    encoded: dict[int, list[int]] = {}  # stride recorded in the latent headers -> episodes
     for ep in tqdm(source.episodes, desc="check", unit="ep", disable=not progress):
         path = cache.latent_path(out_dir, cams, ep)
         n_rows = rows.get(ep, 0)
@@ -77,6 +80,8 @@ def check_dataset(
             action_rows=n_rows or None,
         )
         problems += found
+        if head is not None:
+            encoded.setdefault(head.stride, []).append(ep)
         if latent is not None and not found:
             chw = (head.channels, head.height, head.width)
             if reference is None:
@@ -89,6 +94,12 @@ def check_dataset(
             bad = int((~np.isfinite(actions)).sum())
             if bad:
                 problems.append(Problem("nonfinite", ep, source.data_file(ep), f"{action_key!r} has {bad} NaN/Inf values"))
+    other = {s: eps for s, eps in encoded.items() if s != stride}
+    if other:  # one line saying why every episode's frame count is off, before the per-episode lines
+        said = ", ".join(f"stride {s} ({len(eps)} episode(s), e.g. {eps[0]})" for s, eps in sorted(other.items()))
+        problems.insert(0, Problem("frames", None, out_dir, f"the cache was encoded with {said}, checked with "
+                                                            f"stride {stride}; pass --stride {max(other, key=lambda s: len(other[s]))} "
+                                                            "or re-encode the cache"))
     return problems, source
 
 
@@ -110,8 +121,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"[missing] dataset: {exc}")
         return 1
     except ValueError as exc:  # not a dataset this can check (no episodes, bad metadata, bad arguments)
-        print(f"flexpack check-dataset: error: {exc}", file=sys.stderr)
-        return 2
+        raise UserError(one_line(exc)) from exc
     for p in problems:
         print(p)
     if problems:

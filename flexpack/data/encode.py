@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
 
 from flexpack.data import cache
+from flexpack.errors import UserError, one_line
 from flexpack.data.encoders import VideoEncoder, encode_cameras, make_video_encoder
 from flexpack.data.episodes import EpisodeSource
 from flexpack.data.lengths import used_video_frames
@@ -102,8 +102,7 @@ def run(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
         )
     except (ValueError, OSError, ImportError) as exc:  # finished episodes stay cached: rerun to resume
-        print(f"flexpack encode: error: {exc}", file=sys.stderr)
-        return 2
+        raise UserError(one_line(exc)) from exc
     print(
         f"encoded {len(report.encoded)} episode(s), skipped {len(report.skipped)} already cached, "
         f"wrote {len(report.texts_written)} task text(s) -> {report.latents_dir} (cameras {report.cameras})"

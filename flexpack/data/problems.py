@@ -145,8 +145,9 @@ def inspect_latent(
     want_f = latent_frames(video_frames, stride)
     got_f = head.shape[1] if len(head.shape) == 4 else head.frames
     if got_f != want_f:
+        encoded = f"; the file was encoded with stride {head.stride}" if head.stride != stride else ""
         problems.append(p("frames", f"latent has {got_f} frames; metadata length {video_frames} video frames "
-                                    f"implies {want_f} (stride {stride})"))
+                                    f"implies {want_f} (stride {stride}){encoded}"))
     if action_rows is not None:
         if head.video_frames != action_rows or latent_frames(max(action_rows, 1), stride) != got_f:
             problems.append(p("shape", f"latent encodes {head.video_frames} video frames ({got_f} latent frames) "

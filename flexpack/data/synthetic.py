@@ -22,10 +22,11 @@ import argparse
 import contextlib
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
+
+from flexpack.errors import UserError, one_line
 
 TASKS = ["pick up the red cube", "open the drawer", "push the button twice", "stack the blue block on the green one"]
 SUBTASKS = ["reach for the red cube", "grasp the red cube", "lift the red cube", "put the cube in the bin"]
@@ -163,8 +164,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else None
     except ValueError:
-        print(f"flexpack make-dataset: error: --lengths {args.lengths!r}: expected comma-separated integers", file=sys.stderr)
-        return 2
+        raise UserError(f"--lengths {args.lengths!r}: expected comma-separated integers") from None
     # quiet encoders: SVT-AV1 prints ~25 info lines per video, `datasets` a progress bar per episode
     os.environ.setdefault("SVT_LOG", "1")
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
@@ -175,8 +175,7 @@ def run(args: argparse.Namespace) -> int:
             index_actions=args.index_actions, subtasks=args.subtasks, seed=args.seed, progress=True,
         )
     except (ValueError, OSError) as exc:
-        print(f"flexpack make-dataset: error: {exc}", file=sys.stderr)
-        return 2
+        raise UserError(one_line(exc)) from exc
     n = len(lengths) if lengths else args.episodes
     sub = f", {args.subtasks} subtasks each" if args.subtasks else ""
     print(f"wrote {n} episodes ({args.cameras} camera(s), {args.size}x{args.size}{sub}) to {root}")

@@ -38,7 +38,8 @@ class Batch:
         text:        (E, L, Dt) or None, zero beyond each episode's ``text_len``.
         layout:      the :class:`SequenceLayout` (doc ids, positions, valid frames, text lengths).
         extras:      HF-compatible packing keys in pack mode (``position_ids``, ``seq_idx``,
-                     ``cu_seq_lens_q/k``, ``max_length_q/k``) in frames; empty in pad mode.
+                     ``cu_seq_lens_q/k``, ``max_length_q/k``) counted in tokens
+                     (:func:`~flexpack.packing.layout.hf_packing_kwargs`); empty in pad mode.
     """
 
     latent: Tensor
@@ -201,20 +202,25 @@ class PackCollate:
     Every micro-batch has the same shape ``(1, C, frame_budget, H, W)``. Items that do not fit are
     an error naming them (the token-budget sampler never produces such a micro-batch); with
     ``crop=True`` a single item longer than the budget is cut to it instead.
+    ``tokens_per_frame`` (video + action tokens of one latent frame) sets the unit of the
+    HF-style keys in ``Batch.extras``, so they count the model's tokens, not frames.
     """
 
-    def __init__(self, frame_budget: int, *, crop: bool = False) -> None:
+    def __init__(self, frame_budget: int, *, crop: bool = False, tokens_per_frame: int = 1) -> None:
         if frame_budget <= 0:
             raise ValueError(f"frame_budget must be positive, got {frame_budget}")
+        if tokens_per_frame <= 0:
+            raise ValueError(f"tokens_per_frame must be positive, got {tokens_per_frame}")
         self.frame_budget = frame_budget
         self.crop = crop
+        self.tokens_per_frame = tokens_per_frame
 
     @staticmethod
     def from_token_budget(max_tokens: int, tokens_per_frame: int, *, crop: bool = False) -> "PackCollate":
         """The collate matching a token-budget sampler: ``frame_budget = max_tokens // tokens_per_frame``."""
         if tokens_per_frame <= 0 or max_tokens < tokens_per_frame:
             raise ValueError(f"need 0 < tokens_per_frame <= max_tokens, got {tokens_per_frame}, {max_tokens}")
-        return PackCollate(max_tokens // tokens_per_frame, crop=crop)
+        return PackCollate(max_tokens // tokens_per_frame, crop=crop, tokens_per_frame=tokens_per_frame)
 
     def __call__(self, items: Sequence[Item]) -> Batch:
         frames, has_action, has_text = _check_items(items)
@@ -229,4 +235,4 @@ class PackCollate:
             [frames], self.frame_budget,
             episode_index=[int(it.get("episode_index", -1)) for it in items], text_len=text_len, mode="pack",
         )
-        return Batch(latent, action, mask, text, layout, extras=hf_packing_kwargs(layout))
+        return Batch(latent, action, mask, text, layout, extras=hf_packing_kwargs(layout, self.tokens_per_frame))

@@ -310,36 +310,68 @@ def _expand(layout: SequenceLayout, nv: int, na: int, copies: int, grid_hw: tupl
     return out.to(dev_out) if dev_out.type != "cpu" else out
 
 
-def cu_seqlens_from_position_ids(position_ids: Tensor) -> Tensor:
+def cu_seqlens_from_position_ids(position_ids: Tensor, valid_tokens: int | None = None) -> Tensor:
     """Recover cu_seqlens (int32) from restarting position ids of shape (T,) or (1, T).
 
-    A new sequence starts wherever the position is 0 (HF's packing convention); a padding tail
-    whose positions restart counts as one more sequence, as HF does.
+    A new sequence starts wherever the position is 0 (HF's packing convention). Without
+    ``valid_tokens`` the sequences cover all ``T`` tokens, so a padding tail whose positions
+    restart counts as one more sequence; with ``valid_tokens`` (the tokens before the tail) the
+    result ends there, which is what :func:`hf_packing_kwargs` emits as ``cu_seq_lens_q/k``.
     """
     pos = position_ids.reshape(-1)
     if pos.numel() == 0:
         raise ValueError("position_ids is empty")
     if int(pos[0]) != 0:
         raise ValueError(f"position_ids must start at 0 for a new sequence, got {int(pos[0])}")
-    starts = torch.nonzero(pos == 0).reshape(-1)
-    return torch.cat([starts, torch.tensor([pos.numel()], device=pos.device)]).to(torch.int32)
+    end = pos.numel() if valid_tokens is None else int(valid_tokens)
+    if not 0 < end <= pos.numel():
+        raise ValueError(f"valid_tokens must be in 1..{pos.numel()}, got {valid_tokens}")
+    if end < pos.numel() and int(pos[end]) != 0:
+        raise ValueError(f"valid_tokens={end} is inside a sequence (position {int(pos[end])} there, not 0)")
+    starts = torch.nonzero(pos[:end] == 0).reshape(-1)
+    return torch.cat([starts, torch.tensor([end], device=pos.device)]).to(torch.int32)
 
 
 def hf_packing_kwargs(layout: SequenceLayout, tokens_per_frame: int = 1) -> dict[str, Tensor | int]:
-    """HF-compatible packing keys for a one-row (pack mode) layout, in tokens.
+    """HF-compatible packing keys for a one-row (pack mode) layout, counted in tokens.
 
-    Returns ``position_ids`` (1, T) restarting per episode and for the padding tail, ``seq_idx``
-    (1, T) int32, ``cu_seq_lens_q/k`` (int32, the padding tail is its own sequence) and
-    ``max_length_q/k``.
+    Every latent frame is ``tokens_per_frame`` tokens (video + action, one copy), so episode
+    ``e`` is ``episode_frames[e] * tokens_per_frame`` tokens long, the same sequence the model
+    attends over (:meth:`SequenceLayout.tokens`). The keys are what transformers'
+    ``DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)`` returns
+    for the same episodes as sequences of those lengths, plus the fixed-shape padding tail:
+
+    - ``position_ids`` (1, T) int64: ``0..n-1`` per episode; the padding tail restarts at 0 too,
+      so position-id based packing detection never joins it to the last episode;
+    - ``cu_seq_lens_q/k`` (E + 1,) int32: ``[0, n_0, n_0 + n_1, ...]``, ending at the last
+      *valid* token. The tail is not a sequence: FlashAttention's varlen kernels compute only
+      the tokens cu_seqlens cover, so the tail's attention output is left unwritten there (mask
+      it with ``torch.where``, not a product, which would turn garbage into NaN).
+      ``cu_seqlens_from_position_ids(position_ids)`` still gives the cover with the tail as one
+      more sequence, for kernels that must write every row;
+    - ``max_length_q/k`` (int): the longest episode in tokens;
+    - ``seq_idx`` (1, T) int32: each token's episode slot, the tail numbered ``E`` (so it stays
+      non-decreasing, as kernels taking ``seq_idx`` expect).
     """
     if layout.num_rows != 1:
         raise ValueError(f"HF packing keys need a one-row (pack mode) layout, got {layout.num_rows} rows")
+    if tokens_per_frame < 1:
+        raise ValueError(f"tokens_per_frame must be >= 1, got {tokens_per_frame}")
+    frames = layout.episode_frames.to(torch.int64)
+    offsets = torch.cumsum(frames, 0) - frames
+    if not torch.equal(layout.episode_start.to(torch.int64), offsets):
+        raise ValueError(f"HF packing keys need episodes back to back from frame 0, got starts "
+                         f"{layout.episode_start.tolist()} for frames {frames.tolist()}")
     pos = layout.frame_pos[0]
-    # expand per frame to tokens: token position = frame_pos * tpf + offset
-    position_ids = (pos[:, None] * tokens_per_frame + torch.arange(tokens_per_frame, device=pos.device)).reshape(1, -1)
-    cu = cu_seqlens_from_position_ids(position_ids)
-    seq_idx = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=pos.device), (cu[1:] - cu[:-1]).long())
-    max_len = int((cu[1:] - cu[:-1]).max())
+    device = pos.device
+    # per frame to tokens: a frame's tokens continue its episode's count
+    position_ids = (pos[:, None] * tokens_per_frame + torch.arange(tokens_per_frame, device=device)).reshape(1, -1)
+    lengths = frames * tokens_per_frame
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64, device=device), torch.cumsum(lengths, 0)]).to(torch.int32)
+    tail = position_ids.shape[1] - int(cu[-1])
+    seq_idx = torch.repeat_interleave(torch.arange(lengths.numel() + 1, device=device),
+                                      torch.cat([lengths, torch.tensor([tail], device=device)]))
+    max_len = int(lengths.max())
     return {
         "position_ids": position_ids,
         "seq_idx": seq_idx.to(torch.int32).reshape(1, -1),

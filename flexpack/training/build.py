@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from flexpack.packing.collate import Batch, PackCollate, PadCollate
+from flexpack.training.checks import check_token_budget, config_terms
 from flexpack.training.config import TrainConfig
 from flexpack.training.noise import episode_seed
 
@@ -55,10 +56,11 @@ def build_data(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> Data:
     d, m = cfg.data, cfg.model.wan_config()
     if not d.root:
         raise ValueError("data.root is empty: set it to a LeRobot dataset folder with a latent cache")
-    ds = LatentEpisodeDataset(
-        d.root, latents_dir=d.latents_dir, action_dim=max(m.action_channels, 1), action_steps=d.action_steps,
-        stride=d.stride, cameras=list(d.cameras) if d.cameras else None, normalize=d.normalize, segments=d.segments,
-    )
+    with config_terms(cfg):
+        ds = LatentEpisodeDataset(
+            d.root, latents_dir=d.latents_dir, action_dim=max(m.action_channels, 1), action_steps=d.action_steps,
+            stride=d.stride, cameras=list(d.cameras) if d.cameras else None, normalize=d.normalize, segments=d.segments,
+        )
     item = ds[0]
     C, _, H, W = item["latent"].shape
     _, ph, pw = m.patch_size
@@ -70,6 +72,7 @@ def build_data(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> Data:
     tpf = (H // ph) * (W // pw) + (d.action_steps if m.action_channels else 0)
     common = dict(rank=rank, world_size=world_size, seed=d.seed)
     if d.mode == "pack":
+        check_token_budget(cfg, ds, tpf)
         sampler = TokenBudgetBatchSampler(ds.lengths(), d.max_tokens, tokens_per_frame=tpf, crop=d.crop, **common)
         collate = PackCollate.from_token_budget(d.max_tokens, tpf, crop=d.crop)
     else:

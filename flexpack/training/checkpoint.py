@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from flexpack.training.checks import check_state_shapes
 from flexpack.training.parallel import world
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -121,6 +122,7 @@ def load(
     if not state_file.is_file():
         raise ValueError(f"{path}: not a checkpoint folder (no train_state.json)")
     model_sd = torch.load(path / "model.pt", map_location="cpu", weights_only=True, mmap=True)
+    check_state_shapes(path / "model.pt", model_sd, model)  # one line instead of torch's line per tensor
     opts = StateDictOptions(full_state_dict=True)
     if optimizer is not None:
         if not (path / "optim.pt").is_file():

@@ -12,7 +12,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import json
+import math
 import os
+import re
 import tomllib
 import types
 import typing
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from flexpack.atomic import atomic_path
+from flexpack.training.checks import check_device_string, check_finite
 from flexpack.training.objective import FlowMatchingConfig
 
 MODES = ("pack", "pad")
@@ -31,6 +34,8 @@ MASKS = ("document", "chunk_causal", "teacher_forcing")
 
 def _positive(owner: str, **values: int | float) -> None:
     for name, v in values.items():
+        if not math.isfinite(v):
+            raise ValueError(f"{owner}.{name} must be a finite number, got {v!r}")
         if v <= 0:
             raise ValueError(f"{owner}.{name} must be positive, got {v!r}")
 
@@ -68,6 +73,8 @@ class DataConfig:
             raise ValueError(f"data.segments must be true, false or 'auto', got {self.segments!r}")
         _positive("data", action_steps=self.action_steps, stride=self.stride, max_tokens=self.max_tokens,
                   batch_size=self.batch_size, pool_factor=self.pool_factor, pad_multiple=self.pad_multiple)
+        if self.stride % self.action_steps:
+            raise ValueError(f"data.action_steps = {self.action_steps} must divide data.stride = {self.stride}")
         if self.num_workers < 0 or self.seed < 0:
             raise ValueError(f"data.num_workers and data.seed must be >= 0, got {self.num_workers}, {self.seed}")
 
@@ -98,8 +105,17 @@ class ModelConfig:
         unknown = sorted(set(self.overrides) - known)
         if unknown:
             raise ValueError(f"model.overrides has unknown WanVAConfig fields {unknown} (known: {sorted(known)})")
-        kw = {k: tuple(v) if isinstance(v, list) else v for k, v in self.overrides.items()}
-        return wan_config(self.preset, **kw)
+        hints = typing.get_type_hints(WanVAConfig)
+        kw = {k: _check_type(v, hints[k], f"model.overrides.{k}") for k, v in self.overrides.items()}
+        try:
+            wc = wan_config(self.preset, **kw)
+        except (ValueError, TypeError) as exc:  # named as the config writes them
+            raise ValueError(str(exc).replace("WanVAConfig.", "model.overrides.")) from None
+        from flexpack.attention.flex import BACKENDS
+
+        if wc.attn_backend not in BACKENDS:  # else only met when the model is built, after the data
+            raise ValueError(f"model.overrides.attn_backend must be one of {BACKENDS}, got {wc.attn_backend!r}")
+        return wc
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,8 +129,11 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         _positive("optim", lr=self.lr, eps=self.eps, accum_steps=self.accum_steps)
-        if self.weight_decay < 0 or self.grad_clip < 0:
-            raise ValueError(f"optim.weight_decay and optim.grad_clip must be >= 0, got {self.weight_decay}, {self.grad_clip}")
+        for name in ("weight_decay", "grad_clip"):  # `not >= 0`: NaN fails it too
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                raise ValueError(f"optim.{name} must be a finite number >= 0, got {getattr(self, name)!r}")
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"optim.betas must both be in [0, 1), got {list(self.betas)}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,6 +188,9 @@ class RuntimeConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"runtime.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        check_device_string(self.device)  # whether CUDA is there is checked when training starts
+        if not self.out_dir:
+            raise ValueError("runtime.out_dir is empty: set it to the run folder")
         _positive("runtime", log_every=self.log_every)
         if self.compile not in (True, False, "auto"):
             raise ValueError(f"runtime.compile must be true, false or 'auto', got {self.compile!r}")
@@ -190,6 +212,7 @@ class TrainConfig:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
     def __post_init__(self) -> None:
+        check_finite(self)  # every float of every section, model.overrides included
         if self.objective.teacher_forcing and self.model.mask != "teacher_forcing":
             raise ValueError(f"objective.teacher_forcing needs model.mask = 'teacher_forcing', got {self.model.mask!r}")
         if self.model.mask == "teacher_forcing" and not self.objective.teacher_forcing:
@@ -233,6 +256,8 @@ def _check_type(value: Any, tp: Any, where: str) -> Any:
         return dict(value)
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{where} must be a finite number, got {value!r}")
     if tp in (int, float, str, bool) and not (isinstance(value, tp) and not (tp is int and isinstance(value, bool))):
         raise ValueError(f"{where} must be {tp.__name__}, got {value!r}")
     return value
@@ -302,7 +327,22 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
     try:
         return from_dict(TrainConfig, apply_overrides(data, overrides))
     except (ValueError, TypeError) as exc:
-        raise ValueError(f"{path or 'config'}: {exc}") from None
+        raise ValueError(f"{_source(exc, path, overrides)}: {exc}") from None
+
+
+def _source(exc: Exception, path: str | os.PathLike | None, overrides: Sequence[str]) -> str:
+    """Where the value an error names came from: the last ``--set`` of a key the message names,
+    else the file (else the defaults)."""
+    text = str(exc)
+    for item in reversed(overrides):
+        key = item.partition("=")[0].strip()
+        parent, _, leaf = key.rpartition(".")
+        named = re.search(rf"(?<![\w.]){re.escape(key)}(?![\w])", text)
+        # model.overrides.dimm is reported as "model.overrides has unknown ... fields ['dimm']",
+        # num_heads as "model.overrides.dim=64 is not divisible by num_heads=5"
+        if named or (parent == "model.overrides" and parent in text and re.search(rf"\b{re.escape(leaf)}\b", text)):
+            return f"--set {item.strip()}"
+    return str(path) if path is not None else "config"
 
 
 def save_config(cfg: TrainConfig, path: str | os.PathLike) -> None:

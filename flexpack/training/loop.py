@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
+from flexpack.training.checks import positive_int, preflight
 from flexpack.packing.collate import Batch
 from flexpack.training import checkpoint
 from flexpack.training.build import build_data, build_model
@@ -71,15 +72,6 @@ def use_compile(cfg: TrainConfig, device: torch.device) -> bool:
     return bool(cfg.runtime.compile)
 
 
-def _device(spec: str) -> torch.device:
-    if spec == "auto":
-        spec = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
-    device = torch.device(spec)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    return device
-
-
 @dataclass
 class TrainResult:
     step: int  # optimizer steps done (over all runs of this folder)
@@ -96,7 +88,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> TrainResult:
     """Train ``cfg.schedule.steps`` optimizer steps (resuming from the run folder's newest checkpoint);
     ``stop_after`` ends early after that step, with a checkpoint, as an interruption would."""
     rank, size = world()
-    device = _device(cfg.runtime.device)
+    device = preflight(cfg, stop_after)  # device, run folder, finite numbers: before data and model
     data = build_data(cfg, rank, size)
     param_dtype = torch.bfloat16 if cfg.runtime.dtype == "bfloat16" else None
     with device:  # built where it runs: no full fp32 copy of a 5B model in host memory per rank
@@ -180,7 +172,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", type=Path, help="TOML or JSON config (configs/tiny_cpu.toml, ...)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config value, e.g. --set schedule.steps=40 (repeatable)")
-    parser.add_argument("--stop-after", type=int, default=None, help="stop (with a checkpoint) after this step")
+    parser.add_argument("--stop-after", type=positive_int, default=None, help="stop (with a checkpoint) after this step")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -58,14 +58,17 @@ class FlowMatchingConfig:
     num_train_timesteps: float = 1000.0
 
     def __post_init__(self) -> None:
-        if self.shift <= 0 or self.action_shift <= 0:
-            raise ValueError(f"shifts must be positive, got shift={self.shift}, action_shift={self.action_shift}")
+        # messages name the keys as a training config writes them ([objective] section)
+        if not (self.shift > 0 and self.action_shift > 0):  # `not >`: NaN fails too
+            raise ValueError(f"objective.shift and objective.action_shift must be positive, got "
+                             f"{self.shift}, {self.action_shift}")
         if self.weighting not in WEIGHTINGS:
-            raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {self.weighting!r}")
+            raise ValueError(f"objective.weighting must be one of {WEIGHTINGS}, got {self.weighting!r}")
         if self.chunk_size is not None and self.chunk_size <= 0:
-            raise ValueError(f"chunk_size must be None or positive, got {self.chunk_size}")
-        if self.latent_weight < 0 or self.action_weight < 0:
-            raise ValueError(f"loss weights must be >= 0, got {self.latent_weight}, {self.action_weight}")
+            raise ValueError(f"objective.chunk_size must be unset or positive, got {self.chunk_size}")
+        if not (self.latent_weight >= 0 and self.action_weight >= 0):
+            raise ValueError(f"objective.latent_weight and objective.action_weight must be >= 0, got "
+                             f"{self.latent_weight}, {self.action_weight}")
 
 
 def shift_sigma(sigma: Tensor, shift: float) -> Tensor:

@@ -20,6 +20,7 @@ metadata silently dropped at the model boundary): the model gets a layout whose 
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
@@ -187,6 +188,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.micro_batches < 1:
         raise ValueError(f"--micro-batches must be >= 1, got {args.micro_batches}")
+    if not (math.isfinite(args.tol) and args.tol > 0):  # tol <= 0 would call a correct model a MISMATCH
+        raise ValueError(f"--tol must be a finite number > 0 (a max relative error, default {TOL:g}), got {args.tol!r}")
     cfg = load_config(args.config, args.overrides)
     report = verify_config(cfg, micro_batches=args.micro_batches, checkpoint_dir=args.checkpoint, tol=args.tol,
                            drop_packing=args.drop_packing)

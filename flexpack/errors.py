@@ -1,0 +1,66 @@
+"""Which exceptions are the user's to fix, and how the command line reports them.
+
+A *user error* is one a user can act on without reading code: a config key or value, a file, an
+episode. The command line prints it as ``flexpack CMD: error: <one line>`` and exits 2; anything
+else is a bug and keeps its traceback (``flexpack --debug CMD`` shows tracebacks for both).
+
+User errors are:
+
+- :class:`UserError`, raised where a message has been written for the user;
+- the dataset's :class:`~flexpack.data.problems.DatasetProblemError` records (file, episode, kind);
+- ``ValueError`` and the file-system ``OSError`` kinds (missing file, not a directory, no
+  permission, ...) *raised by flexpack's own code*: the project's convention is that user input
+  is checked with a ``ValueError`` naming the value. The same types raised inside torch or
+  another library are taken as bugs of the caller (a shape flexpack should have checked), so
+  they keep their traceback.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+_PACKAGE = Path(__file__).resolve().parent
+_OS_USER = (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError, FileExistsError)
+
+
+class UserError(ValueError):
+    """A problem with the user's input, worded for the user: one line, exit status 2."""
+
+
+def _raised_in_flexpack(exc: BaseException) -> bool:
+    files = re.findall(r'File "([^"]+)"', str(exc)) if "Original Traceback" in str(exc) else []
+    if not files:  # not re-raised from a DataLoader worker: the innermost frame of its own traceback
+        tb = exc.__traceback__
+        while tb is not None:
+            files.append(tb.tb_frame.f_code.co_filename)
+            tb = tb.tb_next
+    return bool(files) and _PACKAGE in Path(files[-1]).resolve().parents
+
+
+def is_user_error(exc: BaseException) -> bool:
+    """True when ``exc`` is the user's to fix (see the module docstring)."""
+    if isinstance(exc, UserError):
+        return True
+    # by name, so that classifying an error never imports the data wing (and torch with it)
+    if any(c.__name__ == "DatasetProblemError" and c.__module__ == "flexpack.data.problems" for c in type(exc).__mro__):
+        return True
+    return isinstance(exc, (ValueError, *_OS_USER)) and _raised_in_flexpack(exc)
+
+
+def one_line(exc: BaseException) -> str:
+    """The message of ``exc`` on one line.
+
+    An exception re-raised from a DataLoader worker carries the worker's whole traceback in its
+    message; its last line (``Type: message``) is the original message.
+    """
+    text = str(exc) if not isinstance(exc, OSError) or not exc.filename else _os_message(exc)
+    if "Original Traceback" in text:
+        last = [line for line in text.splitlines() if line.strip()][-1]
+        text = re.sub(r"^[\w.]+: ", "", last.strip())
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return "; ".join(lines) if lines else type(exc).__name__
+
+
+def _os_message(exc: OSError) -> str:
+    return f"{exc.filename}: {exc.strerror or exc}"

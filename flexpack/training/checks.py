@@ -1,0 +1,190 @@
+"""Checks a run passes before any data or model work, worded in config keys.
+
+:func:`preflight` runs at the top of ``train``: ``--stop-after``, non-finite numbers anywhere in
+the config, the device and the run folder. Each failure is one :class:`~flexpack.errors.UserError`
+line naming the config key (``runtime.device``) as the user writes it in TOML or ``--set``.
+The device and number checks that need no system state also run when the config is loaded
+(:func:`check_device_string`, :func:`check_finite`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import re
+import uuid
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import Any
+
+from flexpack.errors import UserError
+
+_DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
+
+
+def check_device_string(spec: str) -> None:
+    """``runtime.device`` is ``auto``, ``cpu``, ``cuda`` or ``cuda:N`` (nothing else reaches torch)."""
+    if not isinstance(spec, str) or not _DEVICE.match(spec):
+        raise UserError(f"runtime.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {spec!r}")
+
+
+def resolve_device(spec: str) -> "torch.device":  # noqa: F821 (torch imported lazily)
+    """The device ``runtime.device`` names on this rank, made current.
+
+    ``auto``: ``cuda:LOCAL_RANK`` when CUDA is available, else ``cpu``. ``cuda`` means
+    ``cuda:LOCAL_RANK`` (torchrun's one GPU per rank); ``cuda:N`` is taken as given.
+    """
+    import torch
+
+    check_device_string(spec)
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    if spec == "auto":
+        spec = "cuda" if torch.cuda.is_available() else "cpu"
+    if spec == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise UserError(f"runtime.device = {spec!r} but CUDA is not available here (torch {torch.__version__}, "
+                        f"built for CUDA {torch.version.cuda}); set runtime.device = 'cpu' or 'auto'")
+    index = local if spec == "cuda" else int(spec.split(":")[1])
+    count = torch.cuda.device_count()
+    if index >= count:
+        why = f"LOCAL_RANK={local}" if spec == "cuda" else f"{spec!r}"
+        raise UserError(f"runtime.device = {spec!r} asks for GPU {index} ({why}) but {count} GPU(s) are visible")
+    device = torch.device("cuda", index)
+    torch.cuda.set_device(device)
+    return device
+
+
+def check_finite(node: Any, where: str = "") -> None:
+    """Every float in a config tree (dataclasses, dicts, tuples) is finite: NaN slips through
+    every ``<= 0`` check and a NaN ``optim.grad_clip`` trains NaN weights for a whole run."""
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        for f in dataclasses.fields(node):
+            check_finite(getattr(node, f.name), f"{where}.{f.name}" if where else f.name)
+    elif isinstance(node, dict):
+        for k, v in node.items():
+            check_finite(v, f"{where}.{k}" if where else str(k))
+    elif isinstance(node, (list, tuple)):
+        for i, v in enumerate(node):
+            check_finite(v, f"{where}[{i}]")
+    elif isinstance(node, float) and not math.isfinite(node):
+        raise UserError(f"{where} must be a finite number, got {node!r}")
+
+
+def check_out_dir(path: str | os.PathLike) -> Path:
+    """``runtime.out_dir`` can hold the run: not a file, and a folder this process can create and
+    write to (probed with a real file: permission bits say nothing for root or on network mounts).
+    Folders made for the probe are removed again: a run that fails later leaves nothing behind."""
+    run = Path(path)
+    for p in [run, *run.parents]:
+        if p.exists() and not p.is_dir():
+            what = "is a file" if p == run else f"is below {p}, which is a file"
+            raise UserError(f"runtime.out_dir = {str(path)!r} {what}; choose a folder")
+    made = [p for p in [run, *run.parents] if not p.exists()]
+    try:
+        run.mkdir(parents=True, exist_ok=True)
+        probe = run / f".write-test-{uuid.uuid4().hex}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise UserError(f"runtime.out_dir = {str(path)!r} is not writable: {exc.strerror or exc}") from exc
+    finally:
+        for p in made:  # deepest first
+            with suppress(OSError):
+                p.rmdir()
+    return run
+
+
+def positive_int(text: str) -> int:
+    """argparse type for step counts such as ``--stop-after``: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of steps, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 (a number of optimizer steps), got {value}")
+    return value
+
+
+def preflight(cfg: Any, stop_after: int | None = None) -> "torch.device":  # noqa: F821
+    """Everything about ``cfg`` that can fail without data or a model; returns the device."""
+    if stop_after is not None and (isinstance(stop_after, bool) or not isinstance(stop_after, int) or stop_after < 1):
+        raise UserError(f"--stop-after must be an integer >= 1, got {stop_after!r}")
+    from flexpack.training.parallel import world
+
+    check_finite(cfg)
+    device = resolve_device(cfg.runtime.device)
+    if world()[0] == 0:  # only rank 0 writes into the run folder (and one prober avoids mkdir/rmdir races)
+        check_out_dir(cfg.runtime.out_dir)
+    return device
+
+
+@contextmanager
+def config_terms(cfg: Any) -> Iterator[None]:
+    """Re-word the data library's hints in config keys: the dataset takes ``action_dim`` from the
+    model's ``action_channels``, which the user sets as ``model.overrides.action_channels``, and
+    ``normalize`` from ``data.normalize``."""
+    try:
+        yield
+    except ValueError as exc:
+        text = str(exc)
+        m = re.search(r"the dataset has (\d+) action columns, more than action_dim=(\d+)", text)
+        if m is not None:
+            raise UserError(f"{cfg.data.root}: the dataset has {m[1]} action columns but the model has "
+                            f"model.overrides.action_channels = {m[2]}; raise model.overrides.action_channels "
+                            f"to at least {m[1]}") from exc
+        if "pass normalize=False" in text:
+            raise UserError(f"{cfg.data.root}: " + text.replace("pass normalize=False", "set data.normalize = false")) from exc
+        raise
+
+
+def check_token_budget(cfg: Any, dataset: Any, tokens_per_frame: int) -> None:
+    """Pack mode: every item fits ``data.max_tokens`` unless ``data.crop`` cuts it (named by episode)."""
+    d = cfg.data
+    if d.max_tokens < tokens_per_frame:
+        raise UserError(f"data.max_tokens = {d.max_tokens} is less than one latent frame ({tokens_per_frame} tokens: "
+                        f"video patches + data.action_steps); raise data.max_tokens")
+    if d.crop:
+        return
+    lengths = dataset.lengths()
+    too_long = [i for i, f in enumerate(lengths) if f * tokens_per_frame > d.max_tokens]
+    if not too_long:
+        return
+    i = max(too_long, key=lambda j: lengths[j])
+    episode, segment = dataset.items[i][0], dataset.items[i][1]
+    what = f"episode {episode}" + ("" if segment is None else f" segment {segment.segment} (video frames {segment.start}..{segment.stop - 1})")
+    need = lengths[i] * tokens_per_frame
+    raise UserError(f"{d.root}: {what} has {lengths[i]} latent frames = {need} tokens "
+                    f"({tokens_per_frame} per frame) > data.max_tokens = {d.max_tokens} "
+                    f"({len(too_long)} item(s) too long); raise data.max_tokens to at least {need} "
+                    "or set data.crop = true")
+
+
+_WRAPPERS = re.compile(r"(^|\.)(_checkpoint_wrapped_module|_orig_mod|_fsdp_wrapped_module)\.")
+
+
+def check_state_shapes(file: str | os.PathLike, saved: Mapping[str, Any], model: Any) -> None:
+    """One line when a saved model state dict does not fit ``model`` (instead of torch's line per
+    tensor): how many tensors differ in shape, with the first ones, and missing / unexpected names.
+    Wrapper prefixes (activation checkpointing, ``torch.compile``) are ignored; under FSDP2 the
+    shapes compared are the full (unsharded) ones."""
+    want = {_WRAPPERS.sub(r"\1", k): tuple(v.shape) for k, v in model.state_dict().items()}
+    got = {_WRAPPERS.sub(r"\1", k): tuple(v.shape) for k, v in saved.items()}
+    differ = [k for k in want if k in got and want[k] != got[k]]
+    missing = [k for k in want if k not in got]
+    unexpected = [k for k in got if k not in want]
+    if not (differ or missing or unexpected):
+        return
+    parts = []
+    if differ:
+        shown = ", ".join(f"{k}: checkpoint {list(got[k])} vs model {list(want[k])}" for k in differ[:3])
+        parts.append(f"{len(differ)} tensor(s) differ in shape ({shown}{', ...' if len(differ) > 3 else ''})")
+    if missing:
+        parts.append(f"{len(missing)} tensor(s) of the model are not in it (e.g. {missing[0]})")
+    if unexpected:
+        parts.append(f"{len(unexpected)} tensor(s) in it are not in the model (e.g. {unexpected[0]})")
+    raise UserError(f"{file}: the checkpoint is of another model shape than the config builds: {'; '.join(parts)}; "
+                    "use the model config it was trained with (model.preset / model.overrides)")
