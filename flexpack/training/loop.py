@@ -38,7 +38,7 @@ from flexpack.training.config import ScheduleConfig, TrainConfig, load_config, s
 from flexpack.training.noise import episode_flow_sample
 from flexpack.training.objective import flow_loss, loss_counts
 from flexpack.training.parallel import is_sharded, parallelize, world
-from flexpack.training.profiling import StepProfiler
+from flexpack.training.profiling import NO_PROFILER, StepProfiler
 
 
 def lr_at(step: int, base_lr: float, sched: ScheduleConfig, resumed_at: int | None = None) -> float:
@@ -55,7 +55,8 @@ def lr_at(step: int, base_lr: float, sched: ScheduleConfig, resumed_at: int | No
     return lr
 
 
-def accumulate(model: nn.Module, batches: Sequence[Batch], cfg: TrainConfig, *, step: int, device: torch.device) -> torch.Tensor:
+def accumulate(model: nn.Module, batches: Sequence[Batch], cfg: TrainConfig, *, step: int, device: torch.device,
+               prof: StepProfiler = NO_PROFILER) -> torch.Tensor:
     """Forward + backward one optimizer step's micro-batches; returns this rank's (loss, latent, action)
     shares, detached (summed over ranks they are the step's loss and its parts)."""
     _, size = world()
@@ -69,13 +70,17 @@ def accumulate(model: nn.Module, batches: Sequence[Batch], cfg: TrainConfig, *, 
     for i, batch in enumerate(batches):
         if sharded:  # reduce-scatter gradients once per step, not per micro-batch
             model.set_requires_gradient_sync(i == len(batches) - 1)
+        prof.phase("data")
         batch = batch.to(device, non_blocking=True)
+        prof.phase("forward", batch)
         sample = episode_flow_sample(batch, cfg.objective, noise_seeds(batch, cfg.runtime.seed, step))
         with torch.autocast(device.type, torch.bfloat16) if bf16 else contextlib.nullcontext():
             pred = model(sample.inputs, **sample.model_kwargs(), **model_kwargs(cfg))
         fl = flow_loss(pred, sample, batch, cfg.objective)
         share = fl.accumulation_loss(totals)
+        prof.phase("backward")
         (share * size).backward()  # FSDP averages gradients over ranks; the objective sums them
+        prof.phase(None)
         parts = [fl.latent_sum / max(totals[0], 1.0), fl.action_sum / max(totals[1], 1.0)]
         out += torch.stack([share.detach(), *(p.detach() for p in parts)]).float().cpu()
     return out
@@ -144,8 +149,10 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> TrainResult:
     sampler_state, step, tpf = data.sampler.state_dict(), start, data.tokens_per_frame
     bar = tqdm(total=cfg.schedule.steps, initial=start, desc="train", unit="step",
                disable=rank != 0 or not cfg.runtime.progress)
-    with StepProfiler(run, rank) as prof:
+    with StepProfiler.for_training(cfg, rank, steps_left=end - step, first_step=step, tokens_per_frame=tpf,
+                                   device=device) as prof:
         while step < end:
+            prof.step()
             lr = lr_at(step, o.lr, cfg.schedule, resumed_at)
             for group in opt.param_groups:
                 group["lr"] = lr
@@ -153,14 +160,16 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> TrainResult:
                 result.checkpoint = checkpoint.save(ckpt_root, step, model, opt, sampler_state=sampler_state,
                                                     keep=cfg.checkpoint.keep)
             t0 = time.perf_counter()
+            prof.phase("data")
             micro = [next(stream) for _ in range(o.accum_steps)]
             batches, sampler_state = [b for b, _ in micro], micro[-1][1]
-            sums = accumulate(model, batches, cfg, step=step, device=device)
+            sums = accumulate(model, batches, cfg, step=step, device=device, prof=prof)
+            prof.phase("optimizer")
             norm = nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip or float("inf"))
             opt.step()
             opt.zero_grad(set_to_none=True)
+            prof.phase(None)
             step += 1
-            prof.step()
             bar.update(1)
             result.lrs.append(lr)
             result.episodes += [b.layout.episode_index.tolist() for b in batches]

@@ -1,0 +1,150 @@
+"""Useful FLOPs of a WanVA step and the bf16 peak they are measured against (MFU).
+
+"Useful" counts only the work a step needs for its valid tokens: every parameter matmul on the
+tokens it acts on (2·in·out per token), self-attention on the unmasked (query, key) pairs of a
+document mask (each episode of ``n`` tokens attends ``n²`` pairs, 4·head_dim·heads FLOPs per
+pair: QKᵀ and PV), text cross-attention on ``n · text_len`` pairs per episode. Padding tokens,
+padded text slots, norms, modulation and RoPE count nothing. Forward + backward is 3× the
+forward (the backward's two matmuls per forward matmul); recomputation in the backward
+(FlashAttention's, activation checkpointing) is not useful work and is not counted.
+
+Self-attention under a chunk-causal or teacher-forcing mask attends fewer pairs than ``n²``;
+the count here is the document mask's, so MFU for those masks is an upper bound.
+
+MFU = useful FLOPs / (seconds × peak). The peak is the dense bf16 tensor-core rate of the GPU's
+datasheet (:data:`DATASHEET_BF16_FLOPS`), overridable with ``LINGBOT_PEAK_TFLOPS`` (e.g. the
+795 TFLOP/s a bf16 matmul measured on the H200, see DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from flexpack.models.wan_config import WanVAConfig
+from flexpack.packing.layout import SequenceLayout, TokenLayout
+
+# NVIDIA datasheets, dense bf16 tensor-core FLOP/s (the "with sparsity" figures are 2x these).
+H200_BF16_DENSE_FLOPS = 989e12  # H200 SXM (and H100 SXM: same tensor cores and clocks)
+DATASHEET_BF16_FLOPS: dict[str, float] = {
+    "H200": H200_BF16_DENSE_FLOPS,
+    "H100 80GB HBM3": 989e12,  # H100 SXM5
+    "H100 PCIe": 756e12,
+    "A100": 312e12,
+}
+ENV_PEAK = "LINGBOT_PEAK_TFLOPS"
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepFlops:
+    """Forward FLOPs of one micro-batch by kind; :attr:`total` is forward + backward."""
+
+    linear: float  # parameter matmuls (blocks, embeddings, heads, time embedding)
+    self_attention: float
+    cross_attention: float
+    backward: bool = True
+
+    @property
+    def forward(self) -> float:
+        return self.linear + self.self_attention + self.cross_attention
+
+    @property
+    def total(self) -> float:
+        return self.forward * (3.0 if self.backward else 1.0)
+
+
+def _episodes(layout_or_counts, text_len, video_tokens, action_tokens, copies):
+    """(frames per episode, text tokens per episode, video tokens/frame, action tokens/frame, copies)."""
+    if isinstance(layout_or_counts, TokenLayout):
+        tl = layout_or_counts
+        frames = tl.frames.episode_frames.tolist()
+        nv, na, c = tl.video_tokens, tl.action_tokens, tl.copies
+        default_text = tl.text_len.tolist()
+    else:
+        if video_tokens is None:
+            raise ValueError("useful_flops needs video_tokens= (tokens per latent frame) unless given a TokenLayout")
+        nv, na, c = video_tokens, action_tokens or 0, copies or 1
+        if isinstance(layout_or_counts, SequenceLayout):
+            frames, default_text = layout_or_counts.episode_frames.tolist(), layout_or_counts.text_len.tolist()
+        else:
+            frames, default_text = [int(f) for f in layout_or_counts], [0] * len(layout_or_counts)
+    if text_len is None:
+        texts = [int(t) for t in default_text]
+    elif isinstance(text_len, int):
+        texts = [text_len] * len(frames)
+    else:
+        texts = [int(t) for t in text_len]
+    if len(texts) != len(frames):
+        raise ValueError(f"text_len has {len(texts)} entries for {len(frames)} episodes")
+    return frames, texts, nv, na, c
+
+
+def flops_breakdown(
+    config: WanVAConfig,
+    layout_or_counts: TokenLayout | SequenceLayout | Sequence[int],
+    text_len: int | Sequence[int] | None = None,
+    *,
+    video_tokens: int | None = None,
+    action_tokens: int = 0,
+    copies: int = 1,
+    backward: bool = True,
+) -> StepFlops:
+    """Useful forward FLOPs of one micro-batch of a :class:`WanVA` with ``config``, by kind.
+
+    ``layout_or_counts``: a :class:`TokenLayout` (token counts and copies from it), or a
+    :class:`SequenceLayout` / a list of latent frames per episode together with ``video_tokens``
+    (and ``action_tokens``) per latent frame and ``copies`` (2 with teacher forcing).
+    ``text_len``: valid text tokens per episode (an int for all); default the layout's, or none.
+    """
+    frames, texts, nv, na, c = _episodes(layout_or_counts, text_len, video_tokens, action_tokens, copies)
+    D, Fd, Ly = config.dim, config.ffn_dim, config.num_layers
+    Ca = config.action_channels if na else 0
+    S = 2 if na else 1  # timestep streams per unit
+    per_token_block = 4 * 2 * D * D + 2 * D * Fd * 2  # self q, k, v, o + FFN
+    linear = self_attn = cross_attn = 0.0
+    for f, t in zip(frames, texts):
+        video, action = f * nv * c, f * na * c
+        n = video + action
+        per_token = per_token_block + (2 * 2 * D * D if t else 0)  # cross-attention q, o
+        linear += Ly * n * per_token
+        linear += video * 2 * config.in_channels * config.patch_volume * D + action * 2 * Ca * D
+        linear += f * c * S * (2 * config.freq_dim * D + 2 * D * D + 2 * D * 6 * D)  # timestep MLP, modulation
+        linear += f * nv * 2 * D * config.out_dim * config.patch_volume + f * na * 2 * D * Ca  # heads: noisy copy
+        linear += t * (Ly * 2 * 2 * D * D + 2 * config.text_dim * D + 2 * D * D)  # cross k, v; text MLP
+        self_attn += Ly * n * n * 4 * D  # 4 · head_dim · heads per pair
+        cross_attn += Ly * n * t * 4 * D
+    return StepFlops(linear=float(linear), self_attention=float(self_attn), cross_attention=float(cross_attn),
+                     backward=backward)
+
+
+def useful_flops(
+    config: WanVAConfig,
+    layout_or_counts: TokenLayout | SequenceLayout | Sequence[int],
+    text_len: int | Sequence[int] | None = None,
+    **kw,
+) -> float:
+    """Useful forward + backward FLOPs of one micro-batch (see :func:`flops_breakdown` for the arguments;
+    ``backward=False`` gives the forward alone)."""
+    return flops_breakdown(config, layout_or_counts, text_len, **kw).total
+
+
+def peak_flops(device: torch.device | str | None = None) -> float | None:
+    """Dense bf16 peak FLOP/s of ``device``: ``LINGBOT_PEAK_TFLOPS`` if set, else the datasheet value
+    for a known GPU; ``None`` on CPU or an unknown GPU (no MFU then)."""
+    text = os.environ.get(ENV_PEAK, "").strip()
+    if text:
+        try:
+            value = float(text)
+        except ValueError:
+            value = -1.0
+        if not value > 0:
+            raise ValueError(f"{ENV_PEAK} must be a positive number of TFLOP/s, got {text!r}")
+        return value * 1e12
+    device = torch.device(device) if device is not None else None
+    if device is None or device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in DATASHEET_BF16_FLOPS.items() if k in name), None)
