@@ -155,13 +155,16 @@ class CheckpointConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class RuntimeConfig:
-    out_dir: str = "out/run"  # run folder: checkpoints/, metrics.jsonl, config.json, profile/
+    out_dir: str = "out/run"  # run folder: checkpoints/, metrics.jsonl, config.json, tb/, profile/
     device: str = "auto"  # auto: cuda:LOCAL_RANK when available, else cpu
     dtype: str = "float32"  # bfloat16: FSDP mixed precision (params bf16, reduce fp32) or autocast
     activation_checkpointing: bool = False
     seed: int = 0
     log_every: int = 1
     progress: bool = True
+    tensorboard: bool = True  # event files under RUN/tb/ (flexpack.training.tracking)
+    wandb: bool = False  # also log to Weights & Biases (needs the wandb package; WANDB_MODE=offline works)
+    wandb_project: str = "flexpack"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

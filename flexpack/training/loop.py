@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
-from flexpack.training import checkpoint
+from flexpack.training import checkpoint, tracking
 from flexpack.training.build import build_data, build_model, model_kwargs, noise_seeds
 from flexpack.packing.collate import Batch
 from flexpack.training.config import ScheduleConfig, TrainConfig, load_config, save_config
@@ -121,6 +121,8 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> TrainResult:
     """Train ``cfg.schedule.steps`` optimizer steps (resuming from the run folder's newest checkpoint);
     ``stop_after`` ends early after that step, with a checkpoint, as an interruption would."""
     rank, size = world()
+    if rank == 0:
+        tracking.check(cfg)  # a missing logger package fails before any data or model work
     device = _device(cfg.runtime.device)
     data = build_data(cfg, rank, size)
     param_dtype = torch.bfloat16 if cfg.runtime.dtype == "bfloat16" else None
@@ -149,8 +151,9 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> TrainResult:
     sampler_state, step, tpf = data.sampler.state_dict(), start, data.tokens_per_frame
     bar = tqdm(total=cfg.schedule.steps, initial=start, desc="train", unit="step",
                disable=rank != 0 or not cfg.runtime.progress)
-    with StepProfiler.for_training(cfg, rank, steps_left=end - step, first_step=step, tokens_per_frame=tpf,
-                                   device=device) as prof:
+    with (StepProfiler.for_training(cfg, rank, steps_left=end - step, first_step=step, tokens_per_frame=tpf,
+                                    device=device) as prof,
+          tracking.MetricSinks(run, cfg, rank=rank, start_step=start) as sinks):
         while step < end:
             prof.step()
             lr = lr_at(step, o.lr, cfg.schedule, resumed_at)
@@ -177,6 +180,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> TrainResult:
                 rec = _log(run, rank, step, lr, sums, norm, batches, tpf, time.perf_counter() - t0)
                 result.losses.append(rec["loss"])
                 result.metrics.append(rec)
+                sinks.log(rec)
                 bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{lr:.2e}", tok_s=f"{rec['tokens_per_s']:.0f}")
     bar.close()
     result.step = step
@@ -227,4 +231,5 @@ def run(args: argparse.Namespace) -> int:
         last = result.metrics[-1] if result.metrics else {}
         print(f"trained steps {result.start_step} -> {result.step}; loss {last.get('loss', float('nan')):.4f}; "
               f"checkpoint {result.checkpoint}")
+        print(tracking.outputs(cfg.runtime.out_dir, result.checkpoint, cfg))
     return 0
