@@ -21,6 +21,8 @@ LOSSES = ("loss", "latent_loss", "action_loss", "val_loss", "val_latent_loss", "
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     """The records of a run folder's (or a file's) ``metrics.jsonl``; a torn last line (a killed run) is skipped."""
     path = Path(path)
+    if not path.exists():
+        raise ValueError(f"{path} does not exist")
     file = path / "metrics.jsonl" if path.is_dir() else path
     if not file.is_file():
         raise ValueError(f"{file} does not exist (is {path} a run folder of `flexpack train`?)")
@@ -66,7 +68,6 @@ def plot_metrics(run: str | os.PathLike, out: str | os.PathLike | None = None) -
     if all(v > 0 for key in LOSSES for v in _series(records, key)[1]):
         ax_loss.set_yscale("log")
     ax_loss.set_ylabel("loss")
-    ax_loss.legend(loc="upper right", fontsize=8)
     x, y = _series(records, "tokens_per_s")
     ax_tok.plot(x, y, color="tab:green", label="tokens/s (valid)")
     ax_tok.set_ylabel("tokens / s")
@@ -75,7 +76,9 @@ def plot_metrics(run: str | os.PathLike, out: str | os.PathLike | None = None) -
         twin = ax_tok.twinx()
         twin.plot(x, [100 * v for v in y], color="tab:purple", label="MFU %")
         twin.set_ylabel("MFU %")
-    ax_tok.legend(loc="upper left", fontsize=8)
+    for ax in (ax_loss, ax_tok):
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(loc="upper right", fontsize=8)
     for key, color, ax in (("lr", "tab:blue", ax_lr), ("grad_norm", "tab:red", ax_lr.twinx())):
         x, y = _series(records, key)
         ax.plot(x, y, color=color, label=key)
