@@ -183,6 +183,8 @@ def _cuda_window():
     cpu = [step, fwd, mm, add, attn, flex, bm, sort, node, inner, rs, opt, adam, fe]
     device = [_ev(k.name, 0, k.duration, device=DeviceType.CUDA) for e in cpu for k in e.kernels if k.name != e.name]
     device.append(_ev("triton_poi_fused_mul_0", 950, 960, device=DeviceType.CUDA))  # replayed graph: no launching op
+    device.append(_ev("triton_tem_fused_2", 960, 970, device=DeviceType.CUDA))  # a template that is no matmul
+    device.append(_ev("triton_tem_fused_addmm_3", 970, 980, device=DeviceType.CUDA))
     device.append(_ev("forward", 10, 400, device=DeviceType.CUDA, annotation=True))  # GPU-side range mirror
     return cpu + device
 
@@ -199,9 +201,11 @@ def test_cuda_kernels_are_classified_by_name_launching_op_and_forward_link():
         "ncclDevKernel_ReduceScatter_Sum_f32_RING_LL": "communication",
         "void at::native::multi_tensor_apply_kernel<...>": "optimizer",
         "triton_poi_fused_mul_0": "elementwise",  # unattributed: by name
+        "triton_tem_fused_2": "attention",
+        "triton_tem_fused_addmm_3": "gemm",
     }
     seconds = ps.categories(units)
-    assert seconds == pytest.approx({"attention": 900e-6, "gemm": 100e-6, "elementwise": 30e-6,
+    assert seconds == pytest.approx({"attention": 910e-6, "gemm": 110e-6, "elementwise": 30e-6,
                                      "communication": 50e-6, "optimizer": 40e-6, "other": 5e-6})
     assert sum(ps.shares(seconds).values()) == pytest.approx(1.0)
 
@@ -215,6 +219,18 @@ def test_cuda_summary_mfu_from_useful_flops_over_the_peak(monkeypatch):
     assert s["time_base"] == "cuda kernels" and s["profiled_steps"] == [13]
     assert s["mfu"] == pytest.approx(5e13 / (2.0 * 100e12)) and s["peak_flops"] == 100e12
     assert s["tokens_per_s"] == pytest.approx(500.0) and s["valid_tokens_per_s"] == pytest.approx(400.0)
-    assert s["categories"]["attention"] == pytest.approx(900 / 1125)
+    assert s["categories"]["attention"] == pytest.approx(910 / 1145)
     assert s["kernels"][0] == {"name": "triton_tem_fused_1", "category": "attention", "calls": 1, "ms": 0.6,
-                               "share": pytest.approx(600 / 1125)}
+                               "share": pytest.approx(600 / 1145)}
+
+
+def test_profile_step_benchmark_smoke(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "profile_step.py"), "--smoke", "--out", str(tmp_path / "ps")],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "| attention | gemm | elementwise | communication | optimizer | other | MFU |" in out.stdout
+    result = json.loads((tmp_path / "ps" / "profile_step.json").read_text())
+    assert result["summary"]["profiled_steps"] == [3, 4] and result["summary"]["time_base"] == "cpu ops"
+    assert sum(result["summary"]["categories"].values()) == pytest.approx(1.0)
+    assert not (tmp_path / "ps" / "checkpoints").exists()

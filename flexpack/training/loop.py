@@ -32,7 +32,7 @@ from torch import nn
 from tqdm import tqdm
 
 from flexpack.training import checkpoint, tracking
-from flexpack.training.build import build_data, build_model, model_kwargs, noise_seeds
+from flexpack.training.build import Data, build_data, build_model, model_kwargs, noise_seeds
 from flexpack.packing.collate import Batch
 from flexpack.training.config import ScheduleConfig, TrainConfig, load_config, save_config
 from flexpack.training.noise import episode_flow_sample
@@ -117,14 +117,15 @@ class TrainResult:
     model: nn.Module | None = None  # the trained model (FSDP-sharded under torchrun)
 
 
-def train(cfg: TrainConfig, *, stop_after: int | None = None) -> TrainResult:
+def train(cfg: TrainConfig, *, stop_after: int | None = None, data: Data | None = None) -> TrainResult:
     """Train ``cfg.schedule.steps`` optimizer steps (resuming from the run folder's newest checkpoint);
-    ``stop_after`` ends early after that step, with a checkpoint, as an interruption would."""
+    ``stop_after`` ends early after that step, with a checkpoint, as an interruption would; ``data``
+    replaces what ``cfg.data`` describes (in-memory episodes, e.g. ``benchmarks/profile_step.py``)."""
     rank, size = world()
     if rank == 0:
         tracking.check(cfg)  # a missing logger package fails before any data or model work
     device = _device(cfg.runtime.device)
-    data = build_data(cfg, rank, size)
+    data = build_data(cfg, rank, size) if data is None else data
     param_dtype = torch.bfloat16 if cfg.runtime.dtype == "bfloat16" else None
     with device:  # built where it runs: no full fp32 copy of a 5B model in host memory per rank
         model = build_model(cfg)

@@ -35,6 +35,9 @@ RANGES = ("data", "forward", "backward", "optimizer", "block_mask", "attention")
 
 _COMM = re.compile(r"nccl|gloo|c10d::|all_?reduce|all_?gather|reduce_?scatter|record_param_comms|all_?to_?all", re.I)
 _ATTN = re.compile(r"attention|flash|fmha|sdpa|flex_attn", re.I)
+# inductor's Triton templates are matmuls (named after them) or FlexAttention: a template that is
+# no matmul is attention even where the name says nothing more (blocks compiled whole, no ranges)
+_ATTN_TEMPLATE = re.compile(r"triton_tem_(?!.*(mm|conv))")
 _GEMM_KERNEL = re.compile(r"gemm|nvjet|xmma|cublas|cutlass|wgmma|triton_tem_fused_(mm|addmm|bmm)", re.I)
 _GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm", "aten::matmul", "aten::linear",
              "aten::_scaled_mm", "aten::mv", "aten::addmv", "aten::dot"}
@@ -64,7 +67,8 @@ class Unit:
 def classify(unit: Unit) -> str:
     names = unit.chain + unit.forward_chain
     kernel = unit.name if unit.kernel else ""
-    leaf = unit.chain[0] if unit.chain else ""
+    # the launching op, past CUDA runtime calls should kineto link a kernel to one
+    leaf = next((n for n in unit.chain if not n.startswith(("cuda", "cu", "hip"))), "")
     if unit.forward_chain and ("Backward" in leaf or leaf.startswith(_BACKWARD_NODE)):
         leaf = unit.forward_chain[0]  # an autograd node's own time: the kind of the op it differentiates
     if (kernel and _COMM.search(kernel)) or any(_COMM.search(n) for n in unit.chain):
@@ -73,7 +77,7 @@ def classify(unit: Unit) -> str:
         return "optimizer"
     if any(n in ("data", "block_mask") for n in names):
         return "other"
-    if any(_ATTN.search(n) for n in names) or (kernel and _ATTN.search(kernel)):
+    if any(_ATTN.search(n) for n in names) or (kernel and (_ATTN.search(kernel) or _ATTN_TEMPLATE.match(kernel))):
         return "attention"
     if (kernel and _GEMM_KERNEL.search(kernel)) or leaf in _GEMM_OPS:
         return "gemm"
