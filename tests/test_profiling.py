@@ -234,3 +234,24 @@ def test_profile_step_benchmark_smoke(tmp_path):
     assert result["summary"]["profiled_steps"] == [3, 4] and result["summary"]["time_base"] == "cpu ops"
     assert sum(result["summary"]["categories"].values()) == pytest.approx(1.0)
     assert not (tmp_path / "ps" / "checkpoints").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.usefixtures("one_thread")
+def test_profile_on_cuda_counts_kernel_time_and_mfu(dataset, tmp_path, monkeypatch):
+    monkeypatch.setenv("LINGBOT_PROFILE", "2")
+    monkeypatch.setenv("LINGBOT_PROFILE_WARMUP", "1")
+    monkeypatch.setenv("LINGBOT_PEAK_TFLOPS", "100")  # an MFU on any GPU
+    _train(dataset, tmp_path / "run", "schedule.steps=4", "runtime.device='auto'", "optim.accum_steps=1",
+           "model.overrides={in_channels=48, text_dim=64, action_channels=6, attn_backend='auto'}")
+    prof = tmp_path / "run" / "profile"
+    s = json.loads((prof / "summary_rank0.json").read_text())
+    assert s["time_base"] == "cuda kernels" and s["profiled_steps"] == [3, 4]
+    assert sum(s["categories"].values()) == pytest.approx(1.0)
+    for cat in ("attention", "gemm", "elementwise", "optimizer"):
+        assert s["categories"][cat] > 0, (cat, s["categories"], s["kernels"])
+    assert 0 < s["mfu"] < 1 and s["peak_flops"] == 100e12
+    assert s["kernels"] and not any(k["name"].startswith("aten::") for k in s["kernels"])  # kernels, not ops
+    for x in map(json.loads, (prof / "steps_rank0.jsonl").read_text().splitlines()):
+        assert x["fwd_s"] > 0 and x["bwd_s"] > 0 and x["peak_mem_bytes"] > 0
