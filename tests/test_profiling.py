@@ -145,6 +145,18 @@ def test_profiler_off_writes_nothing_and_hooks_are_noops(tmp_path, monkeypatch):
     assert not p.enabled and p.written == [] and not (tmp_path / "profile").exists()
 
 
+def test_an_error_inside_the_window_is_the_error_seen(tmp_path):
+    with pytest.raises(RuntimeError, match="boom"):
+        with StepProfiler(tmp_path, steps=1, warmup=0, steps_left=4) as p:
+            for _ in range(3):
+                p.step()
+                p.phase("forward", SimpleNamespace(layout=SimpleNamespace(frame_doc=torch.zeros(1, 4),
+                                                                          episode_frames=torch.tensor([3]))))
+            raise RuntimeError("boom")
+    s = json.loads((tmp_path / "profile" / "summary_rank0.json").read_text())  # step 2 was profiled before it
+    assert s["profiled_steps"] == [2]
+
+
 # ---------------------------------------------------------------------------- CUDA events, synthetic
 def _ev(name, start, end, *, parent=None, device=DeviceType.CPU, seq=-1, thread=1, fwd_thread=None, annotation=False):
     e = FunctionEvent(id=0, name=name, thread=thread, start_us=start, end_us=end, fwd_thread=fwd_thread,

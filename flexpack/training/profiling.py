@@ -175,10 +175,14 @@ class StepProfiler:
     def __exit__(self, *exc) -> None:
         if self._prof is not None:
             self.phase(None)
-            if 0 < self._calls <= self.timed:  # the run ended inside the window: close its last step
-                self._end_step()
-            self._prof.__exit__(*exc)
-            self._prof = None
+            prof, self._prof = self._prof, None
+            try:
+                if 0 < self._calls <= self.timed:  # the run ended inside the window: close its last step
+                    self._end_step()
+                prof.__exit__(*exc)  # writes the window's files if it was recording
+            except Exception:
+                if exc[0] is None:
+                    raise  # else the run's own error is the one to see
 
     def _print_note(self) -> None:
         if self.note and self.rank == 0:
