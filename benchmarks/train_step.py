@@ -6,8 +6,9 @@ collate, per-episode device noise) is timed on 65,536-token packs, against diffu
 ``WanTransformer3DModel`` of the same shape trained one episode per step (eager and
 ``torch.compile(dynamic=True)``) on the same episodes, and against flexpack's pad mode. Latents
 are synthetic (no lerobot), text is 512 tokens per episode, no actions; fp32 weights with bf16
-autocast everywhere. MFU counts useful FLOPs only (``flexpack.training.flops``) against an
-8192³ bf16 matmul measured in the same run.
+autocast everywhere. MFU counts useful FLOPs only (``flexpack.training.flops``: attention on
+unmasked pairs, forward + backward 3× the forward, no recompute) against an 8192³ bf16 matmul
+measured in the same run.
 
     python benchmarks/train_step.py --out $OUT/train_step_h200.json                # both sets, all variants
     python benchmarks/train_step.py --sets short --variants pack-compiled,diffusers-compiled
@@ -38,7 +39,7 @@ from flexpack.packing.lengths import read_frames_file  # noqa: E402
 from flexpack.packing.sampler import LengthBucketBatchSampler, TokenBudgetBatchSampler  # noqa: E402
 from flexpack.training.build import _Collate, build_model, run_text_slots  # noqa: E402
 from flexpack.training.config import from_dict, TrainConfig  # noqa: E402
-from flexpack.training.flops import batch_flops, episode_flops, measured_bf16_peak  # noqa: E402
+from flexpack.training.flops import measured_bf16_peak, useful_flops  # noqa: E402
 from flexpack.training.parallel import compiled_graphs, parallelize  # noqa: E402
 from flexpack.training.step import make_optimizer, train_step  # noqa: E402
 
@@ -140,7 +141,7 @@ def run_flexpack(args, name: str, lengths: list[int], batches: list[list[int]], 
                                                     device=device, extra_model_kwargs=extra)[0], len(timed), device)
     losses = [float(x[0]) for x in sums]
     tokens = [int(b.layout.episode_frames.sum()) * tpf for b in timed]
-    flops = [batch_flops(m, b.layout, tpf, items.L) for b in timed]
+    flops = [useful_flops(m, b.layout, video_tokens=tpf) for b in timed]
     out = _medians(times, host, tokens, flops, peak)
     out.update(peak_mem_gb=_peak_gb(device), recompiles_after_warmup=compiled_graphs() - graphs_after_warmup,
                losses=losses, finite=all(np.isfinite(losses)), computed_tokens_per_step=made[0].layout.frame_doc.numel() * tpf)
@@ -235,7 +236,7 @@ def run_diffusers(args, lengths: list[int], batches: list[list[int]], items: Ite
     times, losses = _event_times(lambda k: [step(i) for i in timed[k]], len(timed), device)
     losses = [float(x) for group in losses for x in group]
     tokens = [sum(lengths[i] for i in b) * tpf for b in timed]
-    flops = [episode_flops(cfg, [lengths[i] * tpf for i in b], [items.L] * len(b)) for b in timed]
+    flops = [useful_flops(cfg, [lengths[i] for i in b], items.L, video_tokens=tpf) for b in timed]
     out = _medians(times, host, tokens, flops, peak)
     out.update(peak_mem_gb=_peak_gb(device), finite=all(np.isfinite(losses)), episodes=sum(len(b) for b in timed),
                recompiles_after_warmup=_dynamo_graphs() - graphs0, compile=compile_ or "eager")

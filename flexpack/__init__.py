@@ -4,7 +4,7 @@ Three wings, each importing only downwards:
 
     packing/    samplers, bin packing, collates, the sequence layout, waste stats (every user)
     attention/  mask_mods, block masks, ``FlexAttnFunc`` (any model; needs only the layout types)
-    training/   config, build, train loop, objective, noise, parallelism, checkpoints, profiling, verify
+    training/   config, build, train loop, objective, noise, parallelism, checkpoints, profiling, metrics, verify
 
 beside ``data/`` (LeRobot datasets, latent and text caches, encoders) and ``models/`` (the Wan
 DiT). ``flexpack.atomic``, ``flexpack.errors`` and the command line stay at the top. The names users write most are

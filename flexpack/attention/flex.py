@@ -31,6 +31,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.profiler import record_function
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from flexpack.attention.blockmask import BlockMaskBuilder, compile_fresh
@@ -114,7 +115,8 @@ class PreparedMask:
 
     def block_mask(self) -> BlockMask:
         if "block" not in self._cache:
-            self._cache["block"] = self.builder(self.mask_mod, self.q_len, self.kv_len, max_segments=self.segment_bounds())
+            with record_function("block_mask"):  # a named range in profiles (mask builds are overhead)
+                self._cache["block"] = self.builder(self.mask_mod, self.q_len, self.kv_len, max_segments=self.segment_bounds())
         return self._cache["block"]
 
     def segment_bounds(self) -> tuple[int, int]:
@@ -132,9 +134,10 @@ class PreparedMask:
     def dense(self) -> tuple[Tensor, Tensor]:
         """(Tq, Tk) bool mask with empty rows opened (to keep SDPA finite) and (Tq,) row-has-keys."""
         if "dense" not in self._cache:
-            m = dense_mask(self.mask_mod, self.q_len, self.kv_len, self.device)
-            has = m.any(-1)
-            self._cache["dense"] = (m | ~has[:, None], has)
+            with record_function("block_mask"):
+                m = dense_mask(self.mask_mod, self.q_len, self.kv_len, self.device)
+                has = m.any(-1)
+                self._cache["dense"] = (m | ~has[:, None], has)
         return self._cache["dense"]
 
     def runs(self) -> list[tuple[int, int]]:
@@ -259,6 +262,13 @@ class FlexAttnFunc:
         mask: str = "document",
         **mask_kw,
     ) -> Tensor:
+        # a named range: profiles (flexpack.training.profile_summary) count what runs inside it,
+        # and the backward of what it created, as attention
+        with record_function("attention"):
+            return self._call(q, k, v, layout_or_prepared, mask, **mask_kw)
+
+    def _call(self, q: Tensor, k: Tensor, v: Tensor, layout_or_prepared: TokenLayout | PreparedMask, mask: str,
+              **mask_kw) -> Tensor:
         prep = layout_or_prepared
         if isinstance(prep, SequenceLayout):
             prep = _frames_to_tokens(prep, q.shape[2] if q.dim() == 4 else -1, mask)
@@ -322,10 +332,13 @@ class BoundAttention:
     block_mask: BlockMask | None = None  # flex backends: built at bind time, a plain input of the traced call
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        if self.block_mask is not None and torch.compiler.is_compiling():
-            opts = {"BACKEND": "FLASH"} if self.backend == "flex-flash" else None
-            return flex_attention(q, k, v, block_mask=self.block_mask, kernel_options=opts)
-        return _run(self.backend, q, k, v, self.prep)
+        if torch.compiler.is_compiling():  # traced into a compiled block's graph
+            if self.block_mask is not None:
+                opts = {"BACKEND": "FLASH"} if self.backend == "flex-flash" else None
+                return flex_attention(q, k, v, block_mask=self.block_mask, kernel_options=opts)
+            return _run(self.backend, q, k, v, self.prep)
+        with record_function("attention"):  # a named range in profiles
+            return _run(self.backend, q, k, v, self.prep)
 
 
 def _run(backend: str, q: Tensor, k: Tensor, v: Tensor, prep: PreparedMask) -> Tensor:

@@ -1,1 +1,1 @@
-"""The training harness around the model: config, build, train loop, objective, noise, parallelism, checkpoints, profiling, verify; may import every other wing."""
+"""The training harness around the model: config, build, train loop, objective, noise, parallelism, checkpoints, profiling (useful FLOPs, time categories), metrics to TensorBoard/W&B and plots, verify; may import every other wing."""

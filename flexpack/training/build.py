@@ -44,7 +44,6 @@ class Data:
     sampler: Any
     collate: Any
     tokens_per_frame: int
-    text_tokens: int = 0  # text tokens per episode (the text cache's padded length)
     text_slots: int | None = None  # text key slots for the whole run (one compiled shape per pack)
 
 
@@ -79,8 +78,7 @@ def build_data(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> Data:
         sampler = LengthBucketBatchSampler(ds.lengths(), d.batch_size, pool_factor=d.pool_factor,
                                            pad_multiple=d.pad_multiple, tokens_per_frame=tpf, **common)
         collate = PadCollate(d.pad_multiple)
-    return Data(ds, sampler, _Collate(collate, actions=m.action_channels > 0), tpf,
-                text_tokens=int(item["text"].shape[0]), text_slots=run_text_slots(sampler))
+    return Data(ds, sampler, _Collate(collate, actions=m.action_channels > 0), tpf, text_slots=run_text_slots(sampler))
 
 
 def run_text_slots(sampler: Any) -> int:

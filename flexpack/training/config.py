@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import json
-import math
 import os
 import re
 import tomllib
@@ -175,7 +174,7 @@ class CheckpointConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class RuntimeConfig:
-    out_dir: str = "out/run"  # run folder: checkpoints/, metrics.jsonl, config.json, profile/
+    out_dir: str = "out/run"  # run folder: checkpoints/, metrics.jsonl, config.json, tb/, profile/
     device: str = "auto"  # auto: cuda:LOCAL_RANK when available, else cpu
     dtype: str = "float32"  # bfloat16: FSDP mixed precision (params bf16, reduce fp32) or autocast
     activation_checkpointing: bool | int = False  # true: every block; n: the first n blocks
@@ -184,6 +183,9 @@ class RuntimeConfig:
     seed: int = 0
     log_every: int = 1
     progress: bool = True
+    tensorboard: bool = True  # event files under RUN/tb/ (flexpack.training.tracking)
+    wandb: bool = False  # also log to Weights & Biases (needs the wandb package; WANDB_MODE=offline works)
+    wandb_project: str = "flexpack"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -1,59 +1,178 @@
-"""Useful FLOPs of a training step and the GPU's bf16 peak, for MFU.
+"""Useful FLOPs of a WanVA step and the bf16 peak they are measured against (MFU).
 
-Counted as the benchmarks count them (``benchmarks/train_step.py``): every weight matrix on the
-tokens it acts on (2 FLOPs per multiply-add, ×3 for forward + backward), attention on unmasked
-(query, key) pairs only — per episode of ``n`` tokens ``n²`` self-attention pairs and ``n · L``
-text pairs, ``4 · dim`` FLOPs per pair forward (QKᵀ and PV over all heads) and 3.5× that for
-forward + backward (the backward recomputes the scores: 2.5× the forward). Padding, empty text
-slots and activation-checkpointing recompute are not useful work and are not counted.
+"Useful" counts only the work a step needs for its valid tokens: every parameter matmul on the
+tokens it acts on (2·in·out per token), self-attention on the unmasked (query, key) pairs of a
+document mask (each episode of ``n`` tokens attends ``n²`` pairs, 4·head_dim·heads FLOPs per
+pair: QKᵀ and PV), text cross-attention on ``n · text_len`` pairs per episode. Padding tokens,
+padded text slots, norms, modulation and RoPE count nothing. Forward + backward is 3× the
+forward (the backward's two matmuls per forward matmul); recomputation in the backward
+(FlashAttention's, activation checkpointing) is not useful work and is not counted.
+
+Self-attention under a chunk-causal or teacher-forcing mask attends fewer pairs than ``n²``;
+the count here is the document mask's, so MFU for those masks is an upper bound.
+
+MFU = useful FLOPs / (seconds × peak). The peak is what an 8192³ bf16 matmul reaches on the GPU
+itself, measured once per process (:func:`measured_bf16_peak`; 755–795 TFLOP/s on the H200, where
+the datasheet's dense bf16 rate, :data:`DATASHEET_BF16_FLOPS`, is 989), overridable with
+``LINGBOT_PEAK_TFLOPS`` or ``runtime.peak_tflops``. ``benchmarks/train_step.py``, metrics.jsonl's
+``mfu`` and the profile summary all count this way.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-# Datasheet dense bf16 peak of Hopper SXM parts (H100 / H200): 989.5 TFLOP/s. A measured 8192³
-# bf16 matmul reaches ~770-800 on the H200; `measured_bf16_peak()` measures it on the spot.
-HOPPER_BF16_PEAK = 989.5e12
+from flexpack.models.wan_config import WanVAConfig
+from flexpack.packing.layout import SequenceLayout, TokenLayout
+
+# NVIDIA datasheets, dense bf16 tensor-core FLOP/s (the "with sparsity" figures are 2x these).
+H200_BF16_DENSE_FLOPS = 989e12  # H200 SXM (and H100 SXM: same tensor cores and clocks)
+DATASHEET_BF16_FLOPS: dict[str, float] = {
+    "H200": H200_BF16_DENSE_FLOPS,
+    "H100 80GB HBM3": 989e12,  # H100 SXM5
+    "H100 PCIe": 756e12,
+    "A100": 312e12,
+}
+ENV_PEAK = "LINGBOT_PEAK_TFLOPS"
 
 
-def episode_flops(cfg: Any, tokens: Sequence[int], text_tokens: Sequence[int], *, video_tokens: int | None = None) -> float:
-    """Useful fwd+bwd FLOPs of one micro-batch of a :class:`~flexpack.models.wan_config.WanVAConfig`
-    model: ``tokens[e]`` valid tokens and ``text_tokens[e]`` text tokens of each episode."""
-    D, Fd, Lyr = cfg.dim, cfg.ffn_dim, cfg.num_layers
-    n_tok = float(sum(tokens))
-    n_text = float(sum(text_tokens))
-    per_token = Lyr * (4 * D * D + 2 * D * D + 2 * D * Fd)  # self q,k,v,o; cross q,o; FFN
-    per_token += cfg.in_channels * cfg.patch_volume * D + D * cfg.out_dim * cfg.patch_volume  # patch embed, head
-    per_text = Lyr * 2 * D * D + cfg.text_dim * D + D * D  # cross k,v per layer; text MLP
-    matmul = 2.0 * (per_token * n_tok + per_text * n_text)
-    pairs = sum(float(n) * n for n in tokens)
-    text_pairs = sum(float(n) * L for n, L in zip(tokens, text_tokens))
-    attn_fwd = 4.0 * D * (pairs + text_pairs) * Lyr
-    return 3.0 * matmul + 3.5 * attn_fwd
+@dataclass(frozen=True, kw_only=True)
+class StepFlops:
+    """Forward FLOPs of one micro-batch by kind; :attr:`total` is forward + backward."""
+
+    linear: float  # parameter matmuls (blocks, embeddings, heads, time embedding)
+    self_attention: float
+    cross_attention: float
+    backward: bool = True
+
+    @property
+    def forward(self) -> float:
+        return self.linear + self.self_attention + self.cross_attention
+
+    @property
+    def total(self) -> float:
+        return self.forward * (3.0 if self.backward else 1.0)
 
 
-def batch_flops(cfg: Any, layout: Any, tokens_per_frame: int, text_tokens: int | Sequence[int]) -> float:
-    """:func:`episode_flops` of a micro-batch from its (host-side) ``SequenceLayout``."""
-    frames = [int(f) for f in layout.episode_frames.tolist()]
-    L = [int(text_tokens)] * len(frames) if isinstance(text_tokens, int) else [int(x) for x in text_tokens]
-    return episode_flops(cfg, [f * tokens_per_frame for f in frames], L)
+def _episodes(layout_or_counts, text_len, video_tokens, action_tokens, copies):
+    """(frames per episode, text tokens per episode, video tokens/frame, action tokens/frame, copies)."""
+    if isinstance(layout_or_counts, TokenLayout):
+        tl = layout_or_counts
+        frames = tl.frames.episode_frames.tolist()
+        nv, na, c = tl.video_tokens, tl.action_tokens, tl.copies
+        default_text = tl.text_len.tolist()
+    else:
+        if video_tokens is None:
+            raise ValueError("useful_flops needs video_tokens= (tokens per latent frame) unless given a TokenLayout")
+        nv, na, c = video_tokens, action_tokens or 0, copies or 1
+        if isinstance(layout_or_counts, SequenceLayout):
+            frames, default_text = layout_or_counts.episode_frames.tolist(), layout_or_counts.text_len.tolist()
+        else:
+            frames, default_text = [int(f) for f in layout_or_counts], [0] * len(layout_or_counts)
+    if text_len is None:
+        texts = [int(t) for t in default_text]
+    elif isinstance(text_len, int):
+        texts = [text_len] * len(frames)
+    else:
+        texts = [int(t) for t in text_len]
+    if len(texts) != len(frames):
+        raise ValueError(f"text_len has {len(texts)} entries for {len(frames)} episodes")
+    return frames, texts, nv, na, c
 
 
-def measured_bf16_peak(device: torch.device, n: int = 8192, reps: int = 10) -> float:
-    """FLOP/s of an ``n³`` bf16 matmul on ``device`` (median of ``reps`` after a warm-up)."""
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        a @ b
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return 2.0 * n**3 / sorted(times)[len(times) // 2]
+def flops_breakdown(
+    config: WanVAConfig,
+    layout_or_counts: TokenLayout | SequenceLayout | Sequence[int],
+    text_len: int | Sequence[int] | None = None,
+    *,
+    video_tokens: int | None = None,
+    action_tokens: int = 0,
+    copies: int = 1,
+    backward: bool = True,
+) -> StepFlops:
+    """Useful forward FLOPs of one micro-batch of a :class:`WanVA` with ``config``, by kind.
+
+    ``layout_or_counts``: a :class:`TokenLayout` (token counts and copies from it), or a
+    :class:`SequenceLayout` / a list of latent frames per episode together with ``video_tokens``
+    (and ``action_tokens``) per latent frame and ``copies`` (2 with teacher forcing).
+    ``text_len``: valid text tokens per episode (an int for all); default the layout's, or none.
+    """
+    frames, texts, nv, na, c = _episodes(layout_or_counts, text_len, video_tokens, action_tokens, copies)
+    D, Fd, Ly = config.dim, config.ffn_dim, config.num_layers
+    Ca = config.action_channels if na else 0
+    S = 2 if na else 1  # timestep streams per unit
+    per_token_block = 4 * 2 * D * D + 2 * D * Fd * 2  # self q, k, v, o + FFN
+    linear = self_attn = cross_attn = 0.0
+    for f, t in zip(frames, texts):
+        video, action = f * nv * c, f * na * c
+        n = video + action
+        per_token = per_token_block + (2 * 2 * D * D if t else 0)  # cross-attention q, o
+        linear += Ly * n * per_token
+        linear += video * 2 * config.in_channels * config.patch_volume * D + action * 2 * Ca * D
+        linear += f * c * S * (2 * config.freq_dim * D + 2 * D * D + 2 * D * 6 * D)  # timestep MLP, modulation
+        linear += f * nv * 2 * D * config.out_dim * config.patch_volume + f * na * 2 * D * Ca  # heads: noisy copy
+        linear += t * (Ly * 2 * 2 * D * D + 2 * config.text_dim * D + 2 * D * D)  # cross k, v; text MLP
+        self_attn += Ly * n * n * 4 * D  # 4 · head_dim · heads per pair
+        cross_attn += Ly * n * t * 4 * D
+    return StepFlops(linear=float(linear), self_attention=float(self_attn), cross_attention=float(cross_attn),
+                     backward=backward)
+
+
+def useful_flops(
+    config: WanVAConfig,
+    layout_or_counts: TokenLayout | SequenceLayout | Sequence[int],
+    text_len: int | Sequence[int] | None = None,
+    **kw,
+) -> float:
+    """Useful forward + backward FLOPs of one micro-batch (see :func:`flops_breakdown` for the arguments;
+    ``backward=False`` gives the forward alone)."""
+    return flops_breakdown(config, layout_or_counts, text_len, **kw).total
+
+
+_MEASURED: dict[str, float] = {}
+
+
+def measured_bf16_peak(device: torch.device | str, n: int = 8192, reps: int = 10) -> float:
+    """FLOP/s of an ``n³`` bf16 matmul on a CUDA ``device`` (median of ``reps`` after a warm-up),
+    measured once per process and device."""
+    device = torch.device(device)
+    key = f"{device}:{n}"
+    if key not in _MEASURED:
+        a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+        b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+        for _ in range(3):
+            a @ b
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            a @ b
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        _MEASURED[key] = 2.0 * n**3 / sorted(times)[len(times) // 2]
+    return _MEASURED[key]
+
+
+def peak_flops(device: torch.device | str | None = None, tflops: float | None = None) -> float | None:
+    """Dense bf16 peak FLOP/s of ``device``: ``tflops`` (``runtime.peak_tflops``) or
+    ``LINGBOT_PEAK_TFLOPS`` if set, else :func:`measured_bf16_peak` on CUDA; ``None`` on CPU (no MFU)."""
+    if tflops:
+        return float(tflops) * 1e12
+    text = os.environ.get(ENV_PEAK, "").strip()
+    if text:
+        try:
+            value = float(text)
+        except ValueError:
+            value = -1.0
+        if not value > 0:
+            raise ValueError(f"{ENV_PEAK} must be a positive number of TFLOP/s, got {text!r}")
+        return value * 1e12
+    device = torch.device(device) if device is not None else None
+    if device is None or device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return measured_bf16_peak(device)

@@ -29,10 +29,10 @@ import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
-from flexpack.training.checks import positive_int, preflight
 from flexpack.packing.collate import Batch
-from flexpack.training import checkpoint
-from flexpack.training.build import build_data, build_model
+from flexpack.training import checkpoint, tracking
+from flexpack.training.build import Data, build_data, build_model
+from flexpack.training.checks import positive_int, preflight
 from flexpack.training.config import ScheduleConfig, TrainConfig, load_config, save_config
 from flexpack.training.metrics import StepMeter
 from flexpack.training.parallel import parallelize, world
@@ -84,12 +84,15 @@ class TrainResult:
     model: nn.Module | None = None  # the trained model (FSDP-sharded under torchrun)
 
 
-def train(cfg: TrainConfig, *, stop_after: int | None = None) -> TrainResult:
+def train(cfg: TrainConfig, *, stop_after: int | None = None, data: Data | None = None) -> TrainResult:
     """Train ``cfg.schedule.steps`` optimizer steps (resuming from the run folder's newest checkpoint);
-    ``stop_after`` ends early after that step, with a checkpoint, as an interruption would."""
+    ``stop_after`` ends early after that step, with a checkpoint, as an interruption would; ``data``
+    replaces what ``cfg.data`` describes (in-memory episodes, e.g. ``benchmarks/profile_step.py``)."""
     rank, size = world()
+    if rank == 0:
+        tracking.check(cfg)  # a missing logger package fails before any data or model work
     device = preflight(cfg, stop_after)  # device, run folder, finite numbers: before data and model
-    data = build_data(cfg, rank, size)
+    data = build_data(cfg, rank, size) if data is None else data
     param_dtype = torch.bfloat16 if cfg.runtime.dtype == "bfloat16" else None
     with device:  # built where it runs: no full fp32 copy of a 5B model in host memory per rank
         model = build_model(cfg)
@@ -116,22 +119,26 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> TrainResult:
     sampler_state, step, tpf = data.sampler.state_dict(), start, data.tokens_per_frame
     bar = tqdm(total=cfg.schedule.steps, initial=start, desc="train", unit="step",
                disable=rank != 0 or not cfg.runtime.progress)
-    meter = StepMeter(cfg, device, tpf, text_tokens=data.text_tokens)
+    meter = StepMeter(cfg, device, tpf)
     extra = {"text_slots": data.text_slots}
-    with StepProfiler(run, rank) as prof:
+    with (StepProfiler.for_training(cfg, rank, steps_left=end - step, first_step=step, tokens_per_frame=tpf,
+                                    device=device) as prof,
+          tracking.MetricSinks(run, cfg, rank=rank, start_step=start) as sinks):
         while step < end:
+            prof.step()
             lr = lr_at(step, o.lr, cfg.schedule, resumed_at)
             for group in opt.param_groups:
                 group["lr"] = lr
             if step > start and cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
                 result.checkpoint = checkpoint.save(ckpt_root, step, model, opt, sampler_state=sampler_state,
                                                     keep=cfg.checkpoint.keep)
+            prof.phase("data")
             micro = [next(stream) for _ in range(o.accum_steps)]
             batches, sampler_state = [b for b, _ in micro], micro[-1][1]
-            sums, norm = train_step(model, opt, batches, cfg, step=step, device=device, extra_model_kwargs=extra)
+            sums, norm = train_step(model, opt, batches, cfg, step=step, device=device, extra_model_kwargs=extra,
+                                    prof=prof)
             meter.add(batches)
             step += 1
-            prof.step()
             bar.update(1)
             result.lrs.append(lr)
             result.episodes += [b.layout.episode_index.tolist() for b in batches]
@@ -139,6 +146,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> TrainResult:
                 rec = _log(run, rank, step, lr, sums, norm, batches, tpf, meter)
                 result.losses.append(rec["loss"])
                 result.metrics.append(rec)
+                sinks.log(rec)
                 bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{lr:.2e}", tok_s=f"{rec['tokens_per_s']:.0f}")
     bar.close()
     result.step = step
@@ -190,4 +198,5 @@ def run(args: argparse.Namespace) -> int:
         last = result.metrics[-1] if result.metrics else {}
         print(f"trained steps {result.start_step} -> {result.step}; loss {last.get('loss', float('nan')):.4f}; "
               f"checkpoint {result.checkpoint}")
+        print(tracking.outputs(cfg.runtime.out_dir, result.checkpoint, cfg))
     return 0

@@ -14,18 +14,18 @@ from typing import Any, Sequence
 import torch
 
 from flexpack.training.config import TrainConfig
-from flexpack.training.flops import batch_flops, measured_bf16_peak
+from flexpack.training.flops import peak_flops, useful_flops
 
 
 class StepMeter:
     """Accumulates the steps of one logging window; :meth:`read` closes it."""
 
-    def __init__(self, cfg: TrainConfig, device: torch.device, tokens_per_frame: int, *, text_tokens: int) -> None:
-        self.device, self.tpf, self.text_tokens = device, tokens_per_frame, text_tokens
+    def __init__(self, cfg: TrainConfig, device: torch.device, tokens_per_frame: int) -> None:
+        self.device, self.tpf = device, tokens_per_frame
         self.model_cfg = cfg.model.wan_config()
-        self.peak = None
+        self.action_tokens = cfg.data.action_steps if self.model_cfg.action_channels else 0
+        self.peak = peak_flops(device, cfg.runtime.peak_tflops)
         if device.type == "cuda":
-            self.peak = cfg.runtime.peak_tflops * 1e12 if cfg.runtime.peak_tflops else measured_bf16_peak(device)
             torch.cuda.reset_peak_memory_stats(device)
         self._open()
 
@@ -38,8 +38,9 @@ class StepMeter:
         for b in batches:
             self.valid_tokens += int(b.layout.episode_frames.sum()) * self.tpf
             if self.peak is not None:
-                text = self.text_tokens if b.text is None else int(b.text.shape[1])
-                self.flops += batch_flops(self.model_cfg, b.layout, self.tpf, text)
+                copies = 2 if b.latent.ndim == 6 else 1
+                self.flops += useful_flops(self.model_cfg, b.layout, video_tokens=self.tpf - self.action_tokens,
+                                           action_tokens=self.action_tokens, copies=copies)
 
     def read(self) -> dict[str, Any]:
         """``tokens_per_s``, ``step_s``, ``peak_mem_gb`` and (CUDA) ``mfu`` of the window; starts the next."""

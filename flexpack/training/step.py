@@ -22,10 +22,11 @@ from flexpack.training.config import TrainConfig
 from flexpack.training.noise import episode_flow_sample
 from flexpack.training.objective import flow_loss, loss_counts
 from flexpack.training.parallel import is_sharded, world
+from flexpack.training.profiling import NO_PROFILER, StepProfiler
 
 
 def accumulate(model: nn.Module, batches: Sequence[Batch], cfg: TrainConfig, *, step: int, device: torch.device,
-               extra_model_kwargs: dict[str, Any] | None = None) -> torch.Tensor:
+               extra_model_kwargs: dict[str, Any] | None = None, prof: StepProfiler = NO_PROFILER) -> torch.Tensor:
     """Forward + backward one optimizer step's micro-batches (on the host, before ``.to(device)``);
     returns this rank's (loss, latent, action) shares as a device tensor, detached (summed over
     ranks they are the step's loss and its parts)."""
@@ -42,13 +43,17 @@ def accumulate(model: nn.Module, batches: Sequence[Batch], cfg: TrainConfig, *, 
         if sharded:  # reduce-scatter gradients once per step, not per micro-batch
             model.set_requires_gradient_sync(i == len(batches) - 1)
         seeds = noise_seeds(batch, cfg.runtime.seed, step)  # from host-side keys
+        prof.phase("data")
         batch = batch.to(device, non_blocking=True)
+        prof.phase("forward", batch)
         sample = episode_flow_sample(batch, cfg.objective, seeds)
         with torch.autocast(device.type, torch.bfloat16) if bf16 else contextlib.nullcontext():
             pred = model(sample.inputs, **sample.model_kwargs(), **kw)
         fl = flow_loss(pred, sample, batch, cfg.objective)
         share = fl.accumulation_loss(totals)
+        prof.phase("backward")
         (share * size).backward()  # FSDP averages gradients over ranks; the objective sums them
+        prof.phase(None)
         parts = [fl.latent_sum / max(totals[0], 1.0), fl.action_sum / max(totals[1], 1.0)]
         out += torch.stack([share.detach(), *(p.detach() for p in parts)]).float()
     return out
@@ -62,12 +67,14 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> 
 
 
 def train_step(model: nn.Module, opt: torch.optim.Optimizer, batches: Sequence[Batch], cfg: TrainConfig, *,
-               step: int, device: torch.device, extra_model_kwargs: dict[str, Any] | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+               step: int, device: torch.device, extra_model_kwargs: dict[str, Any] | None = None,
+               prof: StepProfiler = NO_PROFILER) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`accumulate` → clip → optimizer step → zero grads; returns (loss parts, grad norm), both
     device tensors."""
-    sums = accumulate(model, batches, cfg, step=step, device=device, extra_model_kwargs=extra_model_kwargs)
+    sums = accumulate(model, batches, cfg, step=step, device=device, extra_model_kwargs=extra_model_kwargs, prof=prof)
+    prof.phase("optimizer")
     norm = nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip or float("inf"), foreach=True)
     opt.step()
     opt.zero_grad(set_to_none=True)
+    prof.phase(None)
     return sums, norm

@@ -1,0 +1,146 @@
+"""Where a training step's time goes: ``LINGBOT_PROFILE`` on the Wan2.2-5B shape with a few layers.
+
+Runs the real train loop (:func:`flexpack.training.loop.train`: sampler, pack collate, noise, forward,
+backward, AdamW, logging) with ``LINGBOT_PROFILE=--steps`` over in-memory episodes (random latents
+and text of the right shapes; lengths from ``data/episode_frames_ref.txt``), then prints the
+profile summary: shares of device time per category, MFU, tokens/s, forward/backward seconds per
+micro-step. The schedule is exactly warm-up + 1 + steps long, so the window ends with the run.
+
+    python benchmarks/profile_step.py --out $OUT/profile_step          # GPU: wan2.2-5b, 4 layers, 65,536-token packs
+    python benchmarks/profile_step.py --smoke                          # CPU: tiny preset, small packs (API check)
+
+Shape (GPU run): two 128x128 cameras through a 16x VAE and 2x2 patches = 32 video tokens per latent
+frame (an 8 x 16 latent), 4 action steps, 36 tokens per frame, 512 umT5 text tokens (4096 wide) per
+episode, bf16 autocast, one GPU. MFU counts useful FLOPs (:mod:`flexpack.training.flops`) against the
+bf16 datasheet peak (H200: 989 TFLOP/s; ``LINGBOT_PEAK_TFLOPS=795`` uses the measured matmul peak).
+The run folder keeps ``profile/`` (trace, per-micro-step lines, summary), ``metrics.jsonl`` and
+``tb/``; the final checkpoint is removed (it is not what is measured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from flexpack.packing.collate import PackCollate  # noqa: E402
+from flexpack.packing.lengths import read_frames_file  # noqa: E402
+from flexpack.packing.sampler import TokenBudgetBatchSampler  # noqa: E402
+from flexpack.training.build import Data, _Collate, run_text_slots  # noqa: E402
+from flexpack.training.config import load_config  # noqa: E402
+from flexpack.training.profile_summary import CATEGORIES  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class RandomEpisodes(torch.utils.data.Dataset):
+    """Items shaped like :class:`~flexpack.data.LatentEpisodeDataset`'s, drawn from a seed per episode."""
+
+    def __init__(self, lengths: list[int], *, channels: int, hw: tuple[int, int], action_channels: int,
+                 action_steps: int, text_len: int, text_dim: int) -> None:
+        self.lengths, self.c, self.hw = lengths, channels, hw
+        self.ca, self.a, self.text_len, self.text_dim = action_channels, action_steps, text_len, text_dim
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i: int) -> dict:
+        g = torch.Generator().manual_seed(i)
+        f = self.lengths[i]
+        item = {"latent": torch.randn(self.c, f, *self.hw, generator=g), "episode_index": i, "segment": -1,
+                "text": torch.randn(self.text_len, self.text_dim, generator=g), "text_len": self.text_len}
+        if self.ca:
+            item["action"] = torch.randn(self.ca, f, self.a, generator=g)
+            item["action_mask"] = torch.ones(self.ca, f, self.a, dtype=torch.bool)
+        return item
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny preset on CPU, small packs: checks the script runs")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=65536)
+    ap.add_argument("--steps", type=int, default=3, help="profiled steps (LINGBOT_PROFILE)")
+    ap.add_argument("--warmup", type=int, default=2, help="warm-up steps before them (LINGBOT_PROFILE_WARMUP)")
+    ap.add_argument("--accum", type=int, default=1, help="micro-batches per step")
+    ap.add_argument("--mask", default="document", choices=("document", "chunk_causal"))
+    ap.add_argument("--compile", action="store_true", help="compile each block (model.overrides has no switch: "
+                    "blocks are compiled here, as diffusers users do)")
+    ap.add_argument("--frames-file", default=str(ROOT / "data" / "episode_frames_ref.txt"))
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "out"), "profile_step"), help="run folder")
+    args = ap.parse_args()
+
+    cuda = torch.cuda.is_available() and not args.smoke
+    if args.smoke:
+        overrides = ["model.preset='tiny'", "model.overrides={attn_backend='dense', in_channels=48, text_dim=64, "
+                     "action_channels=6}", "data.max_tokens=400", "runtime.device='cpu'", "runtime.dtype='float32'"]
+        hw, text_len, text_dim, lengths = (2, 2), 16, 64, [3, 5, 8, 13, 21, 9, 4, 7] * 4
+        steps, warmup = min(args.steps, 2), min(args.warmup, 1)
+    else:
+        overrides = [f"model.overrides={{attn_backend='auto', num_layers={args.layers}}}", f"data.max_tokens={args.max_tokens}",
+                     f"runtime.dtype='{'bfloat16' if cuda else 'float32'}'"]
+        hw, text_len, text_dim = (8, 16), 512, 4096  # two 8 x 8 camera latents side by side
+        lengths = read_frames_file(args.frames_file)
+        steps, warmup = args.steps, args.warmup
+    if args.mask != "document":
+        overrides += [f"model.mask='{args.mask}'", "model.chunk_size=4"]
+    out = Path(args.out)
+    if out.exists():
+        shutil.rmtree(out)  # a fresh run: never resume an earlier measurement
+    total = warmup + 1 + steps
+    cfg = load_config(ROOT / "configs" / "wan5b_pack.toml", overrides + [
+        f"runtime.out_dir='{out}'", f"schedule.steps={total}", "schedule.warmup_steps=1", "checkpoint.every=0",
+        "runtime.log_every=1", "runtime.tensorboard=false", "runtime.activation_checkpointing=false", f"optim.accum_steps={args.accum}",
+        "data.num_workers=2" if cuda else "data.num_workers=0"])
+    m = cfg.model.wan_config()
+    na = cfg.data.action_steps if m.action_channels else 0
+    tpf = (hw[0] // m.patch_size[1]) * (hw[1] // m.patch_size[2]) + na
+    sampler = TokenBudgetBatchSampler(lengths, cfg.data.max_tokens, tokens_per_frame=tpf, seed=cfg.data.seed)
+    dataset = RandomEpisodes(lengths, channels=m.in_channels, hw=hw, action_channels=m.action_channels,
+                             action_steps=cfg.data.action_steps, text_len=text_len, text_dim=text_dim)
+    data = Data(dataset, sampler, _Collate(PackCollate.from_token_budget(cfg.data.max_tokens, tpf), actions=na > 0), tpf,
+                text_slots=run_text_slots(sampler))
+
+    from flexpack.training import loop
+
+    os.environ["LINGBOT_PROFILE"], os.environ["LINGBOT_PROFILE_WARMUP"] = str(steps), str(warmup)
+    if args.compile:
+        build = loop.build_model
+
+        def compiled(c):
+            model = build(c)
+            for block in model.blocks:
+                block.compile()
+            return model
+
+        loop.build_model = compiled
+    loop.train(cfg, data=data)
+    shutil.rmtree(out / "checkpoints", ignore_errors=True)
+
+    s = json.loads((out / "profile" / "summary_rank0.json").read_text())
+    lines = [json.loads(x) for x in (out / "profile" / "steps_rank0.jsonl").read_text().splitlines()]
+    prof = [x for x in lines if x["phase"] == "profiled"]
+    name = torch.cuda.get_device_name() if cuda else "cpu"
+    print(f"{m.num_layers} layers of {cfg.model.preset}, {cfg.data.max_tokens} tokens per pack, {tpf} tokens per frame, "
+          f"{args.mask} mask, {'compiled blocks' if args.compile else 'eager'}, {name}; time base: {s['time_base']}")
+    print("| " + " | ".join(CATEGORIES) + " | MFU | tokens/s | fwd s | bwd s |")
+    print("|" + "---|" * (len(CATEGORIES) + 4))
+    mfu = "—" if s["mfu"] is None else f"{100 * s['mfu']:.1f} %"
+    med = {k: statistics.median(x[k] for x in prof) for k in ("fwd_s", "bwd_s")}
+    print("| " + " | ".join(f"{100 * s['categories'][c]:.1f} %" for c in CATEGORIES)
+          + f" | {mfu} | {s['tokens_per_s']:,.0f} | {med['fwd_s']:.3f} | {med['bwd_s']:.3f} |")
+    result = {"device": name, "preset": cfg.model.preset, "layers": m.num_layers, "max_tokens": cfg.data.max_tokens,
+              "tokens_per_frame": tpf, "mask": args.mask, "compile": args.compile, "summary": s, "micro_steps": lines}
+    (out / "profile_step.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out / 'profile_step.json'} (trace: {out / 'profile' / 'trace_rank0.json'})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""Metrics a user can watch: TensorBoard event files under ``RUN/tb/`` and, with ``runtime.wandb``,
+Weights & Biases. ``metrics.jsonl`` stays the source of truth: every numeric key of each of its
+records is logged as it is (a key added to the record later shows up without a change here);
+nested tables are logged as ``key/subkey``.
+
+Only rank 0 logs. W&B reads its usual environment (``WANDB_MODE=offline`` needs no account;
+``wandb sync RUN/wandb/offline-run-*`` uploads later).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+
+def _numeric(rec: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, float]]:
+    for key, value in rec.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            yield from _numeric(value, f"{name}/")
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            yield name, float(value)
+
+
+def scalars(rec: dict[str, Any]) -> dict[str, float]:
+    """The numeric entries of a metrics record, ``step`` excluded (it is the x axis)."""
+    return {k: v for k, v in _numeric(rec) if k != "step"}
+
+
+def check(cfg: Any) -> None:
+    """Fail before any data or model work when a requested logger is not installed."""
+    r = cfg.runtime
+    if r.tensorboard:
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError:
+            raise ValueError("runtime.tensorboard = true needs the tensorboard package: pip install tensorboard "
+                             "(or set runtime.tensorboard = false)") from None
+    if r.wandb:
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise ValueError("runtime.wandb = true needs the wandb package: pip install wandb "
+                             "(or set runtime.wandb = false)") from None
+
+
+class MetricSinks:
+    """``with MetricSinks(run, cfg, rank=r, start_step=s) as sinks: sinks.log(record)``."""
+
+    def __init__(self, run: str | os.PathLike, cfg: Any, *, rank: int = 0, start_step: int = 0) -> None:
+        self.run, self.cfg, self.rank, self.start = Path(run), cfg, rank, start_step
+        self.tb: Any = None
+        self.wandb: Any = None
+
+    @property
+    def tb_dir(self) -> Path:
+        return self.run / "tb"
+
+    def __enter__(self) -> "MetricSinks":
+        if self.rank != 0:
+            return self
+        check(self.cfg)
+        r = self.cfg.runtime
+        if r.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # after a resume, steps past the checkpoint logged by the interrupted run are dropped
+            self.tb = SummaryWriter(str(self.tb_dir), purge_step=self.start + 1 if self.start else None, flush_secs=10)
+        if r.wandb:
+            import wandb
+
+            self.wandb = wandb.init(project=r.wandb_project, dir=str(self.run), name=self.run.name,
+                                    config=self.cfg.to_dict())
+        return self
+
+    def log(self, rec: dict[str, Any]) -> None:
+        values = scalars(rec)
+        step = int(rec["step"])
+        if self.tb is not None:
+            for key, value in values.items():
+                self.tb.add_scalar(key, value, step)
+        if self.wandb is not None:
+            self.wandb.log(values, step=step)
+
+    def __exit__(self, *exc) -> None:
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None
+        if self.wandb is not None:
+            self.wandb.finish(exit_code=1 if exc and exc[0] is not None else 0)
+            self.wandb = None
+
+
+def outputs(run: str | os.PathLike, checkpoint: Path | None, cfg: Any) -> str:
+    """Where a finished ``train`` left its outputs, one line each."""
+    run = Path(run)
+    rows = [("run folder", str(run)), ("metrics", str(run / "metrics.jsonl"))]
+    if cfg.runtime.tensorboard:
+        rows.append(("tensorboard", f"{run / 'tb'}  (tensorboard --logdir {run / 'tb'})"))
+    if cfg.runtime.wandb:
+        rows.append(("wandb", str(run / "wandb")))
+    if (run / "profile").is_dir():
+        rows.append(("profile", str(run / "profile")))
+    rows.append(("checkpoint", str(checkpoint) if checkpoint else "none"))
+    rows.append(("plot", f"flexpack plot {run}"))
+    return "\n".join(f"  {name:<12} {value}" for name, value in rows)

@@ -1,0 +1,134 @@
+"""Metrics a user can watch: TensorBoard and W&B log every numeric key of metrics.jsonl; train says where
+its outputs are; flexpack plot draws metrics.jsonl."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from flexpack.cli import main as cli_main
+from flexpack.training import tracking
+from flexpack.training.config import load_config
+from flexpack.training.plot import plot_metrics, read_metrics
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def _scalars_from_tb(folder: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(folder))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_scalars_are_every_numeric_key_but_step():
+    rec = {"step": 3, "loss": 1.5, "lr": 1e-4, "step_s": 0.25, "peak_mem_gb": 12, "mfu": 0.41, "resumed": True,
+           "bad": math.nan, "note": "text", "val": {"loss": 2.0}}
+    assert tracking.scalars(rec) == {"loss": 1.5, "lr": 1e-4, "step_s": 0.25, "peak_mem_gb": 12.0, "mfu": 0.41,
+                                     "val/loss": 2.0}
+
+
+def test_tensorboard_logs_new_keys_and_drops_replayed_steps_on_resume(tmp_path):
+    cfg = load_config(None, ["runtime.tensorboard=true"])
+    with tracking.MetricSinks(tmp_path, cfg) as sinks:
+        for step in (1, 2, 3):
+            sinks.log({"step": step, "loss": 1.0 / step, "step_s": 0.5 * step})
+    with tracking.MetricSinks(tmp_path, cfg, start_step=2) as sinks:  # resumed from the step-2 checkpoint
+        sinks.log({"step": 3, "loss": 0.25, "step_s": 9.0, "mfu": 0.5})
+    got = _scalars_from_tb(tmp_path / "tb")
+    assert got["loss"] == [(1, 1.0), (2, 0.5), (3, 0.25)]
+    assert got["step_s"] == [(1, 0.5), (2, 1.0), (3, 9.0)]
+    assert got["mfu"] == [(3, 0.5)]
+
+
+def test_wandb_gets_the_same_scalars(tmp_path, monkeypatch):
+    calls: dict = {"log": []}
+
+    class FakeRun:
+        def log(self, values, step):
+            calls["log"].append((step, values))
+
+        def finish(self, exit_code=0):
+            calls["finish"] = exit_code
+
+    def init(**kw):
+        calls["init"] = kw
+        return FakeRun()
+
+    monkeypatch.setitem(sys.modules, "wandb", SimpleNamespace(init=init))
+    cfg = load_config(None, ["runtime.wandb=true", "runtime.tensorboard=false", "runtime.wandb_project=demo"])
+    with tracking.MetricSinks(tmp_path / "myrun", cfg) as sinks:
+        sinks.log({"step": 1, "loss": 2.0, "waste": 0.1, "tag": "x"})
+    assert calls["init"]["project"] == "demo" and calls["init"]["name"] == "myrun"
+    assert calls["init"]["dir"] == str(tmp_path / "myrun") and calls["init"]["config"]["runtime"]["wandb"] is True
+    assert calls["log"] == [(1, {"loss": 2.0, "waste": 0.1})] and calls["finish"] == 0
+    with tracking.MetricSinks(tmp_path / "other", cfg, rank=1) as sinks:  # only rank 0 logs
+        sinks.log({"step": 1, "loss": 2.0})
+    assert len(calls["log"]) == 1
+
+
+def test_missing_wandb_is_one_line_before_any_work(monkeypatch):
+    from flexpack.training.loop import train
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import fails as if not installed
+    cfg = load_config(None, ["runtime.wandb=true", 'data.root="/nonexistent/data"'])
+    with pytest.raises(ValueError, match=r"^runtime.wandb = true needs the wandb package: pip install wandb"):
+        train(cfg)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_train_logs_to_tensorboard_prints_outputs_and_plots(tmp_path, capsys):
+    pytest.importorskip("lerobot")
+    from flexpack.data.encode import encode_dataset
+    from flexpack.data.synthetic import make_synthetic_dataset
+
+    root = make_synthetic_dataset(tmp_path / "ds", lengths=[21, 17, 13, 9], seed=2)
+    encode_dataset(root, progress=False)
+    out = tmp_path / "run"
+    args = ["train", str(CONFIGS / "tiny_cpu.toml"), "--set", f'data.root="{root}"', "--set", f'runtime.out_dir="{out}"',
+            "--set", "schedule.steps=3", "--set", "runtime.progress=false", "--set", "checkpoint.every=0",
+            "--set", "data.max_tokens=60", "--set", "optim.accum_steps=1"]
+    assert cli_main(args) == 0
+    printed = capsys.readouterr().out
+    for line in (f"run folder   {out}", f"metrics      {out / 'metrics.jsonl'}", f"tensorboard  {out / 'tb'}",
+                 f"checkpoint   {out / 'checkpoints' / 'step_00000003'}", f"plot         flexpack plot {out}"):
+        assert line in printed, printed
+    records = read_metrics(out)
+    tb = _scalars_from_tb(out / "tb")
+    assert set(tb) == set(tracking.scalars(records[0]))
+    assert {"loss", "latent_loss", "action_loss", "lr", "grad_norm", "tokens_per_s", "waste"} <= set(tb)
+    for key, points in tb.items():
+        assert [s for s, _ in points] == [1, 2, 3]
+        assert [v for _, v in points] == pytest.approx([r[key] for r in records], rel=1e-6)
+    # the plot, also from a metrics file whose last line a kill tore
+    assert cli_main(["plot", str(out)]) == 0
+    png = out / "metrics.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    torn = tmp_path / "torn.jsonl"
+    torn.write_text((out / "metrics.jsonl").read_text() + '{"step": 4, "lo')
+    assert len(read_metrics(torn)) == 3
+    assert plot_metrics(torn, tmp_path / "torn.png").stat().st_size > 10_000
+
+
+def test_plot_errors_are_one_line(tmp_path, capsys):
+    assert cli_main(["plot", str(tmp_path / "missing")]) == 2
+    assert capsys.readouterr().err.strip() == f"flexpack plot: error: {tmp_path / 'missing'} does not exist"
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=r"empty/metrics.jsonl does not exist \(is .*empty a run folder of `flexpack train`"):
+        read_metrics(tmp_path / "empty")
+    bad = tmp_path / "metrics.jsonl"
+    bad.write_text('{"step": 1, "loss": 1}\nnot json\n{"step": 2}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2: not a JSON record"):
+        read_metrics(tmp_path)
+    bad.write_text("")
+    with pytest.raises(ValueError, match="holds no records yet"):
+        read_metrics(bad)
+    assert json.loads('{"step": 1}')  # a record needs only its step
+    bad.write_text('{"step": 1}\n')
+    assert plot_metrics(bad).name == "metrics.png"
