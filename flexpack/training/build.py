@@ -14,6 +14,7 @@ from torch import nn
 from flexpack.packing.collate import Batch, PackCollate, PadCollate
 from flexpack.training.config import TrainConfig
 from flexpack.training.noise import episode_seed
+from flexpack.training.parallel import world
 
 
 class _Collate:
@@ -78,10 +79,28 @@ def build_data(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> Data:
 
 
 def build_model(cfg: TrainConfig) -> nn.Module:
+    """The config's WanVA: random init, or ``model.pretrained`` loaded. Under several ranks a
+    pretrained model comes back on the meta device: :func:`materialize` fills it once sharded."""
     from flexpack.models import WanVA
+    from flexpack.training.pretrained import load_single
 
     torch.manual_seed(cfg.runtime.seed)  # every rank starts from the same weights
-    return WanVA(cfg.model.wan_config())
+    wcfg = cfg.model.wan_config()
+    if not cfg.model.pretrained:
+        return WanVA(wcfg)
+    if world()[1] > 1:
+        with torch.device("meta"):
+            return WanVA(wcfg)
+    return load_single(WanVA, cfg.model.pretrained, wcfg, cfg.runtime.seed)
+
+
+def materialize(model: nn.Module, cfg: TrainConfig, device: torch.device) -> None:
+    """After ``parallelize``: load ``model.pretrained`` into a model left on the meta device, each
+    rank reading only its shards (a no-op for a model that holds weights already)."""
+    from flexpack.training.pretrained import is_meta, load_pretrained
+
+    if is_meta(model):
+        load_pretrained(model, cfg.model.pretrained, cfg.model.wan_config(), device=device, seed=cfg.runtime.seed)
 
 
 def model_kwargs(cfg: TrainConfig) -> dict[str, Any]:

@@ -73,10 +73,16 @@ class DataConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """A WanVA preset with field overrides, and the self-attention mask of the forward."""
+    """A WanVA preset with field overrides, and the self-attention mask of the forward.
+
+    ``pretrained``: a diffusers ``WanTransformer3DModel`` folder or ``.safetensors`` file to start
+    from; its config.json gives the shape, the preset and overrides the rest
+    (:mod:`flexpack.training.pretrained`).
+    """
 
     preset: str = "tiny"
     overrides: dict[str, Any] = field(default_factory=dict)  # any WanVAConfig field
+    pretrained: str = ""  # "" = random init
     mask: str = "document"
     chunk_size: int | None = None  # chunk_causal / teacher_forcing masks
 
@@ -98,6 +104,10 @@ class ModelConfig:
         if unknown:
             raise ValueError(f"model.overrides has unknown WanVAConfig fields {unknown} (known: {sorted(known)})")
         kw = {k: tuple(v) if isinstance(v, list) else v for k, v in self.overrides.items()}
+        if self.pretrained:
+            from flexpack.training.pretrained import pretrained_config
+
+            return pretrained_config(self.pretrained, wan_config(self.preset, **kw), kw)
         return wan_config(self.preset, **kw)
 
 

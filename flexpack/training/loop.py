@@ -32,7 +32,7 @@ from torch import nn
 from tqdm import tqdm
 
 from flexpack.training import checkpoint
-from flexpack.training.build import build_data, build_model, model_kwargs, noise_seeds
+from flexpack.training.build import build_data, build_model, materialize, model_kwargs, noise_seeds
 from flexpack.packing.collate import Batch
 from flexpack.training.config import ScheduleConfig, TrainConfig, load_config, save_config
 from flexpack.training.noise import episode_flow_sample
@@ -123,6 +123,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> TrainResult:
         model = build_model(cfg)
     model = parallelize(model, device=device, param_dtype=param_dtype,
                         activation_checkpointing=cfg.runtime.activation_checkpointing)
+    materialize(model, cfg, device)  # model.pretrained under FSDP2: each rank loads its shards
     o, run = cfg.optim, Path(cfg.runtime.out_dir)
     opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
     ckpt_root, start, resumed_at = run / "checkpoints", 0, None
