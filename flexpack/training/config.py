@@ -119,9 +119,12 @@ class OptimConfig:
     weight_decay: float = 0.01
     grad_clip: float = 1.0  # max global grad norm; 0 = no clipping
     accum_steps: int = 1  # micro-batches per optimizer step
+    ema_decay: float = 0.0  # EMA of the weights, saved with checkpoints (flexpack.training.ema); 0 = off
 
     def __post_init__(self) -> None:
         _positive("optim", lr=self.lr, eps=self.eps, accum_steps=self.accum_steps)
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise ValueError(f"optim.ema_decay must be in [0, 1) (0 = off), got {self.ema_decay!r}")
         if self.weight_decay < 0 or self.grad_clip < 0:
             raise ValueError(f"optim.weight_decay and optim.grad_clip must be >= 0, got {self.weight_decay}, {self.grad_clip}")
 

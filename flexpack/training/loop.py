@@ -36,7 +36,9 @@ from flexpack.training.build import build_data, build_model, materialize, model_
 from flexpack.packing.collate import Batch
 from flexpack.training.config import ScheduleConfig, TrainConfig, load_config, save_config
 from flexpack.training.noise import episode_flow_sample
+from flexpack.training.ema import make_ema
 from flexpack.training.objective import flow_loss, loss_counts
+from flexpack.training.optim import build_optimizer
 from flexpack.training.parallel import is_sharded, parallelize, world
 from flexpack.training.profiling import StepProfiler
 
@@ -125,14 +127,15 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> TrainResult:
                         activation_checkpointing=cfg.runtime.activation_checkpointing)
     materialize(model, cfg, device)  # model.pretrained under FSDP2: each rank loads its shards
     o, run = cfg.optim, Path(cfg.runtime.out_dir)
-    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    opt = build_optimizer(model, o, log=rank == 0)  # no decay on norms, biases, modulation, embeddings
+    ema = make_ema(model, o.ema_decay)
     ckpt_root, start, resumed_at = run / "checkpoints", 0, None
     found = checkpoint.latest(ckpt_root)
     if found is not None and not cfg.checkpoint.resume:
         raise ValueError(f"{run}: holds checkpoint {found.name} but checkpoint.resume is false; "
                          "remove the folder or choose another runtime.out_dir")
     if found is not None:
-        state = checkpoint.load(found, model, opt)
+        state = checkpoint.load(found, model, opt, ema=ema)
         data.sampler.load_state_dict(state["sampler"])
         start = resumed_at = int(state["step"])
     if rank == 0:
@@ -152,13 +155,15 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> TrainResult:
                 group["lr"] = lr
             if step > start and cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
                 result.checkpoint = checkpoint.save(ckpt_root, step, model, opt, sampler_state=sampler_state,
-                                                    keep=cfg.checkpoint.keep)
+                                                    keep=cfg.checkpoint.keep, ema=ema)
             t0 = time.perf_counter()
             micro = [next(stream) for _ in range(o.accum_steps)]
             batches, sampler_state = [b for b, _ in micro], micro[-1][1]
             sums = accumulate(model, batches, cfg, step=step, device=device)
             norm = nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip or float("inf"))
             opt.step()
+            if ema is not None:
+                ema.update()
             opt.zero_grad(set_to_none=True)
             step += 1
             prof.step()
@@ -174,7 +179,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> TrainResult:
     result.step = step
     if step > start:
         result.checkpoint = checkpoint.save(ckpt_root, step, model, opt, sampler_state=sampler_state,
-                                            keep=cfg.checkpoint.keep)
+                                            keep=cfg.checkpoint.keep, ema=ema)
     return result
 
 
