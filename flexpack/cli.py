@@ -15,6 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "check-dataset": ("flexpack.data.check", "list every problem of a dataset and its latent cache"),
     "train": ("flexpack.training.loop", "train a WanVA on a LeRobot dataset from a TOML/JSON config (torchrun for FSDP2)"),
     "verify": ("flexpack.training.verify", "check packed == per-episode outputs, loss and gradients; exit 1 on mismatch"),
+    "export": ("flexpack.training.export", "write a run's newest checkpoint as a diffusers folder plus action stream"),
 }
 
 
