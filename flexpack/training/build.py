@@ -46,17 +46,24 @@ class Data:
     tokens_per_frame: int
 
 
-def build_data(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> Data:
-    """Dataset, this rank's sampler and the matching collate; checks the data fits the model."""
+def build_data(cfg: TrainConfig, rank: int = 0, world_size: int = 1, *, split: str = "train") -> Data:
+    """Dataset, this rank's sampler and the matching collate; checks the data fits the model.
+    ``split``: the training episodes or the held-out ``"val"`` ones (:mod:`flexpack.training.validation`)."""
     from flexpack.data import LatentEpisodeDataset
+    from flexpack.data.episodes import EpisodeSource
     from flexpack.packing.sampler import LengthBucketBatchSampler, TokenBudgetBatchSampler
+    from flexpack.training.validation import split_episodes
 
     d, m = cfg.data, cfg.model.wan_config()
     if not d.root:
         raise ValueError("data.root is empty: set it to a LeRobot dataset folder with a latent cache")
+    episodes = None
+    if d.val_fraction or d.val_episodes:
+        episodes = split_episodes(EpisodeSource(d.root).episodes, d, d.root)[split == "val"]
     ds = LatentEpisodeDataset(
         d.root, latents_dir=d.latents_dir, action_dim=max(m.action_channels, 1), action_steps=d.action_steps,
         stride=d.stride, cameras=list(d.cameras) if d.cameras else None, normalize=d.normalize, segments=d.segments,
+        episodes=episodes,
     )
     item = ds[0]
     C, _, H, W = item["latent"].shape

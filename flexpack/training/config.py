@@ -59,8 +59,12 @@ class DataConfig:
     pad_multiple: int = 8
     num_workers: int = 0
     seed: int = 0
+    val_fraction: float = 0.0  # share of episodes held out for validation (flexpack.training.validation)
+    val_episodes: tuple[int, ...] = ()  # episode indices held out (with val_fraction: both)
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ValueError(f"data.val_fraction must be in [0, 1), got {self.val_fraction!r}")
         if self.mode not in MODES:
             raise ValueError(f"data.mode must be one of {MODES}, got {self.mode!r}")
         if self.segments not in (True, False, "auto"):
@@ -175,8 +179,11 @@ class RuntimeConfig:
     seed: int = 0
     log_every: int = 1
     progress: bool = True
+    eval_every: int = 0  # steps between validation losses on the held-out episodes; 0 = none
 
     def __post_init__(self) -> None:
+        if self.eval_every < 0:
+            raise ValueError(f"runtime.eval_every must be >= 0, got {self.eval_every!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"runtime.dtype must be one of {DTYPES}, got {self.dtype!r}")
         _positive("runtime", log_every=self.log_every)

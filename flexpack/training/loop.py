@@ -41,6 +41,7 @@ from flexpack.training.objective import flow_loss, loss_counts
 from flexpack.training.optim import build_optimizer
 from flexpack.training.parallel import is_sharded, parallelize, world
 from flexpack.training.profiling import StepProfiler
+from flexpack.training.validation import make_validator
 
 
 def lr_at(step: int, base_lr: float, sched: ScheduleConfig, resumed_at: int | None = None) -> float:
@@ -129,6 +130,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> TrainResult:
     o, run = cfg.optim, Path(cfg.runtime.out_dir)
     opt = build_optimizer(model, o, log=rank == 0)  # no decay on norms, biases, modulation, embeddings
     ema = make_ema(model, o.ema_decay)
+    validator = make_validator(cfg, device)  # None unless runtime.eval_every
     ckpt_root, start, resumed_at = run / "checkpoints", 0, None
     found = checkpoint.latest(ckpt_root)
     if found is not None and not cfg.checkpoint.resume:
@@ -175,6 +177,8 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> TrainResult:
                 result.losses.append(rec["loss"])
                 result.metrics.append(rec)
                 bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{lr:.2e}", tok_s=f"{rec['tokens_per_s']:.0f}")
+            if validator is not None:
+                validator.after_step(model, step)
     bar.close()
     result.step = step
     if step > start:
