@@ -52,7 +52,7 @@ def build_data(cfg: TrainConfig, rank: int = 0, world_size: int = 1, *, split: s
     from flexpack.data import LatentEpisodeDataset
     from flexpack.data.episodes import EpisodeSource
     from flexpack.packing.sampler import LengthBucketBatchSampler, TokenBudgetBatchSampler
-    from flexpack.training.validation import split_episodes
+    from flexpack.training.holdout import split_episodes
 
     d, m = cfg.data, cfg.model.wan_config()
     if not d.root:

@@ -26,31 +26,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flexpack.training.holdout import VAL_TAG, split_episodes  # noqa: F401  (split_episodes re-exported)
 from flexpack.training.noise import episode_flow_sample, episode_seed
+from flexpack.training.build import build_data, model_kwargs
 from flexpack.training.objective import flow_loss
 from flexpack.training.parallel import is_sharded, world
-
-VAL_TAG = 0x76616C  # "val": keeps validation draws apart from any training seed
-
-
-def split_episodes(episodes: Sequence[int], data_cfg: Any, where: str = "the dataset") -> tuple[list[int], list[int]]:
-    """(training, held-out) episode indices, each in the dataset's order."""
-    episodes = list(episodes)
-    known = set(episodes)
-    unknown = sorted(set(data_cfg.val_episodes) - known)
-    if unknown:
-        raise ValueError(f"data.val_episodes {unknown} are not episodes of {where} ({len(episodes)} episodes)")
-    held = set(data_cfg.val_episodes)
-    if data_cfg.val_fraction > 0:
-        want = max(1, round(data_cfg.val_fraction * len(episodes)))
-        ranked = sorted(episodes, key=lambda e: episode_seed(data_cfg.seed, VAL_TAG, e))
-        held |= set(ranked[:want])
-    train = [e for e in episodes if e not in held]
-    if held and not train:
-        raise ValueError(f"data.val_fraction={data_cfg.val_fraction} / data.val_episodes hold out all "
-                         f"{len(episodes)} episodes of {where}; none is left to train on")
-    return train, [e for e in episodes if e in held]
-
 
 def _micro_batches(lengths: Sequence[int], indices: Sequence[int], data_cfg: Any, tpf: int) -> list[list[int]]:
     """This rank's items grouped like the training collate wants them: packed in order up to the
@@ -72,8 +52,6 @@ class Validator:
     """The validation loss of a config's held-out episodes (see the module docstring)."""
 
     def __init__(self, cfg: Any, device: torch.device) -> None:
-        from flexpack.training.build import build_data
-
         rank, size = world()
         self.cfg, self.device, self.rank = cfg, device, rank
         self.data = build_data(cfg, split="val")
@@ -89,8 +67,6 @@ class Validator:
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module) -> dict[str, float]:
-        from flexpack.training.build import model_kwargs
-
         cfg, ds = self.cfg, self.data.dataset
         sharded = is_sharded(model)
         bf16 = cfg.runtime.dtype == "bfloat16" and not sharded  # as in training
