@@ -52,7 +52,7 @@ def encode_dataset(
     txt = (make_text_encoder(text_encoder, device=text_device, max_len=text_max_len)
            if isinstance(text_encoder, str) else text_encoder)
     cams = resolve_cameras(source.video_keys, cameras, source.info_file)
-    out_dir = Path(latents_dir) if latents_dir is not None else cache.default_latents_dir(root)
+    out_dir = Path(latents_dir) if latents_dir is not None else cache.default_latents_dir(source.root)
     report = EncodeReport(latents_dir=out_dir, cameras=cams)
 
     todo_texts = []
@@ -94,7 +94,7 @@ def encode_dataset(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dataset", type=Path, required=True, help="LeRobot dataset root")
+    parser.add_argument("--dataset", type=Path, required=True, help="LeRobot dataset folder, or a repo id (org/name) in lerobot's cache (HF_LEROBOT_HOME)")
     parser.add_argument("--encoder", default="pool", help="'pool' (stand-in) or 'wan-vae:PATH' (local diffusers folder)")
     parser.add_argument("--cameras", nargs="+", default=None, help="camera keys or short names, in width order (default: all)")
     parser.add_argument("--text-encoder", default="hash",

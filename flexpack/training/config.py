@@ -44,7 +44,7 @@ class DataConfig:
     ``action_steps``; the dataset's action width is the model's ``action_channels``.
     """
 
-    root: str = ""  # LeRobot dataset folder (with a latent cache)
+    root: str = ""  # LeRobot dataset folder (with a latent cache), or a repo id in lerobot's cache (HF_LEROBOT_HOME)
     latents_dir: str | None = None  # default ROOT/latents
     cameras: tuple[str, ...] | None = None
     action_steps: int = 4
