@@ -33,3 +33,18 @@ def save_tiny_umt5(folder: Path, *, d_model: int = 16, tokenizer: bool = True, s
     if tokenizer:
         tiny_tokenizer().save_pretrained(folder)
     return Path(folder)
+
+
+def tiny_diffusers(seed: int = 0, **kw):
+    """A random WanTransformer3DModel fitting configs/tiny_cpu.toml's data (48 latent channels, 64-d text)."""
+    import diffusers
+    import torch
+
+    torch.manual_seed(seed)
+    args = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=48, out_channels=48,
+                text_dim=64, freq_dim=16, ffn_dim=48, num_layers=2)
+    m = diffusers.WanTransformer3DModel(**{**args, **kw}).eval()
+    with torch.no_grad():
+        for p in m.parameters():  # off the init, so every mapped weight matters
+            p.add_(torch.randn_like(p) * 0.1)
+    return m

@@ -17,20 +17,10 @@ from flexpack.training.build import build_model  # noqa: E402
 from flexpack.training.config import load_config  # noqa: E402
 from flexpack.training.loop import train  # noqa: E402
 
+from hf_tiny import tiny_diffusers  # noqa: E402
+
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def tiny_diffusers(seed: int = 0, **kw):
-    """A random WanTransformer3DModel fitting configs/tiny_cpu.toml's data (48 latent channels, 64-d text)."""
-    torch.manual_seed(seed)
-    args = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=48, out_channels=48,
-                text_dim=64, freq_dim=16, ffn_dim=48, num_layers=2)
-    m = diffusers.WanTransformer3DModel(**{**args, **kw}).eval()
-    with torch.no_grad():
-        for p in m.parameters():  # off the init, so every mapped weight matters
-            p.add_(torch.randn_like(p) * 0.1)
-    return m
 
 
 def cfg_for(pretrained, *overrides: str, root: str = "unused", out: str = "unused"):
