@@ -39,7 +39,7 @@ def _micro_batches(lengths: Sequence[int], indices: Sequence[int], data_cfg: Any
         return [list(indices[i : i + data_cfg.batch_size]) for i in range(0, len(indices), data_cfg.batch_size)]
     budget, out, used = data_cfg.max_tokens // tpf, [], 0
     for i in indices:
-        n = min(lengths[i], budget) if data_cfg.crop else lengths[i]
+        n = min(lengths[i], budget)  # longer only with data.crop: build_data's sampler rejects them otherwise
         if not out or used + n > budget:
             out.append([])
             used = 0
