@@ -1,6 +1,7 @@
-"""Load diffusers-format Wan transformer weights into :class:`~flexpack.models.wan.WanVA`.
+"""Load diffusers-format Wan transformer weights into :class:`~flexpack.models.wan.WanVA`, and back.
 
-The mapping is by name and shape; every diffusers tensor must be used and every WanVA tensor
+One name table serves both directions (:func:`rename`; :func:`to_diffusers_state_dict` and
+:func:`config_to_diffusers` for export). The mapping is by name and shape; every diffusers tensor must be used and every WanVA tensor
 except the action stream (which diffusers' video model does not have) must be filled, so a
 renamed or missing weight fails loudly instead of staying at its random init.
 """

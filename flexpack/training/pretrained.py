@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from flexpack.models.wan_config import WanVAConfig
+from flexpack.training.optim import plain_name
 
 # WanVAConfig fields a diffusers config.json determines (see wan_convert.config_from_diffusers)
 SHAPE_FIELDS = ("dim", "num_heads", "ffn_dim", "num_layers", "patch_size", "in_channels", "out_channels",
@@ -76,10 +77,6 @@ def load_single(cls: type[nn.Module], path: str, cfg: WanVAConfig, seed: int) ->
     return model.to(device=torch.get_default_device(), dtype=torch.float32)
 
 
-def _plain_name(name: str) -> str:
-    return name.replace("._checkpoint_wrapped_module", "")  # activation-checkpoint wrappers
-
-
 @torch.no_grad()
 def _copy_into(param: torch.Tensor, full: torch.Tensor) -> None:
     """Copy ``full`` into ``param``, or into this rank's slice of it when ``param`` is a DTensor."""
@@ -102,7 +99,7 @@ def load_pretrained(model: nn.Module, path: str, cfg: WanVAConfig, *, device: to
 
     files, _ = checkpoint_files(path)
     model.to_empty(device=device)  # FSDP2 allocates only each rank's shards
-    params = {_plain_name(n): p for n, p in model.named_parameters()}
+    params = {plain_name(n): p for n, p in model.named_parameters()}
     filled: set[str] = set()
     for fn in files:
         with safe_open(fn, framework="pt") as f:  # memory-mapped: one tensor read at a time
