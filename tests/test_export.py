@@ -103,6 +103,19 @@ def test_export_action_stream_normalization_and_roundtrip(trained, tmp_path):
     assert torch.allclose(a.video, b.video, atol=1e-6) and torch.allclose(a.action, b.action, atol=1e-6)
 
 
+def test_export_in_bfloat16(trained, tmp_path):
+    from safetensors import safe_open
+
+    cfg, _ = trained
+    out = export_run(cfg.runtime.out_dir, tmp_path / "bf16", dtype=torch.bfloat16)
+    for name in ("diffusion_pytorch_model.safetensors", "action_stream.safetensors"):
+        with safe_open(str(out / name), framework="pt") as f:
+            assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}, name
+    dm = diffusers.WanTransformer3DModel.from_pretrained(out, torch_dtype=torch.bfloat16)
+    ours = _checkpoint_model(cfg)
+    assert torch.equal(dm.proj_out.weight, ours.head_proj.weight.bfloat16())
+
+
 def test_export_errors(trained, tmp_path):
     cfg, tmp = trained
     (tmp_path / "full").mkdir()
