@@ -60,12 +60,14 @@ def test_pretrained_folder_gives_diffusers_outputs_and_an_initialized_action_str
 
 def test_pretrained_safetensors_file_and_contradicting_overrides(tmp_path):
     m = tiny_diffusers(seed=2)
-    m.save_pretrained(tmp_path / "t")
-    weights = tmp_path / "t" / "diffusion_pytorch_model.safetensors"
+    m.save_pretrained(tmp_path / "transformer")
+    weights = tmp_path / "transformer" / "diffusion_pytorch_model.safetensors"
     model = build_model(cfg_for(weights))  # config.json beside the file gives the shape
     assert model.config.dim == 32
+    pipeline = build_model(cfg_for(tmp_path))  # a pipeline folder: its transformer/
+    assert all(torch.equal(v, pipeline.state_dict()[k]) for k, v in model.state_dict().items())
     with pytest.raises(ValueError, match=r"model.overrides.dim=64 but .*config.json has dim=32$"):
-        cfg_for(tmp_path / "t", "model.overrides.dim=64")
+        cfg_for(tmp_path / "transformer", "model.overrides.dim=64")
     with pytest.raises(ValueError, match=r"model.overrides.text_dim=64 but .*config.json has text_dim=16"):
         tiny_diffusers(text_dim=16).save_pretrained(tmp_path / "t16")
         cfg_for(tmp_path / "t16")

@@ -1,6 +1,7 @@
 """``model.pretrained``: start training from a diffusers ``WanTransformer3DModel`` checkpoint.
 
-Shape. A folder (or a ``.safetensors`` file with a ``config.json`` beside it) defines the shape:
+Shape. A folder (or a ``.safetensors`` file with a ``config.json`` beside it; a diffusers pipeline
+folder stands for its ``transformer/``) defines the shape:
 its config replaces the preset's shape fields, while the preset and ``model.overrides`` still give
 the options a video checkpoint cannot know (``action_channels``, ``attn_backend``, activation
 checkpointing). An override of a shape field that contradicts the checkpoint is an error naming
@@ -36,12 +37,18 @@ SHAPE_FIELDS = ("dim", "num_heads", "ffn_dim", "num_layers", "patch_size", "in_c
                 "text_dim", "freq_dim", "eps", "cross_attn_norm")
 
 
+def transformer_path(path: str | os.PathLike) -> str:
+    """``path``, or its ``transformer/`` folder when ``path`` is a diffusers pipeline folder."""
+    sub = Path(path) / "transformer"
+    return str(sub) if (sub / "config.json").is_file() else os.fspath(path)
+
+
 def checkpoint_files(path: str | os.PathLike) -> tuple[list[str], str | None]:
     """Weight files and config.json of ``model.pretrained`` (FileNotFoundError naming the path)."""
     from flexpack.models.wan_convert import diffusers_files
 
     try:
-        return diffusers_files(path)
+        return diffusers_files(transformer_path(path))
     except ValueError as exc:
         raise FileNotFoundError(f"model.pretrained: {exc}") from None
 
@@ -73,7 +80,7 @@ def pretrained_config(path: str, base: WanVAConfig, overrides: Mapping[str, Any]
 def load_single(cls: type[nn.Module], path: str, cfg: WanVAConfig, seed: int) -> nn.Module:
     """The whole model in one process: float32 on the current default device."""
     torch.manual_seed(seed)  # the action stream's init
-    model = cls.from_diffusers_file(path, cfg)
+    model = cls.from_diffusers_file(transformer_path(path), cfg)
     return model.to(device=torch.get_default_device(), dtype=torch.float32)
 
 
