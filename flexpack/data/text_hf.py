@@ -79,6 +79,10 @@ class HFTextEncoder:
         self.device = torch.device(device)
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         self.tokenizer = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
+        if self.tokenizer.pad_token is None:  # e.g. decoder-style tokenizers: the pad id is masked out anyway
+            if self.tokenizer.eos_token is None:
+                raise ValueError(f"{tok_dir}: the tokenizer has neither a pad nor an eos token to pad with")
+            self.tokenizer.pad_token = self.tokenizer.eos_token
         model = _model_class(kind, encoder).from_pretrained(str(encoder), local_files_only=True, dtype=dtype)
         if getattr(model.config, "is_encoder_decoder", False):
             model = model.get_encoder()
