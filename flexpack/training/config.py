@@ -208,6 +208,9 @@ class TrainConfig:
         if self.runtime.activation_checkpointing and self.model.overrides.get("activation_checkpointing"):
             raise ValueError("activation checkpointing is on twice (runtime.activation_checkpointing and "
                              "model.overrides.activation_checkpointing): each block would be recomputed twice; keep one")
+        if self.runtime.eval_every and not (self.data.val_fraction or self.data.val_episodes):
+            raise ValueError(f"runtime.eval_every={self.runtime.eval_every} needs held-out episodes: "
+                             "set data.val_fraction or data.val_episodes")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

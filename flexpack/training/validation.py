@@ -102,10 +102,5 @@ class Validator:
 
 
 def make_validator(cfg: Any, device: torch.device) -> Validator | None:
-    """A Validator when ``runtime.eval_every`` > 0 (then held-out episodes are required), else None."""
-    if not cfg.runtime.eval_every:
-        return None
-    if not cfg.data.val_episodes and not cfg.data.val_fraction:
-        raise ValueError(f"runtime.eval_every={cfg.runtime.eval_every} needs held-out episodes: "
-                         "set data.val_fraction or data.val_episodes")
-    return Validator(cfg, device)
+    """A Validator when ``runtime.eval_every`` > 0 (the config then holds episodes out), else None."""
+    return Validator(cfg, device) if cfg.runtime.eval_every else None
