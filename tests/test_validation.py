@@ -17,7 +17,8 @@ from flexpack.training import checkpoint  # noqa: E402
 from flexpack.training.build import build_model  # noqa: E402
 from flexpack.training.config import DataConfig, load_config  # noqa: E402
 from flexpack.training.loop import train  # noqa: E402
-from flexpack.training.validation import Validator, split_episodes  # noqa: E402
+from flexpack.training.holdout import split_episodes  # noqa: E402
+from flexpack.training.validation import Validator  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 from typing import Any
 
 from flexpack.packing.lengths import latent_frames, used_video_frames  # noqa: F401  (used_video_frames re-exported)

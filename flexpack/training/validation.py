@@ -26,11 +26,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flexpack.training.holdout import VAL_TAG, split_episodes  # noqa: F401  (split_episodes re-exported)
-from flexpack.training.noise import episode_flow_sample, episode_seed
 from flexpack.training.build import build_data, model_kwargs
+from flexpack.training.holdout import VAL_TAG
+from flexpack.training.noise import episode_flow_sample, episode_seed
 from flexpack.training.objective import flow_loss
 from flexpack.training.parallel import is_sharded, world
+
 
 def _micro_batches(lengths: Sequence[int], indices: Sequence[int], data_cfg: Any, tpf: int) -> list[list[int]]:
     """This rank's items grouped like the training collate wants them: packed in order up to the
