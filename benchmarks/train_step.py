@@ -41,7 +41,8 @@ from flexpack.training.build import _Collate, build_model, run_text_slots  # noq
 from flexpack.training.config import from_dict, TrainConfig  # noqa: E402
 from flexpack.training.flops import measured_bf16_peak, useful_flops  # noqa: E402
 from flexpack.training.parallel import compiled_graphs, parallelize  # noqa: E402
-from flexpack.training.step import make_optimizer, train_step  # noqa: E402
+from flexpack.training.optim import build_optimizer  # noqa: E402
+from flexpack.training.step import train_step  # noqa: E402
 
 REF = Path(__file__).resolve().parents[1] / "data" / "episode_frames_ref.txt"
 VARIANTS = ("pack-compiled", "pack-eager", "diffusers-compiled", "diffusers-regional", "diffusers-eager", "pad-eager")
@@ -117,7 +118,7 @@ def run_flexpack(args, name: str, lengths: list[int], batches: list[list[int]], 
     with device:
         model = build_model(cfg)
     model = parallelize(model, device=device, compile=compile_)
-    opt = make_optimizer(model, cfg, device)
+    opt = build_optimizer(model, cfg.optim, fused=device.type == "cuda")
     made = [collate([items[i] for i in b]) for b in plan]
     if device.type == "cuda":
         made = [b.pin_memory() for b in made]

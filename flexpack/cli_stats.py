@@ -28,7 +28,7 @@ from flexpack.packing.stats import summary, table, write_plot
 def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--frames-file", metavar="FILE", help="video frame counts, one per line")
-    src.add_argument("--dataset", metavar="ROOT", help="LeRobot dataset root (lengths from its metadata)")
+    src.add_argument("--dataset", metavar="ROOT", help="LeRobot dataset folder or repo id in lerobot's cache (lengths from its metadata)")
     p.add_argument("--mode", choices=("pad", "pack"), required=True, help="bucket+pad or token-budget packing")
     p.add_argument("--batch-size", type=int, default=4, help="pad mode: episodes per batch (default 4)")
     p.add_argument("--pool-factor", type=int, default=50, help="pad mode: batches per sorted pool (default 50)")

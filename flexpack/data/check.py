@@ -47,7 +47,7 @@ def check_dataset(
     if stride < 1:
         raise ValueError(f"stride must be >= 1, got {stride}")
     source = EpisodeSource(root)
-    out_dir = Path(latents_dir) if latents_dir is not None else cache.default_latents_dir(root)
+    out_dir = Path(latents_dir) if latents_dir is not None else cache.default_latents_dir(source.root)
     cams, problems = _cameras(source, cameras)
     if not cams:
         return problems, source
@@ -104,7 +104,7 @@ def check_dataset(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("root", type=Path, help="LeRobot dataset root")
+    parser.add_argument("root", type=Path, help="LeRobot dataset folder, or a repo id (org/name) in lerobot's cache")
     parser.add_argument("--latents-dir", type=Path, default=None, help="cache folder (default ROOT/latents)")
     parser.add_argument("--cameras", nargs="+", default=None, help="camera set of the cache (default: all)")
     parser.add_argument("--stride", type=int, default=4, help="the VAE's temporal stride")
@@ -129,5 +129,5 @@ def run(args: argparse.Namespace) -> int:
         print(f"{len(problems)} problem(s) in {len(episodes)} episode(s) of {len(source.episodes)}")
         return 1
     print(f"ok: {len(source.episodes)} episodes, {len(source.tasks())} tasks, cameras {source.video_keys if not args.cameras else args.cameras}, "
-          f"latents {args.latents_dir or cache.default_latents_dir(args.root)}")
+          f"latents {args.latents_dir or cache.default_latents_dir(source.root)}")
     return 0

@@ -47,6 +47,7 @@ import torch
 from flexpack.data import cache
 from flexpack.data.actions import ActionNormalizer, align_actions, channel_map
 from flexpack.data.episodes import EpisodeSource
+from flexpack.data.hub import resolve_root
 from flexpack.data.lengths import latent_frames
 from flexpack.data.problems import Problem, inspect_latent, inspect_text, raise_first, resolve_cameras
 from flexpack.data.segments import Segment, episode_segments, task_runs
@@ -85,7 +86,7 @@ class LatentEpisodeDataset(torch.utils.data.Dataset):
                 whole episode; ``True`` = one item per task run everywhere; ``False`` = whole
                 episodes (reads no per-frame task_index at construction).
         """
-        self.root = Path(root)
+        self.root = resolve_root(root)  # a path, or a LeRobot repo id in lerobot's cache
         self.latents_dir = Path(latents_dir) if latents_dir is not None else cache.default_latents_dir(self.root)
         self.source = EpisodeSource(self.root, video_backend=video_backend)
         meta = self.source.meta

@@ -20,7 +20,7 @@ from flexpack.data.encoders import VideoEncoder, encode_cameras, make_video_enco
 from flexpack.data.episodes import EpisodeSource
 from flexpack.data.lengths import used_video_frames
 from flexpack.data.problems import inspect_latent, inspect_text, resolve_cameras
-from flexpack.data.text import TextEncoder, make_text_encoder
+from flexpack.data.text import TextEncoder, encode_texts, make_text_encoder
 
 
 @dataclass
@@ -43,20 +43,30 @@ def encode_dataset(
     video_backend: str = "pyav",
     device: str = "cpu",
     progress: bool = True,
+    text_device: str = "cpu",
+    text_batch_size: int = 16,
+    text_max_len: int = 512,
 ) -> EncodeReport:
     source = EpisodeSource(root, video_backend=video_backend)
     enc = make_video_encoder(encoder, device=device) if isinstance(encoder, str) else encoder
-    txt = make_text_encoder(text_encoder) if isinstance(text_encoder, str) else text_encoder
+    txt = (make_text_encoder(text_encoder, device=text_device, max_len=text_max_len)
+           if isinstance(text_encoder, str) else text_encoder)
     cams = resolve_cameras(source.video_keys, cameras, source.info_file)
-    out_dir = Path(latents_dir) if latents_dir is not None else cache.default_latents_dir(root)
+    out_dir = Path(latents_dir) if latents_dir is not None else cache.default_latents_dir(source.root)
     report = EncodeReport(latents_dir=out_dir, cameras=cams)
 
+    todo_texts = []
     for task_index, task in source.tasks().items():
         path = cache.text_path(out_dir, task_index)
         problems, _, head = inspect_text(path, episode=None, task=task, task_index=task_index)
         if problems or head.encoder != txt.name:
-            emb, n = txt.encode(task)
-            cache.write_text(path, emb, encoder=txt.name, task=task, task_index=task_index, text_len=n)
+            todo_texts.append((task_index, task))
+    bs = max(1, text_batch_size)
+    for i in tqdm(range(0, len(todo_texts), bs), desc=f"text {txt.name}", unit="batch", disable=not progress or not todo_texts):
+        chunk = todo_texts[i : i + bs]
+        for (task_index, task), (emb, n) in zip(chunk, encode_texts(txt, [t for _, t in chunk], bs)):
+            cache.write_text(cache.text_path(out_dir, task_index), emb, encoder=txt.name, task=task,
+                             task_index=task_index, text_len=n)
             report.texts_written.append(task_index)
 
     frames_of = dict(zip(source.episodes, source.video_frames))
@@ -84,10 +94,14 @@ def encode_dataset(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dataset", type=Path, required=True, help="LeRobot dataset root")
+    parser.add_argument("--dataset", type=Path, required=True, help="LeRobot dataset folder, or a repo id (org/name) in lerobot's cache (HF_LEROBOT_HOME)")
     parser.add_argument("--encoder", default="pool", help="'pool' (stand-in) or 'wan-vae:PATH' (local diffusers folder)")
     parser.add_argument("--cameras", nargs="+", default=None, help="camera keys or short names, in width order (default: all)")
-    parser.add_argument("--text-encoder", default="hash", help="'hash' or 'hash:DIMxLEN' (stand-in)")
+    parser.add_argument("--text-encoder", default="hash",
+                        help="'hash' / 'hash:DIMxLEN' (stand-in), 'umt5:PATH' (Wan's umT5) or 'hf:PATH' (a transformers encoder)")
+    parser.add_argument("--text-device", default="cpu", help="device for umt5/hf text encoders (e.g. cuda)")
+    parser.add_argument("--text-batch-size", type=int, default=16, help="task strings per text-encoder batch")
+    parser.add_argument("--text-max-len", type=int, default=512, help="tokens per task text (Wan: 512)")
     parser.add_argument("--latents-dir", type=Path, default=None, help="cache folder (default DATASET/latents)")
     parser.add_argument("--video-backend", default="pyav", help="lerobot video backend (pyav or torchcodec)")
     parser.add_argument("--device", default="cpu", help="device for the wan-vae encoder")
@@ -99,7 +113,8 @@ def run(args: argparse.Namespace) -> int:
         report = encode_dataset(
             args.dataset, encoder=args.encoder, text_encoder=args.text_encoder, cameras=args.cameras,
             latents_dir=args.latents_dir, video_backend=args.video_backend, device=args.device,
-            progress=not args.no_progress,
+            progress=not args.no_progress, text_device=args.text_device, text_batch_size=args.text_batch_size,
+            text_max_len=args.text_max_len,
         )
     except (ValueError, OSError, ImportError) as exc:  # finished episodes stay cached: rerun to resume
         raise UserError(one_line(exc)) from exc

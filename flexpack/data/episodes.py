@@ -14,12 +14,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from flexpack.data.hub import resolve_root
 from flexpack.data.lengths import episode_indices, episode_video_frames, open_metadata
 
 
 class EpisodeSource:
     def __init__(self, root: str | os.PathLike, video_backend: str = "pyav") -> None:
-        self.root = Path(root)
+        self.root = resolve_root(root)  # a path, or a LeRobot repo id in lerobot's cache
         self.meta = open_metadata(self.root)
         self.video_backend = video_backend
         self.episodes: list[int] = episode_indices(self.meta)

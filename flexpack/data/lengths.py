@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 from typing import Any
 
 from flexpack.packing.lengths import latent_frames, used_video_frames  # noqa: F401  (used_video_frames re-exported)
@@ -21,7 +20,9 @@ def open_metadata(root: str | os.PathLike) -> Any:
     naming the metadata file that is missing (lerobot would fetch a missing one from the hub), and
     ValueError naming ``meta/info.json`` when it is not LeRobot metadata.
     """
-    root = Path(root)
+    from flexpack.data.hub import resolve_root
+
+    root = resolve_root(root)  # a path, or a LeRobot repo id in lerobot's cache
     info_file = root / "meta" / "info.json"
     if not info_file.is_file():
         raise FileNotFoundError(f"{info_file}: not a LeRobot dataset (no meta/info.json under {root})")

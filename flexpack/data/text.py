@@ -42,11 +42,24 @@ class HashTextEncoder:
         return torch.from_numpy(out), len(tokens)
 
 
-def make_text_encoder(spec: str) -> TextEncoder:
-    """``hash`` or ``hash:DIMxLEN`` (default 64x16)."""
+def make_text_encoder(spec: str, *, device: str = "cpu", max_len: int = 512) -> TextEncoder:
+    """``hash`` or ``hash:DIMxLEN`` (default 64x16), ``umt5:PATH`` or ``hf:PATH`` (``max_len`` tokens on ``device``)."""
     if spec == "hash":
         return HashTextEncoder()
     m = re.fullmatch(r"hash:(\d+)x(\d+)", spec)
     if m:
         return HashTextEncoder(int(m.group(1)), int(m.group(2)))
-    raise ValueError(f"unknown text encoder {spec!r}; use 'hash' or 'hash:DIMxLEN'")
+    kind, sep, path = spec.partition(":")
+    if sep and path and kind in ("umt5", "hf"):
+        from flexpack.data.text_hf import HFTextEncoder
+
+        return HFTextEncoder(kind, path, max_len=max_len, device=device)
+    raise ValueError(f"unknown text encoder {spec!r}; use 'hash', 'hash:DIMxLEN', 'umt5:PATH' or 'hf:PATH'")
+
+
+def encode_texts(encoder: TextEncoder, texts: list[str], batch_size: int = 16) -> list[tuple[torch.Tensor, int]]:
+    """Encode ``texts`` ``batch_size`` at a time (``encode_batch`` where the encoder has it)."""
+    batch = getattr(encoder, "encode_batch", None)
+    if batch is None:
+        return [encoder.encode(t) for t in texts]
+    return [r for i in range(0, len(texts), batch_size) for r in batch(texts[i : i + batch_size])]

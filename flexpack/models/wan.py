@@ -51,6 +51,20 @@ class WanVAOutput:
     action: Tensor | None
 
 
+def action_stream_init(cfg: WanVAConfig) -> dict[str, Tensor]:
+    """Initial action-stream weights (CPU float32, drawn from the global RNG in a fixed order), by
+    parameter name; {} without actions. One definition for a plain model and for a sharded one,
+    whose ranks each take their slice of the same full tensors."""
+    if not cfg.action_channels:
+        return {}
+    D, Ca = cfg.dim, cfg.action_channels
+    embed, proj = nn.Linear(Ca, D, device="cpu"), nn.Linear(D, Ca, device="cpu")  # nn.Linear's own init
+    table = torch.empty(2, D, device="cpu").normal_(0.0, D**-0.5)
+    return {"action_embed.weight": embed.weight.detach(), "action_embed.bias": embed.bias.detach(),
+            "action_head_proj.weight": proj.weight.detach(), "action_head_proj.bias": proj.bias.detach(),
+            "action_head_modulation": table}
+
+
 # ---------------------------------------------------------------------------- the model
 class WanVA(nn.Module):
     """Wan-style DiT over video latents plus action tokens; see the module docstring.
@@ -188,9 +202,8 @@ class WanVA(nn.Module):
         init; head modulation ~ N(0, 1/D)). Loaders call it for the part a video checkpoint lacks."""
         if self.action_embed is None:
             return
-        self.action_embed.reset_parameters()
-        self.action_head_proj.reset_parameters()
-        self.action_head_modulation.normal_(0.0, self.config.dim**-0.5)
+        for name, t in action_stream_init(self.config).items():
+            self.get_parameter(name).copy_(t)
 
     # -------------------------------------------------------------- internals
     @staticmethod

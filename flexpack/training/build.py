@@ -15,6 +15,7 @@ from flexpack.packing.collate import Batch, PackCollate, PadCollate
 from flexpack.training.checks import check_token_budget, config_terms
 from flexpack.training.config import TrainConfig
 from flexpack.training.noise import episode_seed
+from flexpack.training.parallel import world
 
 
 class _Collate:
@@ -47,18 +48,25 @@ class Data:
     text_slots: int | None = None  # text key slots for the whole run (one compiled shape per pack)
 
 
-def build_data(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> Data:
-    """Dataset, this rank's sampler and the matching collate; checks the data fits the model."""
+def build_data(cfg: TrainConfig, rank: int = 0, world_size: int = 1, *, split: str = "train") -> Data:
+    """Dataset, this rank's sampler and the matching collate; checks the data fits the model.
+    ``split``: the training episodes or the held-out ``"val"`` ones (:mod:`flexpack.training.validation`)."""
     from flexpack.data import LatentEpisodeDataset
+    from flexpack.data.episodes import EpisodeSource
     from flexpack.packing.sampler import LengthBucketBatchSampler, TokenBudgetBatchSampler
+    from flexpack.training.holdout import split_episodes
 
     d, m = cfg.data, cfg.model.wan_config()
     if not d.root:
         raise ValueError("data.root is empty: set it to a LeRobot dataset folder with a latent cache")
+    episodes = None
     with config_terms(cfg):
+        if d.val_fraction or d.val_episodes:
+            episodes = split_episodes(EpisodeSource(d.root).episodes, d, d.root)[split == "val"]
         ds = LatentEpisodeDataset(
             d.root, latents_dir=d.latents_dir, action_dim=max(m.action_channels, 1), action_steps=d.action_steps,
             stride=d.stride, cameras=list(d.cameras) if d.cameras else None, normalize=d.normalize, segments=d.segments,
+            episodes=episodes,
         )
     item = ds[0]
     C, _, H, W = item["latent"].shape
@@ -91,10 +99,28 @@ def run_text_slots(sampler: Any) -> int:
 
 
 def build_model(cfg: TrainConfig) -> nn.Module:
+    """The config's WanVA: random init, or ``model.pretrained`` loaded. Under several ranks a
+    pretrained model comes back on the meta device: :func:`materialize` fills it once sharded."""
     from flexpack.models import WanVA
+    from flexpack.training.pretrained import load_single
 
     torch.manual_seed(cfg.runtime.seed)  # every rank starts from the same weights
-    return WanVA(cfg.model.wan_config())
+    wcfg = cfg.model.wan_config()
+    if not cfg.model.pretrained:
+        return WanVA(wcfg)
+    if world()[1] > 1:
+        with torch.device("meta"):
+            return WanVA(wcfg)
+    return load_single(WanVA, cfg.model.pretrained, wcfg, cfg.runtime.seed)
+
+
+def materialize(model: nn.Module, cfg: TrainConfig, device: torch.device) -> None:
+    """After ``parallelize``: load ``model.pretrained`` into a model left on the meta device, each
+    rank reading only its shards (a no-op for a model that holds weights already)."""
+    from flexpack.training.pretrained import is_meta, load_pretrained
+
+    if is_meta(model):
+        load_pretrained(model, cfg.model.pretrained, cfg.model.wan_config(), device=device, seed=cfg.runtime.seed)
 
 
 def model_kwargs(cfg: TrainConfig) -> dict[str, Any]:

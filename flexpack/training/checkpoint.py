@@ -5,6 +5,7 @@ Layout of ``RUN/checkpoints/step_00000040/``::
     model.pt          full model state dict (torch.save; load with weights_only=True)
     optim.pt          full optimizer state dict, keyed by parameter name
     rng.pt            rank 0's torch CPU (and CUDA) RNG state
+    ema.pt            EMA weights by parameter name, when optim.ema_decay > 0
     train_state.json  {"step", "sampler" (the sampler's state_dict), "world_size", "extra"}
 
 State dicts go through ``torch.distributed.checkpoint.state_dict`` (``get_state_dict`` /
@@ -72,13 +73,16 @@ def save(
     sampler_state: dict[str, Any] | None = None,
     extra: dict[str, Any] | None = None,
     keep: int | None = None,
+    ema: Any = None,
 ) -> Path:
-    """Write checkpoint ``step`` (collective); keep the newest ``keep`` checkpoints. Returns its folder."""
+    """Write checkpoint ``step`` (collective); keep the newest ``keep`` checkpoints. Returns its folder.
+    ``ema``: a :class:`~flexpack.training.ema.EMA`, written as ``ema.pt`` (full tensors by name)."""
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
     if optimizer is not None:
         model_sd, optim_sd = get_state_dict(model, optimizer, options=opts)
     else:
         model_sd, optim_sd = get_model_state_dict(model, options=opts), None
+    ema_sd = ema.full_state_dict() if ema is not None else None  # collective under FSDP
     rank, size = world()
     final = step_dir(root, step)
     if rank == 0:
@@ -89,6 +93,8 @@ def save(
         torch.save(model_sd, tmp / "model.pt")
         if optim_sd is not None:
             torch.save(optim_sd, tmp / "optim.pt")
+        if ema_sd is not None:
+            torch.save(ema_sd, tmp / "ema.pt")
         rng = {"cpu": torch.get_rng_state()}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             rng["cuda"] = torch.cuda.get_rng_state()
@@ -115,8 +121,10 @@ def load(
     optimizer: torch.optim.Optimizer | None = None,
     *,
     restore_rng: bool = True,
+    ema: Any = None,
 ) -> dict[str, Any]:
-    """Load a checkpoint folder into ``model`` (sharded or not) and ``optimizer``; return train_state."""
+    """Load a checkpoint folder into ``model`` (sharded or not) and ``optimizer``; return train_state.
+    ``ema`` gets ``ema.pt``, or restarts at the loaded weights where the checkpoint has none."""
     path = Path(path)
     state_file = path / "train_state.json"
     if not state_file.is_file():
@@ -131,6 +139,9 @@ def load(
         set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=opts)
     else:
         set_model_state_dict(model, model_sd, options=opts)
+    if ema is not None:
+        ema_file = path / "ema.pt"
+        ema.load_state_dict(torch.load(ema_file, map_location="cpu", weights_only=True) if ema_file.is_file() else None)
     if restore_rng and (path / "rng.pt").is_file():
         rng = torch.load(path / "rng.pt", weights_only=True)
         torch.set_rng_state(rng["cpu"])

@@ -111,7 +111,8 @@ def positive_int(text: str) -> int:
 
 def preflight(cfg: Any, stop_after: int | None = None) -> "torch.device":  # noqa: F821
     """Everything about ``cfg`` that can fail without data or a model; returns the device."""
-    if stop_after is not None and (isinstance(stop_after, bool) or not isinstance(stop_after, int) or stop_after < 1):
+    # 0 is a library use (build, load, take no step: tests and tools); the CLI asks for >= 1
+    if stop_after is not None and (isinstance(stop_after, bool) or not isinstance(stop_after, int) or stop_after < 0):
         raise UserError(f"--stop-after must be an integer >= 1, got {stop_after!r}")
     from flexpack.training.parallel import world
 

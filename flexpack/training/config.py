@@ -49,7 +49,7 @@ class DataConfig:
     ``action_steps``; the dataset's action width is the model's ``action_channels``.
     """
 
-    root: str = ""  # LeRobot dataset folder (with a latent cache)
+    root: str = ""  # LeRobot dataset folder (with a latent cache), or a repo id in lerobot's cache (HF_LEROBOT_HOME)
     latents_dir: str | None = None  # default ROOT/latents
     cameras: tuple[str, ...] | None = None
     action_steps: int = 4
@@ -64,8 +64,12 @@ class DataConfig:
     pad_multiple: int = 8
     num_workers: int = 0
     seed: int = 0
+    val_fraction: float = 0.0  # share of episodes held out for validation (flexpack.training.validation)
+    val_episodes: tuple[int, ...] = ()  # episode indices held out (with val_fraction: both)
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ValueError(f"data.val_fraction must be in [0, 1), got {self.val_fraction!r}")
         if self.mode not in MODES:
             raise ValueError(f"data.mode must be one of {MODES}, got {self.mode!r}")
         if self.segments not in (True, False, "auto"):
@@ -80,10 +84,16 @@ class DataConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """A WanVA preset with field overrides, and the self-attention mask of the forward."""
+    """A WanVA preset with field overrides, and the self-attention mask of the forward.
+
+    ``pretrained``: a diffusers ``WanTransformer3DModel`` folder or ``.safetensors`` file to start
+    from; its config.json gives the shape, the preset and overrides the rest
+    (:mod:`flexpack.training.pretrained`).
+    """
 
     preset: str = "tiny"
     overrides: dict[str, Any] = field(default_factory=dict)  # any WanVAConfig field
+    pretrained: str = ""  # "" = random init
     mask: str = "document"
     chunk_size: int | None = None  # chunk_causal / teacher_forcing masks
 
@@ -108,6 +118,10 @@ class ModelConfig:
         kw = {k: _check_type(v, hints[k], f"model.overrides.{k}") for k, v in self.overrides.items()}
         try:
             wc = wan_config(self.preset, **kw)
+            if self.pretrained:
+                from flexpack.training.pretrained import pretrained_config
+
+                wc = pretrained_config(self.pretrained, wc, kw)
         except (ValueError, TypeError) as exc:  # named as the config writes them
             raise ValueError(str(exc).replace("WanVAConfig.", "model.overrides.")) from None
         from flexpack.attention.flex import BACKENDS
@@ -125,6 +139,7 @@ class OptimConfig:
     weight_decay: float = 0.01
     grad_clip: float = 1.0  # max global grad norm; 0 = no clipping
     accum_steps: int = 1  # micro-batches per optimizer step
+    ema_decay: float = 0.0  # EMA of the weights, saved with checkpoints (flexpack.training.ema); 0 = off
 
     def __post_init__(self) -> None:
         _positive("optim", lr=self.lr, eps=self.eps, accum_steps=self.accum_steps)
@@ -133,6 +148,8 @@ class OptimConfig:
                 raise ValueError(f"optim.{name} must be a finite number >= 0, got {getattr(self, name)!r}")
         if not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError(f"optim.betas must both be in [0, 1), got {list(self.betas)}")
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise ValueError(f"optim.ema_decay must be in [0, 1) (0 = off), got {self.ema_decay!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -186,8 +203,11 @@ class RuntimeConfig:
     tensorboard: bool = True  # event files under RUN/tb/ (flexpack.training.tracking)
     wandb: bool = False  # also log to Weights & Biases (needs the wandb package; WANDB_MODE=offline works)
     wandb_project: str = "flexpack"
+    eval_every: int = 0  # steps between validation losses on the held-out episodes; 0 = none
 
     def __post_init__(self) -> None:
+        if self.eval_every < 0:
+            raise ValueError(f"runtime.eval_every must be >= 0, got {self.eval_every!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"runtime.dtype must be one of {DTYPES}, got {self.dtype!r}")
         check_device_string(self.device)  # whether CUDA is there is checked when training starts
@@ -223,6 +243,9 @@ class TrainConfig:
         if self.runtime.activation_checkpointing and self.model.overrides.get("activation_checkpointing"):
             raise ValueError("activation checkpointing is on twice (runtime.activation_checkpointing and "
                              "model.overrides.activation_checkpointing): each block would be recomputed twice; keep one")
+        if self.runtime.eval_every and not (self.data.val_fraction or self.data.val_episodes):
+            raise ValueError(f"runtime.eval_every={self.runtime.eval_every} needs held-out episodes: "
+                             "set data.val_fraction or data.val_episodes")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

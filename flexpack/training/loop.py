@@ -31,13 +31,16 @@ from tqdm import tqdm
 
 from flexpack.packing.collate import Batch
 from flexpack.training import checkpoint, tracking
-from flexpack.training.build import Data, build_data, build_model
+from flexpack.training.build import Data, build_data, build_model, materialize
 from flexpack.training.checks import positive_int, preflight
 from flexpack.training.config import ScheduleConfig, TrainConfig, load_config, save_config
+from flexpack.training.ema import make_ema
 from flexpack.training.metrics import StepMeter
+from flexpack.training.optim import build_optimizer
 from flexpack.training.parallel import parallelize, world
 from flexpack.training.profiling import StepProfiler
-from flexpack.training.step import accumulate, make_optimizer, train_step  # noqa: F401  (accumulate: public here too)
+from flexpack.training.step import accumulate, train_step  # noqa: F401  (accumulate: public here too)
+from flexpack.training.validation import make_validator
 
 
 def lr_at(step: int, base_lr: float, sched: ScheduleConfig, resumed_at: int | None = None) -> float:
@@ -98,15 +101,18 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, data: Data | None 
         model = build_model(cfg)
     model = parallelize(model, device=device, param_dtype=param_dtype, compile=use_compile(cfg, device),
                         activation_checkpointing=cfg.runtime.activation_checkpointing)
+    materialize(model, cfg, device)  # model.pretrained under FSDP2: each rank loads its shards
     o, run = cfg.optim, Path(cfg.runtime.out_dir)
-    opt = make_optimizer(model, cfg, device)
+    opt = build_optimizer(model, o, log=rank == 0, fused=device.type == "cuda")  # no decay on norms, biases, ...
+    ema = make_ema(model, o.ema_decay)
+    validator = make_validator(cfg, device)  # None unless runtime.eval_every
     ckpt_root, start, resumed_at = run / "checkpoints", 0, None
     found = checkpoint.latest(ckpt_root)
     if found is not None and not cfg.checkpoint.resume:
         raise ValueError(f"{run}: holds checkpoint {found.name} but checkpoint.resume is false; "
                          "remove the folder or choose another runtime.out_dir")
     if found is not None:
-        state = checkpoint.load(found, model, opt)
+        state = checkpoint.load(found, model, opt, ema=ema)
         data.sampler.load_state_dict(state["sampler"])
         start = resumed_at = int(state["step"])
     if rank == 0:
@@ -131,12 +137,14 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, data: Data | None 
                 group["lr"] = lr
             if step > start and cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
                 result.checkpoint = checkpoint.save(ckpt_root, step, model, opt, sampler_state=sampler_state,
-                                                    keep=cfg.checkpoint.keep)
+                                                    keep=cfg.checkpoint.keep, ema=ema)
             prof.phase("data")
             micro = [next(stream) for _ in range(o.accum_steps)]
             batches, sampler_state = [b for b, _ in micro], micro[-1][1]
             sums, norm = train_step(model, opt, batches, cfg, step=step, device=device, extra_model_kwargs=extra,
                                     prof=prof)
+            if ema is not None:
+                ema.update()
             meter.add(batches)
             step += 1
             bar.update(1)
@@ -148,11 +156,13 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, data: Data | None 
                 result.metrics.append(rec)
                 sinks.log(rec)
                 bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{lr:.2e}", tok_s=f"{rec['tokens_per_s']:.0f}")
+            if validator is not None:
+                validator.after_step(model, step)
     bar.close()
     result.step = step
     if step > start:
         result.checkpoint = checkpoint.save(ckpt_root, step, model, opt, sampler_state=sampler_state,
-                                            keep=cfg.checkpoint.keep)
+                                            keep=cfg.checkpoint.keep, ema=ema)
     return result
 
 

@@ -1,7 +1,7 @@
 """One optimizer step of the train loop, shared by ``flexpack train`` and ``benchmarks/train_step.py``.
 
 :func:`accumulate` runs the step's micro-batches forward and backward; :func:`train_step` adds
-clipping and the optimizer update. Nothing here waits for the GPU: loss counts come from the
+clipping and the optimizer update (AdamW from :func:`flexpack.training.optim.build_optimizer`). Nothing here waits for the GPU: loss counts come from the
 host-side layout, noise is drawn on the device (:mod:`flexpack.training.noise`), loss parts and
 the gradient norm stay device tensors until the caller logs them, so the host can queue the next
 step while the GPU runs this one.
@@ -57,13 +57,6 @@ def accumulate(model: nn.Module, batches: Sequence[Batch], cfg: TrainConfig, *, 
         parts = [fl.latent_sum / max(totals[0], 1.0), fl.action_sum / max(totals[1], 1.0)]
         out += torch.stack([share.detach(), *(p.detach() for p in parts)]).float()
     return out
-
-
-def make_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW over the model's parameters; the fused CUDA kernel on CUDA (one launch per step)."""
-    o = cfg.optim
-    return torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
-                             fused=device.type == "cuda")
 
 
 def train_step(model: nn.Module, opt: torch.optim.Optimizer, batches: Sequence[Batch], cfg: TrainConfig, *,

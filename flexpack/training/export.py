@@ -1,0 +1,168 @@
+"""``flexpack export RUN OUT``: a run's newest checkpoint as a folder the ecosystem loads.
+
+``OUT`` (a new or empty folder, written under a temporary name and renamed when complete)::
+
+    config.json, diffusion_pytorch_model*.safetensors   the video transformer:
+                                                        diffusers.WanTransformer3DModel.from_pretrained(OUT)
+    action_stream.safetensors                           the action stream's weights (WanVA names)
+    action_stream.json                                  its config: action channels and steps, the WanVA config
+    normalization.json                                  how actions were normalized (invert it at inference)
+    flexpack_config.json                                the run's training config
+    ema/                                                with --ema: the EMA weights, the same layout
+
+The weights come from :func:`flexpack.training.checkpoint.load` into a single-process model built on
+the meta device (no random init), as ``flexpack verify --checkpoint`` loads them. Names and
+shapes go back through the table of :mod:`flexpack.models.wan_convert` (the one used to load
+diffusers checkpoints); :func:`load_export` reads a folder back into a :class:`WanVA`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flexpack.models.wan_config import WanVAConfig
+
+ACTION_FORMAT = "flexpack-action-stream-v1"
+
+
+def _check_out(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"{out}: exists and is not empty; export writes into a new or empty folder")
+
+
+def _normalization(cfg: Any, state: dict[str, Any]) -> dict[str, Any]:
+    """The action normalization of the run: from the checkpoint where it carries it, else from the
+    dataset's metadata (what LatentEpisodeDataset used)."""
+    saved = state.get("normalization") or (state.get("extra") or {}).get("normalization")
+    if saved:
+        return dict(saved)
+    from flexpack.data.actions import ActionNormalizer, channel_map
+    from flexpack.data.lengths import open_metadata
+
+    meta = open_metadata(cfg.data.root)
+    key = "action"
+    columns = int(torch.Size(meta.features[key]["shape"]).numel())
+    stats = (meta.stats or {}).get(key)
+    norm = ActionNormalizer.from_stats(stats, columns, key) if cfg.data.normalize else ActionNormalizer.identity(columns)
+    action_dim = max(cfg.model.wan_config().action_channels, 1)
+    return {"action_key": key, "mode": norm.mode, "low": norm.low.tolist(), "high": norm.high.tolist(),
+            "columns": columns, "channels": channel_map(columns, action_dim, None).tolist(),
+            "action_steps": cfg.data.action_steps, "stride": cfg.data.stride, "dataset": str(cfg.data.root),
+            "formula": {"quantile": "2 (x - low) / (high - low) - 1, clipped to [-1, 1]",
+                        "meanstd": "(x - low) / high", "none": "x"}[norm.mode]}
+
+
+def write_weights(folder: Path, state_dict: dict[str, torch.Tensor], wcfg: WanVAConfig, *, action_steps: int,
+                  dtype: torch.dtype = torch.float32, max_shard_size: str | int = "10GB") -> None:
+    """A WanVA state dict as a diffusers WanTransformer3DModel folder plus the action-stream files."""
+    try:
+        from diffusers import WanTransformer3DModel
+    except ImportError as exc:
+        raise ImportError("flexpack export needs diffusers (pip install diffusers)") from exc
+    from safetensors.torch import save_file
+
+    from flexpack.models.wan_convert import config_to_diffusers, to_diffusers_state_dict
+
+    video, action = to_diffusers_state_dict({k: v.to(dtype) for k, v in state_dict.items()}, wcfg)
+    with torch.device("meta"):  # no random init: the tensors are adopted below
+        dm = WanTransformer3DModel(**config_to_diffusers(wcfg))
+    dm.load_state_dict(video, strict=True, assign=True)
+    dm.save_pretrained(folder, safe_serialization=True, max_shard_size=max_shard_size)
+    if action:
+        save_file({k: v.contiguous() for k, v in action.items()}, str(folder / "action_stream.safetensors"),
+                  metadata={"format": ACTION_FORMAT})
+    info = {"format": ACTION_FORMAT, "action_channels": wcfg.action_channels, "action_steps": action_steps,
+            "dim": wcfg.dim, "weights": sorted(action), "wanva_config": asdict(wcfg)}
+    (folder / "action_stream.json").write_text(json.dumps(info, indent=2) + "\n")
+
+
+def export_run(run: str | os.PathLike, out: str | os.PathLike, *, ema: bool = False,
+               dtype: torch.dtype = torch.float32) -> Path:
+    """Export ``run``'s newest checkpoint into ``out`` (see the module docstring); returns ``out``."""
+    from flexpack.models import WanVA
+    from flexpack.training import checkpoint
+    from flexpack.training.config import load_config, save_config
+    from flexpack.training.ema import EMA
+
+    run, out = Path(run), Path(out)
+    _check_out(out)
+    if not (run / "config.json").is_file():
+        raise FileNotFoundError(f"{run}: no config.json; not a flexpack run folder (runtime.out_dir of a train run)")
+    found = checkpoint.latest(run / "checkpoints")
+    if found is None:
+        raise FileNotFoundError(f"{run / 'checkpoints'}: no complete checkpoint to export")
+    if ema and not (found / "ema.pt").is_file():
+        raise ValueError(f"{found}: has no ema.pt (trained with optim.ema_decay = 0); export without --ema")
+    cfg = load_config(run / "config.json")
+    wcfg = replace(cfg.model.wan_config(), activation_checkpointing=False)
+    with torch.device("meta"):
+        model = WanVA(wcfg)
+    model.to_empty(device="cpu")  # every tensor is overwritten by the checkpoint
+    averaged = EMA(model, 0.5) if ema else None  # the decay is irrelevant: only loaded, never updated
+    state = checkpoint.load(found, model, restore_rng=False, ema=averaged)
+    norm = _normalization(cfg, state)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        write_weights(tmp, model.state_dict(), wcfg, action_steps=cfg.data.action_steps, dtype=dtype)
+        if averaged is not None:
+            (tmp / "ema").mkdir()
+            write_weights(tmp / "ema", averaged.full_state_dict(), wcfg, action_steps=cfg.data.action_steps, dtype=dtype)
+        (tmp / "normalization.json").write_text(json.dumps(norm, indent=2) + "\n")
+        save_config(cfg, tmp / "flexpack_config.json")
+        (tmp / "export.json").write_text(json.dumps(
+            {"run": str(run), "checkpoint": str(found), "step": int(state["step"]), "ema": ema}, indent=2) + "\n")
+        if out.exists():
+            out.rmdir()  # empty (checked above): the rename needs the name free
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def load_export(folder: str | os.PathLike, *, attn: Any = None) -> torch.nn.Module:
+    """A :class:`WanVA` from an exported folder (or its ``ema/``): the diffusers weights plus the action stream."""
+    from safetensors.torch import load_file
+
+    from flexpack.models import WanVA
+
+    folder = Path(folder)
+    info_file = folder / "action_stream.json"
+    if not info_file.is_file():
+        raise FileNotFoundError(f"{info_file}: missing; not a flexpack export folder")
+    info = json.loads(info_file.read_text())
+    wcfg = WanVAConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in info["wanva_config"].items()})
+    model = WanVA.from_diffusers_file(str(folder), wcfg, attn=attn)
+    if info["weights"]:
+        action = load_file(folder / "action_stream.safetensors")
+        missing = sorted(set(info["weights"]) - set(action))
+        if missing:
+            raise ValueError(f"{folder / 'action_stream.safetensors'}: lacks {missing}")
+        with torch.no_grad():
+            for name, t in action.items():
+                model.get_parameter(name).copy_(t)
+    return model
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run", type=Path, help="run folder (runtime.out_dir of flexpack train)")
+    parser.add_argument("out", type=Path, help="new or empty folder to write")
+    parser.add_argument("--ema", action="store_true", help="also write the EMA weights (OUT/ema/, same layout)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="dtype of the exported weights")
+
+
+def run(args: argparse.Namespace) -> int:
+    out = export_run(args.run, args.out, ema=args.ema, dtype=getattr(torch, args.dtype))
+    print(f"exported {args.run} -> {out} (load: diffusers.WanTransformer3DModel.from_pretrained({str(out)!r}))")
+    return 0

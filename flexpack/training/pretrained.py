@@ -1,0 +1,135 @@
+"""``model.pretrained``: start training from a diffusers ``WanTransformer3DModel`` checkpoint.
+
+Shape. A folder (or a ``.safetensors`` file with a ``config.json`` beside it; a diffusers pipeline
+folder stands for its ``transformer/``) defines the shape:
+its config replaces the preset's shape fields, while the preset and ``model.overrides`` still give
+the options a video checkpoint cannot know (``action_channels``, ``attn_backend``, activation
+checkpointing). An override of a shape field that contradicts the checkpoint is an error naming
+both values. A lone ``.safetensors`` file without config.json takes the config's shape and is
+checked tensor by tensor.
+
+Loading. One process: :meth:`WanVA.from_diffusers_file` (built on the meta device, adopting the
+checkpoint's tensors; only the action stream is initialized), then cast to float32 master
+weights on the current default device. Several ranks (FSDP2): :func:`build_model` returns the
+model on the meta device; after ``fully_shard`` :func:`load_pretrained` allocates each rank's
+shards only (``to_empty``) and streams the checkpoint tensor by tensor from the memory-mapped
+safetensors files, each rank copying just its slice (``distribute_tensor(...,
+src_data_rank=None)`` slices locally, no communication). No rank holds more than one full tensor
+at a time; the action stream is drawn the same way on every rank from the run seed and sliced
+likewise, so a sharded start equals a single-process start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from flexpack.models.wan_config import WanVAConfig
+from flexpack.training.optim import plain_name
+
+# WanVAConfig fields a diffusers config.json determines (see wan_convert.config_from_diffusers)
+SHAPE_FIELDS = ("dim", "num_heads", "ffn_dim", "num_layers", "patch_size", "in_channels", "out_channels",
+                "text_dim", "freq_dim", "eps", "cross_attn_norm")
+
+
+def transformer_path(path: str | os.PathLike) -> str:
+    """``path``, or its ``transformer/`` folder when ``path`` is a diffusers pipeline folder."""
+    sub = Path(path) / "transformer"
+    return str(sub) if (sub / "config.json").is_file() else os.fspath(path)
+
+
+def checkpoint_files(path: str | os.PathLike) -> tuple[list[str], str | None]:
+    """Weight files and config.json of ``model.pretrained`` (FileNotFoundError naming the path)."""
+    from flexpack.models.wan_convert import diffusers_files
+
+    try:
+        return diffusers_files(transformer_path(path))
+    except ValueError as exc:
+        raise FileNotFoundError(f"model.pretrained: {exc}") from None
+
+
+def pretrained_config(path: str, base: WanVAConfig, overrides: Mapping[str, Any]) -> WanVAConfig:
+    """``base`` (preset + overrides) with the checkpoint's shape; ValueError on a contradicting override."""
+    from dataclasses import replace
+
+    from flexpack.models.wan_convert import config_from_diffusers
+
+    _, cfg_path = checkpoint_files(path)
+    if cfg_path is None:
+        return base  # a bare .safetensors file: the config's shape, checked against every tensor on load
+    try:
+        ckpt = config_from_diffusers(json.loads(Path(cfg_path).read_text()))
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ValueError(f"{cfg_path}: not a WanTransformer3DModel config usable by WanVA: {exc}") from None
+    for name in SHAPE_FIELDS:
+        if name not in overrides:
+            continue
+        mine, theirs = getattr(base, name), getattr(ckpt, name)
+        if name == "out_channels":
+            mine, theirs = base.out_dim, ckpt.out_dim
+        if mine != theirs:
+            raise ValueError(f"model.overrides.{name}={overrides[name]!r} but {cfg_path} has {name}={theirs!r}")
+    return replace(base, **{name: getattr(ckpt, name) for name in SHAPE_FIELDS})
+
+
+def load_single(cls: type[nn.Module], path: str, cfg: WanVAConfig, seed: int) -> nn.Module:
+    """The whole model in one process: float32 on the current default device."""
+    torch.manual_seed(seed)  # the action stream's init
+    model = cls.from_diffusers_file(transformer_path(path), cfg)
+    return model.to(device=torch.get_default_device(), dtype=torch.float32)
+
+
+@torch.no_grad()
+def _copy_into(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy ``full`` into ``param``, or into this rank's slice of it when ``param`` is a DTensor."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    full = full.to(device=param.device, dtype=param.dtype)
+    if isinstance(param, DTensor):
+        local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+        param.to_local().copy_(local)
+    else:
+        param.copy_(full)
+
+
+def load_pretrained(model: nn.Module, path: str, cfg: WanVAConfig, *, device: torch.device, seed: int) -> None:
+    """Fill a (sharded) model built on the meta device from the checkpoint at ``path``, slice by slice."""
+    from safetensors import safe_open
+
+    from flexpack.models.wan import action_stream_init
+    from flexpack.models.wan_convert import convert_tensor
+
+    files, _ = checkpoint_files(path)
+    model.to_empty(device=device)  # FSDP2 allocates only each rank's shards
+    params = {plain_name(n): p for n, p in model.named_parameters()}
+    filled: set[str] = set()
+    for fn in files:
+        with safe_open(fn, framework="pt") as f:  # memory-mapped: one tensor read at a time
+            for key in f.keys():
+                conv = convert_tensor(key, f.get_tensor(key))
+                if conv is None or conv[0] not in params:
+                    raise ValueError(f"{fn}: weight {key!r} has no counterpart in the model")
+                name, t = conv
+                if tuple(t.shape) != tuple(params[name].shape):
+                    raise ValueError(f"{fn}: weight {key!r} has shape {tuple(t.shape)}, the model's {name} "
+                                     f"{tuple(params[name].shape)}")
+                _copy_into(params[name], t)
+                filled.add(name)
+    torch.manual_seed(seed)  # the same draws as load_single: a sharded start equals a single-process one
+    for name, t in action_stream_init(cfg).items():
+        _copy_into(params[name], t)
+        filled.add(name)
+    missing = sorted(set(params) - filled)
+    if missing:
+        raise ValueError(f"model.pretrained={path}: the checkpoint lacks weights {missing[:8]}")
+    for name, buf in model.named_buffers():  # WanVA has none today; a new one must not stay uninitialized
+        raise ValueError(f"load_pretrained cannot initialize buffer {name!r}")
+
+
+def is_meta(model: nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())

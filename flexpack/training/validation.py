@@ -1,0 +1,107 @@
+"""Held-out episodes and the validation loss.
+
+Split. ``data.val_episodes`` (episode indices) and ``data.val_fraction`` (a share of all
+episodes) hold whole episodes, with all their segments, out of training. The fraction picks the
+episodes with the smallest ``episode_seed(data.seed, VAL_TAG, episode)``: a pure function of the
+dataset's episode list and the config, so every rank (and every rerun) holds out the same ones
+without communicating, and adding episodes to a dataset moves few of them.
+
+Loss. Every ``runtime.eval_every`` steps :class:`Validator` runs the model without gradients over
+every held-out item once and logs ``val_loss``, ``val_latent_loss`` and ``val_action_loss`` (the
+training objective: sums over all items divided by all counts, so the result does not depend on
+batching or rank count) to ``metrics.jsonl``. σ and noise are drawn per item from
+``(VAL_TAG, episode, segment)`` alone — not from the step or the run seed — so the numbers are
+comparable across steps and across runs. Items are dealt to ranks round-robin and packed in order;
+ranks with fewer micro-batches run a discarded one so FSDP's collectives stay matched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from flexpack.training.build import build_data, model_kwargs
+from flexpack.training.holdout import VAL_TAG
+from flexpack.training.noise import episode_flow_sample, episode_seed
+from flexpack.training.objective import flow_loss
+from flexpack.training.parallel import is_sharded, world
+
+
+def _micro_batches(lengths: Sequence[int], indices: Sequence[int], data_cfg: Any, tpf: int) -> list[list[int]]:
+    """This rank's items grouped like the training collate wants them: packed in order up to the
+    frame budget (pack mode) or ``batch_size`` at a time (pad mode)."""
+    if data_cfg.mode == "pad":
+        return [list(indices[i : i + data_cfg.batch_size]) for i in range(0, len(indices), data_cfg.batch_size)]
+    budget, out, used = data_cfg.max_tokens // tpf, [], 0
+    for i in indices:
+        n = min(lengths[i], budget)  # longer only with data.crop: build_data's sampler rejects them otherwise
+        if not out or used + n > budget:
+            out.append([])
+            used = 0
+        out[-1].append(i)
+        used += n
+    return out
+
+
+class Validator:
+    """The validation loss of a config's held-out episodes (see the module docstring)."""
+
+    def __init__(self, cfg: Any, device: torch.device) -> None:
+        rank, size = world()
+        self.cfg, self.device, self.rank = cfg, device, rank
+        self.data = build_data(cfg, split="val")
+        ds = self.data.dataset
+        lengths = ds.lengths()
+        mine = list(range(rank, len(ds), size))
+        self.batches = _micro_batches(lengths, mine, cfg.data, self.data.tokens_per_frame)
+        count = torch.tensor([len(self.batches)])
+        if size > 1:
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        self.rounds = int(count)
+        self.filler = self.batches[0] if self.batches else [0]  # run and discarded: keeps ranks in lockstep
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        cfg, ds = self.cfg, self.data.dataset
+        sharded = is_sharded(model)
+        bf16 = cfg.runtime.dtype == "bfloat16" and not sharded  # as in training
+        sums = torch.zeros(4, dtype=torch.float64)  # latent sum, action sum, latent count, action count
+        for j in range(self.rounds):
+            real = j < len(self.batches)
+            batch = self.data.collate([ds[i] for i in (self.batches[j] if real else self.filler)])
+            seeds = [episode_seed(VAL_TAG, e, s + 1) for e, s in batch.extras["noise_keys"]]
+            batch = batch.to(self.device)
+            sample = episode_flow_sample(batch, cfg.objective, seeds)
+            with torch.autocast(self.device.type, torch.bfloat16) if bf16 else contextlib.nullcontext():
+                pred = model(sample.inputs, **sample.model_kwargs(), **model_kwargs(cfg))
+            fl = flow_loss(pred, sample, batch, cfg.objective)
+            if real:
+                sums += torch.stack([fl.latent_sum, fl.action_sum, fl.latent_count, fl.action_count]).double().cpu()
+        if world()[1] > 1:
+            dist.all_reduce(sums)
+        lat, act = float(sums[0] / sums[2].clamp(min=1)), float(sums[1] / sums[3].clamp(min=1))
+        o = cfg.objective
+        return {"val_loss": o.latent_weight * lat + o.action_weight * act, "val_latent_loss": lat, "val_action_loss": act}
+
+    def after_step(self, model: nn.Module, step: int) -> dict[str, Any] | None:
+        """Every ``runtime.eval_every`` steps: evaluate (collective) and append to metrics.jsonl on rank 0."""
+        if step % self.cfg.runtime.eval_every:
+            return None
+        rec = {"step": step, **self.evaluate(model)}
+        if self.rank == 0:
+            run = Path(self.cfg.runtime.out_dir)
+            run.mkdir(parents=True, exist_ok=True)
+            with open(run / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(rec) + "\n")
+        return rec
+
+
+def make_validator(cfg: Any, device: torch.device) -> Validator | None:
+    """A Validator when ``runtime.eval_every`` > 0 (the config then holds episodes out), else None."""
+    return Validator(cfg, device) if cfg.runtime.eval_every else None

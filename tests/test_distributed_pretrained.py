@@ -1,0 +1,82 @@
+"""model.pretrained, EMA and validation under FSDP2 (2 CPU ranks over gloo): a sharded start equals a
+single-process one, the EMA of the local shards is the EMA of the weights, and the validation loss
+equals a single-process evaluation of the same weights."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("lerobot")
+pytest.importorskip("diffusers")
+
+from flexpack.data.encode import encode_dataset  # noqa: E402
+from flexpack.data.synthetic import make_synthetic_dataset  # noqa: E402
+from flexpack.training import checkpoint  # noqa: E402
+from flexpack.training.build import build_model  # noqa: E402
+from flexpack.training.config import load_config, save_config  # noqa: E402
+from flexpack.training.validation import Validator  # noqa: E402
+
+from hf_tiny import tiny_diffusers  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in")
+def test_fsdp2_pretrained_start_ema_and_validation(tmp_path):
+    torchrun = str(TORCHRUN) if TORCHRUN.exists() else shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun not found next to the interpreter or on PATH")
+    root = make_synthetic_dataset(tmp_path / "ds", lengths=[25, 21, 17, 13, 9, 9], seed=6)
+    encode_dataset(root, progress=False)
+    tiny_diffusers(seed=8).save_pretrained(tmp_path / "transformer", max_shard_size="40KB")
+    decay = 0.8
+    cfg = load_config(ROOT / "configs" / "tiny_cpu.toml", [
+        f'data.root="{root}"', f'runtime.out_dir="{tmp_path / "run"}"', "runtime.progress=false",
+        f'model.pretrained="{tmp_path / "transformer"}"', "runtime.activation_checkpointing=true",
+        "schedule.steps=2", "schedule.warmup_steps=1", "optim.accum_steps=1", "data.max_tokens=60",
+        "checkpoint.every=1", "checkpoint.keep=3", f"optim.ema_decay={decay}", "data.val_episodes=[0, 3]",
+        "runtime.eval_every=2"])
+    save_config(cfg, tmp_path / "cfg.json")
+    cmd = [torchrun, "--standalone", "--nproc_per_node", "2", str(ROOT / "tests" / "dist_pretrained_worker.py"),
+           str(tmp_path / "cfg.json"), str(tmp_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    r0 = json.loads((tmp_path / "rank0.json").read_text())
+    assert r0["param_types"] == ["DTensor"] and r0["local_numel"] < 0.6 * r0["full_numel"] and r0["steps"] == 2
+
+    # the sharded start (each rank its slices of the checkpoint + the seeded action stream) is the single-process one
+    single = build_model(cfg).state_dict()
+    loaded = torch.load(tmp_path / "loaded.pt", weights_only=True)
+    assert set(loaded) == set(single)
+    for name, value in single.items():
+        assert torch.equal(loaded[name], value), name
+
+    # EMA over local shards: ema_k = d·ema_{k-1} + (1 − d)·w_k, with ema_0 = the loaded weights
+    ck = {s: tmp_path / "run" / "checkpoints" / f"step_{s:08d}" for s in (1, 2)}
+    prev = loaded
+    for s in (1, 2):
+        w = torch.load(ck[s] / "model.pt", weights_only=True)
+        ema = torch.load(ck[s] / "ema.pt", weights_only=True)
+        for name in w:
+            assert torch.allclose(ema[name], decay * prev[name] + (1 - decay) * w[name], atol=1e-6), (s, name)
+        prev = ema
+
+    # validation over both ranks' shares equals one process evaluating the same weights
+    recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    val = [r for r in recs if "val_loss" in r]
+    assert [r["step"] for r in val] == [2]
+    model = build_model(cfg)
+    checkpoint.load(ck[2], model, restore_rng=False)
+    got = Validator(cfg, torch.device("cpu")).evaluate(model)
+    assert got["val_loss"] == pytest.approx(val[0]["val_loss"], rel=1e-5)
+    assert got["val_action_loss"] == pytest.approx(val[0]["val_action_loss"], rel=1e-5)

@@ -1,0 +1,93 @@
+"""``model.pretrained``: a diffusers WanTransformer3DModel checkpoint as the starting point of training."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+diffusers = pytest.importorskip("diffusers")
+pytest.importorskip("lerobot")
+
+from flexpack.attention.flex import FlexAttnFunc  # noqa: E402
+from flexpack.data.encode import encode_dataset  # noqa: E402
+from flexpack.data.synthetic import make_synthetic_dataset  # noqa: E402
+from flexpack.training.build import build_model  # noqa: E402
+from flexpack.training.config import load_config  # noqa: E402
+from flexpack.training.loop import train  # noqa: E402
+
+from hf_tiny import tiny_diffusers  # noqa: E402
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def cfg_for(pretrained, *overrides: str, root: str = "unused", out: str = "unused"):
+    return load_config(CONFIGS / "tiny_cpu.toml", [f'model.pretrained="{pretrained}"', f'data.root="{root}"',
+                                                   f'runtime.out_dir="{out}"', "runtime.progress=false", *overrides])
+
+
+def _inputs(L=5):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(2, 48, 3, 4, 2, generator=g), torch.tensor([7.0, 640.0]), torch.randn(2, L, 64, generator=g)
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["single-file", "sharded"])
+def test_pretrained_folder_gives_diffusers_outputs_and_an_initialized_action_stream(tmp_path, sharded):
+    m = tiny_diffusers()
+    m.save_pretrained(tmp_path / "transformer", **({"max_shard_size": "30KB"} if sharded else {}))
+    assert (tmp_path / "transformer" / "diffusion_pytorch_model.safetensors.index.json").exists() == sharded
+    cfg = cfg_for(tmp_path / "transformer")
+    wc = cfg.model.wan_config()
+    # the checkpoint's shape replaced the tiny preset's; options come from the config
+    assert (wc.dim, wc.num_heads, wc.ffn_dim, wc.freq_dim, wc.action_channels) == (32, 2, 48, 16, 6)
+    model = build_model(cfg)
+    model.attn = FlexAttnFunc("dense")
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    x, t, txt = _inputs()
+    with torch.no_grad():
+        ref = m(x, t, txt, return_dict=False)[0]
+        out = model.forward_video(x, t, txt)
+    assert float((out - ref).abs().max() / ref.abs().max()) < 1e-5
+    # the action stream is initialized as a fresh model's (seeded by the run seed), not left empty
+    torch.manual_seed(cfg.runtime.seed)
+    from flexpack.models.wan import action_stream_init
+
+    for name, value in action_stream_init(wc).items():
+        assert torch.equal(model.get_parameter(name), value), name
+
+
+def test_pretrained_safetensors_file_and_contradicting_overrides(tmp_path):
+    m = tiny_diffusers(seed=2)
+    m.save_pretrained(tmp_path / "transformer")
+    weights = tmp_path / "transformer" / "diffusion_pytorch_model.safetensors"
+    model = build_model(cfg_for(weights))  # config.json beside the file gives the shape
+    assert model.config.dim == 32
+    pipeline = build_model(cfg_for(tmp_path))  # a pipeline folder: its transformer/
+    assert all(torch.equal(v, pipeline.state_dict()[k]) for k, v in model.state_dict().items())
+    with pytest.raises(ValueError, match=r"model.overrides.dim=64 but .*config.json has dim=32$"):
+        cfg_for(tmp_path / "transformer", "model.overrides.dim=64")
+    with pytest.raises(ValueError, match=r"model.overrides.text_dim=64 but .*config.json has text_dim=16"):
+        tiny_diffusers(text_dim=16).save_pretrained(tmp_path / "t16")
+        cfg_for(tmp_path / "t16")
+    # a lone file without config.json: the config's shape, checked tensor by tensor
+    lone = tmp_path / "lone.safetensors"
+    weights.rename(lone)
+    with pytest.raises(ValueError, match="checkpoint shape .* != model shape"):
+        build_model(cfg_for(lone))
+    with pytest.raises(FileNotFoundError, match="model.pretrained: .*nope: no such file or folder"):
+        cfg_for(tmp_path / "nope")
+
+
+def test_training_starts_from_the_pretrained_weights(tmp_path):
+    root = make_synthetic_dataset(tmp_path / "ds", lengths=[17, 13, 9], seed=3)
+    encode_dataset(root, progress=False)
+    tiny_diffusers(seed=4).save_pretrained(tmp_path / "t")
+    cfg = cfg_for(tmp_path / "t", "schedule.steps=2", "data.max_tokens=60", root=str(root), out=str(tmp_path / "run"))
+    start = build_model(cfg).state_dict()
+    res = train(cfg, stop_after=0)  # no step: the model as the loop built it
+    for name, value in res.model.state_dict().items():
+        assert torch.equal(value, start[name]), name
+    res = train(cfg)
+    assert res.step == 2 and all(torch.isfinite(torch.tensor(res.losses)))
