@@ -10,7 +10,11 @@ Order of one optimizer step (nanoGPT's): lr → checkpoint → micro-steps → c
 - Noise is drawn per episode from ``(runtime.seed, step, episode index)`` (:mod:`flexpack.training.noise`):
   how episodes are batched never changes their x_t, and a resumed run draws what it would have.
 - Multi-GPU: under ``torchrun`` with several ranks the model is FSDP2-sharded
-  (:mod:`flexpack.training.parallel`); checkpoints (:mod:`flexpack.training.checkpoint`) are full state dicts.
+  (:mod:`flexpack.training.parallel`); checkpoints (:mod:`flexpack.training.checkpoint`) are sharded (DCP) and
+  resume on any number of ranks (:mod:`flexpack.training.resume`).
+- The run folder has one owner, a metrics log cut back to the weights' step on resume and a config history
+  (:mod:`flexpack.training.runfolder`); signals, data errors and non-finite steps end a run cleanly
+  (:mod:`flexpack.training.faults`).
 - ``LINGBOT_PROFILE=n`` profiles n steps (:mod:`flexpack.training.profiling`).
 """
 
@@ -21,6 +25,7 @@ import contextlib
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,10 +36,10 @@ import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
-from flexpack.training import checkpoint
+from flexpack.training import checkpoint, faults, resume, runfolder
 from flexpack.training.build import build_data, build_model, model_kwargs, noise_seeds
 from flexpack.packing.collate import Batch
-from flexpack.training.config import ScheduleConfig, TrainConfig, load_config, save_config
+from flexpack.training.config import ScheduleConfig, TrainConfig, load_config
 from flexpack.training.noise import episode_flow_sample
 from flexpack.training.objective import flow_loss, loss_counts
 from flexpack.training.parallel import is_sharded, parallelize, world
@@ -50,8 +55,9 @@ def lr_at(step: int, base_lr: float, sched: ScheduleConfig, resumed_at: int | No
     else:
         progress = min(1.0, (step - sched.warmup_steps) / max(1, sched.steps - sched.warmup_steps))
         lr = base_lr * (sched.min_lr_ratio + (1 - sched.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-    if resumed_at is not None and 0 <= step - resumed_at < sched.rewarmup_steps:
-        lr *= sched.rewarmup_from + (1 - sched.rewarmup_from) * (step - resumed_at) / sched.rewarmup_steps
+    s, n = (step - resumed_at if resumed_at is not None else -1), sched.rewarmup_steps
+    if 0 <= s < n:
+        lr *= min(1.0, (s + 1) / n) if sched.rewarmup_mode == "ramp" else sched.rewarmup_from + (1 - sched.rewarmup_from) * s / n
     return lr
 
 
@@ -114,7 +120,23 @@ class TrainResult:
 
 def train(cfg: TrainConfig, *, stop_after: int | None = None) -> TrainResult:
     """Train ``cfg.schedule.steps`` optimizer steps (resuming from the run folder's newest checkpoint);
-    ``stop_after`` ends early after that step, with a checkpoint, as an interruption would."""
+    ``stop_after`` ends early after that step, with a checkpoint, as an interruption would.
+    Faults (:mod:`flexpack.training.faults`): a signal saves and raises ``Interrupted``, a non-finite
+    step raises ``NonFiniteError`` (or is skipped), a data error saves the steps done and re-raises."""
+    rank, size = world()
+    found = resume.find(cfg, rank)
+    if found is not None and resume.step_of(found) >= cfg.schedule.steps:  # nothing to do: touch nothing
+        done = resume.step_of(found)
+        if rank == 0:
+            print(f"{cfg.runtime.out_dir}: already at step {done} of schedule.steps={cfg.schedule.steps}; "
+                  "nothing to train (raise schedule.steps to continue)", file=sys.stderr)
+        return TrainResult(step=done, start_step=done, checkpoint=found)
+    with runfolder.RunLock(cfg.runtime.out_dir, active=rank == 0), faults.GracefulStop() as stop:
+        _barrier()  # the other ranks wait for rank 0's lock (a refusal ends torchrun through rank 0)
+        return _train(cfg, found, stop, stop_after)
+
+
+def _train(cfg: TrainConfig, found: Path | None, stop: faults.GracefulStop, stop_after: int | None) -> TrainResult:
     rank, size = world()
     device = _device(cfg.runtime.device)
     data = build_data(cfg, rank, size)
@@ -125,60 +147,93 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> TrainResult:
                         activation_checkpointing=cfg.runtime.activation_checkpointing)
     o, run = cfg.optim, Path(cfg.runtime.out_dir)
     opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
-    ckpt_root, start, resumed_at = run / "checkpoints", 0, None
-    found = checkpoint.latest(ckpt_root)
-    if found is not None and not cfg.checkpoint.resume:
-        raise ValueError(f"{run}: holds checkpoint {found.name} but checkpoint.resume is false; "
-                         "remove the folder or choose another runtime.out_dir")
+    start, resumed_at = 0, None
     if found is not None:
-        state = checkpoint.load(found, model, opt)
-        data.sampler.load_state_dict(state["sampler"])
-        start = resumed_at = int(state["step"])
+        start = resumed_at = int(resume.restore(found, cfg, model, opt, data, rank)["step"])
     if rank == 0:
-        save_config(cfg, run / "config.json")
+        _prepare_run(run, cfg, start, size)
     loader = torch.utils.data.DataLoader(data.dataset, batch_sampler=data.sampler, collate_fn=data.collate,
                                          num_workers=cfg.data.num_workers)
     stream = _stream(loader, data.sampler)
     end = cfg.schedule.steps if stop_after is None else min(stop_after, cfg.schedule.steps)
     result = TrainResult(step=start, start_step=start, checkpoint=found, model=model)
-    sampler_state, step, tpf = data.sampler.state_dict(), start, data.tokens_per_frame
+    sampler_state, step, tpf, signum = data.sampler.state_dict(), start, data.tokens_per_frame, 0
+    saver = checkpoint.Checkpointer(run / "checkpoints", keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
+    extra = {"action_normalizer": resume.normalizer_state(data.dataset)}
+
+    def save() -> Path:
+        return saver.save(step, model, opt, sampler_state=sampler_state, extra=extra, config=cfg.to_dict())
+
     bar = tqdm(total=cfg.schedule.steps, initial=start, desc="train", unit="step",
                disable=rank != 0 or not cfg.runtime.progress)
     with StepProfiler(run, rank) as prof:
-        while step < end:
+        while step < end and not signum:
             lr = lr_at(step, o.lr, cfg.schedule, resumed_at)
             for group in opt.param_groups:
                 group["lr"] = lr
             if step > start and cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
-                result.checkpoint = checkpoint.save(ckpt_root, step, model, opt, sampler_state=sampler_state,
-                                                    keep=cfg.checkpoint.keep)
+                result.checkpoint = save()
             t0 = time.perf_counter()
-            micro = [next(stream) for _ in range(o.accum_steps)]
+            try:
+                micro = [next(stream) for _ in range(o.accum_steps)]
+            except Exception:
+                if step > start and size == 1:  # keep the steps done (a save needs every rank: 1 only)
+                    result.checkpoint = save()
+                    saver.wait()
+                    print(f"saved step {step} in {result.checkpoint} before the error below", file=sys.stderr)
+                raise
             batches, sampler_state = [b for b, _ in micro], micro[-1][1]
             sums = accumulate(model, batches, cfg, step=step, device=device)
             norm = nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip or float("inf"))
-            opt.step()
+            nonfinite, signum = faults.check_step(norm, sums, stop)
+            if nonfinite and not o.skip_nonfinite:
+                raise faults.NonFiniteError(step + 1, float(sums[0]), float(norm), batches)
+            if not nonfinite:  # a skipped step leaves weights and optimizer moments as they were
+                opt.step()
             opt.zero_grad(set_to_none=True)
             step += 1
             prof.step()
             bar.update(1)
             result.lrs.append(lr)
             result.episodes += [b.layout.episode_index.tolist() for b in batches]
-            if step % cfg.runtime.log_every == 0 or step == end:
-                rec = _log(run, rank, step, lr, sums, norm, batches, tpf, time.perf_counter() - t0)
+            if step % cfg.runtime.log_every == 0 or step == end or nonfinite:
+                rec = _log(run, rank, step, lr, sums, norm, batches, tpf, time.perf_counter() - t0,
+                           extra={"skipped": True} if nonfinite else None)
                 result.losses.append(rec["loss"])
                 result.metrics.append(rec)
                 bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{lr:.2e}", tok_s=f"{rec['tokens_per_s']:.0f}")
     bar.close()
     result.step = step
     if step > start:
-        result.checkpoint = checkpoint.save(ckpt_root, step, model, opt, sampler_state=sampler_state,
-                                            keep=cfg.checkpoint.keep)
+        result.checkpoint = save()
+    saver.wait()
+    if signum:
+        raise faults.Interrupted(signum, step, result.checkpoint if step > start else None)
     return result
 
 
+def _barrier() -> None:
+    if world()[1] > 1:
+        dist.barrier()
+
+
+def _prepare_run(run: Path, cfg: TrainConfig, start: int, size: int) -> None:
+    """Rank 0, before the first step: clear interrupted saves, cut metrics.jsonl back to ``start``
+    (the weights' step), record this start in the config history (:mod:`flexpack.training.runfolder`)."""
+    for tmp in checkpoint.remove_temporary(run / "checkpoints"):
+        print(f"removed {tmp} (an interrupted save)", file=sys.stderr)
+    if dropped := runfolder.cut_metrics(run, start):
+        print(f"{run}/metrics.jsonl: removed {dropped} line(s) after step {start} (steps of a run that was "
+              "stopped before checkpointing them)", file=sys.stderr)
+    changed = runfolder.record_start(run, cfg.to_dict(), start_step=start, world_size=size)
+    if changed and start > 0:
+        print(f"resuming at step {start} with changed config: "
+              + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items())
+              + f" (recorded in {run}/config_history.jsonl)", file=sys.stderr)
+
+
 def _log(run: Path, rank: int, step: int, lr: float, sums: torch.Tensor, norm: torch.Tensor,
-         batches: Sequence[Batch], tpf: int, seconds: float) -> dict[str, Any]:
+         batches: Sequence[Batch], tpf: int, seconds: float, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Global loss parts, LR, grad norm, tokens/s and waste of this step; rank 0 appends metrics.jsonl."""
     valid = sum(int(b.layout.episode_frames.sum()) for b in batches) * tpf
     computed = sum(b.layout.frame_doc.numel() for b in batches) * tpf
@@ -188,7 +243,7 @@ def _log(run: Path, rank: int, step: int, lr: float, sums: torch.Tensor, norm: t
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a DTensor under FSDP
     rec = {"step": step, "loss": float(stats[0]), "latent_loss": float(stats[1]), "action_loss": float(stats[2]),
            "lr": lr, "grad_norm": float(norm), "tokens_per_s": float(stats[3]) / max(seconds, 1e-9),
-           "waste": 1.0 - float(stats[3]) / float(stats[4])}
+           "waste": 1.0 - float(stats[3]) / float(stats[4]), **(extra or {})}
     if rank == 0:
         run.mkdir(parents=True, exist_ok=True)
         with open(run / "metrics.jsonl", "a") as f:  # an append-only log: one line per logged step
@@ -211,6 +266,10 @@ def run(args: argparse.Namespace) -> int:
         started = True
     try:
         result = train(cfg, stop_after=args.stop_after)
+    except faults.Interrupted as exc:
+        if rank == 0:
+            print(f"flexpack train: {exc}", file=sys.stderr)
+        return exc.exit_code
     finally:
         if started:
             dist.destroy_process_group()

@@ -1,0 +1,90 @@
+"""What ends a training run early, and how it ends cleanly.
+
+- SIGINT / SIGTERM (Ctrl-C, a scheduler's preemption): :class:`GracefulStop` records the signal;
+  the loop finishes the current step, saves a checkpoint and raises :class:`Interrupted`, whose
+  message says where the checkpoint is. A second Ctrl-C interrupts at once.
+- A non-finite loss or gradient norm: :func:`check_step` finds it once per optimizer step (from
+  the grad norm the clip computes anyway and the loss shares already on the host), agreed over
+  all ranks in the same small all-reduce as the stop flag. The loop raises
+  :class:`NonFiniteError` before the optimizer step (the weights are still the last good ones
+  and no checkpoint is written), or with ``optim.skip_nonfinite`` skips the update.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from flexpack.packing.collate import Batch
+from flexpack.training.parallel import world
+
+
+class Interrupted(Exception):
+    """The run stopped on a signal after a completed step, with a checkpoint of that step."""
+
+    def __init__(self, signum: int, step: int, checkpoint: Path | None) -> None:
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+        self.exit_code = 128 + signum  # the shell's convention for "killed by signal N"
+        where = f"checkpoint {checkpoint}" if checkpoint else "no new checkpoint (no step done since the last one)"
+        super().__init__(f"interrupted by {signal.Signals(signum).name} after step {step}; {where}; "
+                         "run the same command again to resume")
+
+
+class NonFiniteError(ValueError):
+    """A step's loss or gradient norm is NaN/Inf (a user-facing stop: lr, data or clipping)."""
+
+    def __init__(self, step: int, loss: float, grad_norm: float, batches: Sequence[Batch]) -> None:
+        episodes = [b.layout.episode_index.tolist() for b in batches]
+        rank = world()[0]
+        super().__init__(
+            f"step {step}: non-finite loss {loss} / gradient norm {grad_norm} on micro-batches with episodes "
+            f"{episodes} (rank {rank}); stopped before the optimizer step, no checkpoint of these weights "
+            "written; lower optim.lr, check those episodes, or set optim.skip_nonfinite=true to skip such steps")
+
+
+class GracefulStop:
+    """``with GracefulStop() as stop:`` — SIGINT/SIGTERM set ``stop.signum`` instead of killing the
+    process (installed only in the main thread; the previous handlers come back on exit)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "GracefulStop":
+        if threading.current_thread() is threading.main_thread():
+            for s in self.SIGNALS:
+                self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # asked twice: stop now, without the checkpoint
+        self.signum = signum
+        print(f"\n{signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
+              "(Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
+
+
+def check_step(norm: torch.Tensor, sums: torch.Tensor, stop: GracefulStop) -> tuple[bool, int]:
+    """(non-finite loss or grad norm on any rank, signal number asked on any rank or 0), one host
+    read per optimizer step; every rank gets the same answer, so all stop or skip together."""
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a DTensor under FSDP
+    local = torch.tensor([0.0 if bool(torch.isfinite(sums).all()) else 1.0, float(stop.signum or 0)])
+    flags = torch.cat([(~torch.isfinite(norm.detach().float())).float().reshape(1), local.to(norm.device)])
+    if world()[1] > 1:
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    bad_norm, bad_loss, signum = flags.tolist()
+    return bool(bad_norm or bad_loss), int(signum)
