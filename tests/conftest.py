@@ -26,3 +26,16 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def train_dataset(tmp_path_factory):
+    """A small synthetic LeRobot dataset with its latent cache, built once per test session
+    (6 episodes of latent frames 10, 8, 6, 5, 4, 3); tests that damage it copy it first."""
+    pytest.importorskip("lerobot")
+    from flexpack.data.encode import encode_dataset
+    from flexpack.data.synthetic import make_synthetic_dataset
+
+    root = make_synthetic_dataset(tmp_path_factory.mktemp("train_dataset") / "ds", lengths=[37, 29, 21, 17, 13, 9], seed=1)
+    encode_dataset(root, progress=False)
+    return root
