@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import subprocess
+import sys
 from collections import Counter
+from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 from flexpack.packing.sampler import LengthBucketBatchSampler, TokenBudgetBatchSampler
 
@@ -54,3 +62,106 @@ def test_elastic_resume_at_the_end_of_an_epoch_starts_the_next_one_whole():
     fresh = _samplers("pack", 1)[0]
     fresh.set_epoch(1)
     assert new.epoch == 1 and list(new) == list(fresh)
+
+
+# --- LR re-warmup: the reference recipe ------------------------------------------------------
+
+def test_ramp_rewarmup_follows_the_reference_recipe():
+    from flexpack.training.config import ScheduleConfig
+    from flexpack.training.loop import lr_at
+
+    s = ScheduleConfig(steps=10_000, warmup_steps=200, decay="constant", rewarmup_steps=50, rewarmup_mode="ramp")
+    after_1500 = [lr_at(1500 + i, 3e-5, s, resumed_at=1500) for i in range(51)]
+    assert after_1500[0] == pytest.approx(6e-7, rel=1e-12)  # 1/50 at the first step after the resume
+    assert after_1500[1] == pytest.approx(1.2e-6, rel=1e-12)
+    assert after_1500[49] == pytest.approx(3e-5, rel=1e-12) and after_1500[50] == 3e-5  # 1 at the 50th step
+    # resumed inside the warmup: the factor multiplies the warmup's LR (step 100 of 200 is ~half of 3e-5;
+    # flexpack's warmup gives step s the factor (s+1)/200, so 3e-5 * 101/200 / 50 = 3.03e-7)
+    assert lr_at(100, 3e-5, s, resumed_at=100) == pytest.approx(3e-7, rel=0.011)
+    assert lr_at(100, 3e-5, s, resumed_at=100) == pytest.approx(3e-5 * 101 / 200 / 50, rel=1e-12)
+    assert lr_at(1500, 3e-5, s) == 3e-5  # without a resume nothing changes
+    with pytest.raises(ValueError, match="schedule.rewarmup_mode must be one of"):
+        ScheduleConfig(rewarmup_mode="cosine")
+
+
+# --- sharded checkpoints across world sizes (torchrun, gloo on CPU) ------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+
+
+def _cfg(root: Path, out: Path, *extra: str):
+    from flexpack.training.config import load_config
+
+    return load_config(ROOT / "configs" / "tiny_cpu.toml", [
+        f'data.root="{root}"', f'runtime.out_dir="{out}"', "runtime.progress=false", "optim.accum_steps=1",
+        "data.max_tokens=60", "checkpoint.every=0", "schedule.warmup_steps=2", "schedule.rewarmup_steps=0", *extra])
+
+
+def _remaining(root: Path, run: Path, world: int) -> int:
+    """Batches per rank left in the epoch of ``run``'s newest checkpoint, at ``world`` ranks."""
+    from flexpack.data import LatentEpisodeDataset
+    from flexpack.training import checkpoint
+
+    state = json.loads((checkpoint.latest(run / "checkpoints") / "train_state.json").read_text())["sampler"]
+    s = TokenBudgetBatchSampler(LatentEpisodeDataset(root).lengths(), 60, tokens_per_frame=5, world_size=world)
+    s.load_state_dict(state)
+    assert s.epoch == 0
+    return len(s) - s.state_dict()["position"]
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in")
+def test_sharded_checkpoints_resume_on_2_ranks_exactly_and_elastically_2_to_1_and_1_to_2(train_dataset, tmp_path):
+    from flexpack.training import checkpoint
+    from flexpack.training.config import save_config
+    from flexpack.training.loop import train
+
+    if not TORCHRUN.exists() and shutil.which("torchrun") is None:
+        pytest.skip("torchrun not found next to the interpreter or on PATH")
+    # 1 rank, stopped after its first step (D): the 2-rank job below resumes it
+    d1 = train(_cfg(train_dataset, tmp_path / "D", "schedule.steps=8"), stop_after=1).episodes
+    cfgs = {}
+    for name, extra in {"A": (), "B": ("checkpoint.async_save=true",)}.items():
+        cfgs[name] = tmp_path / f"{name}.json"
+        save_config(_cfg(train_dataset, tmp_path / name, "schedule.steps=4", *extra), cfgs[name])
+    r_d = _remaining(train_dataset, tmp_path / "D", 2)
+    save_config(_cfg(train_dataset, tmp_path / "D", f"schedule.steps={1 + r_d}"), tmp_path / "D.json")
+    jobs = [{"name": "A", "config": str(cfgs["A"])},  # uninterrupted, 4 steps
+            {"name": "B1", "config": str(cfgs["B"]), "stop_after": 1},  # async checkpoints; stopped at step 1
+            {"copy": [str(tmp_path / "B"), str(tmp_path / "C")]},  # C: resumed by 1 rank below
+            {"name": "B2", "config": str(cfgs["B"])},  # resumed by 2 ranks
+            {"name": "D2", "config": str(tmp_path / "D.json")}]  # 1 -> 2 ranks
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    cmd = [str(TORCHRUN if TORCHRUN.exists() else shutil.which("torchrun")), "--standalone", "--nproc_per_node", "2",
+           str(ROOT / "tests" / "resume_worker.py"), str(tmp_path / "jobs.json"), str(tmp_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    got = {f.name.split(".")[0] + f.name.split(".")[1][-1]: json.loads(f.read_text()) for f in tmp_path.glob("*.rank*.json")}
+
+    # 2 -> 2: the same episodes and losses as the uninterrupted run (model, optimizer, sampler, noise)
+    for r in "01":
+        assert got[f"B1{r}"]["episodes"] + got[f"B2{r}"]["episodes"] == got[f"A{r}"]["episodes"]
+        assert got[f"B1{r}"]["losses"] + got[f"B2{r}"]["losses"] == pytest.approx(got[f"A{r}"]["losses"], rel=1e-5)
+    assert got["B20"]["start_step"] == 1 and got["B20"]["step"] == 4
+
+    # 2 -> 1: the rest of epoch 0 on one rank trains every episode the two ranks had not
+    before = {e for r in "01" for b in got[f"B1{r}"]["episodes"] for e in b}
+    r_c = _remaining(train_dataset, tmp_path / "C", 1)
+    after = train(_cfg(train_dataset, tmp_path / "C", "schedule.steps=4", "checkpoint.async_save=true"),
+                  stop_after=1 + r_c)
+    flat = [e for b in after.episodes for e in b]
+    assert r_c >= 1 and r_d >= 1
+    assert after.start_step == 1 and before.isdisjoint(flat) and before | set(flat) == set(range(6))
+    assert json.loads((checkpoint.latest(tmp_path / "C" / "checkpoints") / "train_state.json").read_text())["world_size"] == 1
+
+    # 1 -> 2: the first rank's step, then the two new ranks, cover epoch 0 once
+    history = [json.loads(line) for line in (tmp_path / "D" / "config_history.jsonl").read_text().splitlines()]
+    assert [h["world_size"] for h in history] == [1, 2]
+    before = {e for b in d1 for e in b}
+    flat = [e for r in "01" for b in got[f"D2{r}"]["episodes"] for e in b]
+    assert got["D20"]["start_step"] == 1 and got["D20"]["world_size"] == 2
+    assert before.isdisjoint(flat) and before | set(flat) == set(range(6))
+    assert all(np.isfinite(got[f"D2{r}"]["losses"]).all() for r in "01")
