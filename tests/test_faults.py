@@ -249,3 +249,45 @@ def test_resume_with_another_epoch_order_or_model_shape_is_one_line_naming_the_v
     assert msg.endswith("model.overrides.ffn_dim is None there and 96 now; resume with the checkpoint's model "
                         "values or choose another runtime.out_dir")
     assert _steps(out) == [1, 2] and not (out / LOCK).exists()
+
+
+def test_graceful_stop_records_the_first_signal_and_a_second_ctrl_c_interrupts_at_once():
+    from flexpack.training.faults import GracefulStop, Interrupted
+
+    previous = signal.getsignal(signal.SIGTERM)
+    with GracefulStop() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.signum == signal.SIGTERM  # recorded, the process lives on
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGTERM) is previous  # handlers restored
+    exc = Interrupted(signal.SIGINT, 7, Path("RUN/checkpoints/step_00000007"))
+    assert exc.exit_code == 130 and str(exc) == ("interrupted by SIGINT after step 7; checkpoint "
+                                                 "RUN/checkpoints/step_00000007; run the same command again to resume")
+
+
+def test_checkpoint_carries_the_action_statistics_and_loads_into_a_plain_model_for_verify(train_dataset, tmp_path, capfd):
+    from flexpack.data import LatentEpisodeDataset
+    from flexpack.training import resume
+    from flexpack.training.verify import verify_config
+
+    out = tmp_path / "run"
+    res = train(config(train_dataset, out, "schedule.steps=2"))
+    state = json.loads((res.checkpoint / "train_state.json").read_text())
+    ds = LatentEpisodeDataset(train_dataset, action_dim=6)
+    saved = state["extra"]["action_normalizer"]
+    assert saved == resume.normalizer_state(ds) and saved["mode"] in ("quantile", "meanstd")
+    # a dataset whose statistics changed since: the checkpoint's are kept, with a warning
+    changed = {**saved, "low": [v - 1.0 for v in saved["low"]]}
+    resume._restore_normalizer(res.checkpoint, ds, changed, rank=0)
+    assert resume.normalizer_state(ds) == changed
+    assert "keeping the checkpoint's" in capfd.readouterr().err
+    # verify loads the sharded checkpoint into a single-process model (no process group)
+    report = verify_config(config(train_dataset, out), checkpoint_dir=str(out), micro_batches=1)
+    assert report.ok
+    from flexpack.training.build import build_model
+
+    model = build_model(config(train_dataset, out))
+    checkpoint.load(res.checkpoint, model, restore_rng=False)
+    for (name, a), b in zip(res.model.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), name
