@@ -55,9 +55,11 @@ def lr_at(step: int, base_lr: float, sched: ScheduleConfig, resumed_at: int | No
     else:
         progress = min(1.0, (step - sched.warmup_steps) / max(1, sched.steps - sched.warmup_steps))
         lr = base_lr * (sched.min_lr_ratio + (1 - sched.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-    s, n = (step - resumed_at if resumed_at is not None else -1), sched.rewarmup_steps
-    if 0 <= s < n:
-        lr *= min(1.0, (s + 1) / n) if sched.rewarmup_mode == "ramp" else sched.rewarmup_from + (1 - sched.rewarmup_from) * s / n
+    s, n = (step - resumed_at if resumed_at is not None else -1), sched.rewarmup_steps  # s-th step after the resume
+    if 0 <= s < n and sched.rewarmup_mode == "ramp":
+        lr *= min(1.0, (s + 1) / n)
+    elif 0 <= s < n:
+        lr *= sched.rewarmup_from + (1 - sched.rewarmup_from) * s / n
     return lr
 
 
