@@ -291,3 +291,28 @@ def test_checkpoint_carries_the_action_statistics_and_loads_into_a_plain_model_f
     checkpoint.load(res.checkpoint, model, restore_rng=False)
     for (name, a), b in zip(res.model.state_dict().items(), model.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.slow
+def test_sigterm_under_torchrun_stops_both_ranks_at_one_step_and_saves_it(train_dataset, tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "flexpack.cli", "train", str(CONFIG)]
+    for s in _sets(train_dataset, out, "schedule.steps=500"):
+        cmd += ["--set", s]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    try:
+        _wait_for_steps(proc, out, 3, timeout=240)
+        proc.send_signal(signal.SIGTERM)  # torchrun passes it on to both ranks
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    done = _steps(out)
+    saved = checkpoint.latest(out / "checkpoints")
+    state = json.loads((saved / "train_state.json").read_text())
+    assert state["step"] == done[-1] and state["world_size"] == 2  # the ranks agreed on the step
+    assert f"interrupted by SIGTERM after step {done[-1]}; checkpoint {saved}" in err
+    assert err.count("SIGTERM: finishing this step") == 1 and not (out / LOCK).exists()
+    res = train(config(train_dataset, out, f"schedule.steps={done[-1] + 1}"))  # and one rank goes on
+    assert res.start_step == done[-1] and _steps(out) == list(range(1, done[-1] + 2))

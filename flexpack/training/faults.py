@@ -74,8 +74,9 @@ class GracefulStop:
         if self.signum is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt  # asked twice: stop now, without the checkpoint
         self.signum = signum
-        print(f"\n{signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
-              "(Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
+        if world()[0] == 0:  # under torchrun every rank gets the signal; one line is enough
+            print(f"\n{signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
+                  "(Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
 
 
 def check_step(norm: torch.Tensor, sums: torch.Tensor, stop: GracefulStop) -> tuple[bool, int]:
