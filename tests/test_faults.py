@@ -316,3 +316,36 @@ def test_sigterm_under_torchrun_stops_both_ranks_at_one_step_and_saves_it(train_
     assert err.count("SIGTERM: finishing this step") == 1 and not (out / LOCK).exists()
     res = train(config(train_dataset, out, f"schedule.steps={done[-1] + 1}"))  # and one rank goes on
     assert res.start_step == done[-1] and _steps(out) == list(range(1, done[-1] + 2))
+
+
+@pytest.mark.slow
+def test_data_error_on_one_torchrun_rank_saves_the_steps_done_on_both(train_dataset, tmp_path):
+    from flexpack.data import LatentEpisodeDataset
+    from flexpack.packing.sampler import TokenBudgetBatchSampler
+
+    ds = LatentEpisodeDataset(train_dataset)
+    plan = TokenBudgetBatchSampler(ds.lengths(), 60, tokens_per_frame=5, world_size=2)._plan(0)
+    first_step = {}
+    for rank in plan:
+        for k, batch in enumerate(rank):
+            for e in batch:
+                first_step[e] = min(first_step.get(e, k), k)
+    episode = next(e for e, k in sorted(first_step.items()) if k == 1 and e != 0)  # met at step 2 by one rank
+    root = tmp_path / "ds"
+    shutil.copytree(train_dataset, root)
+    latent = LatentEpisodeDataset(root).latent_file(episode)
+    latent.write_bytes(latent.read_bytes()[:100])
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "flexpack.cli", "train", str(CONFIG)]
+    for s in _sets(root, out, "schedule.steps=5"):
+        cmd += ["--set", s]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert proc.returncode != 0
+    saved = checkpoint.latest(out / "checkpoints")
+    assert saved is not None and saved.name == "step_00000001", proc.stderr[-3000:]
+    assert json.loads((saved / "train_state.json").read_text())["world_size"] == 2
+    assert f"saved step 1 in {saved} before the error below" in proc.stderr
+    assert f"episode {episode}" in proc.stderr and "stopped for a data error on another rank" in proc.stderr
+    assert _steps(out) == [1] and not (out / LOCK).exists()

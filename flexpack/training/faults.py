@@ -3,6 +3,9 @@
 - SIGINT / SIGTERM (Ctrl-C, a scheduler's preemption): :class:`GracefulStop` records the signal;
   the loop finishes the current step, saves a checkpoint and raises :class:`Interrupted`, whose
   message says where the checkpoint is. A second Ctrl-C interrupts at once.
+- A data error (a corrupt latent, a missing file) on any rank: :func:`any_rank_failed` lets every
+  rank know in one tiny all-reduce per step (none on one process), so all save the last completed
+  step together before the error is raised (on the other ranks as :class:`PeerDataError`).
 - A non-finite loss or gradient norm: :func:`check_step` finds it once per optimizer step (from
   the grad norm the clip computes anyway and the loss shares already on the host), agreed over
   all ranks in the same small all-reduce as the stop flag. The loop raises
@@ -47,6 +50,23 @@ class NonFiniteError(ValueError):
             f"step {step}: non-finite loss {loss} / gradient norm {grad_norm} on micro-batches with episodes "
             f"{episodes} (rank {rank}); stopped before the optimizer step, no checkpoint of these weights "
             "written; lower optim.lr, check those episodes, or set optim.skip_nonfinite=true to skip such steps")
+
+
+class PeerDataError(RuntimeError):
+    """Another rank's data failed at this step; that rank raises the error itself."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(f"step {step}: stopped for a data error on another rank (its message names the episode)")
+
+
+def any_rank_failed(error: BaseException | None) -> bool:
+    """True on every rank when ``error`` is set on any rank."""
+    if world()[1] == 1:
+        return error is not None
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    flag = torch.tensor([0.0 if error is None else 1.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 class GracefulStop:

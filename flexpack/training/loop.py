@@ -124,7 +124,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> TrainResult:
     """Train ``cfg.schedule.steps`` optimizer steps (resuming from the run folder's newest checkpoint);
     ``stop_after`` ends early after that step, with a checkpoint, as an interruption would.
     Faults (:mod:`flexpack.training.faults`): a signal saves and raises ``Interrupted``, a non-finite
-    step raises ``NonFiniteError`` (or is skipped), a data error saves the steps done and re-raises."""
+    step raises ``NonFiniteError`` (or is skipped), a data error on any rank saves the steps done and re-raises."""
     rank, size = world()
     found = resume.find(cfg, rank)
     if found is not None and resume.step_of(found) >= cfg.schedule.steps:  # nothing to do: touch nothing
@@ -177,13 +177,16 @@ def _train(cfg: TrainConfig, found: Path | None, stop: faults.GracefulStop, stop
                 result.checkpoint = save()
             t0 = time.perf_counter()
             try:
-                micro = [next(stream) for _ in range(o.accum_steps)]
-            except Exception:
-                if step > start and size == 1:  # keep the steps done (a save needs every rank: 1 only)
+                micro, error = [next(stream) for _ in range(o.accum_steps)], None
+            except Exception as exc:
+                micro, error = [], exc
+            if faults.any_rank_failed(error):  # keep the steps done: every rank saves, then all stop
+                if step > start:
                     result.checkpoint = save()
                     saver.wait()
-                    print(f"saved step {step} in {result.checkpoint} before the error below", file=sys.stderr)
-                raise
+                    if rank == 0:
+                        print(f"saved step {step} in {result.checkpoint} before the error below", file=sys.stderr)
+                raise error or faults.PeerDataError(step + 1)
             batches, sampler_state = [b for b, _ in micro], micro[-1][1]
             sums = accumulate(model, batches, cfg, step=step, device=device)
             norm = nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip or float("inf"))
