@@ -178,14 +178,14 @@ class Checkpointer:
         _barrier()
         if world()[0] == 0:
             torch.save(small["rng"], tmp / "rng.pt")
-            (tmp / "train_state.json").write_text(json.dumps(small["train_state"], indent=2) + "\n")
+            _write(tmp / "train_state.json", small["train_state"])
             if small["config"] is not None:
-                (tmp / "config.json").write_text(json.dumps(small["config"], indent=2) + "\n")
+                _write(tmp / "config.json", small["config"])
+            for name in ("rng.pt", "train_state.json", "config.json"):  # DCP syncs its own files
+                if (tmp / name).is_file():
+                    with open(tmp / name, "rb+") as f:
+                        os.fsync(f.fileno())  # on disk before the manifest says the folder is complete
             files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
-            for p in tmp.rglob("*"):
-                if p.is_file():
-                    with open(p, "rb+") as f:
-                        os.fsync(f.fileno())  # data on disk before the manifest says it is complete
             with atomic_path(tmp / MANIFEST) as m:
                 m.write_text(json.dumps({"files": files}, indent=2) + "\n")
             if final.exists():  # re-saving a step: move the old one aside first (rename needs a free name)
@@ -200,6 +200,10 @@ class Checkpointer:
                 for path in list_checkpoints(self.root)[:-self.keep]:
                     shutil.rmtree(path, ignore_errors=True)
         _barrier()
+
+
+def _write(path: Path, data: Any) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n")
 
 
 def save(root: str | os.PathLike, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *,

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -78,8 +79,10 @@ class GracefulStop:
     def __init__(self) -> None:
         self.signum: int | None = None
         self._previous: dict[int, Any] = {}
+        self._pid = os.getpid()
 
     def __enter__(self) -> "GracefulStop":
+        self._pid = os.getpid()
         if threading.current_thread() is threading.main_thread():
             for s in self.SIGNALS:
                 self._previous[s] = signal.signal(s, self._handle)
@@ -91,6 +94,8 @@ class GracefulStop:
         self._previous.clear()
 
     def _handle(self, signum: int, frame: Any) -> None:
+        if os.getpid() != self._pid:
+            return  # a forked DataLoader worker: it keeps loading until the main process has saved
         if self.signum is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt  # asked twice: stop now, without the checkpoint
         self.signum = signum
