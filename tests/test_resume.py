@@ -165,3 +165,29 @@ def test_sharded_checkpoints_resume_on_2_ranks_exactly_and_elastically_2_to_1_an
     assert got["D20"]["start_step"] == 1 and got["D20"]["world_size"] == 2
     assert before.isdisjoint(flat) and before | set(flat) == set(range(6))
     assert all(np.isfinite(got[f"D2{r}"]["losses"]).all() for r in "01")
+
+
+def test_async_save_writes_the_weights_of_its_step_while_training_goes_on(tmp_path):
+    from flexpack.models import WanVA, wan_config
+    from flexpack.training import checkpoint
+
+    torch.manual_seed(0)
+    model = WanVA(wan_config("tiny", attn_backend="dense"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    at_save = {k: v.clone() for k, v in model.state_dict().items()}
+    saver = checkpoint.Checkpointer(tmp_path, keep=1, async_save=True)
+    final = saver.save(1, model, opt, sampler_state={"position": 1})
+    with torch.no_grad():  # the next step changes the weights before the writer has finished
+        for p in model.parameters():
+            p.add_(1.0)
+    assert checkpoint.latest(tmp_path) is None  # not a checkpoint until completed
+    assert saver.wait() == final and checkpoint.latest(tmp_path) == final
+    fresh = WanVA(wan_config("tiny", attn_backend="dense"))
+    assert checkpoint.load(final, fresh)["sampler"] == {"position": 1}
+    assert all(torch.equal(at_save[k], v) for k, v in fresh.state_dict().items())
+    saver.save(2, model, opt)  # keep=1: the older one goes once the newer is complete
+    saver.wait()
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["step_00000002"]
