@@ -209,6 +209,12 @@ def test_damaged_newest_checkpoint_is_reported_and_the_one_before_used(train_dat
            "using the checkpoint before it" in err
     assert res.start_step == 2 and _steps(out) == [1, 2, 3, 4, 5]
     assert checkpoint.problem(out / "checkpoints" / "step_00000005") is None
+    # nothing usable left: refused (never a silent restart from scratch over the run's checkpoints)
+    for p in (out / "checkpoints").glob("step_*/manifest.json"):
+        p.unlink()
+    with pytest.raises(ValueError, match=r"no usable checkpoint \(.*step_00000004: not a complete checkpoint"):
+        train(config(train_dataset, out, "schedule.steps=6"))
+    assert _steps(out) == [1, 2, 3, 4, 5]
 
 
 def test_finished_run_says_so_exits_0_and_touches_nothing(train_dataset, tmp_path, capfd):

@@ -71,6 +71,8 @@ def problem(path: str | os.PathLike) -> str | None:
     try:
         files = json.loads((path / MANIFEST).read_text())["files"]
     except FileNotFoundError:
+        if (path / "model.pt").is_file():
+            return f"{path}: a checkpoint of the earlier full-state format (model.pt), which this version does not read"
         return f"{path}: not a complete checkpoint (no {MANIFEST}: its save did not finish)"
     except (ValueError, KeyError, TypeError) as exc:
         return f"{path}/{MANIFEST}: unreadable ({exc})"

@@ -37,13 +37,17 @@ ORDER_KEYS = {
 
 def find(cfg: TrainConfig, rank: int = 0) -> Path | None:
     """The run folder's newest complete checkpoint (a damaged newer one is reported in one line)."""
-    run = Path(cfg.runtime.out_dir)
+    run, problems = Path(cfg.runtime.out_dir), []
 
     def damaged(why: str) -> None:
+        problems.append(why)
         if rank == 0:
             print(f"warning: {why}; using the checkpoint before it", file=sys.stderr)
 
     found = checkpoint.latest(run / "checkpoints", on_damaged=damaged)
+    if found is None and problems:  # never restart from scratch over a run's checkpoints unasked
+        raise ValueError(f"{run}: no usable checkpoint ({problems[-1]}); delete {run / 'checkpoints'} to start "
+                         "over, or choose another runtime.out_dir")
     if found is not None and not cfg.checkpoint.resume:
         raise ValueError(f"{run}: holds checkpoint {found.name} but checkpoint.resume is false; "
                          "remove the folder or choose another runtime.out_dir")
