@@ -223,7 +223,9 @@ def test_finished_run_says_so_exits_0_and_touches_nothing(train_dataset, tmp_pat
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
     args = ["train", str(CONFIG)] + [a for s in _sets(train_dataset, out, "schedule.steps=2") for a in ("--set", s)]
     assert cli_main(args) == 0
-    assert "already at step 3 of schedule.steps=2; nothing to train" in capfd.readouterr().err
+    captured = capfd.readouterr()
+    assert "already at step 3 of schedule.steps=2; nothing to train" in captured.err
+    assert "loss nan" not in captured.out and "trained steps" not in captured.out
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
 

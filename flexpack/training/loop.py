@@ -278,7 +278,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if started:
             dist.destroy_process_group()
-    if rank == 0:
+    if rank == 0 and result.step > result.start_step:  # (a finished run has said so already)
         last = result.metrics[-1] if result.metrics else {}
         print(f"trained steps {result.start_step} -> {result.step}; loss {last.get('loss', float('nan')):.4f}; "
               f"checkpoint {result.checkpoint}")
