@@ -43,3 +43,9 @@ def tiny_dataset(tmp_path_factory):
     root = make_synthetic_dataset(tmp_path_factory.mktemp("tiny") / "ds", lengths=TINY_VIDEO_FRAMES, seed=1)
     encode_dataset(root, progress=False)
     return root
+
+
+@pytest.fixture(scope="session")
+def train_dataset(tiny_dataset):
+    """The same dataset under the name the fault and resume tests use; tests that damage it copy it first."""
+    return tiny_dataset

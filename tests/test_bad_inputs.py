@@ -252,9 +252,9 @@ def test_checkpoint_of_another_model_shape_is_one_line(capsys, tiny_dataset, tra
     code, err = run_cli(capsys, *train_args(tiny_dataset, tmp_path / "run", "schedule.steps=3", "model.overrides.dim=32"))
     line = one_error_line(err, "train")
     assert code == 2 and len(err.strip().splitlines()) == 1
-    ckpt = tmp_path / "run" / "checkpoints" / "step_00000001" / "model.pt"
-    assert line.startswith(f"flexpack train: error: {ckpt}: the checkpoint is of another model shape")
-    assert "70 tensor(s) differ in shape (head_modulation: checkpoint [2, 64] vs model [2, 32]" in line
+    ckpt = tmp_path / "run" / "checkpoints" / "step_00000001"
+    assert line.startswith(f"flexpack train: error: cannot resume from {ckpt}: its model has another shape")
+    assert "(70 tensors differ, e.g. " in line and "model.overrides.dim is None there and 32 now" in line
     code, err = run_cli(capsys, "verify", str(TINY), "--set", f'data.root="{tiny_dataset}"', "--set",
                         "model.overrides.num_layers=1", "--checkpoint", str(tmp_path / "run"))
     assert code == 2 and "tensor(s) in it are not in the model (e.g. blocks.1." in one_error_line(err, "verify")

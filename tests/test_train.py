@@ -158,7 +158,7 @@ def test_checkpoint_roundtrip_is_atomic_and_pruned(tmp_path):
     for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
         assert torch.equal(a, b), name
     assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], fresh_opt.state_dict()["state"][0]["exp_avg"])
-    with pytest.raises(ValueError, match="not a checkpoint folder"):
+    with pytest.raises(ValueError, match="not a complete checkpoint"):
         checkpoint.load(tmp_path / ".tmp-step_00000009-123", fresh)
 
 
@@ -180,9 +180,9 @@ def test_activation_checkpointing_from_outside_changes_nothing_but_memory(datase
     ac = train(config(dataset, tmp_path / "ac", "schedule.steps=3", "runtime.activation_checkpointing=true"))
     assert type(ac.model.blocks[0]).__name__ == "CheckpointWrapper"
     assert ac.losses == pytest.approx(plain.losses, rel=1e-5) and ac.episodes == plain.episodes
-    saved = torch.load(ac.checkpoint / "model.pt", weights_only=True)
+    saved = {k.removeprefix("model.") for k in checkpoint.tensor_shapes(ac.checkpoint) if k.startswith("model.")}
     assert not any("_checkpoint_wrapped_module" in k for k in saved)  # loads into an unwrapped model
-    assert set(saved) == set(plain.model.state_dict())
+    assert saved == set(plain.model.state_dict())
     bf16 = train(config(dataset, tmp_path / "bf16", "schedule.steps=3", "runtime.dtype='bfloat16'"))
     assert bf16.losses != plain.losses  # autocast engaged: bf16 matmuls
     assert all(abs(a - b) < 0.05 * b for a, b in zip(bf16.losses, plain.losses))

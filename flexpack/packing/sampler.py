@@ -19,6 +19,11 @@ Invariants shared by both:
 - ``state_dict()`` after k batches of the current epoch, loaded into a fresh sampler built with
   the same arguments (any rank: the state is the same on every rank), yields exactly the
   remaining batches. ``load_state_dict`` raises ``ValueError`` if the arguments differ.
+- Elastic resume: a state loaded into a sampler of another ``world_size`` (same other arguments)
+  continues the same epoch. The indices every old rank consumed are recomputed from the old plan
+  (``consumed`` in the state), and the rest of the epoch is planned afresh over the new ranks
+  from the same ``rng(seed + epoch)``, so across old and new ranks every index of the epoch is
+  trained once (plus the new plan's own tail padding). The next epoch is a full plan again.
 
 Misuse to avoid:
 
@@ -31,6 +36,7 @@ Misuse to avoid:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import operator
@@ -136,10 +142,12 @@ class _EpochBatchSampler:
         self.effective_lengths = self.lengths
         self._epoch = 0
         self._position = 0  # batches of the current epoch already yielded on this rank
-        self._cache: tuple[int, list[list[list[int]]]] | None = None
+        self._consumed: tuple[int, ...] = ()  # indices of this epoch trained before the current plan (elastic resume)
+        self._cache: tuple[int, tuple[int, ...], list[list[list[int]]]] | None = None
 
     # --- to implement ------------------------------------------------------------------
-    def _make_plan(self, epoch: int) -> list[list[list[int]]]:
+    def _make_plan(self, epoch: int, indices: np.ndarray) -> list[list[list[int]]]:
+        """All ranks' batches of ``epoch`` over ``indices`` (every index, or the rest of an epoch)."""
         raise NotImplementedError
 
     def padded_frames(self, batch: Sequence[int]) -> int:
@@ -155,13 +163,17 @@ class _EpochBatchSampler:
                 "lengths_sha256": digest}
 
     # --- epoch plan --------------------------------------------------------------------
-    def _plan(self, epoch: int | None = None) -> list[list[list[int]]]:
+    def _plan(self, epoch: int | None = None, consumed: tuple[int, ...] | None = None) -> list[list[list[int]]]:
         epoch = self._epoch if epoch is None else epoch
-        if self._cache is None or self._cache[0] != epoch:
-            plan = self._make_plan(epoch)
+        consumed = (self._consumed if epoch == self._epoch else ()) if consumed is None else consumed
+        if self._cache is None or self._cache[:2] != (epoch, consumed):
+            indices = np.arange(len(self.lengths))
+            if consumed:
+                indices = np.setdiff1d(indices, np.asarray(consumed, dtype=np.int64))
+            plan = self._make_plan(epoch, indices)
             assert len({len(p) for p in plan}) == 1, "ranks got different batch counts"
-            self._cache = (epoch, plan)
-        return self._cache[1]
+            self._cache = (epoch, consumed, plan)
+        return self._cache[2]
 
     @property
     def epoch(self) -> int:
@@ -172,7 +184,7 @@ class _EpochBatchSampler:
         setting the current epoch again keeps the position (so a resumed loop may call it)."""
         epoch = _int("epoch", epoch, 0)
         if epoch != self._epoch:
-            self._epoch, self._position = epoch, 0
+            self._epoch, self._position, self._consumed = epoch, 0, ()
 
     def max_batch_size(self, epoch: int | None = None) -> int:
         """Most samples in one of this rank's batches of ``epoch`` (default: the current one)."""
@@ -197,7 +209,10 @@ class _EpochBatchSampler:
         ``position`` overrides the count of batches drawn from this sampler, for callers whose
         loader prefetches (count the batches actually trained on)."""
         pos = self._position if position is None else _int("position", position, 0)
-        return {"sampler": type(self).__name__, "epoch": self._epoch, "position": pos, "args": self._args()}
+        state = {"sampler": type(self).__name__, "epoch": self._epoch, "position": pos, "args": self._args()}
+        if self._consumed:
+            state["consumed"] = list(self._consumed)
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue exactly after the batches counted in ``state`` (see ``state_dict``)."""
@@ -206,17 +221,36 @@ class _EpochBatchSampler:
         if state["sampler"] != type(self).__name__:
             raise ValueError(f"state is from {state['sampler']}, not {type(self).__name__}")
         mine = self._args()
-        diff = {k: (v, mine.get(k)) for k, v in state["args"].items() if mine.get(k) != v}
+        diff = {k: (v, mine.get(k)) for k, v in state["args"].items() if mine.get(k) != v and k != "world_size"}
         diff.update({k: (None, v) for k, v in mine.items() if k not in state["args"]})
         if diff:
             detail = ", ".join(f"{k}: state {a!r} vs sampler {b!r}" for k, (a, b) in sorted(diff.items()))
             raise ValueError(f"state does not match this sampler's arguments ({detail})")
         epoch = _int("state epoch", state["epoch"], 0)
         position = _int("state position", state["position"], 0)
-        count = len(self._plan(epoch)[self.rank])
+        consumed = tuple(sorted(_int("state consumed", i, 0) for i in state.get("consumed", ())))
+        if any(i >= len(self.lengths) for i in consumed):
+            raise ValueError(f"state consumed indices beyond the {len(self.lengths)} episodes")
+        old_world = _int("state world_size", state["args"].get("world_size", self.world_size), 1)
+        if old_world != self.world_size:
+            consumed, position = self._reshard(epoch, consumed, position, old_world), 0
+            if len(consumed) == len(self.lengths):  # the old ranks finished the epoch: the next one is whole
+                epoch, consumed = epoch + 1, ()
+        count = len(self._plan(epoch, consumed)[self.rank])
         if position > count:
             raise ValueError(f"state position {position} > {count} batches in epoch {epoch}")
-        self._epoch, self._position = epoch, position
+        self._epoch, self._position, self._consumed = epoch, position, consumed
+
+    def _reshard(self, epoch: int, consumed: tuple[int, ...], position: int, old_world: int) -> tuple[int, ...]:
+        """Indices of ``epoch`` trained by ``old_world`` ranks: ``consumed`` plus the first
+        ``position`` batches of every old rank in the plan they followed."""
+        old = copy.copy(self)
+        old.world_size, old.rank, old._cache = old_world, 0, None
+        plan = old._plan(epoch, consumed)
+        if position > len(plan[0]):
+            raise ValueError(f"state position {position} > {len(plan[0])} batches in epoch {epoch}")
+        done = set(consumed).union(*(b for rank in plan for b in rank[:position]))
+        return tuple(sorted(done))
 
     # --- statistics --------------------------------------------------------------------
     def stats(self, progress: bool = False) -> SamplerStats:
@@ -319,10 +353,10 @@ class LengthBucketBatchSampler(_EpochBatchSampler):
     def _shape(self, batch: Sequence[int]) -> tuple[int, int]:
         return len(batch), self.padded_frames(batch)
 
-    def _make_plan(self, epoch: int) -> list[list[list[int]]]:
+    def _make_plan(self, epoch: int, indices: np.ndarray) -> list[list[list[int]]]:
         rng = np.random.default_rng(self.seed + epoch)
-        n, w, b = len(self.lengths), self.world_size, self.batch_size
-        perm = rng.permutation(n)
+        n, w, b = len(indices), self.world_size, self.batch_size
+        perm = indices[rng.permutation(n)]
         total = n // w * w if self.drop_last else -(-n // w) * w
         perm = np.resize(perm, total)  # np.resize repeats from the start: the tail padding
         lengths = np.asarray(self.lengths)
@@ -404,10 +438,11 @@ class TokenBudgetBatchSampler(_EpochBatchSampler):
     def _shape(self, batch: Sequence[int]) -> tuple[int, int]:
         return 1, self.budget_frames
 
-    def _make_plan(self, epoch: int) -> list[list[list[int]]]:
+    def _make_plan(self, epoch: int, indices: np.ndarray) -> list[list[list[int]]]:
         rng = np.random.default_rng(self.seed + epoch)
         w, tpf = self.world_size, self.tokens_per_frame
-        bins = pack_bins(self.effective_lengths, self.budget_frames, multiple=w, rng=rng)
+        bins = pack_bins([self.effective_lengths[i] for i in indices], self.budget_frames, multiple=w, rng=rng)
+        bins = [[int(indices[k]) for k in b] for b in bins]  # positions in ``indices`` -> dataset indices
         computed = self.budget_frames * tpf
         cost = [batch_cost([self.effective_lengths[i] * tpf for i in b], computed) for b in bins]
         by_cost = sorted(range(len(bins)), key=lambda k: (cost[k], k))

@@ -1,44 +1,58 @@
-"""Checkpoints: full (unsharded) state dicts, written by rank 0 into a folder that appears atomically.
+"""Checkpoints: sharded through ``torch.distributed.checkpoint`` (DCP); a folder appears atomically.
 
 Layout of ``RUN/checkpoints/step_00000040/``::
 
-    model.pt          full model state dict (torch.save; load with weights_only=True)
-    optim.pt          full optimizer state dict, keyed by parameter name
+    state/            DCP checkpoint of {"model", "optim"}: each rank writes its own shards
+                      (``__<rank>_0.distcp``), rank 0 the ``.metadata``; no full-state gather
+                      and, with ``optim.ema_decay``, {"ema"} (the averages, sharded alike)
     rng.pt            rank 0's torch CPU (and CUDA) RNG state
-    ema.pt            EMA weights by parameter name, when optim.ema_decay > 0
-    train_state.json  {"step", "sampler" (the sampler's state_dict), "world_size", "extra"}
+    train_state.json  {"step", "sampler" (its state_dict), "world_size", "extra"}
+    config.json       the run's config at this step (a resume compares against it)
+    manifest.json     written last: every file above with its size
 
-State dicts go through ``torch.distributed.checkpoint.state_dict`` (``get_state_dict`` /
-``set_state_dict`` with ``full_state_dict=True``), so the same files come from and go into an
-FSDP2-sharded model or a plain one. Saving is collective (every rank must call :func:`save`);
-only rank 0 writes, into ``.tmp-step_…`` first, renamed to ``step_…`` when complete — a crash
-never leaves a half-written ``step_…`` folder, and :func:`latest` ignores temporary ones.
-Loading reads the files on every rank (a shared filesystem) and lets DCP shard them.
+A checkpoint is valid only when ``manifest.json`` exists and every file it lists has its size:
+:func:`latest` skips (and reports) a damaged one and takes the one before. Saving is collective
+(every rank calls :meth:`Checkpointer.save`): shards go into ``.tmp-step_…``, rank 0 adds the
+small files and the manifest, then renames the folder — an interrupted save never becomes a
+checkpoint, and :func:`remove_temporary` clears its leftovers. With ``async_save`` the shards are
+staged to CPU memory at once and written by a background thread (``dcp.async_save``); the
+manifest and rename follow when the next save starts or :meth:`Checkpointer.wait` is called.
+
+Loading lets DCP re-shard: a checkpoint written by N ranks loads into M ranks, or into a plain
+single-process model without any process group (``flexpack verify --checkpoint RUN``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
+import warnings
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
     set_state_dict,
 )
 
+from flexpack.atomic import atomic_path
 from flexpack.training.checks import check_state_shapes
 from flexpack.training.parallel import world
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+_TEMPORARY = re.compile(r"^\.(tmp|old)-step_\d{8}")
+MANIFEST = "manifest.json"
 
 
 def step_dir(root: str | os.PathLike, step: int) -> Path:
@@ -46,17 +60,53 @@ def step_dir(root: str | os.PathLike, step: int) -> Path:
 
 
 def list_checkpoints(root: str | os.PathLike) -> list[Path]:
-    """Complete checkpoint folders under ``root``, oldest first."""
+    """Checkpoint folders under ``root`` that were completed (have a manifest), oldest first."""
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / "train_state.json").is_file()]
+    found = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / MANIFEST).is_file()]
     return sorted(found, key=lambda p: p.name)
 
 
-def latest(root: str | os.PathLike) -> Path | None:
-    found = list_checkpoints(root)
-    return found[-1] if found else None
+def problem(path: str | os.PathLike) -> str | None:
+    """Why ``path`` is not a complete checkpoint (one line), or None when it is."""
+    path = Path(path)
+    try:
+        files = json.loads((path / MANIFEST).read_text())["files"]
+    except FileNotFoundError:
+        if (path / "model.pt").is_file():
+            return f"{path}: a checkpoint of the earlier full-state format (model.pt), which this version does not read"
+        return f"{path}: not a complete checkpoint (no {MANIFEST}: its save did not finish)"
+    except (ValueError, KeyError, TypeError) as exc:
+        return f"{path}/{MANIFEST}: unreadable ({exc})"
+    for name, size in files.items():
+        f = path / name
+        if not f.is_file():
+            return f"{path}: {name} is missing"
+        if f.stat().st_size != size:
+            return f"{path}: {name} has {f.stat().st_size} bytes, the manifest says {size} (truncated?)"
+    return None
+
+
+def latest(root: str | os.PathLike, on_damaged: Callable[[str], None] | None = None) -> Path | None:
+    """The newest valid checkpoint under ``root``; each damaged newer one is passed to ``on_damaged``."""
+    candidates = [p for p in Path(root).iterdir() if _STEP_DIR.match(p.name)] if Path(root).is_dir() else []
+    for path in sorted(candidates, key=lambda p: p.name, reverse=True):
+        why = problem(path)
+        if why is None:
+            return path
+        if on_damaged is not None:
+            on_damaged(why)
+    return None
+
+
+def remove_temporary(root: str | os.PathLike) -> list[Path]:
+    """Delete the ``.tmp-step_*`` / ``.old-step_*`` folders of interrupted saves; returns them."""
+    root = Path(root)
+    gone = [p for p in root.iterdir() if _TEMPORARY.match(p.name)] if root.is_dir() else []
+    for p in gone:
+        shutil.rmtree(p, ignore_errors=True)
+    return gone
 
 
 def _barrier() -> None:
@@ -64,55 +114,131 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def save(
-    root: str | os.PathLike,
-    step: int,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    *,
-    sampler_state: dict[str, Any] | None = None,
-    extra: dict[str, Any] | None = None,
-    keep: int | None = None,
-    ema: Any = None,
-) -> Path:
-    """Write checkpoint ``step`` (collective); keep the newest ``keep`` checkpoints. Returns its folder.
-    ``ema``: a :class:`~flexpack.training.ema.EMA`, written as ``ema.pt`` (full tensors by name)."""
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    if optimizer is not None:
-        model_sd, optim_sd = get_state_dict(model, optimizer, options=opts)
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """DCP warns on every single-process call that no process group exists; that is intended here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, ema: Any = None) -> dict[str, Any]:
+    """Sharded (DTensor) state dicts under FSDP, plain ones otherwise, keyed by parameter name;
+    ``ema`` (:class:`~flexpack.training.ema.EMA`) adds its averages, sharded like the parameters."""
+    if optimizer is None:
+        state = {"model": get_model_state_dict(model)}
     else:
-        model_sd, optim_sd = get_model_state_dict(model, options=opts), None
-    ema_sd = ema.full_state_dict() if ema is not None else None  # collective under FSDP
-    rank, size = world()
-    final = step_dir(root, step)
-    if rank == 0:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        torch.save(model_sd, tmp / "model.pt")
-        if optim_sd is not None:
-            torch.save(optim_sd, tmp / "optim.pt")
-        if ema_sd is not None:
-            torch.save(ema_sd, tmp / "ema.pt")
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+    if ema is not None:
+        state["ema"] = ema.state_dict()
+    return state
+
+
+class Checkpointer:
+    """Writes ``root/step_…`` checkpoints (collective), keeping the newest ``keep``; see the module doc."""
+
+    def __init__(self, root: str | os.PathLike, *, keep: int | None = None, async_save: bool = False) -> None:
+        self.root, self.keep, self.async_save = Path(root), keep, async_save
+        self._pending: tuple[Future, Path, Path, dict[str, Any]] | None = None
+        self._group = None
+        if async_save and world()[1] > 1:  # the writer thread's collectives must not share the loop's group
+            self._group = dist.new_group(backend="gloo")
+
+    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *,
+             sampler_state: dict[str, Any] | None = None, extra: dict[str, Any] | None = None,
+             config: dict[str, Any] | None = None, ema: Any = None) -> Path:
+        """Checkpoint ``step``; returns its folder (complete on return, or after :meth:`wait` if async)."""
+        self.wait()
+        rank, size = world()
+        final = step_dir(self.root, step)
+        tmp = final.with_name(f".tmp-{final.name}")
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            (tmp / "state").mkdir(parents=True)
+        _barrier()
         rng = {"cpu": torch.get_rng_state()}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             rng["cuda"] = torch.cuda.get_rng_state()
-        torch.save(rng, tmp / "rng.pt")
-        state = {"step": step, "sampler": sampler_state, "world_size": size, "extra": extra or {}}
-        (tmp / "train_state.json").write_text(json.dumps(state, indent=2) + "\n")
-        if final.exists():  # re-saving a step: move the old one aside first (rename needs a free name)
-            old = final.with_name(f".old-{final.name}-{os.getpid()}")
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        if keep is not None:
-            for path in list_checkpoints(root)[:-keep]:
-                shutil.rmtree(path, ignore_errors=True)
-    _barrier()
-    return final
+        small = {"rng": rng, "config": config,
+                 "train_state": {"step": step, "sampler": sampler_state, "world_size": size, "extra": extra or {}}}
+        state = _state(model, optimizer, ema)
+        with _quiet():
+            if self.async_save:
+                future = dcp.async_save(state, checkpoint_id=tmp / "state", process_group=self._group)
+                self._pending = (future, tmp, final, small)
+            else:
+                dcp.save(state, checkpoint_id=tmp / "state")
+        if not self.async_save:
+            self._finish(tmp, final, small)
+        return final
+
+    def wait(self) -> Path | None:
+        """Complete a pending asynchronous save (collective); returns its folder."""
+        if self._pending is None:
+            return None
+        future, tmp, final, small = self._pending
+        self._pending = None
+        future.result()
+        self._finish(tmp, final, small)
+        return final
+
+    def _finish(self, tmp: Path, final: Path, small: dict[str, Any]) -> None:
+        """All shards are written: rank 0 adds the small files, the manifest last, and renames."""
+        _barrier()
+        if world()[0] == 0:
+            torch.save(small["rng"], tmp / "rng.pt")
+            _write(tmp / "train_state.json", small["train_state"])
+            if small["config"] is not None:
+                _write(tmp / "config.json", small["config"])
+            for name in ("rng.pt", "train_state.json", "config.json"):  # DCP syncs its own files
+                if (tmp / name).is_file():
+                    with open(tmp / name, "rb+") as f:
+                        os.fsync(f.fileno())  # on disk before the manifest says the folder is complete
+            files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+            with atomic_path(tmp / MANIFEST) as m:
+                m.write_text(json.dumps({"files": files}, indent=2) + "\n")
+            if final.exists():  # re-saving a step: move the old one aside first (rename needs a free name)
+                old = final.with_name(f".old-{final.name}")
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(final, old)
+                os.replace(tmp, final)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, final)
+            if self.keep is not None:
+                for path in list_checkpoints(self.root)[:-self.keep]:
+                    shutil.rmtree(path, ignore_errors=True)
+        _barrier()
+
+
+def _write(path: Path, data: Any) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def save(root: str | os.PathLike, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *,
+         sampler_state: dict[str, Any] | None = None, extra: dict[str, Any] | None = None,
+         keep: int | None = None, config: dict[str, Any] | None = None, ema: Any = None) -> Path:
+    """Write checkpoint ``step`` synchronously (collective); keep the newest ``keep``. Returns its folder."""
+    return Checkpointer(root, keep=keep).save(step, model, optimizer, sampler_state=sampler_state, extra=extra,
+                                              config=config, ema=ema)
+
+
+def tensor_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """Global shape of every tensor in the checkpoint (``model.<name>``, ``optim.state.<name>.<key>``)."""
+    meta = dcp.FileSystemReader(str(Path(path) / "state")).read_metadata()
+    return {k: tuple(v.size) for k, v in meta.state_dict_metadata.items() if hasattr(v, "size")}
+
+
+def shape_mismatches(path: str | os.PathLike, model: torch.nn.Module) -> list[tuple[str, tuple | None, tuple]]:
+    """(parameter, shape in the checkpoint or None if absent, shape in ``model``) for each that differs."""
+    saved = tensor_shapes(path)
+    out = []
+    for name, value in get_model_state_dict(model).items():
+        got = saved.get(f"model.{name}")
+        if got != tuple(value.shape):
+            out.append((name, got, tuple(value.shape)))
+    return out
 
 
 def load(
@@ -123,28 +249,33 @@ def load(
     restore_rng: bool = True,
     ema: Any = None,
 ) -> dict[str, Any]:
-    """Load a checkpoint folder into ``model`` (sharded or not) and ``optimizer``; return train_state.
-    ``ema`` gets ``ema.pt``, or restarts at the loaded weights where the checkpoint has none."""
+    """Load a checkpoint folder into ``model`` (sharded or not, any rank count) and ``optimizer``;
+    return its train_state. Collective under a process group; works without one. ``ema`` gets
+    the saved averages, or restarts at the loaded weights where the checkpoint has none."""
     path = Path(path)
-    state_file = path / "train_state.json"
-    if not state_file.is_file():
-        raise ValueError(f"{path}: not a checkpoint folder (no train_state.json)")
-    model_sd = torch.load(path / "model.pt", map_location="cpu", weights_only=True, mmap=True)
-    check_state_shapes(path / "model.pt", model_sd, model)  # one line instead of torch's line per tensor
-    opts = StateDictOptions(full_state_dict=True)
-    if optimizer is not None:
-        if not (path / "optim.pt").is_file():
-            raise ValueError(f"{path}: has no optim.pt; load the model alone (optimizer=None)")
-        optim_sd = torch.load(path / "optim.pt", map_location="cpu", weights_only=True, mmap=True)
-        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=opts)
-    else:
-        set_model_state_dict(model, model_sd, options=opts)
+    why = problem(path)
+    if why is not None:
+        raise ValueError(why)
+    shapes = tensor_shapes(path)
+    # DCP fills only the keys the model asks for: a checkpoint of another shape must fail here, in one line
+    saved = {k.removeprefix("model."): SimpleNamespace(shape=v) for k, v in shapes.items() if k.startswith("model.")}
+    check_state_shapes(path / "state", saved, model)
+    if optimizer is not None and not any(k.startswith("optim.") for k in shapes):
+        raise ValueError(f"{path}: holds no optimizer state; load the model alone (optimizer=None)")
+    has_ema = any(k.startswith("ema.") for k in shapes)
+    state = _state(model, optimizer, ema if has_ema else None)
+    with _quiet():
+        dcp.load(state, checkpoint_id=path / "state")
     if ema is not None:
-        ema_file = path / "ema.pt"
-        ema.load_state_dict(torch.load(ema_file, map_location="cpu", weights_only=True) if ema_file.is_file() else None)
+        ema.load_state_dict(state["ema"] if has_ema else None)
+    if optimizer is None:
+        set_model_state_dict(model, state["model"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     if restore_rng and (path / "rng.pt").is_file():
         rng = torch.load(path / "rng.pt", weights_only=True)
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
-    return json.loads(state_file.read_text())
+    return json.loads((path / "train_state.json").read_text())
+

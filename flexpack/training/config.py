@@ -27,6 +27,7 @@ from flexpack.training.objective import FlowMatchingConfig
 
 MODES = ("pack", "pad")
 DECAYS = ("cosine", "constant")
+REWARMUPS = ("linear", "ramp")
 DTYPES = ("float32", "bfloat16")
 MASKS = ("document", "chunk_causal", "teacher_forcing")
 
@@ -140,6 +141,7 @@ class OptimConfig:
     grad_clip: float = 1.0  # max global grad norm; 0 = no clipping
     accum_steps: int = 1  # micro-batches per optimizer step
     ema_decay: float = 0.0  # EMA of the weights, saved with checkpoints (flexpack.training.ema); 0 = off
+    skip_nonfinite: bool = False  # a NaN/Inf loss or grad norm skips that step (logged) instead of stopping the run
 
     def __post_init__(self) -> None:
         _positive("optim", lr=self.lr, eps=self.eps, accum_steps=self.accum_steps)
@@ -156,8 +158,10 @@ class OptimConfig:
 class ScheduleConfig:
     """LR: linear warmup to ``optim.lr``, then cosine to ``min_lr_ratio·lr`` at ``steps`` (or constant).
 
-    After a resume the LR re-warms linearly from ``rewarmup_from × schedule`` to the schedule over
-    ``rewarmup_steps`` steps (fresh optimizer moments after a restart are noisy; 0 = off).
+    After a resume the LR re-warms over ``rewarmup_steps`` = N steps (fresh optimizer moments after
+    a restart are noisy; 0 = off): the s-th step after the resume (s = 0, 1, ...) gets the schedule
+    times ``rewarmup_from + (1 − rewarmup_from)·s/N`` (``rewarmup_mode = "linear"``) or times
+    ``min(1, (s+1)/N)`` (``"ramp"``, the reference recipe: 1/N at the first step, 1 at the N-th).
     """
 
     steps: int = 1000
@@ -166,11 +170,14 @@ class ScheduleConfig:
     min_lr_ratio: float = 0.1
     rewarmup_steps: int = 0
     rewarmup_from: float = 0.1
+    rewarmup_mode: str = "linear"
 
     def __post_init__(self) -> None:
         _positive("schedule", steps=self.steps)
         if self.decay not in DECAYS:
             raise ValueError(f"schedule.decay must be one of {DECAYS}, got {self.decay!r}")
+        if self.rewarmup_mode not in REWARMUPS:
+            raise ValueError(f"schedule.rewarmup_mode must be one of {REWARMUPS}, got {self.rewarmup_mode!r}")
         if self.warmup_steps < 0 or self.rewarmup_steps < 0:
             raise ValueError(f"schedule.warmup_steps/rewarmup_steps must be >= 0, got {self.warmup_steps}, {self.rewarmup_steps}")
         for name in ("min_lr_ratio", "rewarmup_from"):
@@ -183,6 +190,7 @@ class CheckpointConfig:
     every: int = 0  # optimizer steps between checkpoints; 0 = only at the end
     keep: int = 2  # newest checkpoints kept
     resume: bool = True  # continue from the newest checkpoint in runtime.out_dir
+    async_save: bool = False  # write shards in a background thread (dcp.async_save); training goes on meanwhile
 
     def __post_init__(self) -> None:
         if self.every < 0 or self.keep < 1:
@@ -191,7 +199,7 @@ class CheckpointConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class RuntimeConfig:
-    out_dir: str = "out/run"  # run folder: checkpoints/, metrics.jsonl, config.json, tb/, profile/
+    out_dir: str = "out/run"  # run folder: checkpoints/, metrics.jsonl, config.json (+ config_history.jsonl), tb/, profile/
     device: str = "auto"  # auto: cuda:LOCAL_RANK when available, else cpu
     dtype: str = "float32"  # bfloat16: FSDP mixed precision (params bf16, reduce fp32) or autocast
     activation_checkpointing: bool | int = False  # true: every block; n: the first n blocks

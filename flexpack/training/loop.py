@@ -10,8 +10,16 @@ Order of one optimizer step (nanoGPT's): lr → checkpoint → micro-steps → c
 - Noise is drawn per episode from ``(runtime.seed, step, episode index)`` (:mod:`flexpack.training.noise`):
   how episodes are batched never changes their x_t, and a resumed run draws what it would have.
 - Multi-GPU: under ``torchrun`` with several ranks the model is FSDP2-sharded
-  (:mod:`flexpack.training.parallel`); checkpoints (:mod:`flexpack.training.checkpoint`) are full state dicts.
-- ``LINGBOT_PROFILE=n`` profiles n steps (:mod:`flexpack.training.profiling`).
+  (:mod:`flexpack.training.parallel`); checkpoints (:mod:`flexpack.training.checkpoint`) are sharded (DCP) and
+  resume on any number of ranks (:mod:`flexpack.training.resume`).
+- The run folder has one owner, a metrics log cut back to the weights' step on resume and a config history
+  (:mod:`flexpack.training.runfolder`); signals, data errors and non-finite steps end a run cleanly
+  (:mod:`flexpack.training.faults`).
+- One step (:func:`~flexpack.training.step.train_step`) queues its work without waiting for the GPU;
+  on CUDA in pack mode each block is compiled once for all layers (``runtime.compile``). The host
+  reads device values at logged steps only (loss, grad norm, throughput: :mod:`flexpack.training.metrics`).
+- ``LINGBOT_PROFILE=n`` profiles n steps (:mod:`flexpack.training.profiling`); metrics also go to
+  TensorBoard / W&B (:mod:`flexpack.training.tracking`).
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import argparse
 import json
 import math
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -30,10 +39,10 @@ from torch import nn
 from tqdm import tqdm
 
 from flexpack.packing.collate import Batch
-from flexpack.training import checkpoint, tracking
+from flexpack.training import checkpoint, faults, resume, runfolder, tracking
 from flexpack.training.build import Data, build_data, build_model, materialize
 from flexpack.training.checks import positive_int, preflight
-from flexpack.training.config import ScheduleConfig, TrainConfig, load_config, save_config
+from flexpack.training.config import ScheduleConfig, TrainConfig, load_config
 from flexpack.training.ema import make_ema
 from flexpack.training.metrics import StepMeter
 from flexpack.training.optim import build_optimizer
@@ -52,8 +61,11 @@ def lr_at(step: int, base_lr: float, sched: ScheduleConfig, resumed_at: int | No
     else:
         progress = min(1.0, (step - sched.warmup_steps) / max(1, sched.steps - sched.warmup_steps))
         lr = base_lr * (sched.min_lr_ratio + (1 - sched.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-    if resumed_at is not None and 0 <= step - resumed_at < sched.rewarmup_steps:
-        lr *= sched.rewarmup_from + (1 - sched.rewarmup_from) * (step - resumed_at) / sched.rewarmup_steps
+    s, n = (step - resumed_at if resumed_at is not None else -1), sched.rewarmup_steps  # s-th step after the resume
+    if 0 <= s < n and sched.rewarmup_mode == "ramp":
+        lr *= min(1.0, (s + 1) / n)
+    elif 0 <= s < n:
+        lr *= sched.rewarmup_from + (1 - sched.rewarmup_from) * s / n
     return lr
 
 
@@ -90,11 +102,28 @@ class TrainResult:
 def train(cfg: TrainConfig, *, stop_after: int | None = None, data: Data | None = None) -> TrainResult:
     """Train ``cfg.schedule.steps`` optimizer steps (resuming from the run folder's newest checkpoint);
     ``stop_after`` ends early after that step, with a checkpoint, as an interruption would; ``data``
-    replaces what ``cfg.data`` describes (in-memory episodes, e.g. ``benchmarks/profile_step.py``)."""
+    replaces what ``cfg.data`` describes (in-memory episodes, e.g. ``benchmarks/profile_step.py``).
+    Faults (:mod:`flexpack.training.faults`): a signal saves and raises ``Interrupted``, a non-finite
+    step raises ``NonFiniteError`` (or is skipped), a data error on any rank saves the steps done and re-raises."""
     rank, size = world()
     if rank == 0:
         tracking.check(cfg)  # a missing logger package fails before any data or model work
     device = preflight(cfg, stop_after)  # device, run folder, finite numbers: before data and model
+    found = resume.find(cfg, rank)
+    if found is not None and resume.step_of(found) >= cfg.schedule.steps:  # nothing to do: touch nothing
+        done = resume.step_of(found)
+        if rank == 0:
+            print(f"{cfg.runtime.out_dir}: already at step {done} of schedule.steps={cfg.schedule.steps}; "
+                  "nothing to train (raise schedule.steps to continue)", file=sys.stderr)
+        return TrainResult(step=done, start_step=done, checkpoint=found)
+    with runfolder.RunLock(cfg.runtime.out_dir, active=rank == 0), faults.GracefulStop() as stop:
+        _barrier()  # the other ranks wait for rank 0's lock (a refusal ends torchrun through rank 0)
+        return _train(cfg, found, stop, stop_after, device, data)
+
+
+def _train(cfg: TrainConfig, found: Path | None, stop: faults.GracefulStop, stop_after: int | None,
+           device: torch.device, data: Data | None) -> TrainResult:
+    rank, size = world()
     data = build_data(cfg, rank, size) if data is None else data
     param_dtype = torch.bfloat16 if cfg.runtime.dtype == "bfloat16" else None
     with device:  # built where it runs: no full fp32 copy of a 5B model in host memory per rank
@@ -106,52 +135,63 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, data: Data | None 
     opt = build_optimizer(model, o, log=rank == 0, fused=device.type == "cuda")  # no decay on norms, biases, ...
     ema = make_ema(model, o.ema_decay)
     validator = make_validator(cfg, device)  # None unless runtime.eval_every
-    ckpt_root, start, resumed_at = run / "checkpoints", 0, None
-    found = checkpoint.latest(ckpt_root)
-    if found is not None and not cfg.checkpoint.resume:
-        raise ValueError(f"{run}: holds checkpoint {found.name} but checkpoint.resume is false; "
-                         "remove the folder or choose another runtime.out_dir")
+    start, resumed_at = 0, None
     if found is not None:
-        state = checkpoint.load(found, model, opt, ema=ema)
-        data.sampler.load_state_dict(state["sampler"])
-        start = resumed_at = int(state["step"])
+        start = resumed_at = int(resume.restore(found, cfg, model, opt, data, rank, ema=ema)["step"])
     if rank == 0:
-        save_config(cfg, run / "config.json")
+        _prepare_run(run, cfg, start, size)
     loader = torch.utils.data.DataLoader(data.dataset, batch_sampler=data.sampler, collate_fn=data.collate,
                                          num_workers=cfg.data.num_workers, pin_memory=device.type == "cuda")
     stream = _stream(loader, data.sampler)
     end = cfg.schedule.steps if stop_after is None else min(stop_after, cfg.schedule.steps)
     result = TrainResult(step=start, start_step=start, checkpoint=found, model=model)
-    sampler_state, step, tpf = data.sampler.state_dict(), start, data.tokens_per_frame
+    sampler_state, step, tpf, signum = data.sampler.state_dict(), start, data.tokens_per_frame, 0
+    saver = checkpoint.Checkpointer(run / "checkpoints", keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
+    extra = {"action_normalizer": resume.normalizer_state(data.dataset)}
+
+    guard, meter, model_kw = faults.StepGuard(stop, o.skip_nonfinite), StepMeter(cfg, device, tpf), {"text_slots": data.text_slots}
+
+    def save() -> Path:
+        guard.flush()  # never the weights of a non-finite step
+        return saver.save(step, model, opt, sampler_state=sampler_state, extra=extra, config=cfg.to_dict(), ema=ema)
+
     bar = tqdm(total=cfg.schedule.steps, initial=start, desc="train", unit="step",
                disable=rank != 0 or not cfg.runtime.progress)
-    meter = StepMeter(cfg, device, tpf)
-    extra = {"text_slots": data.text_slots}
     with (StepProfiler.for_training(cfg, rank, steps_left=end - step, first_step=step, tokens_per_frame=tpf,
                                     device=device) as prof,
           tracking.MetricSinks(run, cfg, rank=rank, start_step=start) as sinks):
-        while step < end:
+        while step < end and not signum:
             prof.step()
             lr = lr_at(step, o.lr, cfg.schedule, resumed_at)
             for group in opt.param_groups:
                 group["lr"] = lr
             if step > start and cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
-                result.checkpoint = checkpoint.save(ckpt_root, step, model, opt, sampler_state=sampler_state,
-                                                    keep=cfg.checkpoint.keep, ema=ema)
+                result.checkpoint = save()
             prof.phase("data")
-            micro = [next(stream) for _ in range(o.accum_steps)]
+            try:
+                micro, error = [next(stream) for _ in range(o.accum_steps)], None
+            except Exception as exc:
+                micro, error = [], exc
+            if faults.any_rank_failed(error):  # keep the steps done: every rank saves, then all stop
+                if step > start:
+                    result.checkpoint = save()
+                    saver.wait()
+                    if rank == 0:
+                        print(f"saved step {step} in {result.checkpoint} before the error below", file=sys.stderr)
+                raise error or faults.PeerDataError(step + 1)
             batches, sampler_state = [b for b, _ in micro], micro[-1][1]
-            sums, norm = train_step(model, opt, batches, cfg, step=step, device=device, extra_model_kwargs=extra,
-                                    prof=prof)
-            if ema is not None:
-                ema.update()
+            sums, norm = train_step(model, opt, batches, cfg, step=step, device=device, extra_model_kwargs=model_kw,
+                                    prof=prof, guard=guard, ema=ema)
+            signum, nonfinite = guard.signum, guard.skipped
             meter.add(batches)
             step += 1
             bar.update(1)
             result.lrs.append(lr)
             result.episodes += [b.layout.episode_index.tolist() for b in batches]
-            if step % cfg.runtime.log_every == 0 or step == end:
-                rec = _log(run, rank, step, lr, sums, norm, batches, tpf, meter)
+            if step % cfg.runtime.log_every == 0 or step == end or nonfinite:
+                guard.flush()
+                rec = _log(run, rank, step, lr, sums, norm, batches, tpf, meter,
+                           extra={"skipped": True} if nonfinite else None)
                 result.losses.append(rec["loss"])
                 result.metrics.append(rec)
                 sinks.log(rec)
@@ -160,17 +200,40 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, data: Data | None 
                 validator.after_step(model, step)
     bar.close()
     result.step = step
+    guard.flush()
     if step > start:
-        result.checkpoint = checkpoint.save(ckpt_root, step, model, opt, sampler_state=sampler_state,
-                                            keep=cfg.checkpoint.keep, ema=ema)
+        result.checkpoint = save()
+    saver.wait()
+    if signum:
+        raise faults.Interrupted(signum, step, result.checkpoint if step > start else None)
     return result
 
 
+def _barrier() -> None:
+    if world()[1] > 1:
+        dist.barrier()
+
+
+def _prepare_run(run: Path, cfg: TrainConfig, start: int, size: int) -> None:
+    """Rank 0, before the first step: clear interrupted saves, cut metrics.jsonl back to ``start``
+    (the weights' step), record this start in the config history (:mod:`flexpack.training.runfolder`)."""
+    for tmp in checkpoint.remove_temporary(run / "checkpoints"):
+        print(f"removed {tmp} (an interrupted save)", file=sys.stderr)
+    if dropped := runfolder.cut_metrics(run, start):
+        print(f"{run}/metrics.jsonl: removed {dropped} line(s) after step {start} (steps of a run that was "
+              "stopped before checkpointing them)", file=sys.stderr)
+    changed = runfolder.record_start(run, cfg.to_dict(), start_step=start, world_size=size)
+    if changed and start > 0:
+        print(f"resuming at step {start} with changed config: "
+              + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items())
+              + f" (recorded in {run}/config_history.jsonl)", file=sys.stderr)
+
+
 def _log(run: Path, rank: int, step: int, lr: float, sums: torch.Tensor, norm: torch.Tensor,
-         batches: Sequence[Batch], tpf: int, meter: StepMeter) -> dict[str, Any]:
+         batches: Sequence[Batch], tpf: int, meter: StepMeter, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Global loss parts, LR, grad norm, waste of this step, and the throughput of the steps since
-    the last log (tokens/s, step time, peak memory, MFU); rank 0 appends metrics.jsonl. The only
-    point of the step where the host waits for the GPU."""
+    the last log (tokens/s, step time, peak memory, MFU); rank 0 appends metrics.jsonl. One of the
+    few points where the host waits for the GPU."""
     valid = sum(int(b.layout.episode_frames.sum()) for b in batches) * tpf
     computed = sum(b.layout.frame_doc.numel() for b in batches) * tpf
     stats = torch.cat([sums.float().cpu(), torch.tensor([valid, computed], dtype=torch.float32)])
@@ -178,7 +241,8 @@ def _log(run: Path, rank: int, step: int, lr: float, sums: torch.Tensor, norm: t
         dist.all_reduce(stats)
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a DTensor under FSDP
     rec = {"step": step, "loss": float(stats[0]), "latent_loss": float(stats[1]), "action_loss": float(stats[2]),
-           "lr": lr, "grad_norm": float(norm), "waste": 1.0 - float(stats[3]) / float(stats[4]), **meter.read()}
+           "lr": lr, "grad_norm": float(norm), "waste": 1.0 - float(stats[3]) / float(stats[4]), **meter.read(),
+           **(extra or {})}
     if rank == 0:
         run.mkdir(parents=True, exist_ok=True)
         with open(run / "metrics.jsonl", "a") as f:  # an append-only log: one line per logged step
@@ -201,10 +265,14 @@ def run(args: argparse.Namespace) -> int:
         started = True
     try:
         result = train(cfg, stop_after=args.stop_after)
+    except faults.Interrupted as exc:
+        if rank == 0:
+            print(f"flexpack train: {exc}", file=sys.stderr)
+        return exc.exit_code
     finally:
         if started:
             dist.destroy_process_group()
-    if rank == 0:
+    if rank == 0 and result.step > result.start_step:  # (a finished run has said so already)
         last = result.metrics[-1] if result.metrics else {}
         print(f"trained steps {result.start_step} -> {result.step}; loss {last.get('loss', float('nan')):.4f}; "
               f"checkpoint {result.checkpoint}")

@@ -10,7 +10,7 @@ step while the GPU runs this one.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -61,13 +61,19 @@ def accumulate(model: nn.Module, batches: Sequence[Batch], cfg: TrainConfig, *, 
 
 def train_step(model: nn.Module, opt: torch.optim.Optimizer, batches: Sequence[Batch], cfg: TrainConfig, *,
                step: int, device: torch.device, extra_model_kwargs: dict[str, Any] | None = None,
-               prof: StepProfiler = NO_PROFILER) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`accumulate` → clip → optimizer step → zero grads; returns (loss parts, grad norm), both
+               prof: StepProfiler = NO_PROFILER,
+               guard: Callable[[int, torch.Tensor, torch.Tensor, Sequence[Batch]], bool] | None = None,
+               ema: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`accumulate` → clip → ``guard`` (:class:`~flexpack.training.faults.StepGuard`: may the
+    weights change?) → optimizer step → EMA → zero grads; returns (loss parts, grad norm), both
     device tensors."""
     sums = accumulate(model, batches, cfg, step=step, device=device, extra_model_kwargs=extra_model_kwargs, prof=prof)
     prof.phase("optimizer")
     norm = nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip or float("inf"), foreach=True)
-    opt.step()
+    if guard is None or guard(step, norm, sums, batches):
+        opt.step()
+        if ema is not None:
+            ema.update()
     opt.zero_grad(set_to_none=True)
     prof.phase(None)
     return sums, norm

@@ -1,0 +1,120 @@
+"""Resuming a run from its newest checkpoint: find it, check it fits, load it.
+
+What a resume can honour and what it cannot:
+
+- Another world size: yes. DCP re-shards model and optimizer, and the sampler re-plans the rest
+  of the epoch over the new ranks (every episode of the epoch once, see
+  :mod:`flexpack.packing.sampler`).
+- Another schedule, LR, logging or checkpoint setting: yes (recorded in ``config_history.jsonl``).
+- Another order of the epoch (``data.mode``, ``data.max_tokens``, ``data.seed``, ...): no — one
+  line naming each value, the checkpoint's and the new one, and how to go on.
+- Another model shape: no — one line naming the differing ``model.*`` values.
+
+The dataset's action normalization statistics are saved with each checkpoint; a resume keeps
+the checkpoint's (the weights learned under them) and warns if the dataset's have changed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from flexpack.training import checkpoint
+from flexpack.training.config import TrainConfig
+from flexpack.training.runfolder import config_changes
+
+# config keys that fix the order of an epoch (and so the sampler state's meaning), per data.mode
+ORDER_KEYS = {
+    "pack": ("mode", "max_tokens", "crop", "seed", "segments", "action_steps", "stride", "cameras"),
+    "pad": ("mode", "batch_size", "pool_factor", "pad_multiple", "seed", "segments", "stride", "cameras"),
+}
+
+
+def find(cfg: TrainConfig, rank: int = 0) -> Path | None:
+    """The run folder's newest complete checkpoint (a damaged newer one is reported in one line)."""
+    run, problems = Path(cfg.runtime.out_dir), []
+
+    def damaged(why: str) -> None:
+        problems.append(why)
+        if rank == 0:
+            print(f"warning: {why}; using the checkpoint before it", file=sys.stderr)
+
+    found = checkpoint.latest(run / "checkpoints", on_damaged=damaged)
+    if found is None and problems:  # never restart from scratch over a run's checkpoints unasked
+        raise ValueError(f"{run}: no usable checkpoint ({problems[-1]}); delete {run / 'checkpoints'} to start "
+                         "over, or choose another runtime.out_dir")
+    if found is not None and not cfg.checkpoint.resume:
+        raise ValueError(f"{run}: holds checkpoint {found.name} but checkpoint.resume is false; "
+                         "remove the folder or choose another runtime.out_dir")
+    return found
+
+
+def step_of(path: Path) -> int:
+    return int(json.loads((path / "train_state.json").read_text())["step"])
+
+
+def _saved_config(path: Path) -> dict[str, Any] | None:
+    f = path / "config.json"
+    return json.loads(f.read_text()) if f.is_file() else None
+
+
+def check_order(path: Path, saved: dict[str, Any] | None, cfg: TrainConfig) -> None:
+    if saved is None:
+        return
+    now = cfg.to_dict()["data"]
+    keys = ORDER_KEYS[saved["data"]["mode"]]
+    diff = [(k, saved["data"].get(k), now.get(k)) for k in keys if json.dumps(saved["data"].get(k)) != json.dumps(now.get(k))]
+    if diff:
+        what = ", ".join(f"data.{k} is {a!r} there and {b!r} now" for k, a, b in diff)
+        fix = " ".join(f"--set data.{k}={json.dumps(a)}" for k, a, _ in diff)
+        raise ValueError(f"cannot resume from {path}: {what} (the epoch's order depends on it); "
+                         f"resume with {fix}, or train into a new runtime.out_dir")
+
+
+def check_shapes(path: Path, saved: dict[str, Any] | None, cfg: TrainConfig, model: torch.nn.Module) -> None:
+    bad = checkpoint.shape_mismatches(path, model)
+    if not bad:
+        return
+    name, there, here = bad[0]
+    example = f"e.g. {name} {there} there vs {here} now" if there is not None else f"e.g. {name} not in it"
+    values = ""
+    if saved is not None:
+        changed = config_changes(saved["model"], cfg.to_dict()["model"])
+        values = "; " + ", ".join(f"model.{k} is {a!r} there and {b!r} now" for k, (a, b) in changed.items())
+    raise ValueError(f"cannot resume from {path}: its model has another shape ({len(bad)} tensors differ, "
+                     f"{example}){values}; resume with the checkpoint's model values or choose another runtime.out_dir")
+
+
+def normalizer_state(dataset: Any) -> dict[str, Any] | None:
+    n = getattr(dataset, "normalizer", None)
+    if n is None:
+        return None
+    return {"mode": n.mode, "low": np.asarray(n.low).tolist(), "high": np.asarray(n.high).tolist()}
+
+
+def _restore_normalizer(path: Path, dataset: Any, saved: dict[str, Any] | None, rank: int) -> None:
+    if saved is None or getattr(dataset, "normalizer", None) is None:
+        return
+    if normalizer_state(dataset) != saved:
+        if rank == 0:
+            print(f"warning: the dataset's action statistics differ from those saved in {path}; "
+                  "keeping the checkpoint's (the weights were trained with them)", file=sys.stderr)
+        dataset.normalizer = type(dataset.normalizer)(saved["mode"], np.asarray(saved["low"]), np.asarray(saved["high"]))
+
+
+def restore(path: Path, cfg: TrainConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+            data: Any, rank: int = 0, ema: Any = None) -> dict[str, Any]:
+    """Check ``path`` fits ``cfg``, load model, optimizer, EMA, RNG, sampler and normalizer
+    (collective); returns its train_state."""
+    saved = _saved_config(path)
+    check_order(path, saved, cfg)
+    check_shapes(path, saved, cfg, model)
+    state = checkpoint.load(path, model, optimizer, ema=ema)
+    data.sampler.load_state_dict(state["sampler"])
+    _restore_normalizer(path, data.dataset, state.get("extra", {}).get("action_normalizer"), rank)
+    return state

@@ -1,0 +1,162 @@
+"""The run folder (``runtime.out_dir``): one owner at a time, a metrics log that matches the weights,
+and a record of every start.
+
+- ``train.lock`` holds the PID and host of the ``train`` that owns the folder. A second ``train``
+  is refused with a message naming the holder; a lock left by a dead process on this host (its
+  PID no longer runs) is taken over with a warning. Under ``torchrun`` only rank 0 takes it.
+- ``metrics.jsonl`` is cut back to the step a run resumes from (or emptied when it starts from
+  scratch), atomically: steps trained after the last checkpoint by a killed run are replayed,
+  and their lines must not appear twice.
+- ``config.json`` is the config of the first start and never rewritten; every start (the first
+  included) appends ``{"start_step", "time", "host", "world_size", "changed", "config"}`` to
+  ``config_history.jsonl``, ``changed`` listing the keys that differ from the previous start.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+from flexpack.atomic import atomic_path
+
+LOCK = "train.lock"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+class RunLock:
+    """``with RunLock(run):`` owns ``run`` for the block (see the module doc); a no-op if ``active`` is false."""
+
+    def __init__(self, run: str | os.PathLike, *, active: bool = True) -> None:
+        self.path, self.active, self.held = Path(run) / LOCK, active, False
+        self.made: list[Path] = []  # folders the lock created, removed again if a run leaves them empty
+
+    def __enter__(self) -> "RunLock":
+        if self.active:
+            self.acquire()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+    def acquire(self) -> None:
+        missing = [p for p in [self.path.parent, *self.path.parent.parents] if not p.exists()]
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.made = missing  # deepest first
+        me = {"pid": os.getpid(), "host": socket.gethostname(),
+              "since": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        for _ in range(3):  # a stale lock is removed and the create retried
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = self._holder()
+                if holder is None:
+                    continue  # released between our open and read
+                pid, host = holder.get("pid"), holder.get("host")
+                if host == me["host"] and isinstance(pid, int) and not _alive(pid):
+                    print(f"warning: {self.path}: taking over the lock of PID {pid} on {host}, which is no longer "
+                          "running (a killed train)", file=sys.stderr)
+                    self.path.unlink(missing_ok=True)
+                    continue
+                raise ValueError(f"{self.path.parent}: in use by train PID {pid} on host {host} (since "
+                                 f"{holder.get('since', '?')}); stop it or choose another runtime.out_dir "
+                                 f"(delete {self.path} if that process is gone)")
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(me) + "\n")
+            self.held = True
+            return
+        raise ValueError(f"{self.path}: could not take the lock (it keeps reappearing)")
+
+    def _holder(self) -> dict[str, Any] | None:
+        try:
+            text = self.path.read_text()
+        except FileNotFoundError:
+            return None
+        try:
+            return json.loads(text)
+        except ValueError:
+            return {"pid": None, "host": f"? (unreadable lock file: {text[:40]!r})"}
+
+    def release(self) -> None:
+        if self.held:
+            self.path.unlink(missing_ok=True)
+            self.held = False
+            for folder in self.made:  # a run that failed before writing anything leaves no folder behind
+                try:
+                    folder.rmdir()
+                except OSError:
+                    break
+
+
+def cut_metrics(run: str | os.PathLike, step: int) -> int:
+    """Keep only ``metrics.jsonl`` lines of steps ``<= step`` (atomically); returns lines removed."""
+    path = Path(run) / "metrics.jsonl"
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            keep = int(json.loads(line)["step"]) <= step
+        except (ValueError, KeyError, TypeError):
+            keep = False  # a line cut short by a kill
+        if keep:
+            kept.append(line)
+        else:
+            dropped += 1
+    if dropped:
+        with atomic_path(path) as tmp:
+            tmp.write_text("".join(line + "\n" for line in kept))
+    return dropped
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def config_changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, list[Any]]:
+    """``{"schedule.steps": [40, 80], ...}`` for every key whose value differs."""
+    a, b = _flat(json.loads(json.dumps(old))), _flat(json.loads(json.dumps(new)))
+    return {k: [a.get(k), b.get(k)] for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)}
+
+
+def record_start(run: str | os.PathLike, config: dict[str, Any], *, start_step: int, world_size: int) -> dict[str, list]:
+    """Write ``config.json`` on the first start, append this start to ``config_history.jsonl``;
+    returns the keys changed since the previous start."""
+    run = Path(run)
+    run.mkdir(parents=True, exist_ok=True)
+    first, history = run / "config.json", run / "config_history.jsonl"
+    if not first.is_file():
+        with atomic_path(first) as tmp:
+            tmp.write_text(json.dumps(config, indent=2) + "\n")
+    previous = json.loads(first.read_text())
+    if history.is_file():
+        for line in history.read_text().splitlines():
+            try:
+                previous = json.loads(line)["config"]
+            except (ValueError, KeyError):
+                pass  # a line cut short by a kill
+    changed = config_changes(previous, config)
+    rec = {"start_step": start_step, "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "host": socket.gethostname(), "world_size": world_size, "changed": changed, "config": config}
+    with open(history, "a") as f:  # append-only: one line per start
+        f.write(json.dumps(rec) + "\n")
+    return changed

@@ -1,0 +1,361 @@
+"""Faults during training on the tiny model: signals, kill -9, a second train on the same folder,
+non-finite steps, data errors, damaged checkpoints; exit codes, messages and the run folder after."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("lerobot")
+
+from flexpack.cli import main as cli_main  # noqa: E402
+from flexpack.training import checkpoint, loop  # noqa: E402
+from flexpack.training.config import load_config  # noqa: E402
+from flexpack.training.faults import NonFiniteError  # noqa: E402
+from flexpack.training.loop import train  # noqa: E402
+from flexpack.training.runfolder import LOCK, RunLock, cut_metrics  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "tiny_cpu.toml"
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _sets(root: Path, out: Path, *extra: str) -> list[str]:
+    return [f'data.root="{root}"', f'runtime.out_dir="{out}"', "runtime.progress=false", "optim.accum_steps=1",
+            "data.max_tokens=60", "checkpoint.every=0", "schedule.warmup_steps=2", *extra]
+
+
+def config(root: Path, out: Path, *extra: str):
+    return load_config(CONFIG, _sets(root, out, *extra))
+
+
+def _spawn(root: Path, out: Path, *extra: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "flexpack.cli", "train", str(CONFIG)]
+    for s in _sets(root, out, *extra):
+        cmd += ["--set", s]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+
+
+def _steps(out: Path) -> list[int]:
+    path = out / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def _wait_for_steps(proc: subprocess.Popen, out: Path, n: int, timeout: float = 120.0) -> None:
+    t0 = time.monotonic()
+    while len(_steps(out)) < n:
+        if proc.poll() is not None:
+            raise AssertionError(f"train ended early (rc {proc.returncode}): {proc.stderr.read()[-3000:]}")
+        if time.monotonic() - t0 > timeout:
+            proc.kill()
+            raise AssertionError(f"no {n} metrics lines after {timeout} s")
+        time.sleep(0.02)
+
+
+def test_sigterm_saves_the_step_exits_143_and_a_second_train_is_refused_meanwhile(train_dataset, tmp_path):
+    out = tmp_path / "run"
+    proc = _spawn(train_dataset, out, "schedule.steps=500")
+    try:
+        _wait_for_steps(proc, out, 2)
+        lock = json.loads((out / LOCK).read_text())
+        assert lock["pid"] == proc.pid
+        # a second train on the same folder: refused before any data or model work, naming the holder
+        with pytest.raises(ValueError, match=rf"in use by train PID {proc.pid} on host {lock['host']}"):
+            train(config(train_dataset, out, "schedule.steps=500"))
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    saved = checkpoint.latest(out / "checkpoints")
+    done = _steps(out)
+    assert saved is not None and json.loads((saved / "train_state.json").read_text())["step"] == done[-1]
+    assert f"interrupted by SIGTERM after step {done[-1]}; checkpoint {saved}; run the same command again" in err
+    assert not (out / LOCK).exists()  # released on the way out
+    # resuming continues right after the saved step: every step logged once
+    res = train(config(train_dataset, out, f"schedule.steps={done[-1] + 2}"))
+    assert res.start_step == done[-1] and _steps(out) == list(range(1, done[-1] + 3))
+
+
+def test_kill_9_before_any_checkpoint_then_resume_drops_its_metrics_and_takes_over_the_lock(train_dataset, tmp_path, capfd):
+    out = tmp_path / "run"
+    proc = _spawn(train_dataset, out, "schedule.steps=500")  # checkpoint.every=0: none until the end
+    try:
+        _wait_for_steps(proc, out, 4)
+        proc.kill()
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    logged = _steps(out)
+    assert checkpoint.latest(out / "checkpoints") is None and len(logged) >= 4
+    assert json.loads((out / LOCK).read_text())["pid"] == proc.pid  # the dead process's lock is left behind
+    (out / "checkpoints" / ".tmp-step_00000300" / "state").mkdir(parents=True)  # a save cut short
+    res = train(config(train_dataset, out, "schedule.steps=2"))
+    err = capfd.readouterr().err
+    assert f"taking over the lock of PID {proc.pid}" in err
+    assert ".tmp-step_00000300 (an interrupted save)" in err
+    assert f"removed {len(logged)} line(s) after step 0" in err  # lines of weights that no longer exist
+    assert res.start_step == 0 and _steps(out) == [1, 2]
+    assert not list((out / "checkpoints").glob(".tmp-*")) and not (out / LOCK).exists()
+
+
+def test_lock_refuses_a_live_holder_and_other_hosts_and_takes_over_a_dead_one(tmp_path, capfd):
+    (tmp_path / LOCK).write_text(json.dumps({"pid": os.getppid(), "host": os.uname().nodename, "since": "t"}))
+    with pytest.raises(ValueError, match=rf"in use by train PID {os.getppid()} on host"):
+        RunLock(tmp_path).acquire()
+    (tmp_path / LOCK).write_text(json.dumps({"pid": 999999999, "host": "elsewhere", "since": "t"}))
+    with pytest.raises(ValueError, match="PID 999999999 on host elsewhere"):  # cannot tell if it lives there
+        RunLock(tmp_path).acquire()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / LOCK).write_text(json.dumps({"pid": dead.pid, "host": os.uname().nodename, "since": "t"}))
+    with RunLock(tmp_path):
+        assert json.loads((tmp_path / LOCK).read_text())["pid"] == os.getpid()
+    assert "taking over the lock of PID" in capfd.readouterr().err and not (tmp_path / LOCK).exists()
+
+
+def test_cut_metrics_keeps_the_checkpoints_steps_and_drops_a_torn_line(tmp_path):
+    lines = [json.dumps({"step": s, "loss": 1.0}) for s in (1, 2, 3, 4, 2, 3)] + ['{"step": 5, "lo']
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    assert cut_metrics(tmp_path, 2) == 4
+    assert _steps(tmp_path) == [1, 2, 2]  # an older duplicate is not invented away, only later steps go
+    assert cut_metrics(tmp_path, 2) == 0
+
+
+def _poison_grads_at(monkeypatch, bad_step: int, seen: dict) -> None:
+    from flexpack.training import step as step_module  # the loop's step code calls accumulate there
+
+    real = step_module.accumulate
+
+    def accumulate(model, batches, cfg, *, step, device, **kw):
+        seen[step] = [p.detach().clone() for p in model.parameters()]
+        out = real(model, batches, cfg, step=step, device=device, **kw)
+        if step == bad_step:
+            next(model.parameters()).grad[0] = float("nan")
+        return out
+
+    monkeypatch.setattr(step_module, "accumulate", accumulate)
+
+
+def test_nonfinite_gradient_stops_naming_step_and_episodes_without_a_checkpoint(train_dataset, tmp_path, monkeypatch):
+    _poison_grads_at(monkeypatch, 2, {})
+    out = tmp_path / "run"
+    with pytest.raises(NonFiniteError) as info:
+        train(config(train_dataset, out, "schedule.steps=6", "checkpoint.every=0"))
+    msg = str(info.value)
+    assert "\n" not in msg and msg.startswith("step 3: non-finite loss") and "gradient norm nan" in msg
+    assert "on micro-batches with episodes [[" in msg and "optim.skip_nonfinite=true" in msg
+    assert not (out / "checkpoints").exists()  # nothing saved
+    assert _steps(out) == [1, 2]
+
+
+def test_skip_nonfinite_skips_the_update_logs_it_and_trains_on(train_dataset, tmp_path, monkeypatch):
+    seen: dict = {}
+    _poison_grads_at(monkeypatch, 2, seen)
+    res = train(config(train_dataset, tmp_path / "run", "schedule.steps=5", "optim.skip_nonfinite=true"))
+    assert res.step == 5 and [m.get("skipped", False) for m in res.metrics] == [False, False, True, False, False]
+    assert json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[2])["skipped"] is True
+    assert all(torch.equal(a, b) for a, b in zip(seen[2], seen[3]))  # step 3 changed no weight
+    assert not all(torch.equal(a, b) for a, b in zip(seen[3], seen[4]))  # step 4 did
+    assert all(torch.isfinite(p).all() for p in res.model.parameters())
+    state = torch.optim.AdamW(res.model.parameters(), lr=1.0)
+    checkpoint.load(res.checkpoint, res.model, state)
+    assert {int(s["step"]) for s in state.state.values()} == {4}  # four updates in five steps
+
+
+def test_data_error_mid_run_saves_the_steps_done_before_raising(train_dataset, tmp_path, capfd):
+    from flexpack.data import LatentEpisodeDataset
+
+    clean = train(config(train_dataset, tmp_path / "clean", "schedule.steps=4"))
+    first_at = {}
+    for k, eps in enumerate(clean.episodes):
+        for e in eps:
+            first_at.setdefault(e, k)
+    # met late (at micro-batch = step k), and not item 0, which building the data reads to check shapes
+    episode, k = max(((e, i) for e, i in first_at.items() if e != 0), key=lambda kv: kv[1])
+    assert k >= 2
+    root = tmp_path / "ds"
+    shutil.copytree(train_dataset, root)
+    ds = LatentEpisodeDataset(root)
+    latent = ds.latent_file(next(i for i, (e, _) in enumerate(ds.items) if e == episode))
+    latent.write_bytes(latent.read_bytes()[:100])  # a truncated cache file
+    out = tmp_path / "run"
+    with pytest.raises(Exception, match=f"episode {episode}"):
+        train(config(root, out, "schedule.steps=4"))
+    saved = checkpoint.latest(out / "checkpoints")
+    assert saved is not None and saved.name == f"step_{k:08d}" and _steps(out) == list(range(1, k + 1))
+    assert f"saved step {k} in {saved} before the error below" in capfd.readouterr().err
+
+
+def test_damaged_newest_checkpoint_is_reported_and_the_one_before_used(train_dataset, tmp_path, capfd):
+    out = tmp_path / "run"
+    train(config(train_dataset, out, "schedule.steps=4", "checkpoint.every=2"))
+    shard = out / "checkpoints" / "step_00000004" / "state" / "__0_0.distcp"
+    size = shard.stat().st_size
+    shard.write_bytes(shard.read_bytes()[: size // 2])
+    res = train(config(train_dataset, out, "schedule.steps=5", "checkpoint.every=2"))
+    err = capfd.readouterr().err
+    assert f"step_00000004: state/__0_0.distcp has {size // 2} bytes, the manifest says {size} (truncated?); " \
+           "using the checkpoint before it" in err
+    assert res.start_step == 2 and _steps(out) == [1, 2, 3, 4, 5]
+    assert checkpoint.problem(out / "checkpoints" / "step_00000005") is None
+    # nothing usable left: refused (never a silent restart from scratch over the run's checkpoints)
+    for p in (out / "checkpoints").glob("step_*/manifest.json"):
+        p.unlink()
+    with pytest.raises(ValueError, match=r"no usable checkpoint \(.*step_00000004: not a complete checkpoint"):
+        train(config(train_dataset, out, "schedule.steps=6"))
+    assert _steps(out) == [1, 2, 3, 4, 5]
+
+
+def test_finished_run_says_so_exits_0_and_touches_nothing(train_dataset, tmp_path, capfd):
+    out = tmp_path / "run"
+    train(config(train_dataset, out, "schedule.steps=3"))
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    args = ["train", str(CONFIG)] + [a for s in _sets(train_dataset, out, "schedule.steps=2") for a in ("--set", s)]
+    assert cli_main(args) == 0
+    captured = capfd.readouterr()
+    assert "already at step 3 of schedule.steps=2; nothing to train" in captured.err
+    assert "loss nan" not in captured.out and "trained steps" not in captured.out
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_config_json_stays_the_first_and_each_start_is_appended_to_the_history(train_dataset, tmp_path, capfd):
+    out = tmp_path / "run"
+    train(config(train_dataset, out, "schedule.steps=2"))
+    train(config(train_dataset, out, "schedule.steps=3", "optim.lr=1e-3"))
+    assert load_config(out / "config.json").schedule.steps == 2  # never rewritten
+    history = [json.loads(line) for line in (out / "config_history.jsonl").read_text().splitlines()]
+    assert [h["start_step"] for h in history] == [0, 2] and history[0]["changed"] == {}
+    assert history[1]["changed"] == {"optim.lr": [3e-3, 1e-3], "schedule.steps": [2, 3]}
+    assert history[1]["config"]["schedule"]["steps"] == 3 and history[1]["world_size"] == 1
+    assert "resuming at step 2 with changed config: optim.lr 0.003 -> 0.001, schedule.steps 2 -> 3" in capfd.readouterr().err
+
+
+def test_resume_with_another_epoch_order_or_model_shape_is_one_line_naming_the_values(train_dataset, tmp_path):
+    out = tmp_path / "run"
+    train(config(train_dataset, out, "schedule.steps=2"))
+    with pytest.raises(ValueError) as info:
+        train(config(train_dataset, out, "schedule.steps=4", "data.max_tokens=80", "data.seed=3"))
+    assert str(info.value) == (
+        f"cannot resume from {out / 'checkpoints' / 'step_00000002'}: data.max_tokens is 60 there and 80 now, "
+        "data.seed is 0 there and 3 now (the epoch's order depends on it); resume with --set data.max_tokens=60 "
+        "--set data.seed=0, or train into a new runtime.out_dir")
+    with pytest.raises(ValueError) as info:
+        train(config(train_dataset, out, "schedule.steps=4", "model.overrides.ffn_dim=96"))
+    msg = str(info.value)
+    assert "\n" not in msg and "its model has another shape (" in msg and "tensors differ, e.g. blocks.0." in msg
+    assert msg.endswith("model.overrides.ffn_dim is None there and 96 now; resume with the checkpoint's model "
+                        "values or choose another runtime.out_dir")
+    assert _steps(out) == [1, 2] and not (out / LOCK).exists()
+
+
+def test_graceful_stop_records_the_first_signal_and_a_second_ctrl_c_interrupts_at_once():
+    from flexpack.training.faults import GracefulStop, Interrupted
+
+    previous = signal.getsignal(signal.SIGTERM)
+    with GracefulStop() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.signum == signal.SIGTERM  # recorded, the process lives on
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGTERM) is previous  # handlers restored
+    exc = Interrupted(signal.SIGINT, 7, Path("RUN/checkpoints/step_00000007"))
+    assert exc.exit_code == 130 and str(exc) == ("interrupted by SIGINT after step 7; checkpoint "
+                                                 "RUN/checkpoints/step_00000007; run the same command again to resume")
+
+
+def test_checkpoint_carries_the_action_statistics_and_loads_into_a_plain_model_for_verify(train_dataset, tmp_path, capfd):
+    from flexpack.data import LatentEpisodeDataset
+    from flexpack.training import resume
+    from flexpack.training.verify import verify_config
+
+    out = tmp_path / "run"
+    res = train(config(train_dataset, out, "schedule.steps=2"))
+    state = json.loads((res.checkpoint / "train_state.json").read_text())
+    ds = LatentEpisodeDataset(train_dataset, action_dim=6)
+    saved = state["extra"]["action_normalizer"]
+    assert saved == resume.normalizer_state(ds) and saved["mode"] in ("quantile", "meanstd")
+    # a dataset whose statistics changed since: the checkpoint's are kept, with a warning
+    changed = {**saved, "low": [v - 1.0 for v in saved["low"]]}
+    resume._restore_normalizer(res.checkpoint, ds, changed, rank=0)
+    assert resume.normalizer_state(ds) == changed
+    assert "keeping the checkpoint's" in capfd.readouterr().err
+    # verify loads the sharded checkpoint into a single-process model (no process group)
+    report = verify_config(config(train_dataset, out), checkpoint_dir=str(out), micro_batches=1)
+    assert report.ok
+    from flexpack.training.build import build_model
+
+    model = build_model(config(train_dataset, out))
+    checkpoint.load(res.checkpoint, model, restore_rng=False)
+    for (name, a), b in zip(res.model.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.slow
+def test_sigterm_under_torchrun_stops_both_ranks_at_one_step_and_saves_it(train_dataset, tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "flexpack.cli", "train", str(CONFIG)]
+    for s in _sets(train_dataset, out, "schedule.steps=500"):
+        cmd += ["--set", s]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    try:
+        _wait_for_steps(proc, out, 3, timeout=240)
+        proc.send_signal(signal.SIGTERM)  # torchrun passes it on to both ranks
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    done = _steps(out)
+    saved = checkpoint.latest(out / "checkpoints")
+    state = json.loads((saved / "train_state.json").read_text())
+    assert state["step"] == done[-1] and state["world_size"] == 2  # the ranks agreed on the step
+    assert f"interrupted by SIGTERM after step {done[-1]}; checkpoint {saved}" in err
+    assert err.count("SIGTERM: finishing this step") == 1 and not (out / LOCK).exists()
+    res = train(config(train_dataset, out, f"schedule.steps={done[-1] + 1}"))  # and one rank goes on
+    assert res.start_step == done[-1] and _steps(out) == list(range(1, done[-1] + 2))
+
+
+@pytest.mark.slow
+def test_data_error_on_one_torchrun_rank_saves_the_steps_done_on_both(train_dataset, tmp_path):
+    from flexpack.data import LatentEpisodeDataset
+    from flexpack.packing.sampler import TokenBudgetBatchSampler
+
+    ds = LatentEpisodeDataset(train_dataset)
+    plan = TokenBudgetBatchSampler(ds.lengths(), 60, tokens_per_frame=5, world_size=2)._plan(0)
+    first_step = {}
+    for rank in plan:
+        for k, batch in enumerate(rank):
+            for e in batch:
+                first_step[e] = min(first_step.get(e, k), k)
+    episode = next(e for e, k in sorted(first_step.items()) if k == 1 and e != 0)  # met at step 2 by one rank
+    root = tmp_path / "ds"
+    shutil.copytree(train_dataset, root)
+    latent = LatentEpisodeDataset(root).latent_file(episode)
+    latent.write_bytes(latent.read_bytes()[:100])
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "flexpack.cli", "train", str(CONFIG)]
+    for s in _sets(root, out, "schedule.steps=5"):
+        cmd += ["--set", s]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert proc.returncode != 0
+    saved = checkpoint.latest(out / "checkpoints")
+    assert saved is not None and saved.name == "step_00000001", proc.stderr[-3000:]
+    assert json.loads((saved / "train_state.json").read_text())["world_size"] == 2
+    assert f"saved step 1 in {saved} before the error below" in proc.stderr
+    assert f"episode {episode}" in proc.stderr and "stopped for a data error on another rank" in proc.stderr
+    assert _steps(out) == [1] and not (out / LOCK).exists()
