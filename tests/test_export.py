@@ -44,7 +44,7 @@ def _checkpoint_model(cfg, ema: bool = False):
     found = checkpoint.latest(Path(cfg.runtime.out_dir) / "checkpoints")
     checkpoint.load(found, model, restore_rng=False)
     if ema:
-        model.load_state_dict(torch.load(found / "ema.pt", weights_only=True))
+        model.load_state_dict(checkpoint.read_ema(found))
     model.attn = FlexAttnFunc("dense")
     return model.eval()
 
@@ -127,6 +127,6 @@ def test_export_errors(trained, tmp_path):
     run = tmp_path / "noema"
     train(load_config(Path(cfg.runtime.out_dir) / "config.json",
                       [f'runtime.out_dir="{run}"', "optim.ema_decay=0.0", "schedule.steps=1"]))
-    with pytest.raises(ValueError, match="has no ema.pt"):
+    with pytest.raises(ValueError, match="holds no EMA weights"):
         export_run(run, tmp_path / "o", ema=True)
     assert not (tmp_path / "o").exists()

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from flexpack.models import WanVA, wan_config
+from flexpack.training import checkpoint
 from flexpack.training.config import load_config
 from flexpack.training.ema import EMA, make_ema
 from flexpack.training.optim import build_optimizer, param_groups
@@ -93,9 +94,9 @@ def test_ema_is_checkpointed_and_resumes_exactly(tmp_path):
     train(cfg("full"))
     train(cfg("split"), stop_after=2)
     train(cfg("split"))
-    a, b = (torch.load(tmp_path / r / "checkpoints" / "step_00000004" / "ema.pt", weights_only=True)
+    a, b = (checkpoint.read_ema(tmp_path / r / "checkpoints" / "step_00000004")
             for r in ("full", "split"))
-    model = torch.load(tmp_path / "full" / "checkpoints" / "step_00000004" / "model.pt", weights_only=True)
+    model = checkpoint.read_tensors(tmp_path / "full" / "checkpoints" / "step_00000004")
     assert set(a) == set(model)
     for n in a:
         assert torch.allclose(a[n], b[n], rtol=1e-5, atol=1e-7), n

@@ -76,7 +76,9 @@ def problem(path: str | os.PathLike) -> str | None:
     except FileNotFoundError:
         if (path / "model.pt").is_file():
             return f"{path}: a checkpoint of the earlier full-state format (model.pt), which this version does not read"
-        return f"{path}: not a complete checkpoint (no {MANIFEST}: its save did not finish)"
+        if (path / "state").exists() or (path / "train_state.json").exists() or path.name.startswith(".tmp-"):
+            return f"{path}: not a complete checkpoint (no {MANIFEST}: its save did not finish)"
+        return f"{path}: not a checkpoint folder (no {MANIFEST}, no state/)"
     except (ValueError, KeyError, TypeError) as exc:
         return f"{path}/{MANIFEST}: unreadable ({exc})"
     for name, size in files.items():
@@ -228,6 +230,29 @@ def tensor_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
     """Global shape of every tensor in the checkpoint (``model.<name>``, ``optim.state.<name>.<key>``)."""
     meta = dcp.FileSystemReader(str(Path(path) / "state")).read_metadata()
     return {k: tuple(v.size) for k, v in meta.state_dict_metadata.items() if hasattr(v, "size")}
+
+
+def has_ema(path: str | os.PathLike) -> bool:
+    """Whether the checkpoint holds EMA averages (trained with ``optim.ema_decay`` > 0)."""
+    return any(k.startswith("ema.") for k in tensor_shapes(path))
+
+
+def read_tensors(path: str | os.PathLike, part: str = "model") -> dict[str, torch.Tensor]:
+    """One part of a checkpoint (``"model"`` or ``"ema"``) as full CPU tensors by parameter name,
+    in their saved dtypes (no process group, no model needed)."""
+    meta = dcp.FileSystemReader(str(Path(path) / "state")).read_metadata()
+    prefix = f"{part}."
+    shapes = {k.removeprefix(prefix): v for k, v in meta.state_dict_metadata.items()
+              if k.startswith(prefix) and hasattr(v, "size")}
+    state = {part: {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in shapes.items()}}
+    with _quiet():
+        dcp.load(state, checkpoint_id=Path(path) / "state")
+    return state[part]
+
+
+def read_ema(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The EMA averages as full float32 CPU tensors by parameter name (no process group needed)."""
+    return read_tensors(path, "ema")
 
 
 def shape_mismatches(path: str | os.PathLike, model: torch.nn.Module) -> list[tuple[str, tuple | None, tuple]]:

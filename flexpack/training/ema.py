@@ -6,9 +6,10 @@ EMA). FSDP-safe: under FSDP2 the parameters are DTensors sharded on dim 0 and th
 per rank on the local shards only (one fused ``_foreach_lerp_``, no communication); the shadow
 tensors are DTensors with the parameters' placements, so they save and load like the model.
 
-Checkpoints carry it (``ema.pt`` beside the model, full tensors by parameter name):
-:meth:`full_state_dict` gathers (collective), :meth:`load_state_dict` takes full tensors (each
-rank keeps its slice) or DTensors.
+Checkpoints carry it in their sharded state next to the model (``ema.<name>``; each rank writes
+its shards, :func:`flexpack.training.checkpoint.read_ema` reads full tensors back):
+:meth:`state_dict` gives the local shards, :meth:`full_state_dict` gathers (collective),
+:meth:`load_state_dict` takes full tensors (each rank keeps its slice) or DTensors.
 """
 
 from __future__ import annotations

@@ -39,11 +39,10 @@ def _check_out(out: Path) -> None:
 
 
 def _normalization(cfg: Any, state: dict[str, Any]) -> dict[str, Any]:
-    """The action normalization of the run: from the checkpoint where it carries it, else from the
-    dataset's metadata (what LatentEpisodeDataset used)."""
-    saved = state.get("normalization") or (state.get("extra") or {}).get("normalization")
-    if saved:
-        return dict(saved)
+    """The action normalization of the run: the dataset's layout (columns, channels) from its
+    metadata, the statistics the weights were trained with from the checkpoint where it carries them
+    (``extra.action_normalizer``), else from the metadata (what LatentEpisodeDataset used)."""
+    saved = (state.get("extra") or {}).get("action_normalizer")
     from flexpack.data.actions import ActionNormalizer, channel_map
     from flexpack.data.lengths import open_metadata
 
@@ -53,11 +52,13 @@ def _normalization(cfg: Any, state: dict[str, Any]) -> dict[str, Any]:
     stats = (meta.stats or {}).get(key)
     norm = ActionNormalizer.from_stats(stats, columns, key) if cfg.data.normalize else ActionNormalizer.identity(columns)
     action_dim = max(cfg.model.wan_config().action_channels, 1)
-    return {"action_key": key, "mode": norm.mode, "low": norm.low.tolist(), "high": norm.high.tolist(),
+    mode, low, high = (saved["mode"], list(saved["low"]), list(saved["high"])) if saved else \
+        (norm.mode, norm.low.tolist(), norm.high.tolist())
+    return {"action_key": key, "mode": mode, "low": low, "high": high,
             "columns": columns, "channels": channel_map(columns, action_dim, None).tolist(),
             "action_steps": cfg.data.action_steps, "stride": cfg.data.stride, "dataset": str(cfg.data.root),
             "formula": {"quantile": "2 (x - low) / (high - low) - 1, clipped to [-1, 1]",
-                        "meanstd": "(x - low) / high", "none": "x"}[norm.mode]}
+                        "meanstd": "(x - low) / high", "none": "x"}[mode]}
 
 
 def write_weights(folder: Path, state_dict: dict[str, torch.Tensor], wcfg: WanVAConfig, *, action_steps: int,
@@ -99,8 +100,8 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike, *, ema: bool = Fa
     found = checkpoint.latest(run / "checkpoints")
     if found is None:
         raise FileNotFoundError(f"{run / 'checkpoints'}: no complete checkpoint to export")
-    if ema and not (found / "ema.pt").is_file():
-        raise ValueError(f"{found}: has no ema.pt (trained with optim.ema_decay = 0); export without --ema")
+    if ema and not checkpoint.has_ema(found):
+        raise ValueError(f"{found}: holds no EMA weights (trained with optim.ema_decay = 0); export without --ema")
     cfg = load_config(run / "config.json")
     wcfg = replace(cfg.model.wan_config(), activation_checkpointing=False)
     with torch.device("meta"):
