@@ -71,8 +71,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2, help="warm-up steps before them (LINGBOT_PROFILE_WARMUP)")
     ap.add_argument("--accum", type=int, default=1, help="micro-batches per step")
     ap.add_argument("--mask", default="document", choices=("document", "chunk_causal"))
-    ap.add_argument("--compile", action="store_true", help="compile each block (model.overrides has no switch: "
-                    "blocks are compiled here, as diffusers users do)")
+    ap.add_argument("--eager", action="store_true", help="runtime.compile=false (default: the train loop's own "
+                    "choice, compiled blocks on CUDA)")
     ap.add_argument("--frames-file", default=str(ROOT / "data" / "episode_frames_ref.txt"))
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "out"), "profile_step"), help="run folder")
     args = ap.parse_args()
@@ -98,7 +98,7 @@ def main() -> None:
     cfg = load_config(ROOT / "configs" / "wan5b_pack.toml", overrides + [
         f"runtime.out_dir='{out}'", f"schedule.steps={total}", "schedule.warmup_steps=1", "checkpoint.every=0",
         "runtime.log_every=1", "runtime.tensorboard=false", "runtime.activation_checkpointing=false", f"optim.accum_steps={args.accum}",
-        "data.num_workers=2" if cuda else "data.num_workers=0"])
+        "data.num_workers=2" if cuda else "data.num_workers=0"] + (["runtime.compile=false"] if args.eager else []))
     m = cfg.model.wan_config()
     na = cfg.data.action_steps if m.action_channels else 0
     tpf = (hw[0] // m.patch_size[1]) * (hw[1] // m.patch_size[2]) + na
@@ -111,16 +111,6 @@ def main() -> None:
     from flexpack.training import loop
 
     os.environ["LINGBOT_PROFILE"], os.environ["LINGBOT_PROFILE_WARMUP"] = str(steps), str(warmup)
-    if args.compile:
-        build = loop.build_model
-
-        def compiled(c):
-            model = build(c)
-            for block in model.blocks:
-                block.compile()
-            return model
-
-        loop.build_model = compiled
     loop.train(cfg, data=data)
     shutil.rmtree(out / "checkpoints", ignore_errors=True)
 
@@ -129,7 +119,7 @@ def main() -> None:
     prof = [x for x in lines if x["phase"] == "profiled"]
     name = torch.cuda.get_device_name() if cuda else "cpu"
     print(f"{m.num_layers} layers of {cfg.model.preset}, {cfg.data.max_tokens} tokens per pack, {tpf} tokens per frame, "
-          f"{args.mask} mask, {'compiled blocks' if args.compile else 'eager'}, {name}; time base: {s['time_base']}")
+          f"{args.mask} mask, {'eager' if args.eager else 'runtime.compile=' + str(cfg.runtime.compile)}, {name}; time base: {s['time_base']}")
     print("| " + " | ".join(CATEGORIES) + " | MFU | tokens/s | fwd s | bwd s |")
     print("|" + "---|" * (len(CATEGORIES) + 4))
     mfu = "—" if s["mfu"] is None else f"{100 * s['mfu']:.1f} %"
@@ -137,7 +127,7 @@ def main() -> None:
     print("| " + " | ".join(f"{100 * s['categories'][c]:.1f} %" for c in CATEGORIES)
           + f" | {mfu} | {s['tokens_per_s']:,.0f} | {med['fwd_s']:.3f} | {med['bwd_s']:.3f} |")
     result = {"device": name, "preset": cfg.model.preset, "layers": m.num_layers, "max_tokens": cfg.data.max_tokens,
-              "tokens_per_frame": tpf, "mask": args.mask, "compile": args.compile, "summary": s, "micro_steps": lines}
+              "tokens_per_frame": tpf, "mask": args.mask, "compile": not args.eager, "summary": s, "micro_steps": lines}
     (out / "profile_step.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out / 'profile_step.json'} (trace: {out / 'profile' / 'trace_rank0.json'})")
 

@@ -111,3 +111,24 @@ def test_wan5b_config_builds_its_model_on_the_meta_device():
     assert 4.9e9 < n < 5.1e9 and all(p.is_meta for p in model.parameters())
     assert model.config.action_channels == 30 and model.action_embed.in_features == 30
     assert model.attn.backend == "auto"
+
+
+def test_runtime_compile_and_checkpoint_counts():
+    import torch
+
+    from flexpack.training.loop import use_compile
+
+    assert load_config(overrides=[]).runtime.compile == "auto"
+    cfg = load_config(overrides=["runtime.compile=true", "runtime.activation_checkpointing=3"])
+    assert cfg.runtime.compile is True and cfg.runtime.activation_checkpointing == 3
+    assert use_compile(cfg, torch.device("cpu")) is True  # forced on
+    auto = load_config(overrides=[])
+    assert use_compile(auto, torch.device("cpu")) is False  # auto: CUDA and pack mode only
+    assert use_compile(auto, torch.device("cuda")) is True
+    assert use_compile(load_config(overrides=["data.mode='pad'"]), torch.device("cuda")) is False
+    with pytest.raises(ValueError, match="runtime.compile must be true, false or 'auto', got 'banana'"):
+        load_config(overrides=["runtime.compile=banana"])
+    with pytest.raises(ValueError, match="runtime.activation_checkpointing must be true, false or a block count"):
+        load_config(overrides=["runtime.activation_checkpointing=-1"])
+    with pytest.raises(ValueError, match="runtime.peak_tflops must be a positive number"):
+        load_config(overrides=["runtime.peak_tflops=-5.0"])

@@ -359,3 +359,24 @@ def test_data_error_on_one_torchrun_rank_saves_the_steps_done_on_both(train_data
     assert f"saved step 1 in {saved} before the error below" in proc.stderr
     assert f"episode {episode}" in proc.stderr and "stopped for a data error on another rank" in proc.stderr
     assert _steps(out) == [1] and not (out / LOCK).exists()
+
+
+def test_nonfinite_found_at_a_later_logged_step_names_its_step_and_saves_nothing(train_dataset, tmp_path, monkeypatch):
+    """Without skip_nonfinite (one process) the check reads the device only at logged steps and saves:
+    a NaN at step 3 is reported at the step-4 log with step 3 named, and no checkpoint is written."""
+    _poison_grads_at(monkeypatch, 2, {})
+    out = tmp_path / "run"
+    with pytest.raises(NonFiniteError) as info:
+        train(config(train_dataset, out, "schedule.steps=8", "checkpoint.every=0", "runtime.log_every=4"))
+    msg = str(info.value)
+    assert msg.startswith("step 3: non-finite loss") and "found at the check after step 4" in msg
+    assert not (out / "checkpoints").exists() and _steps(out) == []
+
+
+def test_metrics_carry_step_time_and_peak_memory_and_no_mfu_without_a_gpu(train_dataset, tmp_path):
+    res = train(config(train_dataset, tmp_path / "run", "schedule.steps=3", "runtime.log_every=1"))
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2, 3] and res.step == 3
+    for x in lines:
+        assert x["step_s"] > 0 and x["peak_mem_gb"] > 0.01 and "mfu" not in x
+        assert x["tokens_per_s"] > 0  # valid tokens of the window over its wall time
