@@ -357,3 +357,27 @@ def test_every_subcommand_reports_user_errors_the_same_way(capsys, tmp_path, com
     assert code == 2 and message.format(tmp=tmp_path) in one_error_line(err, command)
     with pytest.raises((ValueError, OSError)):  # --debug: the traceback instead
         main(["--debug", command, *[a.format(tmp=tmp_path) for a in argv]])
+
+
+def test_disk_full_during_a_checkpoint_is_one_line_and_keeps_the_last_checkpoint(capsys, tiny_dataset, tmp_path, monkeypatch):
+    import errno
+
+    from flexpack.training import checkpoint
+
+    real, calls = checkpoint.dcp.save, []
+
+    def save(state, checkpoint_id):
+        calls.append(checkpoint_id)
+        if len(calls) == 2:  # the second save: a few bytes written, then the disk is full
+            (Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"partial")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(state, checkpoint_id=checkpoint_id)
+
+    monkeypatch.setattr(checkpoint.dcp, "save", save)
+    out = tmp_path / "run"
+    code, err = run_cli(capsys, *train_args(tiny_dataset, out, "schedule.steps=4", "checkpoint.every=2"))
+    line = one_error_line(err, "train")
+    assert code == 2 and "step_00000004: cannot write the checkpoint (No space left on device)" in line
+    assert f"{out / 'checkpoints' / 'step_00000002'} is still the newest checkpoint" in line
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000002"]  # no half checkpoint
+    assert checkpoint.latest(out / "checkpoints") == out / "checkpoints" / "step_00000002"

@@ -80,6 +80,13 @@ def test_ramp_rewarmup_follows_the_reference_recipe():
     assert lr_at(100, 3e-5, s, resumed_at=100) == pytest.approx(3e-7, rel=0.011)
     assert lr_at(100, 3e-5, s, resumed_at=100) == pytest.approx(3e-5 * 101 / 200 / 50, rel=1e-12)
     assert lr_at(1500, 3e-5, s) == 3e-5  # without a resume nothing changes
+    # the reference recipe's warmup (factor t/200 at 0-based step t): exactly the pinned numbers
+    ref = ScheduleConfig(steps=10_000, warmup_steps=200, decay="constant", rewarmup_steps=50, rewarmup_mode="ramp",
+                         warmup_from_zero=True)
+    assert lr_at(100, 3e-5, ref, resumed_at=100) == pytest.approx(3e-7, rel=1e-12)
+    assert lr_at(1500, 3e-5, ref, resumed_at=1500) == pytest.approx(6e-7, rel=1e-12)
+    assert lr_at(1549, 3e-5, ref, resumed_at=1500) == pytest.approx(3e-5, rel=1e-12)
+    assert lr_at(0, 3e-5, ref) == 0.0 and lr_at(0, 3e-5, s) == pytest.approx(3e-5 / 200, rel=1e-12)
     with pytest.raises(ValueError, match="schedule.rewarmup_mode must be one of"):
         ScheduleConfig(rewarmup_mode="cosine")
 

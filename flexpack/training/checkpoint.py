@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from flexpack.atomic import atomic_path
+from flexpack.errors import UserError
 from flexpack.training.checks import check_state_shapes
 from flexpack.training.parallel import world
 
@@ -165,15 +166,32 @@ class Checkpointer:
         small = {"rng": rng, "config": config,
                  "train_state": {"step": step, "sampler": sampler_state, "world_size": size, "extra": extra or {}}}
         state = _state(model, optimizer, ema)
-        with _quiet():
+        with _quiet(), self._no_half_checkpoint(tmp, final):
             if self.async_save:
                 future = dcp.async_save(state, checkpoint_id=tmp / "state", process_group=self._group)
                 self._pending = (future, tmp, final, small)
             else:
                 dcp.save(state, checkpoint_id=tmp / "state")
-        if not self.async_save:
-            self._finish(tmp, final, small)
+                self._finish(tmp, final, small)
         return final
+
+    @contextlib.contextmanager
+    def _no_half_checkpoint(self, tmp: Path, final: Path) -> Iterator[None]:
+        """A write that fails (disk full, quota, read-only) removes its temporary folder and becomes one
+        line saying that the newest checkpoint is unchanged; other errors pass through."""
+        try:
+            yield
+        except (OSError, dcp.api.CheckpointException) as exc:
+            cause = exc if isinstance(exc, OSError) else next(
+                (e for e in _failures(exc) if isinstance(e, OSError)), None)
+            if cause is None:
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+            newest = latest(self.root)
+            kept = f"{newest} is still the newest checkpoint" if newest else "no checkpoint was written yet"
+            raise UserError(f"{final}: cannot write the checkpoint ({cause.strerror or cause}); nothing was "
+                            f"replaced, {kept}; free space under {self.root} (or choose another runtime.out_dir) "
+                            "and run again to resume") from exc
 
     def wait(self) -> Path | None:
         """Complete a pending asynchronous save (collective); returns its folder."""
@@ -181,8 +199,9 @@ class Checkpointer:
             return None
         future, tmp, final, small = self._pending
         self._pending = None
-        future.result()
-        self._finish(tmp, final, small)
+        with self._no_half_checkpoint(tmp, final):
+            future.result()
+            self._finish(tmp, final, small)
         return final
 
     def _finish(self, tmp: Path, final: Path, small: dict[str, Any]) -> None:
@@ -212,6 +231,12 @@ class Checkpointer:
                 for path in list_checkpoints(self.root)[:-self.keep]:
                     shutil.rmtree(path, ignore_errors=True)
         _barrier()
+
+
+def _failures(exc: BaseException) -> list[BaseException]:
+    """The per-rank exceptions a ``CheckpointException`` carries (``{rank: exception}``)."""
+    failures = getattr(exc, "failures", None) or {}
+    return [e for e in failures.values() if isinstance(e, BaseException)]
 
 
 def _write(path: Path, data: Any) -> None:

@@ -162,6 +162,8 @@ class ScheduleConfig:
     a restart are noisy; 0 = off): the s-th step after the resume (s = 0, 1, ...) gets the schedule
     times ``rewarmup_from + (1 − rewarmup_from)·s/N`` (``rewarmup_mode = "linear"``) or times
     ``min(1, (s+1)/N)`` (``"ramp"``, the reference recipe: 1/N at the first step, 1 at the N-th).
+    ``warmup_from_zero``: the warmup factor of 0-based step ``t`` is ``t / warmup_steps`` (the
+    reference recipe's, the first step at lr 0) instead of ``(t+1) / warmup_steps``.
     """
 
     steps: int = 1000
@@ -171,6 +173,7 @@ class ScheduleConfig:
     rewarmup_steps: int = 0
     rewarmup_from: float = 0.1
     rewarmup_mode: str = "linear"
+    warmup_from_zero: bool = False
 
     def __post_init__(self) -> None:
         _positive("schedule", steps=self.steps)

@@ -55,7 +55,7 @@ from flexpack.training.validation import make_validator
 def lr_at(step: int, base_lr: float, sched: ScheduleConfig, resumed_at: int | None = None) -> float:
     """LR of optimizer step ``step`` (0-based): warmup, cosine/constant, re-warmup after a resume."""
     if step < sched.warmup_steps:
-        lr = base_lr * (step + 1) / sched.warmup_steps
+        lr = base_lr * (step + (0 if sched.warmup_from_zero else 1)) / sched.warmup_steps
     elif sched.decay == "constant":
         lr = base_lr
     else:

@@ -17,11 +17,11 @@ checkpoints load into unwrapped, unsharded models.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from flexpack.attention.flex import GraphCounter
 
 
 def world() -> tuple[int, int]:
@@ -37,20 +37,7 @@ def is_sharded(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
-class GraphCounter:
-    """Counts the graphs inductor compiles for the model's blocks (recompiles show up here)."""
-
-    def __init__(self) -> None:
-        self.n = 0
-
-    def backend(self, gm: torch.fx.GraphModule, example_inputs: list) -> Any:
-        from torch._inductor.compile_fx import compile_fx
-
-        self.n += 1
-        return compile_fx(gm, example_inputs)
-
-
-BLOCK_GRAPHS = GraphCounter()
+BLOCK_GRAPHS = GraphCounter()  # the model's blocks (FlexAttnFunc counts its own graphs)
 
 
 def compiled_graphs() -> int:
