@@ -149,7 +149,8 @@ def _train(cfg: TrainConfig, found: Path | None, stop: faults.GracefulStop, stop
     saver = checkpoint.Checkpointer(run / "checkpoints", keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
     extra = {"action_normalizer": resume.normalizer_state(data.dataset)}
 
-    guard, meter, model_kw = faults.StepGuard(stop, o.skip_nonfinite), StepMeter(cfg, device, tpf), {"text_slots": data.text_slots}
+    guard, meter = faults.StepGuard(stop, o.skip_nonfinite), StepMeter(cfg, device, tpf)
+    model_kw = {"text_slots": data.text_slots}  # one text-key shape for the run: no recompiles per episode count
 
     def save() -> Path:
         guard.flush()  # never the weights of a non-finite step
