@@ -307,16 +307,21 @@ class FlexAttnFunc:
         ``needs_grad`` defaults to ``torch.is_grad_enabled()``: bind inside the forward that uses it."""
         grad = torch.is_grad_enabled() if needs_grad is None else needs_grad
         backend = self._resolve(prep, grad, head_dim)
-        block = None
+        block, traced = None, backend
         if backend in ("flex", "flex-flash"):
             if prep.device.type == "cpu" and grad:
                 raise ValueError("FlexAttention has no CPU backward; use backend='dense' (or 'auto') for training on CPU")
             block = prep.block_mask()
         elif backend == "dense":
             prep.dense()
-        elif backend == "sdpa-loop":
+        else:
             prep.runs()
-        return BoundAttention(backend, prep, block)
+        if block is None and prep.device.type == "cuda":
+            # a per-episode loop or varlen call depends on the episode runs, which a compiled block would
+            # specialize on (a recompile per layout): traced, the call is FlexAttention over a block mask
+            block = prep.block_mask()
+            traced = "flex-flash" if has_flash() and head_dim in FLASH_HEAD_DIMS else "flex"
+        return BoundAttention(backend, prep, block, traced)
 
 
 @dataclass(eq=False)
@@ -330,12 +335,13 @@ class BoundAttention:
 
     backend: str
     prep: PreparedMask
-    block_mask: BlockMask | None = None  # flex backends: built at bind time, a plain input of the traced call
+    block_mask: BlockMask | None = None  # built at bind time (flex, and every CUDA backend): an input of the traced call
+    traced_backend: str | None = None  # what a compiled region runs: the flex kernel over ``block_mask`` where there is one
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         if torch.compiler.is_compiling():  # traced into a compiled block's graph
             if self.block_mask is not None:
-                opts = {"BACKEND": "FLASH"} if self.backend == "flex-flash" else None
+                opts = {"BACKEND": "FLASH"} if (self.traced_backend or self.backend) == "flex-flash" else None
                 return flex_attention(q, k, v, block_mask=self.block_mask, kernel_options=opts)
             return _run(self.backend, q, k, v, self.prep)
         with record_function("attention"):  # a named range in profiles
