@@ -18,7 +18,8 @@ import torch
 pytest.importorskip("lerobot")
 
 from flexpack.cli import main as cli_main  # noqa: E402
-from flexpack.training import checkpoint, loop  # noqa: E402
+from flexpack.training import checkpoint  # noqa: E402
+from flexpack.training import step as step_module  # noqa: E402
 from flexpack.training.config import load_config  # noqa: E402
 from flexpack.training.faults import NonFiniteError  # noqa: E402
 from flexpack.training.loop import train  # noqa: E402
@@ -38,11 +39,17 @@ def config(root: Path, out: Path, *extra: str):
     return load_config(CONFIG, _sets(root, out, *extra))
 
 
-def _spawn(root: Path, out: Path, *extra: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "flexpack.cli", "train", str(CONFIG)]
+def _train_cmd(root: Path, out: Path, *extra: str, ranks: int = 1) -> tuple[list[str], dict[str, str]]:
+    """``flexpack train`` (under torchrun for ``ranks`` > 1) on the tiny config, and its environment."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)] if ranks > 1 else []
+    cmd = [sys.executable, *launcher, "-m", "flexpack.cli", "train", str(CONFIG)]
     for s in _sets(root, out, *extra):
         cmd += ["--set", s]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return cmd, {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+
+def _spawn(root: Path, out: Path, *extra: str) -> subprocess.Popen:
+    cmd, env = _train_cmd(root, out, *extra)
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
 
 
@@ -135,8 +142,6 @@ def test_cut_metrics_keeps_the_checkpoints_steps_and_drops_a_torn_line(tmp_path)
 
 
 def _poison_grads_at(monkeypatch, bad_step: int, seen: dict) -> None:
-    from flexpack.training import step as step_module  # the loop's step code calls accumulate there
-
     real = step_module.accumulate
 
     def accumulate(model, batches, cfg, *, step, device, **kw):
@@ -306,11 +311,7 @@ def test_checkpoint_carries_the_action_statistics_and_loads_into_a_plain_model_f
 @pytest.mark.slow
 def test_sigterm_under_torchrun_stops_both_ranks_at_one_step_and_saves_it(train_dataset, tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "flexpack.cli", "train", str(CONFIG)]
-    for s in _sets(train_dataset, out, "schedule.steps=500"):
-        cmd += ["--set", s]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd, env = _train_cmd(train_dataset, out, "schedule.steps=500", ranks=2)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
     try:
         _wait_for_steps(proc, out, 3, timeout=240)
@@ -346,11 +347,7 @@ def test_data_error_on_one_torchrun_rank_saves_the_steps_done_on_both(train_data
     latent = LatentEpisodeDataset(root).latent_file(episode)
     latent.write_bytes(latent.read_bytes()[:100])
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "flexpack.cli", "train", str(CONFIG)]
-    for s in _sets(root, out, "schedule.steps=5"):
-        cmd += ["--set", s]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd, env = _train_cmd(root, out, "schedule.steps=5", ranks=2)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     assert proc.returncode != 0
     saved = checkpoint.latest(out / "checkpoints")

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flexpack.attention.flex import GraphCounter
+from flexpack.attention.flex import GraphCounter, compile_count
 
 
 def world() -> tuple[int, int]:
@@ -42,8 +42,6 @@ BLOCK_GRAPHS = GraphCounter()  # the model's blocks (FlexAttnFunc counts its own
 
 def compiled_graphs() -> int:
     """Graphs compiled so far: the model's blocks plus FlexAttnFunc's own (kernels, block-mask builders)."""
-    from flexpack.attention.flex import compile_count
-
     return BLOCK_GRAPHS.n + compile_count()
 
 
