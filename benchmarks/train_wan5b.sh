@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The full 30-layer Wan2.2-5B through `flexpack train` on one GPU, on a synthetic LeRobot dataset.
+#
+#   benchmarks/train_wan5b.sh OUT [--set key=value ...]      # e.g. --set runtime.activation_checkpointing=28
+#
+# Makes (once, under $WORK, default /tmp/wan5b) a 13-episode dataset with two 128x128 cameras and 30 action
+# channels (32 video + 4 action tokens per latent frame), encodes it with the hash text encoder (512 x 4096),
+# (FRAMES="..." sets other latent frame counts) then trains configs/wan5b_pack.toml for $STEPS (default 22) logged steps and copies metrics.jsonl and the
+# log to OUT. The run is stopped (SIGKILL) once its last step is logged: the final checkpoint (fp32 weights
+# and AdamW state, ~80 GB) is not what is measured, and SIGTERM would save it.
+set -euo pipefail
+out=${1:?usage: train_wan5b.sh OUT [--set key=value ...]}
+shift
+work=${WORK:-/tmp/wan5b}
+steps=${STEPS:-22}
+mkdir -p "$out" "$work"
+lengths=""
+for f in ${FRAMES:-350 330 310 290 270 269 340 320 300 280 260 250 69}; do lengths+="$((4 * f - 3)),"; done
+if [ ! -f "$work/data/.encoded" ]; then
+  rm -rf "$work/data"
+  python3 -m flexpack.cli make-dataset "$work/data" --cameras 2 --size 128 --action-dim 30 --lengths "${lengths%,}"
+  python3 -m flexpack.cli encode --dataset "$work/data" --text-encoder hash:4096x512
+  touch "$work/data/.encoded"
+fi
+run="$work/run"
+rm -rf "$run"
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+python3 -m flexpack.cli train configs/wan5b_pack.toml --set data.root="$work/data" --set runtime.out_dir="$run" \
+  --set schedule.steps="$steps" --set schedule.warmup_steps=4 --set runtime.log_every=1 --set runtime.progress=false \
+  --set data.num_workers=4 "$@" > "$out/train.log" 2>&1 &
+pid=$!
+while kill -0 "$pid" 2>/dev/null; do
+  if grep -q "^{\"step\": $steps," "$run/metrics.jsonl" 2>/dev/null; then
+    kill -9 "$pid"
+    break
+  fi
+  sleep 1
+done
+wait "$pid" 2>/dev/null || true
+cp "$run/metrics.jsonl" "$out/metrics.jsonl"
+python3 - "$out/metrics.jsonl" <<'PY'
+import json, statistics, sys
+rows = [json.loads(x) for x in open(sys.argv[1])]
+later = rows[1:] or rows
+med = {k: statistics.median(r[k] for r in later) for k in ("step_s", "tokens_per_s", "mfu", "peak_mem_gb") if k in later[0]}
+print(f"{len(rows)} logged steps; loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f}; median of steps 2+: "
+      + ", ".join(f"{k} {v:.4g}" for k, v in med.items()))
+PY
