@@ -233,6 +233,23 @@ def test_flash_refuses_unverified_head_dims() -> None:
         FlexAttnFunc("flex-flash")(q, k, v, lay)
 
 
+def test_flash_takes_16_bit_inputs_only_auto_moves_float32_to_triton() -> None:
+    """FA4 rejects float32 inside the kernel (an assert deep in the CuTe code): a float32 run on
+    CUDA under ``auto`` runs Triton flex, an explicit ``flex-flash`` says what to change."""
+    from flexpack.attention.flex import BoundAttention, _flash_for
+
+    assert _flash_for("flex-flash", torch.float32, strict=False) == "flex"
+    assert _flash_for("flex-flash", torch.bfloat16, strict=True) == "flex-flash"
+    assert _flash_for("sdpa-loop", torch.float32, strict=True) == "sdpa-loop"
+    lay = SequenceLayout.from_lengths([5, 7], pad_to=16).tokens()
+    q, k, v = qkv(16, 16, dtype=torch.float32, d=128)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"bfloat16 or float16 inputs, got torch.float32.*'flex'"):
+        FlexAttnFunc("flex-flash")(q, k, v, lay)
+    prep = FlexAttnFunc("dense").prepare(lay)
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        BoundAttention("flex-flash", prep, strict=True)(q, k, v)
+
+
 def test_text_slots_keep_the_key_length_fixed_without_recompiles() -> None:
     """Pack mode varies the episode count per micro-batch; padded text slots keep one shape."""
     from flexpack.attention.masks import text_slots

@@ -49,6 +49,18 @@ CPU_FLEX_MIN_TOKENS = 16384
 # (benchmarks/flash_grad_check.py): at D=128 its gradients match; at D=16 dq is wrong (relative
 # error 1.2, with our block mask and with create_block_mask alike). Other head dims use Triton.
 FLASH_HEAD_DIMS = (128,)
+FLASH_DTYPES = (torch.bfloat16, torch.float16)  # FA4 takes 16-bit inputs only; float32 runs on Triton
+
+
+def _flash_for(backend: str, dtype: torch.dtype, strict: bool) -> str:
+    """``backend`` for inputs of ``dtype``: FLASH needs 16-bit inputs; ``auto`` moves float32 to
+    Triton flex, an explicit ``flex-flash`` (``strict``) says what to change."""
+    if backend != "flex-flash" or dtype in FLASH_DTYPES:
+        return backend
+    if strict:
+        raise ValueError(f"the FLASH backend takes bfloat16 or float16 inputs, got {dtype}; "
+                         "run under bf16 autocast (runtime.dtype='bfloat16') or use backend 'flex'")
+    return "flex"
 
 
 class GraphCounter:
@@ -284,7 +296,7 @@ class FlexAttnFunc:
         if q.device != prep.device:
             raise ValueError(f"q is on {q.device} but the mask on {prep.device}; pass device= to prepare()")
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-        backend = self._resolve(prep, needs_grad, q.shape[-1])
+        backend = _flash_for(self._resolve(prep, needs_grad, q.shape[-1]), q.dtype, self.backend == "flex-flash")
         if backend in ("flex", "flex-flash") and q.device.type == "cpu" and needs_grad:
             raise ValueError("FlexAttention has no CPU backward; use backend='dense' (or 'auto') for training on CPU")
         return _run(backend, q, k, v, prep)
@@ -321,7 +333,7 @@ class FlexAttnFunc:
             # specialize on (a recompile per layout): traced, the call is FlexAttention over a block mask
             block = prep.block_mask()
             traced = "flex-flash" if has_flash() and head_dim in FLASH_HEAD_DIMS else "flex"
-        return BoundAttention(backend, prep, block, traced)
+        return BoundAttention(backend, prep, block, traced, strict=self.backend == "flex-flash")
 
 
 @dataclass(eq=False)
@@ -337,15 +349,18 @@ class BoundAttention:
     prep: PreparedMask
     block_mask: BlockMask | None = None  # built at bind time (flex, and every CUDA backend): an input of the traced call
     traced_backend: str | None = None  # what a compiled region runs: the flex kernel over ``block_mask`` where there is one
+    strict: bool = False  # flex-flash was asked for by name: float32 inputs are an error, not a move to Triton
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        backend = _flash_for(self.backend, q.dtype, self.strict)  # the dtype is static inside a trace
         if torch.compiler.is_compiling():  # traced into a compiled block's graph
             if self.block_mask is not None:
-                opts = {"BACKEND": "FLASH"} if (self.traced_backend or self.backend) == "flex-flash" else None
+                traced = _flash_for(self.traced_backend or self.backend, q.dtype, self.strict)
+                opts = {"BACKEND": "FLASH"} if traced == "flex-flash" else None
                 return flex_attention(q, k, v, block_mask=self.block_mask, kernel_options=opts)
-            return _run(self.backend, q, k, v, self.prep)
+            return _run(backend, q, k, v, self.prep)
         with record_function("attention"):  # a named range in profiles
-            return _run(self.backend, q, k, v, self.prep)
+            return _run(backend, q, k, v, self.prep)
 
 
 def _run(backend: str, q: Tensor, k: Tensor, v: Tensor, prep: PreparedMask) -> Tensor:
