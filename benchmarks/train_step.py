@@ -65,7 +65,8 @@ def config(args: argparse.Namespace, mode: str, compile_: bool) -> TrainConfig:
         "data": {"mode": mode, "max_tokens": args.max_tokens},
         "model": model,
         "optim": {"lr": 1e-5, "betas": [0.9, 0.95], "grad_clip": 1.0},
-        "runtime": {"dtype": "bfloat16", "compile": compile_, "progress": False},
+        "runtime": {"dtype": "bfloat16", "compile": compile_, "progress": False,
+                    "activation_memory_budget": args.memory_budget if compile_ else 1.0},
     })
 
 
@@ -119,7 +120,7 @@ def run_flexpack(args, name: str, lengths: list[int], batches: list[list[int]], 
     extra = {"text_slots": run_text_slots(sampler)}
     with device:
         model = build_model(cfg)
-    model = parallelize(model, device=device, compile=compile_)
+    model = parallelize(model, device=device, compile=compile_, memory_budget=cfg.runtime.activation_memory_budget)
     opt = build_optimizer(model, cfg.optim, fused=device.type == "cuda")
     made = [collate([items[i] for i in b]) for b in plan]
     if device.type == "cuda":
@@ -309,6 +310,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=65536)
     p.add_argument("--profile", action="store_true", help="kernel-time split of one packed step")
+    p.add_argument("--memory-budget", type=float, default=1.0,
+                   help="runtime.activation_memory_budget of the compiled flexpack variants")
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks the code paths, times nothing real")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/train_step_h200.json"))
     args = p.parse_args()

@@ -79,3 +79,45 @@ def test_compiled_blocks_keep_diffusers_parity(one_thread):
         got = ours.forward_video(latent, t, text)
     assert BLOCK_GRAPHS.n > before  # the blocks did run compiled
     assert float((got - want).abs().max() / want.abs().max()) < 1e-5
+
+
+def _saved_bytes_and_grads(budget: float, lens=(5, 3)):
+    torch.manual_seed(0)
+    model = WanVA(wan_config("tiny", num_layers=2), attn=FlexAttnFunc("dense"))
+    parallelize(model, device=torch.device("cpu"), compile=True, memory_budget=budget)
+    cfg = FlowMatchingConfig()
+    batch = PackCollate(8)(items(list(lens), 0))
+    sample = episode_flow_sample(batch, cfg, list(range(len(lens))))
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        pred = model(sample.inputs, **sample.model_kwargs(), text_slots=4)
+    flow_loss(pred, sample, batch, cfg).loss.backward()
+    return sum(saved), [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.slow
+def test_activation_memory_budget_saves_less_and_keeps_gradients(one_thread):
+    """runtime.activation_memory_budget < 1: the compiled blocks keep fewer activations for the
+    backward (the partitioner recomputes cheap ops) and the gradients stay the same."""
+    full, g_full = _saved_bytes_and_grads(1.0)
+    low, g_low = _saved_bytes_and_grads(0.0)
+    assert low < 0.8 * full, (low, full)
+    for a, b in zip(g_low, g_full):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_activation_memory_budget_is_checked():
+    from flexpack.training.config import RuntimeConfig
+
+    with pytest.raises(ValueError, match=r"between 0 and 1.*got 1.5"):
+        RuntimeConfig(activation_memory_budget=1.5)
+    with pytest.raises(ValueError, match="runtime.compile = false; set runtime.compile = true"):
+        RuntimeConfig(activation_memory_budget=0.5, compile=False)
+    RuntimeConfig(activation_memory_budget=0.5)  # auto: decided where the run starts
+    with pytest.raises(ValueError, match="compile is off"):
+        parallelize(WanVA(wan_config("tiny", num_layers=1)), device=torch.device("cpu"), memory_budget=0.5)

@@ -207,6 +207,9 @@ class RuntimeConfig:
     dtype: str = "float32"  # bfloat16: FSDP mixed precision (params bf16, reduce fp32) or autocast
     activation_checkpointing: bool | int = False  # true: every block; n: the first n blocks
     compile: bool | str = "auto"  # compile each block (fused step); auto: on CUDA in pack mode
+    # compiled blocks only: the share of the activations their default partition saves that they may
+    # keep; below 1 the partitioner recomputes the cheapest ops (by FLOPs) in the backward instead
+    activation_memory_budget: float = 1.0
     peak_tflops: float | None = None  # bf16 peak for `mfu` in metrics.jsonl; None: measured at start (CUDA)
     seed: int = 0
     log_every: int = 1
@@ -230,6 +233,12 @@ class RuntimeConfig:
         if not isinstance(self.activation_checkpointing, bool) and self.activation_checkpointing < 0:
             raise ValueError(f"runtime.activation_checkpointing must be true, false or a block count >= 0, "
                              f"got {self.activation_checkpointing!r}")
+        if not (isinstance(self.activation_memory_budget, (int, float)) and 0.0 <= self.activation_memory_budget <= 1.0):
+            raise ValueError(f"runtime.activation_memory_budget must be between 0 and 1 (1: save what the compiled "
+                             f"blocks would), got {self.activation_memory_budget!r}")
+        if self.activation_memory_budget < 1.0 and self.compile is False:
+            raise ValueError(f"runtime.activation_memory_budget = {self.activation_memory_budget} applies to compiled "
+                             "blocks, but runtime.compile = false; set runtime.compile = true (or 'auto' on CUDA)")
         if self.peak_tflops is not None and not (self.peak_tflops > 0 and math.isfinite(self.peak_tflops)):
             raise ValueError(f"runtime.peak_tflops must be a positive number, got {self.peak_tflops!r}")
 

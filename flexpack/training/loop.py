@@ -128,8 +128,14 @@ def _train(cfg: TrainConfig, found: Path | None, stop: faults.GracefulStop, stop
     param_dtype = torch.bfloat16 if cfg.runtime.dtype == "bfloat16" else None
     with device:  # built where it runs: no full fp32 copy of a 5B model in host memory per rank
         model = build_model(cfg)
-    model = parallelize(model, device=device, param_dtype=param_dtype, compile=use_compile(cfg, device),
-                        activation_checkpointing=cfg.runtime.activation_checkpointing)
+    compiled = use_compile(cfg, device)
+    if cfg.runtime.activation_memory_budget < 1.0 and not compiled:
+        raise ValueError(f"runtime.activation_memory_budget = {cfg.runtime.activation_memory_budget} applies to compiled "
+                         f"blocks, which runtime.compile = {cfg.runtime.compile!r} leaves off here ({device.type}, "
+                         f"{cfg.data.mode} mode); set runtime.compile = true")
+    model = parallelize(model, device=device, param_dtype=param_dtype, compile=compiled,
+                        activation_checkpointing=cfg.runtime.activation_checkpointing,
+                        memory_budget=cfg.runtime.activation_memory_budget)
     materialize(model, cfg, device)  # model.pretrained under FSDP2: each rank loads its shards
     o, run = cfg.optim, Path(cfg.runtime.out_dir)
     opt = build_optimizer(model, o, log=rank == 0, fused=device.type == "cuda")  # no decay on norms, biases, ...

@@ -17,6 +17,8 @@ checkpoints load into unwrapped, unsharded models.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -45,15 +47,30 @@ def compiled_graphs() -> int:
     return BLOCK_GRAPHS.n + compile_count()
 
 
-def compile_blocks(model: nn.Module, *, fullgraph: bool = True) -> None:
+def compile_blocks(model: nn.Module, *, fullgraph: bool = True, memory_budget: float = 1.0) -> None:
     """Compile each block's ``forward`` in place (state-dict keys and module hooks unchanged, so FSDP's
-    hooks stay outside the compiled code). Shapes are static: one graph per pack shape."""
+    hooks stay outside the compiled code). Shapes are static: one graph per pack shape.
+
+    ``memory_budget`` < 1: the forward/backward partition of each block keeps at most that share of
+    the activations its default partition would save and recomputes the cheapest ops (by FLOPs:
+    norms, modulation, RoPE, casts before any matmul) in the backward — selective checkpointing
+    chosen by the compiler (``torch._functorch.config.activation_memory_budget``), blocks only."""
     import torch._dynamo
 
     # every block shares one code object; leave room for a few shapes (pad mode, text-slot buckets)
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    backend = BLOCK_GRAPHS.backend if memory_budget >= 1.0 else partial(_budget_backend, memory_budget)
     for block in model.blocks:
-        block.forward = torch.compile(block.forward, backend=BLOCK_GRAPHS.backend, fullgraph=fullgraph, dynamic=False)
+        block.forward = torch.compile(block.forward, backend=backend, fullgraph=fullgraph, dynamic=False)
+
+
+def _budget_backend(budget: float, gm: torch.fx.GraphModule, example_inputs: list):
+    """The block backend with the partitioner's activation memory budget set while it compiles
+    (the forward/backward split is decided then)."""
+    import torch._functorch.config as functorch_config
+
+    with functorch_config.patch(activation_memory_budget=budget):
+        return BLOCK_GRAPHS.backend(gm, example_inputs)
 
 
 def parallelize(
@@ -63,16 +80,20 @@ def parallelize(
     activation_checkpointing: bool | int = False,
     param_dtype: torch.dtype | None = None,
     compile: bool = False,
+    memory_budget: float = 1.0,
 ) -> nn.Module:
     """Apply compile → AC → ``fully_shard`` per block → root, in place; returns ``model``.
 
     ``activation_checkpointing``: ``True`` checkpoints every block, an int ``n`` the first ``n``.
     ``param_dtype`` (e.g. bf16) is the FSDP mixed-precision compute dtype of the parameters
-    (gradients are reduced in fp32); ignored without FSDP. ``compile``: :func:`compile_blocks`.
+    (gradients are reduced in fp32); ignored without FSDP. ``compile``: :func:`compile_blocks`, with
+    ``memory_budget`` (checkpointed blocks recompute their whole forward whatever the budget).
     """
     blocks = model.blocks
     if compile:  # inside the checkpoint: a recompute replays the compiled forward
-        compile_blocks(model)
+        compile_blocks(model, memory_budget=memory_budget)
+    elif memory_budget < 1.0:
+        raise ValueError(f"activation_memory_budget = {memory_budget} applies to compiled blocks; compile is off")
     n_ckpt = len(blocks) if activation_checkpointing is True else int(activation_checkpointing)
     if n_ckpt:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
