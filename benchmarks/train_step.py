@@ -89,6 +89,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _host_and_wall(fn, device: torch.device) -> tuple[float, float]:
+    """Seconds ``fn()`` takes to return (host time to queue it, the GPU idle at the start) and until
+    its GPU work is done."""
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    host = time.perf_counter() - t0
+    _sync(device)
+    return host, time.perf_counter() - t0
+
+
 def _peak_reset(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -133,13 +144,9 @@ def run_flexpack(args, name: str, lengths: list[int], batches: list[list[int]], 
     _peak_reset(device)
     timed = made[warm:]
     # pass 1, a sync around every step: host time to queue one step (the GPU idle meanwhile)
-    host = []
-    for k, batch in enumerate(timed):
-        _sync(device)
-        t0 = time.perf_counter()
-        train_step(model, opt, [batch], cfg, step=warm + k, device=device, extra_model_kwargs=extra)
-        host.append(time.perf_counter() - t0)
-    _sync(device)
+    host = [_host_and_wall(lambda: train_step(model, opt, [batch], cfg, step=warm + k, device=device,
+                                              extra_model_kwargs=extra), device)[0]
+            for k, batch in enumerate(timed)]
     # pass 2, as the train loop runs: no sync between steps; an event before each step
     times, sums = _event_times(lambda k: train_step(model, opt, [timed[k]], cfg, step=warm + len(timed) + k,
                                                     device=device, extra_model_kwargs=extra)[0], len(timed), device)
@@ -233,31 +240,17 @@ def run_diffusers(args, lengths: list[int], batches: list[list[int]], items: Ite
     # time to queue one episode step, and it is the first step at each episode length: PyTorch
     # builds per-shape state then (attention plans, kernel specializations), which a training run
     # pays once per length; the timed pass 2 runs on warm lengths, as flexpack's pass 2 does.
-    host, first = [], []
-    for b in timed:
-        wall = 0.0
-        for i in b:
-            _sync(device)
-            t0 = time.perf_counter()
-            step(i)
-            host.append(time.perf_counter() - t0)
-            _sync(device)
-            wall += time.perf_counter() - t0
-        first.append(wall)
-    first_host, host = host, []
-    for i in timed[0][:3]:  # host time to queue one episode step at a warm length
-        _sync(device)
-        t0 = time.perf_counter()
-        step(i)
-        host.append(time.perf_counter() - t0)
-    _sync(device)
+    first = [[_host_and_wall(lambda: step(i), device) for i in b] for b in timed]  # (host, wall) per episode
+    first_host = [h for pack in first for h, _ in pack]
+    first_wall = [sum(w for _, w in pack) for pack in first]
+    host = [_host_and_wall(lambda: step(i), device)[0] for i in timed[0][:3]]  # at warm lengths
     # the same episodes as the timed packs, one optimizer step each, queued without syncs
     times, losses = _event_times(lambda k: [step(i) for i in timed[k]], len(timed), device)
     losses = [float(x) for group in losses for x in group]
     tokens = [sum(lengths[i] for i in b) * tpf for b in timed]
     flops = [useful_flops(cfg, [lengths[i] for i in b], items.L, video_tokens=tpf) for b in timed]
     out = _medians(times, host, tokens, flops, peak)
-    out.update(first_pass_tokens_per_s=statistics.median(n / t for n, t in zip(tokens, first)),
+    out.update(first_pass_tokens_per_s=statistics.median(n / t for n, t in zip(tokens, first_wall)),
                first_pass_host_ms=1e3 * statistics.median(first_host),
                peak_mem_gb=_peak_gb(device), finite=all(np.isfinite(losses)), episodes=sum(len(b) for b in timed),
                recompiles_after_warmup=_dynamo_graphs() - graphs0, compile=compile_ or "eager")

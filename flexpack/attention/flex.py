@@ -352,15 +352,14 @@ class BoundAttention:
     strict: bool = False  # flex-flash was asked for by name: float32 inputs are an error, not a move to Triton
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        backend = _flash_for(self.backend, q.dtype, self.strict)  # the dtype is static inside a trace
-        if torch.compiler.is_compiling():  # traced into a compiled block's graph
+        if torch.compiler.is_compiling():  # traced into a compiled block's graph (its dtype is static)
             if self.block_mask is not None:
                 traced = _flash_for(self.traced_backend or self.backend, q.dtype, self.strict)
                 opts = {"BACKEND": "FLASH"} if traced == "flex-flash" else None
                 return flex_attention(q, k, v, block_mask=self.block_mask, kernel_options=opts)
-            return _run(backend, q, k, v, self.prep)
+            return _run(_flash_for(self.backend, q.dtype, self.strict), q, k, v, self.prep)
         with record_function("attention"):  # a named range in profiles
-            return _run(backend, q, k, v, self.prep)
+            return _run(_flash_for(self.backend, q.dtype, self.strict), q, k, v, self.prep)
 
 
 def _run(backend: str, q: Tensor, k: Tensor, v: Tensor, prep: PreparedMask) -> Tensor:
