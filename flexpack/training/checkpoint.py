@@ -8,10 +8,14 @@ Layout of ``RUN/checkpoints/step_00000040/``::
     rng.pt            rank 0's torch CPU (and CUDA) RNG state
     train_state.json  {"step", "sampler" (its state_dict), "world_size", "extra"}
     config.json       the run's config at this step (a resume compares against it)
-    manifest.json     written last: every file above with its size
+    manifest.json     written last: every file above with its size and CRC-32 (:mod:`.manifest`)
 
-A checkpoint is valid only when ``manifest.json`` exists and every file it lists has its size:
-:func:`latest` skips (and reports) a damaged one and takes the one before. Saving is collective
+A checkpoint is valid only when ``manifest.json`` exists and every file it lists has its size and
+content, and its small files parse (:func:`problem`): :func:`latest` skips (and reports) a damaged
+one and takes the one before. Everything a load reads is data: JSON, ``weights_only`` and the
+allow-listed metadata unpickler of :mod:`flexpack.training.safeload`. Pruning renames an old
+checkpoint to ``.trash-step_…`` before deleting it, so a kill cannot leave half a checkpoint
+under a checkpoint's name; :func:`remove_temporary` clears trash at the next start. Saving is collective
 (every rank calls :meth:`Checkpointer.save`): shards go into ``.tmp-step_…``, rank 0 adds the
 small files and the manifest, then renames the folder — an interrupted save never becomes a
 checkpoint, and :func:`remove_temporary` clears its leftovers. With ``async_save`` the shards are
@@ -48,12 +52,16 @@ from torch.distributed.checkpoint.state_dict import (
 
 from flexpack.atomic import atomic_path
 from flexpack.errors import UserError
+from flexpack.training import manifest
 from flexpack.training.checks import check_state_shapes
+from flexpack.training.manifest import MANIFEST, problem  # noqa: F401  (public here too)
 from flexpack.training.parallel import world
+from flexpack.training.safeload import UnsafeCheckpointError, load_state, read_metadata_file
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
-_TEMPORARY = re.compile(r"^\.(tmp|old)-step_\d{8}")
-MANIFEST = "manifest.json"
+_TEMPORARY = re.compile(r"^\.(tmp|old|trash)-step_\d{8}")
+# what a checkpoint folder holds: a manifest-less step_* made only of these is a pruning cut short
+_OWN = {"state", "rng.pt", "train_state.json", "config.json", MANIFEST}
 
 
 def step_dir(root: str | os.PathLike, step: int) -> Path:
@@ -69,33 +77,13 @@ def list_checkpoints(root: str | os.PathLike) -> list[Path]:
     return sorted(found, key=lambda p: p.name)
 
 
-def problem(path: str | os.PathLike) -> str | None:
-    """Why ``path`` is not a complete checkpoint (one line), or None when it is."""
-    path = Path(path)
-    try:
-        files = json.loads((path / MANIFEST).read_text())["files"]
-    except FileNotFoundError:
-        if (path / "model.pt").is_file():
-            return f"{path}: a checkpoint of the earlier full-state format (model.pt), which this version does not read"
-        if (path / "state").exists() or (path / "train_state.json").exists() or path.name.startswith(".tmp-"):
-            return f"{path}: not a complete checkpoint (no {MANIFEST}: its save did not finish)"
-        return f"{path}: not a checkpoint folder (no {MANIFEST}, no state/)"
-    except (ValueError, KeyError, TypeError) as exc:
-        return f"{path}/{MANIFEST}: unreadable ({exc})"
-    for name, size in files.items():
-        f = path / name
-        if not f.is_file():
-            return f"{path}: {name} is missing"
-        if f.stat().st_size != size:
-            return f"{path}: {name} has {f.stat().st_size} bytes, the manifest says {size} (truncated?)"
-    return None
-
-
-def latest(root: str | os.PathLike, on_damaged: Callable[[str], None] | None = None) -> Path | None:
-    """The newest valid checkpoint under ``root``; each damaged newer one is passed to ``on_damaged``."""
+def latest(root: str | os.PathLike, on_damaged: Callable[[str], None] | None = None, *,
+           content: bool = True) -> Path | None:
+    """The newest valid checkpoint under ``root``; each damaged newer one is passed to ``on_damaged``.
+    ``content=False``: sizes only (see :func:`problem`)."""
     candidates = [p for p in Path(root).iterdir() if _STEP_DIR.match(p.name)] if Path(root).is_dir() else []
     for path in sorted(candidates, key=lambda p: p.name, reverse=True):
-        why = problem(path)
+        why = problem(path, content=content)
         if why is None:
             return path
         if on_damaged is not None:
@@ -104,12 +92,36 @@ def latest(root: str | os.PathLike, on_damaged: Callable[[str], None] | None = N
 
 
 def remove_temporary(root: str | os.PathLike) -> list[Path]:
-    """Delete the ``.tmp-step_*`` / ``.old-step_*`` folders of interrupted saves; returns them."""
+    """Delete the ``.tmp-step_*`` / ``.old-step_*`` folders of interrupted saves, the
+    ``.trash-step_*`` of interrupted pruning, and ``step_*`` folders without a manifest that hold
+    nothing but checkpoint files (a pruning by an earlier version cut short: its manifest went
+    first); returns them. A folder holding any other file is left alone."""
     root = Path(root)
-    gone = [p for p in root.iterdir() if _TEMPORARY.match(p.name)] if root.is_dir() else []
+    if not root.is_dir():
+        return []
+    gone = [p for p in root.iterdir() if _TEMPORARY.match(p.name) and p.is_dir()]
+    gone += [p for p in root.iterdir() if _STEP_DIR.match(p.name) and p.is_dir() and not (p / MANIFEST).exists()
+             and {c.name for c in p.iterdir()} <= _OWN and not _foreign_in_state(p / "state")]
     for p in gone:
         shutil.rmtree(p, ignore_errors=True)
     return gone
+
+
+def _foreign_in_state(state: Path) -> bool:
+    """Whether ``state/`` holds anything DCP does not write (``.metadata``, ``__R_N.distcp``)."""
+    if not state.is_dir():
+        return state.exists()
+    return any(not (c.name == ".metadata" or re.match(r"^__\d+_\d+\.distcp$", c.name)) for c in state.iterdir())
+
+
+def prune(root: str | os.PathLike, keep: int) -> None:
+    """Keep the newest ``keep`` checkpoints: each older one is renamed to ``.trash-step_…`` (atomic:
+    it stops being a checkpoint at once) and then deleted; a kill in between leaves only trash."""
+    for path in list_checkpoints(root)[:-keep]:
+        trash = path.with_name(f".trash-{path.name}")
+        shutil.rmtree(trash, ignore_errors=True)
+        os.replace(path, trash)
+        shutil.rmtree(trash, ignore_errors=True)
 
 
 def _barrier() -> None:
@@ -177,19 +189,20 @@ class Checkpointer:
 
     @contextlib.contextmanager
     def _no_half_checkpoint(self, tmp: Path, final: Path) -> Iterator[None]:
-        """A write that fails (disk full, quota, read-only) removes its temporary folder and becomes one
-        line saying that the newest checkpoint is unchanged; other errors pass through."""
+        """Any failure of a save (disk full, quota, read-only, a file-size limit, torch's own
+        "unexpected pos" when a write comes up short) removes its temporary folder and becomes one
+        line saying that the newest checkpoint is unchanged."""
         try:
             yield
-        except (OSError, dcp.api.CheckpointException) as exc:
-            cause = exc if isinstance(exc, OSError) else next(
-                (e for e in _failures(exc) if isinstance(e, OSError)), None)
-            if cause is None:
-                raise
+        except Exception as exc:
+            causes = _failures(exc) or [exc]
+            cause = next((e for e in causes if isinstance(e, OSError)), causes[0])
             shutil.rmtree(tmp, ignore_errors=True)
-            newest = latest(self.root)
+            newest = latest(self.root, content=False)
             kept = f"{newest} is still the newest checkpoint" if newest else "no checkpoint was written yet"
-            raise UserError(f"{final}: cannot write the checkpoint ({cause.strerror or cause}); nothing was "
+            what = cause.strerror if isinstance(cause, OSError) and cause.strerror else \
+                f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
+            raise UserError(f"{final}: cannot write the checkpoint ({what}); nothing was "
                             f"replaced, {kept}; free space under {self.root} (or choose another runtime.out_dir) "
                             "and run again to resume") from exc
 
@@ -205,9 +218,18 @@ class Checkpointer:
         return final
 
     def _finish(self, tmp: Path, final: Path, small: dict[str, Any]) -> None:
-        """All shards are written: rank 0 adds the small files, the manifest last, and renames."""
+        """All shards are written: each rank checksums its own shards, rank 0 adds the small files,
+        the manifest last, and renames."""
         _barrier()
-        if world()[0] == 0:
+        rank, size = world()
+        mine = sorted((tmp / "state").glob(f"__{rank}_*.distcp")) if size > 1 else []
+        sums = manifest.describe(tmp, [str(p.relative_to(tmp)) for p in mine])
+        if size > 1:
+            gathered: list[Any] = [None] * size
+            dist.all_gather_object(gathered, sums)
+        else:
+            gathered = [sums]
+        if rank == 0:
             torch.save(small["rng"], tmp / "rng.pt")
             _write(tmp / "train_state.json", small["train_state"])
             if small["config"] is not None:
@@ -216,9 +238,13 @@ class Checkpointer:
                 if (tmp / name).is_file():
                     with open(tmp / name, "rb+") as f:
                         os.fsync(f.fileno())  # on disk before the manifest says the folder is complete
-            files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+            done = {n for g in gathered for n in g["files"]}
+            rest = [str(p.relative_to(tmp)) for p in sorted(tmp.rglob("*")) if p.is_file()
+                    and str(p.relative_to(tmp)) not in done]
+            entries = [*gathered, manifest.describe(tmp, rest)]
+            body = {key: dict(sorted((n, v) for e in entries for n, v in e[key].items())) for key in ("files", "crc32")}
             with atomic_path(tmp / MANIFEST) as m:
-                m.write_text(json.dumps({"files": files}, indent=2) + "\n")
+                m.write_text(json.dumps(body, indent=2) + "\n")
             if final.exists():  # re-saving a step: move the old one aside first (rename needs a free name)
                 old = final.with_name(f".old-{final.name}")
                 shutil.rmtree(old, ignore_errors=True)
@@ -228,8 +254,7 @@ class Checkpointer:
             else:
                 os.replace(tmp, final)
             if self.keep is not None:
-                for path in list_checkpoints(self.root)[:-self.keep]:
-                    shutil.rmtree(path, ignore_errors=True)
+                prune(self.root, self.keep)
         _barrier()
 
 
@@ -253,7 +278,7 @@ def save(root: str | os.PathLike, step: int, model: torch.nn.Module, optimizer: 
 
 def tensor_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
     """Global shape of every tensor in the checkpoint (``model.<name>``, ``optim.state.<name>.<key>``)."""
-    meta = dcp.FileSystemReader(str(Path(path) / "state")).read_metadata()
+    meta = read_metadata_file(Path(path) / "state" / ".metadata")
     return {k: tuple(v.size) for k, v in meta.state_dict_metadata.items() if hasattr(v, "size")}
 
 
@@ -265,13 +290,13 @@ def has_ema(path: str | os.PathLike) -> bool:
 def read_tensors(path: str | os.PathLike, part: str = "model") -> dict[str, torch.Tensor]:
     """One part of a checkpoint (``"model"`` or ``"ema"``) as full CPU tensors by parameter name,
     in their saved dtypes (no process group, no model needed)."""
-    meta = dcp.FileSystemReader(str(Path(path) / "state")).read_metadata()
+    meta = read_metadata_file(Path(path) / "state" / ".metadata")
     prefix = f"{part}."
     shapes = {k.removeprefix(prefix): v for k, v in meta.state_dict_metadata.items()
               if k.startswith(prefix) and hasattr(v, "size")}
     state = {part: {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in shapes.items()}}
     with _quiet():
-        dcp.load(state, checkpoint_id=Path(path) / "state")
+        load_state(state, Path(path) / "state")
     return state[part]
 
 
@@ -315,7 +340,7 @@ def load(
     has_ema = any(k.startswith("ema.") for k in shapes)
     state = _state(model, optimizer, ema if has_ema else None)
     with _quiet():
-        dcp.load(state, checkpoint_id=path / "state")
+        load_state(state, path / "state")
     if ema is not None:
         ema.load_state_dict(state["ema"] if has_ema else None)
     if optimizer is None:
@@ -323,9 +348,13 @@ def load(
     else:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     if restore_rng and (path / "rng.pt").is_file():
-        rng = torch.load(path / "rng.pt", weights_only=True)
+        try:
+            rng = torch.load(path / "rng.pt", weights_only=True)
+        except Exception as exc:  # weights_only refuses code; a refusal is the file's problem, in one line
+            raise UnsafeCheckpointError(f"{path / 'rng.pt'}: not plain tensor data ({type(exc).__name__}); "
+                                        "nothing in it was run") from None
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
-    return json.loads((path / "train_state.json").read_text())
+    return json.loads((path / "train_state.json").read_text())  # parsed by problem() above
 

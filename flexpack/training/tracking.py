@@ -67,7 +67,7 @@ class MetricSinks:
             from torch.utils.tensorboard import SummaryWriter
 
             # after a resume, steps past the checkpoint logged by the interrupted run are dropped
-            self.tb = SummaryWriter(str(self.tb_dir), purge_step=self.start + 1 if self.start else None, flush_secs=10)
+            self.tb = SummaryWriter(str(self.tb_dir), purge_step=self.start + 1, flush_secs=10)
         if r.wandb:
             import wandb
 
