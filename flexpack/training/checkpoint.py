@@ -100,7 +100,10 @@ def remove_temporary(root: str | os.PathLike) -> list[Path]:
     if not root.is_dir():
         return []
     gone = [p for p in root.iterdir() if _TEMPORARY.match(p.name) and p.is_dir()]
+    valid = list_checkpoints(root)
+    # pruning takes the oldest: only a manifest-less folder older than a complete checkpoint can be one
     gone += [p for p in root.iterdir() if _STEP_DIR.match(p.name) and p.is_dir() and not (p / MANIFEST).exists()
+             and valid and p.name < valid[-1].name
              and {c.name for c in p.iterdir()} <= _OWN and not _foreign_in_state(p / "state")]
     for p in gone:
         shutil.rmtree(p, ignore_errors=True)

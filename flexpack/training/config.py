@@ -203,6 +203,7 @@ class CheckpointConfig:
 @dataclass(frozen=True, kw_only=True)
 class RuntimeConfig:
     out_dir: str = "out/run"  # run folder: checkpoints/, metrics.jsonl, config.json (+ config_history.jsonl), tb/, profile/
+    adopt_dir: bool = False  # add the run to an out_dir holding other files (never changing them); train --force
     device: str = "auto"  # auto: cuda:LOCAL_RANK when available, else cpu
     dtype: str = "float32"  # bfloat16: FSDP mixed precision (params bf16, reduce fp32) or autocast
     activation_checkpointing: bool | int = False  # true: every block; n: the first n blocks

@@ -224,8 +224,10 @@ def _barrier() -> None:
 def _prepare_run(run: Path, cfg: TrainConfig, start: int, size: int) -> None:
     """Rank 0, before the first step: clear interrupted saves, cut metrics.jsonl back to ``start``
     (the weights' step), record this start in the config history (:mod:`flexpack.training.runfolder`)."""
+    runfolder.mark(run)
     for tmp in checkpoint.remove_temporary(run / "checkpoints"):
-        print(f"removed {tmp} (an interrupted save)", file=sys.stderr)
+        why = "an interrupted save" if tmp.name.startswith((".tmp-", ".old-")) else "an interrupted pruning"
+        print(f"removed {tmp} ({why})", file=sys.stderr)
     if dropped := runfolder.cut_metrics(run, start):
         print(f"{run}/metrics.jsonl: removed {dropped} line(s) after step {start} (steps of a run that was "
               "stopped before checkpointing them)", file=sys.stderr)
@@ -262,10 +264,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config value, e.g. --set schedule.steps=40 (repeatable)")
     parser.add_argument("--stop-after", type=positive_int, default=None, help="stop (with a checkpoint) after this step")
+    parser.add_argument("--force", action="store_true",
+                        help="train into an out_dir that holds other files (runtime.adopt_dir = true); none is changed")
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, [*args.overrides, *(["runtime.adopt_dir=true"] if args.force else [])])
     started, rank = False, int(os.environ.get("RANK", "0"))
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")

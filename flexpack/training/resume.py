@@ -23,9 +23,11 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from flexpack.training import checkpoint
 from flexpack.training.config import TrainConfig
+from flexpack.training.parallel import world
 from flexpack.training.runfolder import config_changes
 
 # config keys that fix the order of an epoch (and so the sampler state's meaning), per data.mode
@@ -36,7 +38,8 @@ ORDER_KEYS = {
 
 
 def find(cfg: TrainConfig, rank: int = 0) -> Path | None:
-    """The run folder's newest complete checkpoint (a damaged newer one is reported in one line)."""
+    """The run folder's newest complete, intact checkpoint; each damaged newer one is reported in one
+    line. Rank 0 reads the contents (checksums) and tells the other ranks which one it took."""
     run, problems = Path(cfg.runtime.out_dir), []
 
     def damaged(why: str) -> None:
@@ -44,13 +47,18 @@ def find(cfg: TrainConfig, rank: int = 0) -> Path | None:
         if rank == 0:
             print(f"warning: {why}; using the checkpoint before it", file=sys.stderr)
 
-    found = checkpoint.latest(run / "checkpoints", on_damaged=damaged)
+    found = checkpoint.latest(run / "checkpoints", on_damaged=damaged) if rank == 0 else None
+    if world()[1] > 1:  # one content check, not one per rank
+        box = [found, problems]
+        dist.broadcast_object_list(box, src=0)
+        found, problems = box
     if found is None and problems:  # never restart from scratch over a run's checkpoints unasked
-        raise ValueError(f"{run}: no usable checkpoint ({problems[-1]}); delete {run / 'checkpoints'} to start "
-                         "over, or choose another runtime.out_dir")
+        raise ValueError(f"{run / 'checkpoints'}: no usable checkpoint, all {len(problems)} are damaged (newest: "
+                         f"{problems[0]}); train into another runtime.out_dir, or move the damaged step_* folders "
+                         "out of it to start over there")
     if found is not None and not cfg.checkpoint.resume:
         raise ValueError(f"{run}: holds checkpoint {found.name} but checkpoint.resume is false; "
-                         "remove the folder or choose another runtime.out_dir")
+                         "choose another runtime.out_dir (or set checkpoint.resume = true)")
     return found
 
 

@@ -1,6 +1,12 @@
 """The run folder (``runtime.out_dir``): one owner at a time, a metrics log that matches the weights,
 and a record of every start.
 
+- ``.flexpack-run`` marks a folder as a run folder. ``train`` adopts an ``runtime.out_dir`` that
+  is missing, empty or marked (or a run of an earlier version: ``config.json`` of a flexpack config
+  with a config history or checkpoints; it gets the marker). Any other folder with files is
+  refused in one line naming them; ``runtime.adopt_dir = true`` (``train --force``) adds a run to
+  it, but only when none of its files has a name the run writes (``metrics.jsonl``,
+  ``config.json``, ``checkpoints``, ...): a file flexpack did not write is never changed.
 - ``train.lock`` holds the PID and host of the ``train`` that owns the folder. A second ``train``
   is refused with a message naming the holder; a lock left by a dead process on this host (its
   PID no longer runs) is taken over with a warning. Under ``torchrun`` only rank 0 takes it.
@@ -23,8 +29,59 @@ from pathlib import Path
 from typing import Any
 
 from flexpack.atomic import atomic_path
+from flexpack.errors import UserError
 
 LOCK = "train.lock"
+MARKER = ".flexpack-run"
+# names a run writes into its folder: a foreign file under one of them would be cut, read or replaced
+OWN_NAMES = (LOCK, MARKER, "metrics.jsonl", "config.json", "config_history.jsonl", "checkpoints", "tb", "profile",
+             "wandb", "samples")
+
+
+def _looks_like_run(run: Path) -> bool:
+    """A run folder of an earlier version (no marker): a flexpack ``config.json`` and a history or a checkpoint."""
+    try:
+        cfg = json.loads((run / "config.json").read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return False
+    if not (isinstance(cfg, dict) and {"data", "model", "runtime"} <= set(cfg)):
+        return False
+    return (run / "config_history.jsonl").is_file() or any((run / "checkpoints").glob("step_*/manifest.json"))
+
+
+def mark(run: str | os.PathLike) -> None:
+    """Write the run marker (atomically) if it is not there."""
+    path = Path(run) / MARKER
+    if not path.exists():
+        with atomic_path(path) as tmp:
+            tmp.write_text(json.dumps({"flexpack_run": 1}) + "\n")
+
+
+def claim(run: str | os.PathLike, *, adopt: bool = False) -> None:
+    """Refuse a ``runtime.out_dir`` that is not flexpack's (see the module doc); marks one it adopts."""
+    run = Path(run)
+    if not run.is_dir():
+        return
+    for name in ("checkpoints", "tb", "profile"):
+        if (run / name).exists() and not (run / name).is_dir():
+            raise UserError(f"runtime.out_dir = '{run}' holds a file named {name!r} where the run keeps a folder; "
+                            "move it away or choose another runtime.out_dir")
+    names = sorted(p.name for p in run.iterdir() if not p.name.startswith(".write-test-"))
+    if not names or MARKER in names:
+        return
+    if _looks_like_run(run):
+        mark(run)
+        return
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    if not adopt:
+        raise UserError(f"runtime.out_dir = '{run}' holds files flexpack did not write ({shown}); train into a new or "
+                        "empty folder, or set runtime.adopt_dir = true (train --force) to add the run beside them")
+    clash = [n for n in names if n in OWN_NAMES]
+    if clash:
+        raise UserError(f"runtime.out_dir = '{run}' holds {', '.join(clash)}, which flexpack did not write and the run "
+                        "would change; move them away or choose another runtime.out_dir (runtime.adopt_dir changes "
+                        "nothing flexpack did not write)")
+    mark(run)
 
 
 def _alive(pid: int) -> bool:
@@ -60,12 +117,17 @@ class RunLock:
               "since": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
         for _ in range(3):  # a stale lock is removed and the create retried
             try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+                _create_whole(self.path, json.dumps(me) + "\n")
             except FileExistsError:
                 holder = self._holder()
                 if holder is None:
                     continue  # released between our open and read
                 pid, host = holder.get("pid"), holder.get("host")
+                if holder.get("unreadable"):  # locks are written whole (below): no live train owns a torn one
+                    print(f"warning: {self.path}: replacing an unreadable lock file ({host}); locks are written "
+                          "whole, so no running train holds it", file=sys.stderr)
+                    self.path.unlink(missing_ok=True)
+                    continue
                 if host == me["host"] and isinstance(pid, int) and not _alive(pid):
                     print(f"warning: {self.path}: taking over the lock of PID {pid} on {host}, which is no longer "
                           "running (a killed train)", file=sys.stderr)
@@ -74,8 +136,6 @@ class RunLock:
                 raise ValueError(f"{self.path.parent}: in use by train PID {pid} on host {host} (since "
                                  f"{holder.get('since', '?')}); stop it or choose another runtime.out_dir "
                                  f"(delete {self.path} if that process is gone)")
-            with os.fdopen(fd, "w") as f:
-                f.write(json.dumps(me) + "\n")
             self.held = True
             return
         raise ValueError(f"{self.path}: could not take the lock (it keeps reappearing)")
@@ -86,9 +146,12 @@ class RunLock:
         except FileNotFoundError:
             return None
         try:
-            return json.loads(text)
+            holder = json.loads(text)
+            if isinstance(holder, dict):
+                return holder
         except ValueError:
-            return {"pid": None, "host": f"? (unreadable lock file: {text[:40]!r})"}
+            pass
+        return {"pid": None, "host": f"? (contents {text[:40]!r})", "unreadable": True}
 
     def release(self) -> None:
         if self.held:
@@ -99,6 +162,27 @@ class RunLock:
                     folder.rmdir()
                 except OSError:
                     break
+
+
+def _create_whole(path: Path, text: str) -> None:
+    """Create ``path`` with ``text`` atomically: written under a temporary name, then hard-linked
+    to ``path`` (fails with FileExistsError if it exists); a full disk leaves no empty lock."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            raise
+        except OSError:  # a file system without hard links: an exclusive create (not atomic, but exclusive)
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def cut_metrics(run: str | os.PathLike, step: int) -> int:
@@ -147,7 +231,11 @@ def record_start(run: str | os.PathLike, config: dict[str, Any], *, start_step: 
     if not first.is_file():
         with atomic_path(first) as tmp:
             tmp.write_text(json.dumps(config, indent=2) + "\n")
-    previous = json.loads(first.read_text())
+    try:
+        previous = json.loads(first.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise UserError(f"{first}: not readable as JSON ({exc}); it is the run's first config, written by flexpack: "
+                        "restore it, or train into another runtime.out_dir") from None
     if history.is_file():
         for line in history.read_text().splitlines():
             try:
