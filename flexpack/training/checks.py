@@ -118,12 +118,37 @@ def preflight(cfg: Any, stop_after: int | None = None) -> "torch.device":  # noq
 
     check_finite(cfg)
     device = resolve_device(cfg.runtime.device)
+    check_memory_ceiling(cfg, device)
     if world()[0] == 0:  # only rank 0 writes into the run folder (and one prober avoids mkdir/rmdir races)
         check_out_dir(cfg.runtime.out_dir)
         from flexpack.training.runfolder import claim
 
         claim(cfg.runtime.out_dir, adopt=cfg.runtime.adopt_dir)  # flexpack's own folder, or refused
     return device
+
+
+def device_memory(device: "torch.device") -> int:  # noqa: F821
+    """Total bytes of ``device`` (host RAM for the CPU)."""
+    import torch
+
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def check_memory_ceiling(cfg: Any, device: "torch.device") -> None:  # noqa: F821
+    """Pack mode: refuse a ``data.max_tokens`` that cannot fit, before any data or model work. The
+    bound is deliberately loose: one hidden state (``dim`` values per token, in the run's dtype) of
+    one micro-batch, a small part of what a step keeps, must fit the device's total memory."""
+    if cfg.data.mode != "pack":
+        return
+    dim = cfg.model.wan_config().dim
+    per_value = 2 if cfg.runtime.dtype == "bfloat16" else 4
+    need, have = cfg.data.max_tokens * dim * per_value, device_memory(device)
+    if need > have:
+        raise UserError(f"data.max_tokens = {cfg.data.max_tokens} cannot fit: one hidden state of a micro-batch alone "
+                        f"({dim} values per token) needs {need / 2**30:.1f} GiB, more than the {have / 2**30:.1f} GiB "
+                        f"of {device}; lower data.max_tokens")
 
 
 @contextmanager

@@ -119,12 +119,17 @@ class ModelConfig:
         kw = {k: _check_type(v, hints[k], f"model.overrides.{k}") for k, v in self.overrides.items()}
         try:
             wc = wan_config(self.preset, **kw)
-            if self.pretrained:
-                from flexpack.training.pretrained import pretrained_config
-
-                wc = pretrained_config(self.pretrained, wc, kw)
         except (ValueError, TypeError) as exc:  # named as the config writes them
-            raise ValueError(str(exc).replace("WanVAConfig.", "model.overrides.")) from None
+            text = str(exc).replace("WanVAConfig.", "model.overrides.")
+            raise ValueError(f"model.preset = {self.preset!r}: {text}" if "preset" in text else text) from None
+        if self.pretrained:
+            from flexpack.training.pretrained import pretrained_config
+
+            try:
+                wc = pretrained_config(self.pretrained, wc, kw)
+            except (ValueError, TypeError, OSError) as exc:  # named after the key, so a --set of it is blamed
+                text = str(exc).replace("WanVAConfig.", "model.overrides.")
+                raise ValueError(text if "model." in text else f"model.pretrained = {self.pretrained!r}: {text}") from None
         from flexpack.attention.flex import BACKENDS
 
         if wc.attn_backend not in BACKENDS:  # else only met when the model is built, after the data
@@ -264,6 +269,9 @@ class TrainConfig:
         if self.runtime.activation_checkpointing and self.model.overrides.get("activation_checkpointing"):
             raise ValueError("activation checkpointing is on twice (runtime.activation_checkpointing and "
                              "model.overrides.activation_checkpointing): each block would be recomputed twice; keep one")
+        if self.objective.latent_weight == 0 and not self.model.wan_config().action_channels:
+            raise ValueError("objective.latent_weight = 0 on a model without actions (action_channels = 0): "
+                             "the loss would be 0; set objective.latent_weight > 0")
         if self.runtime.eval_every and not (self.data.val_fraction or self.data.val_episodes):
             raise ValueError(f"runtime.eval_every={self.runtime.eval_every} needs held-out episodes: "
                              "set data.val_fraction or data.val_episodes")
@@ -357,14 +365,18 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"config file {path} does not exist")
+    if path.suffix not in (".toml", ".json"):
+        raise ValueError(f"config file {path} must end in .toml or .json, got {path.suffix!r}")
     try:
-        if path.suffix == ".toml":
-            return tomllib.loads(path.read_text())
-        if path.suffix == ".json":
-            return json.loads(path.read_text())
+        data = tomllib.loads(path.read_text()) if path.suffix == ".toml" else json.loads(path.read_text())
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text (byte {exc.start}); save the config as UTF-8") from None
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{path}: cannot parse: {exc}") from None
-    raise ValueError(f"config file {path} must end in .toml or .json, got {path.suffix!r}")
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: the top level must be a table of sections ({{\"data\": ...}}), "
+                         f"got a {type(data).__name__}")
+    return data
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> TrainConfig:

@@ -1,6 +1,6 @@
 """What ends a training run early, and how it ends cleanly.
 
-- SIGINT / SIGTERM (Ctrl-C, a scheduler's preemption): :class:`GracefulStop` records the signal;
+- SIGINT / SIGTERM / SIGHUP (Ctrl-C, a scheduler's preemption, a closed terminal): :class:`GracefulStop` records the signal;
   the loop finishes the current step, saves a checkpoint and raises :class:`Interrupted`, whose
   message says where the checkpoint is. A second Ctrl-C interrupts at once.
 - A data error (a corrupt latent, a missing file) on any rank: :func:`any_rank_failed` lets every
@@ -73,10 +73,10 @@ def any_rank_failed(error: BaseException | None) -> bool:
 
 
 class GracefulStop:
-    """``with GracefulStop() as stop:`` — SIGINT/SIGTERM set ``stop.signum`` instead of killing the
+    """``with GracefulStop() as stop:`` — SIGINT/SIGTERM/SIGHUP set ``stop.signum`` instead of killing the
     process (installed only in the main thread; the previous handlers come back on exit)."""
 
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
 
     def __init__(self) -> None:
         self.signum: int | None = None

@@ -69,6 +69,12 @@ class FlowMatchingConfig:
         if not (self.latent_weight >= 0 and self.action_weight >= 0):
             raise ValueError(f"objective.latent_weight and objective.action_weight must be >= 0, got "
                              f"{self.latent_weight}, {self.action_weight}")
+        if self.latent_weight == 0 and self.action_weight == 0:  # a zero loss trains nothing, silently
+            raise ValueError("objective.latent_weight and objective.action_weight are both 0: the loss would be 0; "
+                             "set at least one > 0")
+        if not self.num_train_timesteps > 0:  # 0 or less maps every timestep to 0 (or flips it)
+            raise ValueError(f"objective.num_train_timesteps must be > 0 (the model's timestep scale, 1000 for Wan), "
+                             f"got {self.num_train_timesteps!r}")
 
 
 def shift_sigma(sigma: Tensor, shift: float) -> Tensor:

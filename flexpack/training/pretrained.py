@@ -53,13 +53,27 @@ def checkpoint_files(path: str | os.PathLike) -> tuple[list[str], str | None]:
         raise FileNotFoundError(f"model.pretrained: {exc}") from None
 
 
+def _check_headers(files: list[str]) -> None:
+    """Each weight file opens as safetensors (its header only is read): garbage fails here, in one line
+    at config time, not deep in the model build after the data is loaded."""
+    from safetensors import safe_open
+
+    for fn in files:
+        try:
+            with safe_open(fn, framework="pt") as f:
+                f.keys()
+        except Exception as exc:  # SafetensorError is no ValueError; every failure here is the file's
+            raise ValueError(f"{fn}: not a readable safetensors file ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+
+
 def pretrained_config(path: str, base: WanVAConfig, overrides: Mapping[str, Any]) -> WanVAConfig:
     """``base`` (preset + overrides) with the checkpoint's shape; ValueError on a contradicting override."""
     from dataclasses import replace
 
     from flexpack.models.wan_convert import config_from_diffusers
 
-    _, cfg_path = checkpoint_files(path)
+    files, cfg_path = checkpoint_files(path)
+    _check_headers(files)
     if cfg_path is None:
         return base  # a bare .safetensors file: the config's shape, checked against every tensor on load
     try:

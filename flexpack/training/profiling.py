@@ -111,7 +111,7 @@ class StepProfiler:
                  *, steps_left: int | None = None, first_step: int = 0, tokens_per_frame: int = 1, copies: int = 1,
                  flops: Callable[[Any], float] | None = None, device: torch.device | str | None = None) -> None:
         self.steps = _env_int(ENV, 0) if steps is None else steps
-        self.warmup = _env_int(ENV_WARMUP, 2) if warmup is None else warmup
+        self.warmup = (_env_int(ENV_WARMUP, 2) if self.steps else 0) if warmup is None else warmup  # read only when profiling
         self.dir, self.rank = Path(out_dir) / "profile", rank
         self.first_step, self.tpf, self.copies, self.flops = first_step, tokens_per_frame, copies, flops
         self.written: list[Path] = []
@@ -334,4 +334,4 @@ class StepProfiler:
         }
 
 
-NO_PROFILER = StepProfiler("", steps=0)  # every hook a no-op (callers without a profiler)
+NO_PROFILER = StepProfiler("", steps=0, warmup=0)  # reads no environment at import  # every hook a no-op (callers without a profiler)
