@@ -42,7 +42,9 @@ def camera_short_name(key: str) -> str:
 def camera_tag(cameras: list[str]) -> str:
     if not cameras:
         raise ValueError("at least one camera is needed for the latent cache")
-    return "+".join(camera_short_name(c).replace("/", "_") for c in cameras)
+    from flexpack.safenames import safe_component  # a key like "observation.images.." must not climb out
+
+    return safe_component("+".join(camera_short_name(c).replace("/", "_") for c in cameras))
 
 
 def latent_path(latents_dir: str | os.PathLike, cameras: list[str], episode: int) -> Path:

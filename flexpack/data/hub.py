@@ -33,6 +33,9 @@ def resolve_root(root: str | os.PathLike) -> Path:
     if path.exists() or not REPO_ID.match(text):
         return path
     cached = lerobot_home() / text
+    from flexpack.safenames import inside
+
+    inside(lerobot_home(), cached)  # a repo id names a folder inside the cache, never beside it
     if (cached / "meta" / "info.json").is_file():
         return cached
     raise FileNotFoundError(

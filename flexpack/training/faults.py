@@ -102,8 +102,11 @@ class GracefulStop:
             raise KeyboardInterrupt  # asked twice: stop now, without the checkpoint
         self.signum = signum
         if world()[0] == 0:  # under torchrun every rank gets the signal; one line is enough
-            print(f"\n{signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
-                  "(Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
+            try:
+                print(f"\n{signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
+                      "(Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
+            except OSError:  # SIGHUP: the terminal may be gone; saving matters, the notice does not
+                pass
 
 
 class StepGuard:
