@@ -41,3 +41,27 @@ def _umask() -> int:
     mask = os.umask(0o022)  # elsewhere: set and restore (no other thread writes files meanwhile)
     os.umask(mask)
     return mask
+
+
+def remove_dead_temporaries(folder: str | os.PathLike[str], pattern: str) -> list[Path]:
+    """Delete ``folder/<pattern>`` entries whose name ends in ``-PID`` of a process no longer running
+    here (what a ``kill -9`` of an export or ``make-dataset`` leaves); returns them."""
+    import shutil
+
+    gone = []
+    for p in Path(folder).glob(pattern):
+        pid = p.name.rpartition("-")[2]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+            gone.append(p)
+    return gone
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True

@@ -110,6 +110,9 @@ def make_synthetic_dataset(
     features["action"] = {"dtype": "float32", "shape": (action_dim,), "names": names}
     features["observation.state"] = {"dtype": "float32", "shape": (action_dim,), "names": names}
     root.parent.mkdir(parents=True, exist_ok=True)
+    from flexpack.atomic import remove_dead_temporaries
+
+    remove_dead_temporaries(root.parent, f".{root.name}.tmp-*")  # left by a killed make-dataset
     tmp = root.with_name(f".{root.name}.tmp-{os.getpid()}")
     ds = None
     try:

@@ -7,9 +7,14 @@
     action_stream.safetensors                           the action stream's weights (WanVA names)
     action_stream.json                                  its config: action channels and steps, the WanVA config
     normalization.json                                  how actions were normalized (invert it at inference)
-    flexpack_config.json                                the run's training config
+    flexpack_config.json                                the checkpoint's training config (its own
+                                                        config.json, with export's --set applied)
     ema/                                                with --ema: the EMA weights, the same layout
 
+The config and the action statistics come from the checkpoint itself (``config.json`` and
+``train_state.json`` in its folder), so a run whose dataset moved still exports; the dataset is
+read only for a checkpoint that carries no statistics. A damaged newest checkpoint is reported
+and the one before it used; the step exported is printed. Files get ordinary permissions.
 The weights come from :func:`flexpack.training.checkpoint.load` into a single-process model built on
 the meta device (no random init), as ``flexpack verify --checkpoint`` loads them. Names and
 shapes go back through the table of :mod:`flexpack.models.wan_convert` (the one used to load
@@ -22,6 +27,8 @@ import argparse
 import json
 import os
 import shutil
+import sys
+from collections.abc import Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -46,14 +53,21 @@ def _normalization(cfg: Any, state: dict[str, Any]) -> dict[str, Any]:
     from flexpack.data.actions import ActionNormalizer, channel_map
     from flexpack.data.lengths import open_metadata
 
-    meta = open_metadata(cfg.data.root)
     key = "action"
-    columns = int(torch.Size(meta.features[key]["shape"]).numel())
-    stats = (meta.stats or {}).get(key)
-    norm = ActionNormalizer.from_stats(stats, columns, key) if cfg.data.normalize else ActionNormalizer.identity(columns)
     action_dim = max(cfg.model.wan_config().action_channels, 1)
-    mode, low, high = (saved["mode"], list(saved["low"]), list(saved["high"])) if saved else \
-        (norm.mode, norm.low.tolist(), norm.high.tolist())
+    if saved:  # the statistics the weights were trained with: no dataset needed (it may have moved)
+        mode, low, high = saved["mode"], list(saved["low"]), list(saved["high"])
+        columns = len(low)
+    else:
+        try:
+            meta = open_metadata(cfg.data.root)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"the checkpoint carries no action statistics and data.root = {cfg.data.root!r} cannot be "
+                             f"read ({exc}); pass --set data.root=DATASET") from None
+        columns = int(torch.Size(meta.features[key]["shape"]).numel())
+        stats = (meta.stats or {}).get(key)
+        norm = ActionNormalizer.from_stats(stats, columns, key) if cfg.data.normalize else ActionNormalizer.identity(columns)
+        mode, low, high = norm.mode, norm.low.tolist(), norm.high.tolist()
     return {"action_key": key, "mode": mode, "low": low, "high": high,
             "columns": columns, "channels": channel_map(columns, action_dim, None).tolist(),
             "action_steps": cfg.data.action_steps, "stride": cfg.data.stride, "dataset": str(cfg.data.root),
@@ -86,35 +100,35 @@ def write_weights(folder: Path, state_dict: dict[str, torch.Tensor], wcfg: WanVA
 
 
 def export_run(run: str | os.PathLike, out: str | os.PathLike, *, ema: bool = False,
-               dtype: torch.dtype = torch.float32) -> Path:
-    """Export ``run``'s newest checkpoint into ``out`` (see the module docstring); returns ``out``."""
-    from flexpack.models import WanVA
+               dtype: torch.dtype = torch.float32, overrides: Sequence[str] = ()) -> Path:
+    """Export ``run``'s newest intact checkpoint into ``out`` (see the module docstring); returns ``out``.
+    ``overrides`` (``--set``) apply to the checkpoint's own config."""
     from flexpack.training import checkpoint
-    from flexpack.training.config import load_config, save_config
-    from flexpack.training.ema import EMA
+    from flexpack.training.config import save_config
 
     run, out = Path(run), Path(out)
     _check_out(out)
-    if not (run / "config.json").is_file():
-        raise FileNotFoundError(f"{run}: no config.json; not a flexpack run folder (runtime.out_dir of a train run)")
-    found = checkpoint.latest(run / "checkpoints")
-    if found is None:
-        raise FileNotFoundError(f"{run / 'checkpoints'}: no complete checkpoint to export")
-    if ema and not checkpoint.has_ema(found):
-        raise ValueError(f"{found}: holds no EMA weights (trained with optim.ema_decay = 0); export without --ema")
-    cfg = load_config(run / "config.json")
+    for attempt in range(3):  # a pruning run may rename the chosen checkpoint away meanwhile: take the next
+        found = pick_checkpoint(run, "export")
+        try:
+            cfg, model, averaged, state = _load(found, run, ema, overrides)
+            break
+        except (FileNotFoundError, ValueError):
+            if found.exists() or attempt == 2:
+                raise
+            print(f"export: {found} was pruned while reading it; taking the newest again", file=sys.stderr)
     wcfg = replace(cfg.model.wan_config(), activation_checkpointing=False)
-    with torch.device("meta"):
-        model = WanVA(wcfg)
-    model.to_empty(device="cpu")  # every tensor is overwritten by the checkpoint
-    averaged = EMA(model, 0.5) if ema else None  # the decay is irrelevant: only loaded, never updated
-    state = checkpoint.load(found, model, restore_rng=False, ema=averaged)
     norm = _normalization(cfg, state)
+    print(f"export: checkpoint {found} (step {int(state['step'])})", file=sys.stderr)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale(out)
+        tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    except OSError as exc:
+        raise ValueError(f"{out}: cannot write the export there ({exc.strerror or exc}); choose another OUT") from None
     try:
         write_weights(tmp, model.state_dict(), wcfg, action_steps=cfg.data.action_steps, dtype=dtype)
         if averaged is not None:
@@ -124,12 +138,83 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike, *, ema: bool = Fa
         save_config(cfg, tmp / "flexpack_config.json")
         (tmp / "export.json").write_text(json.dumps(
             {"run": str(run), "checkpoint": str(found), "step": int(state["step"]), "ema": ema}, indent=2) + "\n")
+        ordinary_modes(tmp)
         if out.exists():
             out.rmdir()  # empty (checked above): the rename needs the name free
         os.replace(tmp, out)
+    except OSError as exc:
+        raise ValueError(f"{out}: cannot write the export ({exc.strerror or exc}); nothing was written there") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def pick_checkpoint(run: Path, command: str) -> Path:
+    """The newest intact checkpoint of a run folder (or ``run`` itself when it is a checkpoint folder);
+    each damaged newer one is said on stderr with why."""
+    from flexpack.training import checkpoint
+
+    if (run / checkpoint.MANIFEST).is_file() or (run / "state").is_dir():
+        why = checkpoint.problem(run)
+        if why is not None:
+            raise ValueError(why)
+        return run
+    root = run / "checkpoints"
+    if not root.is_dir():
+        raise FileNotFoundError(f"{run}: no checkpoints/ folder; not a flexpack run folder (runtime.out_dir of a train "
+                                "run) nor a checkpoint folder")
+    damaged: list[str] = []
+
+    def report(why: str) -> None:
+        damaged.append(why)
+        print(f"{command}: warning: {why}; using the checkpoint before it", file=sys.stderr)
+
+    found = checkpoint.latest(root, on_damaged=report)
+    if found is None:
+        if damaged:
+            raise ValueError(f"{root}: no usable checkpoint, all {len(damaged)} are damaged (newest: {damaged[0]})")
+        raise FileNotFoundError(f"{root}: no complete checkpoint")
+    return found
+
+
+def _load(found: Path, run: Path, ema: bool, overrides: Sequence[str]) -> tuple[Any, Any, Any, dict[str, Any]]:
+    """The checkpoint's config (its own config.json, else the run's first) with ``overrides``, and a
+    single-process model (and EMA) with its weights; returns (config, model, ema or None, train_state)."""
+    from flexpack.models import WanVA
+    from flexpack.training import checkpoint
+    from flexpack.training.config import load_config
+    from flexpack.training.ema import EMA
+
+    source = found / "config.json" if (found / "config.json").is_file() else run / "config.json"
+    if not source.is_file():
+        raise FileNotFoundError(f"{found}: no config.json in the checkpoint nor in {run}")
+    if ema and not checkpoint.has_ema(found):
+        raise ValueError(f"{found}: holds no EMA weights (trained with optim.ema_decay = 0); export without --ema")
+    cfg = load_config(source, overrides)
+    wcfg = replace(cfg.model.wan_config(), activation_checkpointing=False)
+    with torch.device("meta"):
+        model = WanVA(wcfg)
+    model.to_empty(device="cpu")  # every tensor is overwritten by the checkpoint
+    averaged = EMA(model, 0.5) if ema else None  # the decay is irrelevant: only loaded, never updated
+    state = checkpoint.load(found, model, restore_rng=False, ema=averaged)
+    return cfg, model, averaged, state
+
+
+def ordinary_modes(folder: Path) -> None:
+    """Files ``0666`` and folders ``0777`` minus the umask: safetensors writes its files private (0600)."""
+    from flexpack.atomic import _umask
+
+    mask = _umask()
+    for p in [folder, *folder.rglob("*")]:
+        os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~mask)
+
+
+def remove_stale(out: Path) -> None:
+    """Remove ``.tmp-OUT-PID`` folders of exports that were killed (their PID no longer runs here)."""
+    from flexpack.atomic import remove_dead_temporaries
+
+    for p in remove_dead_temporaries(out.parent, f".tmp-{out.name}-*"):
+        print(f"export: removed {p} (a killed export)", file=sys.stderr)
 
 
 def load_export(folder: str | os.PathLike, *, attn: Any = None) -> torch.nn.Module:
@@ -161,9 +246,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out", type=Path, help="new or empty folder to write")
     parser.add_argument("--ema", action="store_true", help="also write the EMA weights (OUT/ema/, same layout)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="dtype of the exported weights")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a value of the checkpoint's config, e.g. --set data.root=DATASET (repeatable)")
 
 
 def run(args: argparse.Namespace) -> int:
-    out = export_run(args.run, args.out, ema=args.ema, dtype=getattr(torch, args.dtype))
+    out = export_run(args.run, args.out, ema=args.ema, dtype=getattr(torch, args.dtype), overrides=args.overrides)
     print(f"exported {args.run} -> {out} (load: diffusers.WanTransformer3DModel.from_pretrained({str(out)!r}))")
     return 0

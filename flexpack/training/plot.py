@@ -86,10 +86,14 @@ def plot_metrics(run: str | os.PathLike, out: str | os.PathLike | None = None) -
     ax_lr.set_xlabel("step")
     fig.suptitle(f"{run} ({len(records)} records)", fontsize=9)
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(out) as tmp:
-        fig.savefig(tmp, format="png", dpi=100)
-    plt.close(fig)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(out) as tmp:
+            fig.savefig(tmp, format="png", dpi=100)
+    except OSError as exc:  # a read-only or full place: one line naming it
+        raise ValueError(f"{out}: cannot write the plot ({exc.strerror or exc}); choose another --out") from None
+    finally:
+        plt.close(fig)
     return out
 
 

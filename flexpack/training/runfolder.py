@@ -35,7 +35,7 @@ LOCK = "train.lock"
 MARKER = ".flexpack-run"
 # names a run writes into its folder: a foreign file under one of them would be cut, read or replaced
 OWN_NAMES = (LOCK, MARKER, "metrics.jsonl", "config.json", "config_history.jsonl", "checkpoints", "tb", "profile",
-             "wandb", "samples")
+             "wandb", "samples", "metrics.png")
 
 
 def _looks_like_run(run: Path) -> bool:
