@@ -7,12 +7,10 @@ Prints a table per episode and exits 1 when anything differs beyond the toleranc
 (the same as ``flexpack verify``; see ``flexpack/verify.py``).
 """
 
-import argparse
 import sys
 
-from flexpack.training import verify
+from flexpack.cli import main
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    verify.add_arguments(parser)
-    sys.exit(verify.run(parser.parse_args()))
+    # through the command line's error path: a bad input (a missing dataset, ...) is one line and exit 2
+    sys.exit(main(["verify", *sys.argv[1:]]))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
@@ -156,9 +157,11 @@ def verify_config(cfg: Any, *, micro_batches: int = 2, checkpoint_dir: str | Non
     data = build_data(cfg)
     model = build_model(cfg)
     if checkpoint_dir:
-        path = Path(checkpoint_dir)
-        found = checkpoint.latest(path / "checkpoints") or checkpoint.latest(path) or path
-        checkpoint.load(found, model, restore_rng=False)
+        from flexpack.training.export import pick_checkpoint  # says which one and why a newer one was skipped
+
+        found = pick_checkpoint(Path(checkpoint_dir), "verify")
+        state = checkpoint.load(found, model, restore_rng=False)
+        print(f"verify: checkpoint {found} (step {state['step']})", file=sys.stderr)
     report = VerifyReport(tol=tol)
     for i, indices in enumerate(data.sampler):
         if i >= micro_batches:
