@@ -197,7 +197,7 @@ class Checkpointer:
         line saying that the newest checkpoint is unchanged."""
         try:
             yield
-        except Exception as exc:
+        except (Exception, dcp.api.CheckpointException) as exc:  # DCP's is a BaseException
             causes = _failures(exc) or [exc]
             cause = next((e for e in causes if isinstance(e, OSError)), causes[0])
             shutil.rmtree(tmp, ignore_errors=True)
@@ -264,7 +264,12 @@ class Checkpointer:
 def _failures(exc: BaseException) -> list[BaseException]:
     """The per-rank exceptions a ``CheckpointException`` carries (``{rank: exception}``)."""
     failures = getattr(exc, "failures", None) or {}
-    return [e for e in failures.values() if isinstance(e, BaseException)]
+    out = []
+    for e in failures.values():  # (exception, stack summary) pairs in torch 2.x; bare exceptions earlier
+        e = e[0] if isinstance(e, tuple) and e else e
+        if isinstance(e, BaseException):
+            out.append(e)
+    return out
 
 
 def _write(path: Path, data: Any) -> None:
