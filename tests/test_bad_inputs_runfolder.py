@@ -238,3 +238,35 @@ def test_export_into_a_read_only_place_is_one_line_and_removes_dead_temporaries(
         assert code == 2 and "cannot write the plot (Permission denied)" in err
     finally:
         ro.chmod(0o755)
+
+
+# ------------------------------------------------------------------ datasets
+def test_int8_cache_and_missing_stats_are_problems_for_check_dataset_and_train(capsys, tiny_dataset, tmp_path):
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path / "ds"
+    shutil.copytree(tiny_dataset, root)
+    latent = sorted((root / "latents" / "video").rglob("episode_*.safetensors"))[0]
+    with safe_open(str(latent), "pt") as f:
+        meta = f.metadata()
+    save_file({k: v.to(torch.int8) for k, v in load_file(latent).items()}, str(latent), metadata=meta)
+    (root / "meta" / "stats.json").unlink()
+    code = main(["check-dataset", str(root)])
+    out = capsys.readouterr().out
+    assert code == 1 and "tensor 'latent' has dtype int8" in out and "no 'action' statistics" in out
+    code, err = _cli(capsys, *_train(root, tmp_path / "run", "data.normalize=false"))
+    assert code == 2 and "has dtype int8" in _line(err, "train")
+
+
+def test_resume_on_another_dataset_names_data_root(capsys, tiny_dataset, run2, tmp_path):
+    from flexpack.data.synthetic import make_synthetic_dataset
+    from flexpack.data.encode import encode_dataset
+
+    other = make_synthetic_dataset(tmp_path / "other", lengths=[21, 17, 13], seed=2)
+    encode_dataset(other, progress=False)
+    shutil.copytree(run2, tmp_path / "run")
+    code, err = _cli(capsys, *_train(other, tmp_path / "run", "schedule.steps=3"))
+    line = _line(err, "train")
+    assert code == 2 and f"data.root is '{tiny_dataset}' there and '{other}' now" in line

@@ -161,9 +161,13 @@ def read_tensor(path: Path, name: str) -> torch.Tensor:
 
     try:
         with safe_open(str(path), framework="pt") as f:
-            return f.get_tensor(name).to(torch.float32)
+            tensor = f.get_tensor(name)
     except Exception as exc:
         raise ValueError(f"tensor {name!r} cannot be read: {exc}") from exc
+    if not tensor.is_floating_point():  # an int8 cache would train on integers, silently
+        raise ValueError(f"tensor {name!r} has dtype {str(tensor.dtype).removeprefix('torch.')}; the cache holds "
+                         "floating-point values (re-encode it with flexpack encode)")
+    return tensor.to(torch.float32)
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,10 @@ def check_dataset(
     if action_key not in source.meta.features:
         problems.append(Problem("shape", None, source.info_file, f"no feature {action_key!r} in the dataset"))
         return problems, source
+    if not (source.meta.stats or {}).get(action_key):  # train normalizes actions with them (data.normalize)
+        problems.append(Problem("missing", None, source.root / "meta" / "stats.json",
+                                f"no {action_key!r} statistics: train with data.normalize = true needs them; "
+                                "restore meta/stats.json or train with data.normalize = false"))
 
     users: dict[int, list[int]] = {}  # task index -> episodes annotated with it (every subtask counts)
     for ep in source.episodes:

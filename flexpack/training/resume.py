@@ -98,6 +98,17 @@ def check_shapes(path: Path, saved: dict[str, Any] | None, cfg: TrainConfig, mod
                      f"{example}){values}; resume with the checkpoint's model values or choose another runtime.out_dir")
 
 
+def _data_changes(saved: dict[str, Any] | None, cfg: TrainConfig) -> str:
+    """``"data.root is 'a' there and 'b' now; "`` for the data values that choose the episodes."""
+    if saved is None:
+        return ""
+    now = cfg.to_dict()["data"]
+    keys = ("root", "latents_dir", "cameras", "val_fraction", "val_episodes", "segments")
+    diff = [f"data.{k} is {saved['data'].get(k)!r} there and {now.get(k)!r} now" for k in keys
+            if json.dumps(saved["data"].get(k)) != json.dumps(now.get(k))]
+    return "; ".join(diff) + ("; " if diff else "")
+
+
 def normalizer_state(dataset: Any) -> dict[str, Any] | None:
     n = getattr(dataset, "normalizer", None)
     if n is None:
@@ -123,6 +134,11 @@ def restore(path: Path, cfg: TrainConfig, model: torch.nn.Module, optimizer: tor
     check_order(path, saved, cfg)
     check_shapes(path, saved, cfg, model)
     state = checkpoint.load(path, model, optimizer, ema=ema)
-    data.sampler.load_state_dict(state["sampler"])
+    try:
+        data.sampler.load_state_dict(state["sampler"])
+    except ValueError as exc:  # say which data value moved, not only the sampler's fingerprint
+        raise ValueError(f"cannot resume from {path}: {_data_changes(saved, cfg)}the epoch's episodes differ from the "
+                         f"checkpoint's ({exc}); resume on the dataset it was trained on, or train into a new "
+                         "runtime.out_dir") from None
     _restore_normalizer(path, data.dataset, state.get("extra", {}).get("action_normalizer"), rank)
     return state
