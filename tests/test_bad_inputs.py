@@ -272,7 +272,8 @@ def test_verify_tol_must_be_positive(capsys, tmp_path, tol):
 
 def test_verify_checkpoint_that_is_not_one(capsys, tiny_dataset, tmp_path):
     code, err = run_cli(capsys, "verify", str(TINY), "--set", f'data.root="{tiny_dataset}"', "--checkpoint", str(tmp_path))
-    assert code == 2 and f"{tmp_path}: not a checkpoint folder (no manifest.json, no state/)" in one_error_line(err, "verify")
+    assert code == 2 and f"{tmp_path}: no checkpoints/ folder; not a flexpack run folder (runtime.out_dir of a train run) " \
+        "nor a checkpoint folder" in one_error_line(err, "verify")
 
 
 # ------------------------------------------------------------------ bugs keep their traceback

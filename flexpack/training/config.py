@@ -127,7 +127,7 @@ class ModelConfig:
 
             try:
                 wc = pretrained_config(self.pretrained, wc, kw)
-            except (ValueError, TypeError, OSError) as exc:  # named after the key, so a --set of it is blamed
+            except (ValueError, TypeError) as exc:  # named after the key, so a --set of it is blamed
                 text = str(exc).replace("WanVAConfig.", "model.overrides.")
                 raise ValueError(text if "model." in text else f"model.pretrained = {self.pretrained!r}: {text}") from None
         from flexpack.attention.flex import BACKENDS
