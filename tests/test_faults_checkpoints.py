@@ -266,3 +266,59 @@ def test_sighup_saves_like_sigterm(tiny_dataset, tmp_path):
     assert proc.returncode == 128 + signal.SIGHUP, err[-2000:]
     saved = checkpoint.latest(out / "checkpoints")
     assert saved is not None and "interrupted by SIGHUP" in err and not (out / "train.lock").exists()
+
+
+def test_tensorboard_restart_before_any_checkpoint_drops_the_killed_runs_steps(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from flexpack.training import tracking
+    from flexpack.training.config import load_config
+
+    cfg = load_config(None, ["runtime.tensorboard=true"])
+    with tracking.MetricSinks(tmp_path, cfg) as sinks:  # killed before its first checkpoint
+        for step in (1, 2, 3):
+            sinks.log({"step": step, "loss": 1.0})
+    with tracking.MetricSinks(tmp_path, cfg, start_step=0) as sinks:  # starts over from step 0
+        for step in (1, 2):
+            sinks.log({"step": step, "loss": 2.0})
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(1, 2.0), (2, 2.0)]
+
+
+def test_async_save_writes_checksums_too(tiny_dataset, tmp_path):
+    out = tmp_path / "run"
+    assert main(["train", str(TINY), *_sets(tiny_dataset, out, "checkpoint.async_save=true")]) == 0
+    for ck in checkpoint.list_checkpoints(out / "checkpoints"):
+        body = json.loads((ck / "manifest.json").read_text())
+        assert body["crc32"]["state/__0_0.distcp"] == manifest.crc32_file(ck / "state" / "__0_0.distcp")
+        assert checkpoint.problem(ck) is None
+
+
+def test_export_racing_a_pruning_takes_the_newest_again(capsys, run4, tmp_path, monkeypatch):
+    from flexpack.training import export
+
+    run, old, new = _copy(run4, tmp_path)
+    real, seen = checkpoint.load, []
+
+    def load(path, *a, **k):  # a train prunes the checkpoint export chose, after export chose it
+        seen.append(Path(path).name)
+        if len(seen) == 1:
+            shutil.copytree(new, new.with_name("step_00000006"))
+            checkpoint.prune(run / "checkpoints", 1)
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(checkpoint, "load", load)
+    code, err = _cli(capsys, "export", str(run), str(tmp_path / "out"))
+    assert code == 0 and seen == ["step_00000004", "step_00000006"] and "was pruned while reading it" in err
+
+
+def test_killed_make_dataset_leaves_no_temporary_for_good(tmp_path):
+    from flexpack.data.synthetic import make_synthetic_dataset
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f".ds.tmp-{dead.pid}"
+    (stale / "meta").mkdir(parents=True)
+    make_synthetic_dataset(tmp_path / "ds", lengths=[9, 9], seed=0)
+    assert not stale.exists() and (tmp_path / "ds" / "meta" / "info.json").is_file()
