@@ -323,6 +323,8 @@ def test_sigterm_under_torchrun_stops_both_ranks_at_one_step_and_saves_it(train_
     saved = checkpoint.latest(out / "checkpoints")
     state = json.loads((saved / "train_state.json").read_text())
     assert state["step"] == done[-1] and state["world_size"] == 2  # the ranks agreed on the step
+    crcs = json.loads((saved / "manifest.json").read_text())["crc32"]  # each rank checksummed its own shard
+    assert {"state/__0_0.distcp", "state/__1_0.distcp"} <= set(crcs) and checkpoint.problem(saved) is None
     assert f"interrupted by SIGTERM after step {done[-1]}; checkpoint {saved}" in err
     assert err.count("SIGTERM: finishing this step") == 1 and not (out / LOCK).exists()
     res = train(config(train_dataset, out, f"schedule.steps={done[-1] + 1}"))  # and one rank goes on
