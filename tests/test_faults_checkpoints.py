@@ -322,3 +322,24 @@ def test_killed_make_dataset_leaves_no_temporary_for_good(tmp_path):
     (stale / "meta").mkdir(parents=True)
     make_synthetic_dataset(tmp_path / "ds", lengths=[9, 9], seed=0)
     assert not stale.exists() and (tmp_path / "ds" / "meta" / "info.json").is_file()
+
+
+def test_crafted_pickle_in_a_tensor_shard_runs_nothing(capsys, tiny_dataset, run4, tmp_path):
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    run, old, new = _copy(run4, tmp_path)
+    marker = tmp_path / "pwned"
+    payload = _torch_payload(marker)
+    for folder in (old, new):  # every item of the shard now points at the payload
+        meta = read_metadata_file(folder / "state" / ".metadata")
+        meta.storage_data = {k: _StorageInfo(v.relative_path, 0, len(payload), v.transform_descriptors)
+                             for k, v in meta.storage_data.items()}
+        (folder / "state" / "__0_0.distcp").write_bytes(payload)
+        (folder / "state" / ".metadata").write_bytes(pickle.dumps(meta))
+        _remanifest(folder)
+        assert checkpoint.problem(folder) is None  # intact as far as sizes, sums and parses go
+    code, err = _cli(capsys, "export", str(run), str(tmp_path / "exp"))
+    line = _last_line(err, "export")
+    assert code == 2 and f"{new / 'state'}: a shard holds something other than tensors" in line
+    code, err = _cli(capsys, "train", str(TINY), *_sets(tiny_dataset, run, "schedule.steps=6"))
+    assert code == 2 and "nothing in it was run" in _last_line(err, "train") and not marker.exists()

@@ -129,7 +129,8 @@ class ModelConfig:
                 wc = pretrained_config(self.pretrained, wc, kw)
             except (ValueError, TypeError) as exc:  # named after the key, so a --set of it is blamed
                 text = str(exc).replace("WanVAConfig.", "model.overrides.")
-                raise ValueError(text if "model." in text else f"model.pretrained = {self.pretrained!r}: {text}") from None
+                named = "model.pretrained" in text or "model.overrides" in text
+                raise ValueError(text if named else f"model.pretrained = {self.pretrained!r}: {text}") from None
         from flexpack.attention.flex import BACKENDS
 
         if wc.attn_backend not in BACKENDS:  # else only met when the model is built, after the data

@@ -108,4 +108,14 @@ def load_state(state: dict[str, Any], folder: str | os.PathLike) -> None:
     """``dcp.load(state, folder)`` through :class:`SafeReader` and :class:`SafePlanner`."""
     planner = SafePlanner()
     planner._source = str(folder)  # named in its error
-    dcp.load(state, storage_reader=SafeReader(str(folder)), planner=planner)
+    try:
+        dcp.load(state, storage_reader=SafeReader(str(folder)), planner=planner)
+    except (Exception, dcp.api.CheckpointException) as exc:  # DCP wraps each rank's error in a BaseException
+        causes = [f[0] if isinstance(f, tuple) else f for f in (getattr(exc, "failures", None) or {}).values()]
+        cause = next((c for c in causes if isinstance(c, BaseException)), exc)
+        if isinstance(cause, UserError):
+            raise cause from None
+        if isinstance(cause, pickle.UnpicklingError) or "weights_only" in str(cause).lower():
+            raise UnsafeCheckpointError(f"{folder}: a shard holds something other than tensors and plain values "
+                                        f"({type(cause).__name__}); nothing in it was run") from None
+        raise
