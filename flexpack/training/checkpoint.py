@@ -185,6 +185,9 @@ class Checkpointer:
             if self.async_save:
                 future = dcp.async_save(state, checkpoint_id=tmp / "state", process_group=self._group)
                 self._pending = (future, tmp, final, small)
+                # checksum this rank's shards in the writer's thread as soon as they are written, not on the
+                # training thread at the next save
+                future.add_done_callback(lambda f: _checksum_when_written(f, tmp, small))
             else:
                 dcp.save(state, checkpoint_id=tmp / "state")
                 self._finish(tmp, final, small)
@@ -225,8 +228,7 @@ class Checkpointer:
         the manifest last, and renames."""
         _barrier()
         rank, size = world()
-        mine = sorted((tmp / "state").glob(f"__{rank}_*.distcp")) if size > 1 else []
-        sums = manifest.describe(tmp, [str(p.relative_to(tmp)) for p in mine])
+        sums = small.get("sums") or _own_shard_sums(tmp)
         if size > 1:
             gathered: list[Any] = [None] * size
             dist.all_gather_object(gathered, sums)
@@ -259,6 +261,21 @@ class Checkpointer:
             if self.keep is not None:
                 prune(self.root, self.keep)
         _barrier()
+
+
+def _own_shard_sums(tmp: Path) -> dict[str, Any]:
+    """Sizes and CRC-32s of the shards this rank wrote (``state/__<rank>_*.distcp``)."""
+    mine = sorted((tmp / "state").glob(f"__{world()[0]}_*.distcp"))
+    return manifest.describe(tmp, [str(p.relative_to(tmp)) for p in mine])
+
+
+def _checksum_when_written(future: Future, tmp: Path, small: dict[str, Any]) -> None:
+    """Done-callback of an asynchronous save: its shards' checksums, read while they are still cached."""
+    try:
+        if future.exception() is None:
+            small["sums"] = _own_shard_sums(tmp)
+    except Exception:  # noqa: BLE001 (the main thread computes them at wait() instead)
+        small.pop("sums", None)
 
 
 def _failures(exc: BaseException) -> list[BaseException]:
