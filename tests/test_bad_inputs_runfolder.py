@@ -270,3 +270,16 @@ def test_resume_on_another_dataset_names_data_root(capsys, tiny_dataset, run2, t
     code, err = _cli(capsys, *_train(other, tmp_path / "run", "schedule.steps=3"))
     line = _line(err, "train")
     assert code == 2 and f"data.root is '{tiny_dataset}' there and '{other}' now" in line
+
+
+def test_a_folder_holding_only_an_earlier_runs_lock_is_flexpacks(capsys, tiny_dataset, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / runfolder.LOCK).write_text(json.dumps({"pid": 999999999, "host": "elsewhere"}))
+    runfolder.claim(run)
+    assert (run / runfolder.MARKER).is_file()
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / runfolder.LOCK).write_text("my own lock file")
+    with pytest.raises(ValueError, match=r"holds files flexpack did not write \(train.lock\)"):
+        runfolder.claim(other)

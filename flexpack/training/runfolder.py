@@ -49,6 +49,14 @@ def _looks_like_run(run: Path) -> bool:
     return (run / "config_history.jsonl").is_file() or any((run / "checkpoints").glob("step_*/manifest.json"))
 
 
+def _is_lock(path: Path) -> bool:
+    try:
+        holder = json.loads(path.read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(holder, dict) and {"pid", "host"} <= set(holder)
+
+
 def mark(run: str | os.PathLike) -> None:
     """Write the run marker (atomically) if it is not there."""
     path = Path(run) / MARKER
@@ -69,7 +77,7 @@ def claim(run: str | os.PathLike, *, adopt: bool = False) -> None:
     names = sorted(p.name for p in run.iterdir() if not p.name.startswith(".write-test-"))
     if not names or MARKER in names:
         return
-    if _looks_like_run(run):
+    if _looks_like_run(run) or (names == [LOCK] and _is_lock(run / LOCK)):  # an earlier version's run, or its lock
         mark(run)
         return
     shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
