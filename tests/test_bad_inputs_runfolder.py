@@ -283,3 +283,18 @@ def test_a_folder_holding_only_an_earlier_runs_lock_is_flexpacks(capsys, tiny_da
     (other / runfolder.LOCK).write_text("my own lock file")
     with pytest.raises(ValueError, match=r"holds files flexpack did not write \(train.lock\)"):
         runfolder.claim(other)
+
+
+def test_encode_removes_half_written_files_of_a_killed_encode(tiny_dataset, tmp_path):
+    from flexpack.data.cache import latent_path
+    from flexpack.data.encode import encode_dataset
+
+    root = tmp_path / "ds"
+    shutil.copytree(tiny_dataset, root)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    folder = latent_path(root / "latents", ["observation.images.cam0"], 0).parent
+    stale = folder / f".episode_000001.safetensors.tmp-{dead.pid}"
+    stale.write_bytes(b"half")
+    report = encode_dataset(root, progress=False)
+    assert not stale.exists() and report.encoded == []

@@ -54,6 +54,10 @@ def encode_dataset(
     cams = resolve_cameras(source.video_keys, cameras, source.info_file)
     out_dir = Path(latents_dir) if latents_dir is not None else cache.default_latents_dir(source.root)
     report = EncodeReport(latents_dir=out_dir, cameras=cams)
+    from flexpack.atomic import remove_dead_temporaries  # half-written files of a killed encode
+
+    for folder in (out_dir / "text", cache.latent_path(out_dir, cams, 0).parent):
+        remove_dead_temporaries(folder, ".*.tmp-*")
 
     todo_texts = []
     for task_index, task in source.tasks().items():
