@@ -103,8 +103,8 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike, *, ema: bool = Fa
                dtype: torch.dtype = torch.float32, overrides: Sequence[str] = ()) -> Path:
     """Export ``run``'s newest intact checkpoint into ``out`` (see the module docstring); returns ``out``.
     ``overrides`` (``--set``) apply to the checkpoint's own config."""
-    from flexpack.training import checkpoint
     from flexpack.training.config import save_config
+    from flexpack.training.export_io import load_checkpoint as _load, ordinary_modes, pick_checkpoint, remove_stale
 
     run, out = Path(run), Path(out)
     _check_out(out)
@@ -147,74 +147,6 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike, *, ema: bool = Fa
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
-
-
-def pick_checkpoint(run: Path, command: str) -> Path:
-    """The newest intact checkpoint of a run folder (or ``run`` itself when it is a checkpoint folder);
-    each damaged newer one is said on stderr with why."""
-    from flexpack.training import checkpoint
-
-    if (run / checkpoint.MANIFEST).is_file() or (run / "state").is_dir():
-        why = checkpoint.problem(run)
-        if why is not None:
-            raise ValueError(why)
-        return run
-    root = run / "checkpoints"
-    if not root.is_dir():
-        raise FileNotFoundError(f"{run}: no checkpoints/ folder; not a flexpack run folder (runtime.out_dir of a train "
-                                "run) nor a checkpoint folder")
-    damaged: list[str] = []
-
-    def report(why: str) -> None:
-        damaged.append(why)
-        print(f"{command}: warning: {why}; using the checkpoint before it", file=sys.stderr)
-
-    found = checkpoint.latest(root, on_damaged=report)
-    if found is None:
-        if damaged:
-            raise ValueError(f"{root}: no usable checkpoint, all {len(damaged)} are damaged (newest: {damaged[0]})")
-        raise FileNotFoundError(f"{root}: no complete checkpoint")
-    return found
-
-
-def _load(found: Path, run: Path, ema: bool, overrides: Sequence[str]) -> tuple[Any, Any, Any, dict[str, Any]]:
-    """The checkpoint's config (its own config.json, else the run's first) with ``overrides``, and a
-    single-process model (and EMA) with its weights; returns (config, model, ema or None, train_state)."""
-    from flexpack.models import WanVA
-    from flexpack.training import checkpoint
-    from flexpack.training.config import load_config
-    from flexpack.training.ema import EMA
-
-    source = found / "config.json" if (found / "config.json").is_file() else run / "config.json"
-    if not source.is_file():
-        raise FileNotFoundError(f"{found}: no config.json in the checkpoint nor in {run}")
-    if ema and not checkpoint.has_ema(found):
-        raise ValueError(f"{found}: holds no EMA weights (trained with optim.ema_decay = 0); export without --ema")
-    cfg = load_config(source, overrides)
-    wcfg = replace(cfg.model.wan_config(), activation_checkpointing=False)
-    with torch.device("meta"):
-        model = WanVA(wcfg)
-    model.to_empty(device="cpu")  # every tensor is overwritten by the checkpoint
-    averaged = EMA(model, 0.5) if ema else None  # the decay is irrelevant: only loaded, never updated
-    state = checkpoint.load(found, model, restore_rng=False, ema=averaged)
-    return cfg, model, averaged, state
-
-
-def ordinary_modes(folder: Path) -> None:
-    """Files ``0666`` and folders ``0777`` minus the umask: safetensors writes its files private (0600)."""
-    from flexpack.atomic import _umask
-
-    mask = _umask()
-    for p in [folder, *folder.rglob("*")]:
-        os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~mask)
-
-
-def remove_stale(out: Path) -> None:
-    """Remove ``.tmp-OUT-PID`` folders of exports that were killed (their PID no longer runs here)."""
-    from flexpack.atomic import remove_dead_temporaries
-
-    for p in remove_dead_temporaries(out.parent, f".tmp-{out.name}-*"):
-        print(f"export: removed {p} (a killed export)", file=sys.stderr)
 
 
 def load_export(folder: str | os.PathLike, *, attn: Any = None) -> torch.nn.Module:

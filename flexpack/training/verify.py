@@ -157,7 +157,7 @@ def verify_config(cfg: Any, *, micro_batches: int = 2, checkpoint_dir: str | Non
     data = build_data(cfg)
     model = build_model(cfg)
     if checkpoint_dir:
-        from flexpack.training.export import pick_checkpoint  # says which one and why a newer one was skipped
+        from flexpack.training.export_io import pick_checkpoint  # says which one and why a newer one was skipped
 
         found = pick_checkpoint(Path(checkpoint_dir), "verify")
         state = checkpoint.load(found, model, restore_rng=False)
