@@ -8,6 +8,8 @@ User errors are:
 
 - :class:`UserError`, raised where a message has been written for the user;
 - the dataset's :class:`~flexpack.data.problems.DatasetProblemError` records (file, episode, kind);
+- an ``OSError`` of a full or read-only place (``ENOSPC``, ``EDQUOT``, ``EFBIG``, ``EROFS``), wherever
+  it is raised: the disk, not the code, is what the user fixes;
 - ``ValueError`` and the file-system ``OSError`` kinds (missing file, not a directory, no
   permission, ...) *raised by flexpack's own code*: the project's convention is that user input
   is checked with a ``ValueError`` naming the value. The same types raised inside torch or
@@ -17,11 +19,13 @@ User errors are:
 
 from __future__ import annotations
 
+import errno
 import re
 from pathlib import Path
 
 _PACKAGE = Path(__file__).resolve().parent
 _OS_USER = (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError, FileExistsError)
+_FULL = {errno.ENOSPC, errno.EFBIG, errno.EROFS, getattr(errno, "EDQUOT", errno.ENOSPC)}
 
 
 class UserError(ValueError):
@@ -43,6 +47,8 @@ def is_user_error(exc: BaseException) -> bool:
     if isinstance(exc, UserError):
         return True
     # by name, so that classifying an error never imports the data wing (and torch with it)
+    if isinstance(exc, OSError) and exc.errno in _FULL:
+        return True
     if any(c.__name__ == "DatasetProblemError" and c.__module__ == "flexpack.data.problems" for c in type(exc).__mro__):
         return True
     return isinstance(exc, (ValueError, *_OS_USER)) and _raised_in_flexpack(exc)

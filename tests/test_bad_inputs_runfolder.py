@@ -298,3 +298,22 @@ def test_encode_removes_half_written_files_of_a_killed_encode(tiny_dataset, tmp_
     stale.write_bytes(b"half")
     report = encode_dataset(root, progress=False)
     assert not stale.exists() and report.encoded == []
+
+
+def test_a_full_or_read_only_disk_anywhere_is_a_user_error(capsys, tiny_dataset, tmp_path, monkeypatch):
+    import errno
+
+    from flexpack.errors import is_user_error
+    from flexpack.training import loop
+
+    assert is_user_error(OSError(errno.ENOSPC, "No space left on device"))
+    assert is_user_error(OSError(errno.EROFS, "Read-only file system"))
+    assert not is_user_error(OSError(errno.EIO, "Input/output error"))
+
+    def full(*a, **k):  # metrics.jsonl on a full disk: the append fails inside the loop
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "run" / "metrics.jsonl"))
+
+    monkeypatch.setattr(loop, "_log", full)
+    code, err = _cli(capsys, *_train(tiny_dataset, tmp_path / "run"))
+    assert code == 2 and "metrics.jsonl: No space left on device" in _line(err, "train")
+    assert not (tmp_path / "run" / runfolder.LOCK).exists()
