@@ -83,6 +83,8 @@ def problem(path: str | os.PathLike, *, content: bool = True) -> str | None:
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
         return f"{path}/{MANIFEST}: unreadable ({exc})"
     for name, size in files.items():
+        if Path(name).is_absolute() or ".." in Path(name).parts:  # a manifest names files inside its folder only
+            return f"{path}/{MANIFEST}: lists {name!r}, outside the checkpoint folder"
         f = path / name
         if not f.is_file():
             return f"{path}: {name} is missing"
