@@ -343,3 +343,12 @@ def test_crafted_pickle_in_a_tensor_shard_runs_nothing(capsys, tiny_dataset, run
     assert code == 2 and f"{new / 'state'}: a shard holds something other than tensors" in line
     code, err = _cli(capsys, "train", str(TINY), *_sets(tiny_dataset, run, "schedule.steps=6"))
     assert code == 2 and "nothing in it was run" in _last_line(err, "train") and not marker.exists()
+
+
+def test_a_manifest_naming_files_outside_its_folder_is_damage(run4, tmp_path):
+    run, old, new = _copy(run4, tmp_path)
+    body = json.loads((new / "manifest.json").read_text())
+    body["files"]["../step_00000002/rng.pt"] = (old / "rng.pt").stat().st_size
+    (new / "manifest.json").write_text(json.dumps(body))
+    assert "outside the checkpoint folder" in checkpoint.problem(new)
+    assert checkpoint.latest(run / "checkpoints") == old
