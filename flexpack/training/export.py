@@ -41,16 +41,21 @@ def _check_out(out: Path) -> None:
 def _normalization(cfg: Any, state: dict[str, Any]) -> dict[str, Any]:
     """The action normalization of the run: the dataset's layout (columns, channels) from its
     metadata, the statistics the weights were trained with from the checkpoint where it carries them
-    (``extra.action_normalizer``), else from the metadata (what LatentEpisodeDataset used)."""
+    (``extra.action_normalizer``), else ``data.action_stats``'s (what LatentEpisodeDataset used)."""
     saved = (state.get("extra") or {}).get("action_normalizer")
+    from flexpack.data import action_stats, cache
     from flexpack.data.actions import ActionNormalizer, channel_map
-    from flexpack.data.lengths import open_metadata
+    from flexpack.data.episodes import EpisodeSource
 
-    meta = open_metadata(cfg.data.root)
+    source = EpisodeSource(cfg.data.root)
+    meta = source.meta
     key = "action"
     columns = int(torch.Size(meta.features[key]["shape"]).numel())
-    stats = (meta.stats or {}).get(key)
-    norm = ActionNormalizer.from_stats(stats, columns, key) if cfg.data.normalize else ActionNormalizer.identity(columns)
+    norm = ActionNormalizer.identity(columns)
+    if cfg.data.normalize and not saved:  # the statistics the dataset used (data.action_stats)
+        latents = cfg.data.latents_dir or cache.default_latents_dir(source.root)
+        stats = action_stats.feature_stats(source, latents, key, getattr(cfg.data, "action_stats", "pooled"))
+        norm = ActionNormalizer.from_stats(stats, columns, key)
     action_dim = max(cfg.model.wan_config().action_channels, 1)
     mode, low, high = (saved["mode"], list(saved["low"]), list(saved["high"])) if saved else \
         (norm.mode, norm.low.tolist(), norm.high.tolist())
