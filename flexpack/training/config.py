@@ -220,6 +220,8 @@ class RuntimeConfig:
     tensorboard: bool = True  # event files under RUN/tb/ (flexpack.training.tracking)
     wandb: bool = False  # also log to Weights & Biases (needs the wandb package; WANDB_MODE=offline works)
     wandb_project: str = "flexpack"
+    wandb_entity: str = ""  # "" = W&B's default entity (WANDB_ENTITY or the account's)
+    wandb_tags: tuple[str, ...] = ()
     eval_every: int = 0  # steps between validation losses on the held-out episodes; 0 = none
 
     def __post_init__(self) -> None:
