@@ -72,7 +72,7 @@ def write_weights(folder: Path, state_dict: dict[str, torch.Tensor], wcfg: WanVA
     try:
         from diffusers import WanTransformer3DModel
     except ImportError as exc:
-        raise ImportError("flexpack export needs diffusers (pip install diffusers)") from exc
+        raise ImportError("flexpack export needs diffusers: pip install 'flexpack[hf]'") from exc
     from safetensors.torch import save_file
 
     from flexpack.models.wan_convert import config_to_diffusers, to_diffusers_state_dict

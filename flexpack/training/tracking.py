@@ -83,7 +83,7 @@ def check(cfg: Any) -> None:
         try:
             import wandb  # noqa: F401
         except ImportError:
-            raise ValueError("runtime.wandb = true needs the wandb package: pip install wandb "
+            raise ValueError("runtime.wandb = true needs the wandb package: pip install 'flexpack[wandb]' "
                              "(or set runtime.wandb = false)") from None
 
 
