@@ -9,6 +9,10 @@
     normalization.json                                  how actions were normalized (invert it at inference)
     flexpack_config.json                                the run's training config
     ema/                                                with --ema: the EMA weights, the same layout
+    README.md, lerobot_policy/                          model card; LeRobot-style policy folder
+                                                        (:mod:`flexpack.training.export_extras`)
+
+``--push-to-hub REPO`` uploads the finished folder through ``huggingface_hub``.
 
 The weights come from :func:`flexpack.training.checkpoint.load` into a single-process model built on
 the meta device (no random init), as ``flexpack verify --checkpoint`` loads them. Names and
@@ -91,7 +95,7 @@ def write_weights(folder: Path, state_dict: dict[str, torch.Tensor], wcfg: WanVA
 
 
 def export_run(run: str | os.PathLike, out: str | os.PathLike, *, ema: bool = False,
-               dtype: torch.dtype = torch.float32) -> Path:
+               dtype: torch.dtype = torch.float32, policy: bool = True) -> Path:
     """Export ``run``'s newest checkpoint into ``out`` (see the module docstring); returns ``out``."""
     from flexpack.models import WanVA
     from flexpack.training import checkpoint
@@ -127,6 +131,10 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike, *, ema: bool = Fa
             write_weights(tmp / "ema", averaged.full_state_dict(), wcfg, action_steps=cfg.data.action_steps, dtype=dtype)
         (tmp / "normalization.json").write_text(json.dumps(norm, indent=2) + "\n")
         save_config(cfg, tmp / "flexpack_config.json")
+        from flexpack.training.export_extras import write_extras
+
+        write_extras(tmp, run=run, cfg=cfg, wcfg=wcfg, state_dict=model.state_dict(), norm=norm,
+                     step=int(state["step"]), ema=ema, dtype=dtype, policy=policy)
         (tmp / "export.json").write_text(json.dumps(
             {"run": str(run), "checkpoint": str(found), "step": int(state["step"]), "ema": ema}, indent=2) + "\n")
         if out.exists():
@@ -166,9 +174,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out", type=Path, help="new or empty folder to write")
     parser.add_argument("--ema", action="store_true", help="also write the EMA weights (OUT/ema/, same layout)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="dtype of the exported weights")
+    parser.add_argument("--no-policy", action="store_true", help="skip the LeRobot-style policy folder (OUT/lerobot_policy)")
+    parser.add_argument("--push-to-hub", metavar="REPO", default=None,
+                        help="upload OUT to this Hugging Face model repo (org/name) once written")
+    parser.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
 
 
 def run(args: argparse.Namespace) -> int:
-    out = export_run(args.run, args.out, ema=args.ema, dtype=getattr(torch, args.dtype))
-    print(f"exported {args.run} -> {out} (load: diffusers.WanTransformer3DModel.from_pretrained({str(out)!r}))")
+    out = export_run(args.run, args.out, ema=args.ema, dtype=getattr(torch, args.dtype), policy=not args.no_policy)
+    print(f"exported {args.run} -> {out} (load: diffusers.WanTransformer3DModel.from_pretrained({str(out)!r}); "
+          f"model card {out / 'README.md'})")
+    if args.push_to_hub:
+        from flexpack.training.export_extras import push_to_hub
+
+        print(f"pushed {out} -> {args.push_to_hub}: {push_to_hub(out, args.push_to_hub, private=args.private)}")
     return 0
