@@ -58,6 +58,7 @@ def encode_dataset(
     dtype: str = "float32",
     tiling: bool = False,
     slicing: bool = False,
+    tile_size: int = 256,
     rank: int = 0,
     world_size: int = 1,
 ) -> EncodeReport:
@@ -66,7 +67,7 @@ def encode_dataset(
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
     source = EpisodeSource(root, video_backend=video_backend)
-    enc = (make_video_encoder(encoder, device=device, dtype=dtype, tiling=tiling, slicing=slicing)
+    enc = (make_video_encoder(encoder, device=device, dtype=dtype, tiling=tiling, slicing=slicing, tile_size=tile_size)
            if isinstance(encoder, str) else encoder)
     txt = (make_text_encoder(text_encoder, device=text_device, max_len=text_max_len)
            if isinstance(text_encoder, str) else text_encoder)
@@ -130,7 +131,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="device for the wan-vae encoder (under torchrun 'cuda' = cuda:LOCAL_RANK)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                         help="wan-vae weights and activations (bfloat16: about half the memory and time on a GPU)")
-    parser.add_argument("--tiling", action="store_true", help="wan-vae: encode frames over 256 px in spatial tiles (memory)")
+    parser.add_argument("--tiling", action="store_true", help="wan-vae: encode frames over --tile-size px in spatial tiles (memory)")
+    parser.add_argument("--tile-size", type=int, default=256, help="wan-vae --tiling: tile edge in pixels (default 256)")
     parser.add_argument("--slicing", action="store_true", help="wan-vae: one camera at a time through the VAE (memory)")
     parser.add_argument("--no-progress", action="store_true")
 
@@ -150,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
             latents_dir=args.latents_dir, video_backend=args.video_backend, device=device,
             progress=not args.no_progress, text_device=args.text_device, text_batch_size=args.text_batch_size,
             text_max_len=args.text_max_len, dtype=args.dtype, tiling=args.tiling, slicing=args.slicing,
+            tile_size=args.tile_size,
             rank=rank, world_size=world_size,
         )
     except (ValueError, OSError, ImportError) as exc:  # finished episodes stay cached: rerun to resume

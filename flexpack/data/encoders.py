@@ -60,13 +60,14 @@ class WanVAEEncoder:
     """diffusers ``AutoencoderKLWan`` loaded from a local folder (never downloads).
 
     ``dtype``: the VAE's weights and activations (``torch.bfloat16`` halves memory and time on a
-    GPU; the latent is stored in bf16 either way). ``tiling``: encode frames larger than 256 px in
-    overlapping spatial tiles (diffusers' ``enable_tiling``), so large frames fit in memory.
+    GPU; the latent is stored in bf16 either way). ``tiling``: encode frames larger than ``tile_size``
+    px (default 256) in overlapping spatial tiles (diffusers' ``enable_tiling``, stride 3/4 of a
+    tile), so large frames fit in memory.
     ``slicing``: several cameras of one size are encoded as one batch; slicing runs them one at a
     time through the VAE (``enable_slicing``), for memory."""
 
     def __init__(self, path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 *, tiling: bool = False, slicing: bool = False) -> None:
+                 *, tiling: bool = False, slicing: bool = False, tile_size: int = 256) -> None:
         try:
             from diffusers import AutoencoderKLWan
         except ImportError as exc:  # diffusers is an extra
@@ -78,7 +79,11 @@ class WanVAEEncoder:
         # loaded in the wanted dtype (no float32 copy cast afterwards, which diffusers warns about)
         self.vae = AutoencoderKLWan.from_pretrained(path, local_files_only=True, torch_dtype=dtype).to(self.device).eval()
         if tiling:
-            self.vae.enable_tiling()
+            if tile_size < 32 or tile_size % 16:
+                raise ValueError(f"--tile-size {tile_size}: must be a multiple of 16 and >= 32 pixels")
+            stride = tile_size * 3 // 4 // 16 * 16
+            self.vae.enable_tiling(tile_sample_min_height=tile_size, tile_sample_min_width=tile_size,
+                                   tile_sample_stride_height=stride, tile_sample_stride_width=stride)
         if slicing:
             self.vae.enable_slicing()
         cfg = self.vae.config
@@ -112,7 +117,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def make_video_encoder(spec: str, device: str = "cpu", *, dtype: str = "float32", tiling: bool = False,
-                       slicing: bool = False) -> VideoEncoder:
+                       slicing: bool = False, tile_size: int = 256) -> VideoEncoder:
     """``pool`` or ``wan-vae:PATH``; ``dtype`` (``float32``, ``bfloat16``, ``float16``), ``tiling``
     and ``slicing`` apply to the Wan VAE."""
     if dtype not in DTYPES:
@@ -120,7 +125,8 @@ def make_video_encoder(spec: str, device: str = "cpu", *, dtype: str = "float32"
     if spec == "pool":
         return PoolEncoder()
     if spec.startswith("wan-vae:") and len(spec) > len("wan-vae:"):
-        return WanVAEEncoder(spec[len("wan-vae:") :], device=device, dtype=DTYPES[dtype], tiling=tiling, slicing=slicing)
+        return WanVAEEncoder(spec[len("wan-vae:") :], device=device, dtype=DTYPES[dtype], tiling=tiling, slicing=slicing,
+                              tile_size=tile_size)
     raise ValueError(f"unknown encoder {spec!r}; use 'pool' or 'wan-vae:PATH'")
 
 
