@@ -6,7 +6,7 @@ sine-like column then gets bounds well inside its range (a quarter of its frames
 after normalization), and a column that is constant within each episode but differs between
 episodes gets ``q01 == q99`` (every value normalized to 0).
 
-Here every numeric column (``float*`` features: ``action``, ``observation.state``, ...) is read
+Here every numeric column (``float*`` / ``int*`` features: ``action``, ``observation.state``, ...) is read
 from the parquet files in one pass and its quantiles, mean, std, min and max are computed over
 all frames with numpy (``np.quantile``, linear interpolation). ``flexpack encode`` writes them
 to ``LATENTS/stats.json`` (atomically); the dataset, training, ``check-dataset`` and ``export``
@@ -44,8 +44,8 @@ def stats_path(latents_dir: str | os.PathLike) -> Path:
 
 
 def numeric_features(features: dict[str, dict]) -> list[str]:
-    """The dataset's float features (actions, states, ...), bookkeeping columns excluded."""
-    return [k for k, f in features.items() if str(f.get("dtype", "")).startswith("float") and k not in _SKIP]
+    """The dataset's numeric features (actions, states, ...), bookkeeping columns excluded."""
+    return [k for k, f in features.items() if str(f.get("dtype", "")).startswith(("float", "int")) and k not in _SKIP]
 
 
 def _column(table: Any, name: str) -> np.ndarray:
