@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,6 +40,23 @@ class EncodeReport:
     cameras: list[str] = field(default_factory=list)
     stats_file: Path | None = None
     frames: int = 0  # video frames decoded and encoded
+
+
+def _encode_texts(source: EpisodeSource, txt: TextEncoder, out_dir: Path, report: EncodeReport, *,
+                  batch_size: int, progress: bool) -> None:
+    todo_texts = []
+    for task_index, task in source.tasks().items():
+        path = cache.text_path(out_dir, task_index)
+        problems, _, head = inspect_text(path, episode=None, task=task, task_index=task_index)
+        if problems or head.encoder != txt.name:
+            todo_texts.append((task_index, task))
+    bs = max(1, batch_size)
+    for i in tqdm(range(0, len(todo_texts), bs), desc=f"text {txt.name}", unit="batch", disable=not progress or not todo_texts):
+        chunk = todo_texts[i : i + bs]
+        for (task_index, task), (emb, n) in zip(chunk, encode_texts(txt, [t for _, t in chunk], bs)):
+            cache.write_text(cache.text_path(out_dir, task_index), emb, encoder=txt.name, task=task,
+                             task_index=task_index, text_len=n)
+            report.texts_written.append(task_index)
 
 
 def encode_dataset(
@@ -69,25 +87,13 @@ def encode_dataset(
     source = EpisodeSource(root, video_backend=video_backend)
     enc = (make_video_encoder(encoder, device=device, dtype=dtype, tiling=tiling, slicing=slicing, tile_size=tile_size)
            if isinstance(encoder, str) else encoder)
-    txt = (make_text_encoder(text_encoder, device=text_device, max_len=text_max_len)
-           if isinstance(text_encoder, str) else text_encoder)
     cams = resolve_cameras(source.video_keys, cameras, source.info_file)
     out_dir = Path(latents_dir) if latents_dir is not None else cache.default_latents_dir(source.root)
     report = EncodeReport(latents_dir=out_dir, cameras=cams)
-
-    todo_texts = []
-    for task_index, task in (source.tasks().items() if rank == 0 else ()):
-        path = cache.text_path(out_dir, task_index)
-        problems, _, head = inspect_text(path, episode=None, task=task, task_index=task_index)
-        if problems or head.encoder != txt.name:
-            todo_texts.append((task_index, task))
-    bs = max(1, text_batch_size)
-    for i in tqdm(range(0, len(todo_texts), bs), desc=f"text {txt.name}", unit="batch", disable=not progress or not todo_texts):
-        chunk = todo_texts[i : i + bs]
-        for (task_index, task), (emb, n) in zip(chunk, encode_texts(txt, [t for _, t in chunk], bs)):
-            cache.write_text(cache.text_path(out_dir, task_index), emb, encoder=txt.name, task=task,
-                             task_index=task_index, text_len=n)
-            report.texts_written.append(task_index)
+    if rank == 0:  # task texts are rank 0's: the other ranks never load the (large) text encoder
+        txt = (make_text_encoder(text_encoder, device=text_device, max_len=text_max_len)
+               if isinstance(text_encoder, str) else text_encoder)
+        _encode_texts(source, txt, out_dir, report, batch_size=text_batch_size, progress=progress)
 
     frames_of = dict(zip(source.episodes, source.video_frames))
     todo = (list(source.episodes) if episodes is None else list(episodes))[rank::world_size]
@@ -113,7 +119,10 @@ def encode_dataset(
         report.encoded.append(episode)
         report.frames += used * len(cams)
     if rank == 0:  # from the parquet data alone: no need to wait for the other ranks' latents
-        report.stats_file = action_stats.write(out_dir, action_stats.compute(source))
+        try:
+            report.stats_file = action_stats.write(out_dir, action_stats.compute(source))
+        except ValueError as exc:  # NaN/Inf actions: the latents stay; check-dataset names the episodes
+            print(f"warning: no pooled statistics written: {exc}", file=sys.stderr)
     return report
 
 
