@@ -115,5 +115,9 @@ def test_dataset_encode_and_check_use_pooled_statistics(tiny_dataset, tmp_path, 
     assert main(["check-dataset", str(root)]) == 0
     out = capsys.readouterr().out
     assert "normalization bounds (pooled statistics used" in out and "action[5]" in out and "observation.state[0]" in out
+    assert "missing or stale" not in out
+    (root / "latents" / "stats.json").unlink()
+    assert main(["check-dataset", str(root)]) == 0
+    assert f"note: {root / 'latents' / 'stats.json'} is missing or stale" in capsys.readouterr().out
     assert main(["check-dataset", str(root), "--action-stats", "lerobot", "--clip-warn", "0.1"]) == 0
     assert "clipped to ±1 by the lerobot q01/q99" in capsys.readouterr().out

@@ -127,13 +127,16 @@ def total_frames(source: Any) -> int:
     return int(sum(source.video_frames))
 
 
+def current(stats: dict[str, Any] | None, source: Any) -> bool:
+    """Whether stored statistics cover this dataset (its frame and episode counts)."""
+    return stats is not None and stats.get("frames") == total_frames(source) and stats.get("episodes") == len(source.episodes)
+
+
 def pooled(source: Any, latents_dir: str | os.PathLike) -> dict[str, Any]:
     """The stored pooled statistics when they cover this dataset's frames; else computed now
     (the same numbers: ``encode`` only saves the pass)."""
     stats = read(latents_dir)
-    if stats is None or stats.get("frames") != total_frames(source) or stats.get("episodes") != len(source.episodes):
-        stats = compute(source)
-    return stats
+    return stats if current(stats, source) else compute(source)
 
 
 def feature_stats(source: Any, latents_dir: str | os.PathLike, key: str, mode: str) -> dict[str, Any] | None:

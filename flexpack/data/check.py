@@ -126,6 +126,15 @@ def _print_bounds(source: EpisodeSource, args: argparse.Namespace) -> None:
         print(f"warning: no normalization report: {one_line(exc)}")
         return
     table, warnings = stats_report.lines(rows, args.action_stats, args.clip_warn)
+    from flexpack.data import action_stats
+
+    try:
+        stored = action_stats.current(action_stats.read(latents), source)
+    except ValueError:
+        stored = False
+    if not stored:
+        table.insert(0, f"note: {action_stats.stats_path(latents)} is missing or stale; the pooled statistics below "
+                        "were computed now (flexpack encode stores them)")
     print("\n".join(table + warnings))
 
 
