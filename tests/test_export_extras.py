@@ -116,3 +116,19 @@ def test_push_to_hub_uploads_the_whole_folder(exported, tmp_path, monkeypatch):
     assert cli_main(["export", str(tmp / "run"), str(tmp_path / "again"), "--no-policy", "--push-to-hub", "lab/again"]) == 0
     assert (tmp_path / "hub" / "lab" / "again" / "README.md").is_file()
     assert not (tmp_path / "again" / "lerobot_policy").exists()
+
+
+def test_failed_upload_is_one_line_and_keeps_the_export(exported, tmp_path, monkeypatch, capsys):
+    _, tmp = exported
+    import huggingface_hub
+
+    class Offline:
+        def create_repo(self, **kw):
+            raise ConnectionError("no network")
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", lambda: Offline())
+    assert cli_main(["export", str(tmp / "run"), str(tmp_path / "out"), "--push-to-hub", "lab/x"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"flexpack export: error: {tmp_path / 'out'} is exported, but the upload to lab/x failed "
+                          "(ConnectionError: no network)") and "Traceback" not in err
+    assert (tmp_path / "out" / "README.md").is_file()

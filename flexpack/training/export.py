@@ -185,7 +185,17 @@ def run(args: argparse.Namespace) -> int:
     print(f"exported {args.run} -> {out} (load: diffusers.WanTransformer3DModel.from_pretrained({str(out)!r}); "
           f"model card {out / 'README.md'})")
     if args.push_to_hub:
+        from flexpack.errors import UserError, one_line
         from flexpack.training.export_extras import push_to_hub
 
-        print(f"pushed {out} -> {args.push_to_hub}: {push_to_hub(out, args.push_to_hub, private=args.private)}")
+        try:
+            where = push_to_hub(out, args.push_to_hub, private=args.private)
+        except ImportError:
+            raise
+        except Exception as exc:  # network, auth, offline mode: the export itself is complete
+            raise UserError(f"{out} is exported, but the upload to {args.push_to_hub} failed ({type(exc).__name__}: "
+                            f"{one_line(exc)}); retry with: python -c \"from flexpack.training.export_extras import "
+                            f"push_to_hub; push_to_hub('{out}', '{args.push_to_hub}')\" (HF_HUB_OFFLINE unset, "
+                            "logged in with hf auth login)") from exc
+        print(f"pushed {out} -> {args.push_to_hub}: {where}")
     return 0
