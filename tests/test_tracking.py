@@ -96,7 +96,7 @@ def test_missing_wandb_is_one_line_before_any_work(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # import fails as if not installed
     cfg = load_config(None, ["runtime.wandb=true", 'data.root="/nonexistent/data"'])
-    with pytest.raises(ValueError, match=r"^runtime.wandb = true needs the wandb package: pip install wandb"):
+    with pytest.raises(ValueError, match=r"^runtime.wandb = true needs the wandb package: pip install 'flexpack\[wandb\]'"):
         train(cfg)
 
 
