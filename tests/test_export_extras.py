@@ -132,3 +132,16 @@ def test_failed_upload_is_one_line_and_keeps_the_export(exported, tmp_path, monk
     assert err.startswith(f"flexpack export: error: {tmp_path / 'out'} is exported, but the upload to lab/x failed "
                           "(ConnectionError: no network)") and "Traceback" not in err
     assert (tmp_path / "out" / "README.md").is_file()
+
+
+def test_missing_extras_are_one_line_naming_the_extra(exported, tmp_path, monkeypatch, capsys):
+    import sys
+
+    _, tmp = exported
+    monkeypatch.setitem(sys.modules, "huggingface_hub", None)  # import fails as if not installed
+    assert cli_main(["export", str(tmp / "run"), str(tmp_path / "a"), "--push-to-hub", "lab/x"]) == 2
+    assert "--push-to-hub needs huggingface_hub: pip install 'flexpack[hub]'" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "diffusers", None)
+    assert cli_main(["export", str(tmp / "run"), str(tmp_path / "b")]) == 2
+    assert "flexpack export: error: flexpack export needs diffusers: pip install 'flexpack[hf]'" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # nothing written

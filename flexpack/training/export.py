@@ -181,17 +181,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from flexpack.errors import UserError, one_line
+
+    try:
+        import diffusers  # noqa: F401  (checked before any work: the diffusers folder is the export's core)
+    except ImportError:
+        raise UserError("flexpack export needs diffusers: pip install 'flexpack[hf]'") from None
+    if args.push_to_hub:
+        try:
+            import huggingface_hub  # noqa: F401
+        except ImportError:
+            raise UserError("--push-to-hub needs huggingface_hub: pip install 'flexpack[hub]'") from None
     out = export_run(args.run, args.out, ema=args.ema, dtype=getattr(torch, args.dtype), policy=not args.no_policy)
     print(f"exported {args.run} -> {out} (load: diffusers.WanTransformer3DModel.from_pretrained({str(out)!r}); "
           f"model card {out / 'README.md'})")
     if args.push_to_hub:
-        from flexpack.errors import UserError, one_line
         from flexpack.training.export_extras import push_to_hub
 
         try:
             where = push_to_hub(out, args.push_to_hub, private=args.private)
-        except ImportError:
-            raise
         except Exception as exc:  # network, auth, offline mode: the export itself is complete
             raise UserError(f"{out} is exported, but the upload to {args.push_to_hub} failed ({type(exc).__name__}: "
                             f"{one_line(exc)}); retry with: python -c \"from flexpack.training.export_extras import "
