@@ -46,6 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--patch", type=int, default=2, help="--dataset: the model's spatial patch size (Wan: 2)")
     p.add_argument("--action-steps", type=int, default=4, help="--dataset: action tokens per latent frame (0: none)")
     p.add_argument("--latents-dir", default=None, help="--dataset: the latent cache (default ROOT/latents)")
+    p.add_argument("--cameras", nargs="+", default=None,
+                   help="--dataset: the cached camera set (needed only where the cache holds several)")
     p.add_argument("--crop", action="store_true", help="pack mode: crop episodes longer than the budget")
     p.add_argument("--world-size", type=int, default=1, help="number of ranks (default 1)")
     p.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
@@ -71,14 +73,20 @@ def _load_lengths(args: argparse.Namespace) -> list[int]:
     return lengths
 
 
-def dataset_tokens_per_frame(root: str, *, patch: int, action_steps: int, latents_dir: str | None = None) -> tuple[int, str]:
+def dataset_tokens_per_frame(root: str, *, patch: int, action_steps: int, latents_dir: str | None = None,
+                             cameras: list[str] | None = None) -> tuple[int, str]:
     """Tokens per latent frame of a dataset's latent cache, as ``train`` derives them, and how."""
     from flexpack.data import cache
     from flexpack.data.hub import resolve_root
 
     base = resolve_root(root)
     video = (cache.default_latents_dir(base) if latents_dir is None else Path(latents_dir)) / "video"
-    files = sorted(video.glob("*/episode_*.safetensors")) if video.is_dir() else []
+    sets = sorted(p.name for p in video.iterdir() if p.is_dir()) if video.is_dir() else []
+    if cameras:
+        sets = [cache.camera_tag(cameras)] if cache.camera_tag(cameras) in sets else []
+    elif len(sets) > 1:
+        raise ValueError(f"{video}: the cache holds camera sets {sets}; pass --cameras to choose one")
+    files = sorted((video / sets[0]).glob("episode_*.safetensors")) if sets else []
     if not files:
         raise ValueError(f"{video}: no latent cache to derive the tokens per frame from; run flexpack encode "
                          "--dataset first or pass --tokens-per-frame")
@@ -117,7 +125,7 @@ def _geometry(args: argparse.Namespace) -> None:
         args.tokens_per_frame = 36  # the README's reference geometry
         return
     args.tokens_per_frame, how = dataset_tokens_per_frame(args.dataset, patch=args.patch, action_steps=args.action_steps,
-                                                          latents_dir=args.latents_dir)
+                                                          latents_dir=args.latents_dir, cameras=args.cameras)
     print(how, file=sys.stderr)  # stdout stays the table or the JSON object
 
 
