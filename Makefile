@@ -11,14 +11,19 @@ export HF_HUB_OFFLINE := 1
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
+	@echo "Installing flexpack into $(VENV)/ (first time only: pip downloads about 4.5 GB, mostly torch 2.11's"
+	@echo "bundled CUDA libraries, which PyPI's Linux torch wheels always carry, even for a CPU demo; then"
+	@echo "lerobot, diffusers, transformers. 5-15 min on a fast link; later runs skip this step)."
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python -m pip install --progress-bar on -e ".[dev]"
 	@touch $(STAMP)
+	@echo "Installed. 'source $(VENV)/bin/activate' puts flexpack on PATH (the README's commands use it bare)."
 
 # The main job on an embedded default: a small synthetic LeRobot dataset (kept once made), its latent
 # cache (pool encoder), a few dozen CPU training steps of the tiny WanVA (configs/tiny_cpu.toml),
-# the packed == per-episode check on the trained weights, then the sampler statistics.
+# the packed == per-episode check on the trained weights, then the sampler statistics of the demo's
+# own episodes (geometry from its latent cache, as train derives it), the loss plot and a summary.
 # One OpenMP thread: the tiny model's ops are too small for a thread pool.
 demo: $(STAMP)
 	@mkdir -p $(OUT)
@@ -29,10 +34,11 @@ demo: $(STAMP)
 	    --set runtime.out_dir=$(OUT)/demo-run
 	OMP_NUM_THREADS=1 $(BIN)/flexpack verify configs/tiny_cpu.toml --set data.root=$(OUT)/demo-data \
 	    --checkpoint $(OUT)/demo-run
-	$(BIN)/flexpack stats --frames-file data/episode_frames_ref.txt --mode pack \
-	    --max-tokens 65536 --tokens-per-frame 36 --world-size 8 --plot $(OUT)/stats_pack.png
-	$(BIN)/flexpack stats --frames-file data/episode_frames_ref.txt --mode pad \
-	    --batch-size 4 --pool-factor 50 --pad-multiple 8 --world-size 8 --plot $(OUT)/stats_pad.png
+	$(BIN)/flexpack stats --dataset $(OUT)/demo-data --mode pack --max-tokens 100 --plot $(OUT)/stats_pack.png
+	$(BIN)/flexpack stats --dataset $(OUT)/demo-data --mode pad --batch-size 4 --pool-factor 2 \
+	    --pad-multiple 4 --plot $(OUT)/stats_pad.png
+	@$(BIN)/flexpack plot $(OUT)/demo-run
+	@$(BIN)/python -m flexpack.demo $(OUT) --bin $(BIN)
 
 # CPU test suite (GPU tests skip themselves without CUDA; slow ones run too, within ~15 min).
 test: $(STAMP)

@@ -10,13 +10,20 @@ Examples::
 A frames file lists video frame counts, one per line; ``#`` starts a comment, blank lines are
 skipped. Video frames n become latent frames ``latent_frames(n) = (n - 1) // 4 + 1``. Errors in
 the input exit with code 2 and a message naming the file and line.
+
+With ``--dataset`` the token geometry comes from the dataset as ``flexpack train`` derives it:
+tokens per latent frame = (h / patch) · (w / patch) of the cached latents (several cameras joined
+along width) + ``--action-steps``; ``--tokens-per-frame`` overrides it. Without a latent cache,
+``--tokens-per-frame`` is needed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from flexpack.errors import UserError, one_line
@@ -34,8 +41,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pool-factor", type=int, default=50, help="pad mode: batches per sorted pool (default 50)")
     p.add_argument("--pad-multiple", type=int, default=8, help="pad mode: round padded F up to this (default 8)")
     p.add_argument("--max-tokens", type=int, default=65536, help="pack mode: tokens per micro-batch (default 65536)")
-    p.add_argument("--tokens-per-frame", type=int, default=36,
-                   help="tokens per latent frame, video + action (default 36)")
+    p.add_argument("--tokens-per-frame", type=int, default=None,
+                   help="tokens per latent frame, video + action (default: from --dataset's latent cache, else 36)")
+    p.add_argument("--patch", type=int, default=2, help="--dataset: the model's spatial patch size (Wan: 2)")
+    p.add_argument("--action-steps", type=int, default=4, help="--dataset: action tokens per latent frame (0: none)")
+    p.add_argument("--latents-dir", default=None, help="--dataset: the latent cache (default ROOT/latents)")
+    p.add_argument("--cameras", nargs="+", default=None,
+                   help="--dataset: the cached camera set (needed only where the cache holds several)")
     p.add_argument("--crop", action="store_true", help="pack mode: crop episodes longer than the budget")
     p.add_argument("--world-size", type=int, default=1, help="number of ranks (default 1)")
     p.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
@@ -61,6 +73,32 @@ def _load_lengths(args: argparse.Namespace) -> list[int]:
     return lengths
 
 
+def dataset_tokens_per_frame(root: str, *, patch: int, action_steps: int, latents_dir: str | None = None,
+                             cameras: list[str] | None = None) -> tuple[int, str]:
+    """Tokens per latent frame of a dataset's latent cache, as ``train`` derives them, and how."""
+    from flexpack.data import cache
+    from flexpack.data.hub import resolve_root
+
+    base = resolve_root(root)
+    video = (cache.default_latents_dir(base) if latents_dir is None else Path(latents_dir)) / "video"
+    sets = sorted(p.name for p in video.iterdir() if p.is_dir()) if video.is_dir() else []
+    if cameras:
+        sets = [cache.camera_tag(cameras)] if cache.camera_tag(cameras) in sets else []
+    elif len(sets) > 1:
+        raise ValueError(f"{video}: the cache holds camera sets {sets}; pass --cameras to choose one")
+    files = sorted((video / sets[0]).glob("episode_*.safetensors")) if sets else []
+    if not files:
+        raise ValueError(f"{video}: no latent cache to derive the tokens per frame from; run flexpack encode "
+                         "--dataset first or pass --tokens-per-frame")
+    head = cache.read_latent_header(files[0])
+    if head.height % patch or head.width % patch:
+        raise ValueError(f"{files[0]}: latent {head.height}x{head.width} is not divisible by --patch {patch}")
+    tpf = (head.height // patch) * (head.width // patch) + action_steps
+    how = (f"{tpf} tokens per frame from {files[0].parent}: latent {head.height}x{head.width} / patch {patch} "
+           f"+ {action_steps} action steps")
+    return tpf, how
+
+
 def build_sampler(args: argparse.Namespace, lengths: list[int]) -> LengthBucketBatchSampler | TokenBudgetBatchSampler:
     """Rank 0's sampler for the CLI arguments; its ``stats()`` covers all ranks."""
     common = dict(rank=0, world_size=args.world_size, seed=args.seed, tokens_per_frame=args.tokens_per_frame)
@@ -79,15 +117,33 @@ def _parameters(args: argparse.Namespace) -> dict[str, Any]:
     return {k: getattr(args, k) for k in keys}
 
 
+def _geometry(args: argparse.Namespace) -> None:
+    """Fill ``args.tokens_per_frame`` where not given: from the dataset's cache, else 36."""
+    if args.tokens_per_frame is not None:
+        return
+    if args.dataset is None:
+        args.tokens_per_frame = 36  # the README's reference geometry
+        return
+    args.tokens_per_frame, how = dataset_tokens_per_frame(args.dataset, patch=args.patch, action_steps=args.action_steps,
+                                                          latents_dir=args.latents_dir, cameras=args.cameras)
+    print(how, file=sys.stderr)  # stdout stays the table or the JSON object
+
+
+def _cli_words(message: str) -> str:
+    """The sampler's keyword names as this command's flags."""
+    return message.replace("pass crop=True", "pass --crop").replace("max_tokens=", "--max-tokens ").replace("raise max_tokens", "raise --max-tokens")
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         lengths = _load_lengths(args)
+        _geometry(args)
         t0 = time.perf_counter()
         sampler = build_sampler(args, lengths)
         st = sampler.stats(progress=True)
         seconds = time.perf_counter() - t0
     except ValueError as e:  # the frames file, the dataset or the sampler's arguments
-        raise UserError(one_line(e)) from e
+        raise UserError(_cli_words(one_line(e))) from e
     s = summary(lengths, st, mode=args.mode, source=args.frames_file or args.dataset, parameters=_parameters(args),
                 seconds=seconds)
     if args.plot:

@@ -205,9 +205,13 @@ def test_missing_stats_hint_names_data_normalize(capsys, tiny_dataset, tmp_path)
     root = tmp_path / "ds"
     shutil.copytree(tiny_dataset, root)
     (root / "meta" / "stats.json").unlink()
-    code, err = run_cli(capsys, *train_args(root, tmp_path / "run"))
+    # LeRobot's statistics are asked for: their absence is one line
+    code, err = run_cli(capsys, *train_args(root, tmp_path / "run", 'data.action_stats="lerobot"'))
     line = one_error_line(err, "train")
     assert code == 2 and f"{root}: the dataset has no stats for 'action'; set data.normalize = false" in line
+    # the default, pooled statistics, are flexpack's own (LATENTS/stats.json): meta/stats.json is not needed
+    code, err = run_cli(capsys, *train_args(root, tmp_path / "run2", "schedule.steps=1"))
+    assert code == 0, err
 
 
 @pytest.mark.parametrize("workers", [0, 1])

@@ -111,12 +111,12 @@ def test_actions_line_up_with_video_frames(one_cam):
     assert not item["action_mask"][4:8].any()
 
 
-def test_normalization_uses_the_dataset_stats(two_cam, tmp_path):
+def test_normalization_uses_lerobots_stats_when_asked(two_cam, tmp_path):
     stats = json.loads((two_cam / "meta" / "stats.json").read_text())["action"]
     q01, q99 = np.array(stats["q01"]), np.array(stats["q99"])
     assert (q99 - q01 > 0.1).all()
     raw = LatentEpisodeDataset(two_cam, normalize=False)
-    norm = LatentEpisodeDataset(two_cam)
+    norm = LatentEpisodeDataset(two_cam, action_stats="lerobot")  # meta/stats.json, as LeRobot wrote it
     for i in range(len(raw)):
         x, m = raw[i]["action"][:6], raw[i]["action_mask"][:6]
         y = norm[i]["action"][:6]
@@ -131,7 +131,7 @@ def test_normalization_uses_the_dataset_stats(two_cam, tmp_path):
         del all_stats["action"][key]
     (copy / "meta" / "stats.json").write_text(json.dumps(all_stats))
     mean, std = np.array(stats["mean"]), np.array(stats["std"])
-    item, raw_item = LatentEpisodeDataset(copy)[1], raw[1]
+    item, raw_item = LatentEpisodeDataset(copy, action_stats="lerobot")[1], raw[1]
     m = raw_item["action_mask"][:6].numpy()
     expected = (raw_item["action"][:6].numpy() - mean[:, None, None]) / std[:, None, None]
     np.testing.assert_allclose(item["action"][:6].numpy()[m], expected[m], rtol=1e-5, atol=1e-5)

@@ -68,3 +68,50 @@ def test_wan_vae_bad_path_names_it(tmp_path, capsys):
     assert main(["encode", "--dataset", str(root), "--encoder", f"wan-vae:{tmp_path / 'nope'}", "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "nope" in err and "config.json" in err and "Traceback" not in err
+
+
+def test_bf16_tiling_and_slicing_keep_the_latents(tiny_vae, tmp_path):
+    from flexpack.data.encoders import WanVAEEncoder, encode_cameras
+
+    path, _ = tiny_vae
+    g = torch.Generator().manual_seed(4)
+    videos = [torch.randint(0, 256, (9, 3, 64, 64), generator=g, dtype=torch.uint8) for _ in range(2)]
+    fp32 = WanVAEEncoder(str(path))
+    assert next(fp32.vae.parameters()).dtype == torch.float32
+    one_by_one = [fp32.encode(v) for v in videos]
+    # cameras of one size: one VAE batch, the same latents; slicing runs them one at a time, the same again
+    torch.testing.assert_close(encode_cameras(fp32, videos, ["a", "b"]), torch.cat(one_by_one, -1), rtol=1e-4, atol=1e-4)
+    sliced = WanVAEEncoder(str(path), slicing=True)
+    assert sliced.vae.use_slicing
+    torch.testing.assert_close(encode_cameras(sliced, videos, ["a", "b"]), torch.cat(one_by_one, -1), rtol=1e-4, atol=1e-4)
+
+    bf16 = WanVAEEncoder(str(path), dtype=torch.bfloat16)
+    assert next(bf16.vae.parameters()).dtype == torch.bfloat16  # loaded in bf16, not cast after
+    z16 = bf16.encode(videos[0])
+    assert z16.dtype == torch.float32 and z16.shape == one_by_one[0].shape
+    err = (z16 - one_by_one[0]).abs().max() / one_by_one[0].abs().max()
+    assert err < 0.05, err
+
+    tiled = WanVAEEncoder(str(path), tiling=True, tile_size=32)
+    calls = []
+    original = tiled.vae.tiled_encode
+    tiled.vae.tiled_encode = lambda x: calls.append(tuple(x.shape)) or original(x)
+    zt = tiled.encode(videos[0])
+    assert calls and zt.shape == one_by_one[0].shape and torch.isfinite(zt).all()  # 64 px frames went in 32 px tiles
+    with pytest.raises(ValueError, match="--tile-size 24"):
+        WanVAEEncoder(str(path), tiling=True, tile_size=24)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bf16_encode_on_cuda_matches_fp32_on_cpu(tiny_vae):
+    from flexpack.data.encoders import WanVAEEncoder
+
+    path, _ = tiny_vae
+    video = torch.randint(0, 256, (9, 3, 64, 64), generator=torch.Generator().manual_seed(5), dtype=torch.uint8)
+    ref = WanVAEEncoder(str(path)).encode(video)
+    for tiling in (False, True):
+        z = WanVAEEncoder(str(path), device="cuda", dtype=torch.bfloat16, tiling=tiling, tile_size=32).encode(video)
+        assert z.device.type == "cpu" and z.shape == ref.shape and torch.isfinite(z).all()
+        if not tiling:
+            assert (z - ref).abs().max() / ref.abs().max() < 0.05

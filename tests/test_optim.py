@@ -11,7 +11,7 @@ from flexpack.models import WanVA, wan_config
 from flexpack.training import checkpoint
 from flexpack.training.config import load_config
 from flexpack.training.ema import EMA, make_ema
-from flexpack.training.optim import build_optimizer, param_groups
+from flexpack.training.optim import build_optimizer, describe, param_groups
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -41,8 +41,16 @@ def test_decay_applies_only_to_the_decay_group(capsys):
     cfg = load_config(overrides=["optim.lr=0.1", "optim.weight_decay=0.5"]).optim
     opt = build_optimizer(model, cfg, log=True)
     out = capsys.readouterr().out
-    assert out.count("optim group decay (weight_decay=0.5)") == 1 and "optim group no_decay (weight_decay=0.0)" in out
-    assert "blocks.*.modulation" in out and "blocks.0." not in out  # block indices folded
+    groups = param_groups(model, 0.5)
+    n_decay, n_rest = (len(g["params"]) for g in groups)
+    assert out.count("\n") == 1 and out.startswith(f"optim: AdamW, weight_decay=0.5 on {n_decay} tensors")
+    assert f"none on {n_rest} (" in out and "blocks." not in out  # one line of counts, no names
+    listed = describe(groups, names=True)
+    assert "optim group no_decay (weight_decay=0.0)" in listed
+    assert "blocks.*.modulation" in listed and "blocks.0." not in listed  # block indices folded
+    build_optimizer(model, load_config(overrides=["optim.weight_decay=0"]).optim, log=True)
+    total = sum(p.numel() for p in model.parameters())
+    assert capsys.readouterr().out == f"optim: AdamW, no weight decay ({n_decay + n_rest} tensors, {total:,} parameters)\n"
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     for p in model.parameters():
         p.grad = torch.zeros_like(p)  # Adam's step is 0: only decoupled weight decay moves weights

@@ -172,3 +172,13 @@ def test_command_line_process(tmp_path):
     r = subprocess.run([sys.executable, "-m", "flexpack.cli", "stats", "--frames-file", str(p), "--mode", "pad"],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "frames.txt:2" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_dataset_geometry_comes_from_its_latent_cache(tiny_dataset, capsys):
+    pytest.importorskip("lerobot")
+    # the tiny cache: 2x2 latents, patch 2 -> 1 video token + 4 action steps = 5 tokens per frame (as train)
+    d = stats_json(capsys, "--dataset", str(tiny_dataset), "--mode", "pack", "--max-tokens", "100")
+    assert d["parameters"]["tokens_per_frame"] == 5 and d["samples"] == 6
+    assert main(["stats", "--dataset", str(tiny_dataset), "--mode", "pack", "--max-tokens", "30"]) == 2
+    err = capsys.readouterr().err
+    assert "= 50 tokens > --max-tokens 30" in err and "pass --crop" in err and "crop=True" not in err

@@ -42,9 +42,16 @@ def test_tensorboard_logs_new_keys_and_drops_replayed_steps_on_resume(tmp_path):
     with tracking.MetricSinks(tmp_path, cfg, start_step=2) as sinks:  # resumed from the step-2 checkpoint
         sinks.log({"step": 3, "loss": 0.25, "step_s": 9.0, "mfu": 0.5})
     got = _scalars_from_tb(tmp_path / "tb")
-    assert got["loss"] == [(1, 1.0), (2, 0.5), (3, 0.25)]
-    assert got["step_s"] == [(1, 0.5), (2, 1.0), (3, 9.0)]
-    assert got["mfu"] == [(3, 0.5)]
+    assert got["train/loss"] == [(1, 1.0), (2, 0.5), (3, 0.25)]
+    assert got["train/step_s"] == [(1, 0.5), (2, 1.0), (3, 9.0)]
+    assert got["train/mfu"] == [(3, 0.5)]
+
+
+def test_tags_are_grouped_train_val_sample():
+    assert [tracking.group(k) for k in ("loss", "lr", "val_loss", "val_action_loss", "val/loss", "sample_mse",
+                                        "sample/action_mse", "waste/pad")] == [
+        "train/loss", "train/lr", "val/loss", "val/action_loss", "val/loss", "sample/mse", "sample/action_mse",
+        "train/waste/pad"]
 
 
 def test_wandb_gets_the_same_scalars(tmp_path, monkeypatch):
@@ -62,15 +69,26 @@ def test_wandb_gets_the_same_scalars(tmp_path, monkeypatch):
         return FakeRun()
 
     monkeypatch.setitem(sys.modules, "wandb", SimpleNamespace(init=init))
-    cfg = load_config(None, ["runtime.wandb=true", "runtime.tensorboard=false", "runtime.wandb_project=demo"])
+    cfg = load_config(None, ["runtime.wandb=true", "runtime.tensorboard=false", "runtime.wandb_project=demo",
+                             'runtime.wandb_entity="lab"', 'runtime.wandb_tags=["aloha", "pack"]'])
     with tracking.MetricSinks(tmp_path / "myrun", cfg) as sinks:
-        sinks.log({"step": 1, "loss": 2.0, "waste": 0.1, "tag": "x"})
+        sinks.log({"step": 1, "loss": 2.0, "waste": 0.1, "val_loss": 3.0, "tag": "x"})
     assert calls["init"]["project"] == "demo" and calls["init"]["name"] == "myrun"
+    assert calls["init"]["entity"] == "lab" and calls["init"]["tags"] == ["aloha", "pack"]
     assert calls["init"]["dir"] == str(tmp_path / "myrun") and calls["init"]["config"]["runtime"]["wandb"] is True
-    assert calls["log"] == [(1, {"loss": 2.0, "waste": 0.1})] and calls["finish"] == 0
+    assert calls["log"] == [(1, {"train/loss": 2.0, "train/waste": 0.1, "val/loss": 3.0})] and calls["finish"] == 0
+    # the run id is stored in the run folder on the first start; a resume continues that W&B run
+    first = calls["init"]["id"]
+    assert (tmp_path / "myrun" / "wandb_run_id").read_text().strip() == first and calls["init"]["resume"] == "allow"
+    with tracking.MetricSinks(tmp_path / "myrun", cfg, start_step=1) as sinks:
+        sinks.log({"step": 2, "loss": 1.0})
+    assert calls["init"]["id"] == first
+    with tracking.MetricSinks(tmp_path / "fresh", cfg):
+        pass
+    assert calls["init"]["id"] != first  # another run folder, another W&B run
     with tracking.MetricSinks(tmp_path / "other", cfg, rank=1) as sinks:  # only rank 0 logs
         sinks.log({"step": 1, "loss": 2.0})
-    assert len(calls["log"]) == 1
+    assert len(calls["log"]) == 2  # the two of rank 0's runs above
 
 
 def test_missing_wandb_is_one_line_before_any_work(monkeypatch):
@@ -78,7 +96,7 @@ def test_missing_wandb_is_one_line_before_any_work(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # import fails as if not installed
     cfg = load_config(None, ["runtime.wandb=true", 'data.root="/nonexistent/data"'])
-    with pytest.raises(ValueError, match=r"^runtime.wandb = true needs the wandb package: pip install wandb"):
+    with pytest.raises(ValueError, match=r"^runtime.wandb = true needs the wandb package: pip install 'flexpack\[wandb\]'"):
         train(cfg)
 
 
@@ -100,8 +118,8 @@ def test_train_logs_to_tensorboard_prints_outputs_and_plots(tmp_path, capsys):
                  f"checkpoint   {out / 'checkpoints' / 'step_00000003'}", f"plot         flexpack plot {out}"):
         assert line in printed, printed
     records = read_metrics(out)
-    tb = _scalars_from_tb(out / "tb")
-    assert set(tb) == set(tracking.scalars(records[0]))
+    tb = {k.removeprefix("train/"): v for k, v in _scalars_from_tb(out / "tb").items()}
+    assert set(tb) == set(tracking.scalars(records[0]))  # every key, all under train/
     assert {"loss", "latent_loss", "action_loss", "lr", "grad_norm", "tokens_per_s", "waste"} <= set(tb)
     for key, points in tb.items():
         assert [s for s, _ in points] == [1, 2, 3]
@@ -132,3 +150,18 @@ def test_plot_errors_are_one_line(tmp_path, capsys):
     assert json.loads('{"step": 1}')  # a record needs only its step
     bad.write_text('{"step": 1}\n')
     assert plot_metrics(bad).name == "metrics.png"
+
+
+def test_real_wandb_offline_resume_continues_the_stored_run(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = load_config(None, ["runtime.wandb=true", "runtime.tensorboard=false"])
+    run = tmp_path / "run"
+    with tracking.MetricSinks(run, cfg) as sinks:
+        sinks.log({"step": 1, "loss": 2.0})
+    with tracking.MetricSinks(run, cfg, start_step=1) as sinks:
+        sinks.log({"step": 2, "loss": 1.0})
+    run_id = (run / "wandb_run_id").read_text().strip()
+    offline = sorted(p.name for p in (run / "wandb").glob("offline-run-*"))
+    assert len(offline) == 2 and all(name.endswith(f"-{run_id}") for name in offline)

@@ -9,6 +9,8 @@ Modules:
     cache     the latent/text cache on disk (safetensors, atomic writes, paths)
     problems  every problem ``check-dataset`` reports, and the errors the dataset raises
     actions   action alignment to latent frames, normalization, channel mapping
+    action_stats  exact pooled statistics of every action/state dimension (``LATENTS/stats.json``)
+    stats_report  what the normalization clips per dimension (for ``check-dataset``)
     segments  annotated segments (per-frame task runs) and the latent frames each one gets
     dataset   ``LatentEpisodeDataset``
     encoders  video encoders (``pool`` stand-in, ``wan-vae:PATH``)

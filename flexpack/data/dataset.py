@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from flexpack.data import action_stats as action_stats_mod
 from flexpack.data import cache
 from flexpack.data.actions import ActionNormalizer, align_actions, channel_map
 from flexpack.data.episodes import EpisodeSource
@@ -69,6 +70,7 @@ class LatentEpisodeDataset(torch.utils.data.Dataset):
         episodes: list[int] | None = None,
         segments: bool | str = "auto",
         video_backend: str = "pyav",
+        action_stats: str = "pooled",
     ) -> None:
         """
         Args:
@@ -79,6 +81,9 @@ class LatentEpisodeDataset(torch.utils.data.Dataset):
             stride: the VAE's temporal stride (must match the cache's).
             cameras: camera keys or short names, in width order (default: all video keys).
             normalize: map actions with the dataset's stats (q01/q99 -> [−1, 1], else mean/std).
+            action_stats: ``"pooled"`` = exact quantiles over all frames (``LATENTS/stats.json``
+                written by ``flexpack encode``, computed here where it is missing or stale);
+                ``"lerobot"`` = ``meta/stats.json`` (see :mod:`flexpack.data.action_stats`).
             action_key: the feature holding actions.
             action_channels: model channel of each dataset action column (default 0..D−1).
             episodes: subset of episode indices (default: all, in metadata order).
@@ -99,7 +104,8 @@ class LatentEpisodeDataset(torch.utils.data.Dataset):
         self.action_key = action_key
         columns = int(np.prod(meta.features[action_key]["shape"]))
         self.channels = channel_map(columns, action_dim, action_channels)
-        stats = (meta.stats or {}).get(action_key)
+        self.action_stats = action_stats
+        stats = action_stats_mod.feature_stats(self.source, self.latents_dir, action_key, action_stats) if normalize else None
         self.normalizer = (
             ActionNormalizer.from_stats(stats, columns, action_key) if normalize else ActionNormalizer.identity(columns)
         )

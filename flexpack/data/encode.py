@@ -3,18 +3,26 @@
 Resumable: an episode whose latent file exists, passes the same inspection as
 ``check-dataset`` (readable, right episode/cameras/frames, finite) and was written by the same
 encoder is skipped; anything else is (re)written atomically. Task texts likewise.
+
+Several processes: under ``torchrun --nproc_per_node N -m flexpack.cli encode ...`` rank ``r``
+encodes the episodes at positions ``r, r+N, ...`` of the list (each file is written by exactly one
+rank, with the same encoder and inputs as one process would: the cache is the same), on
+``cuda:LOCAL_RANK`` where ``--device cuda``. Rank 0 encodes the task texts and writes the pooled
+action statistics (:mod:`flexpack.data.action_stats`, ``LATENTS/stats.json``). A rerun with any
+number of ranks resumes where the last one stopped.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
 
-from flexpack.data import cache
+from flexpack.data import action_stats, cache
 from flexpack.errors import UserError, one_line
 from flexpack.data.encoders import VideoEncoder, encode_cameras, make_video_encoder
 from flexpack.data.episodes import EpisodeSource
@@ -30,6 +38,25 @@ class EncodeReport:
     texts_written: list[int] = field(default_factory=list)
     latents_dir: Path | None = None
     cameras: list[str] = field(default_factory=list)
+    stats_file: Path | None = None
+    frames: int = 0  # video frames decoded and encoded
+
+
+def _encode_texts(source: EpisodeSource, txt: TextEncoder, out_dir: Path, report: EncodeReport, *,
+                  batch_size: int, progress: bool) -> None:
+    todo_texts = []
+    for task_index, task in source.tasks().items():
+        path = cache.text_path(out_dir, task_index)
+        problems, _, head = inspect_text(path, episode=None, task=task, task_index=task_index)
+        if problems or head.encoder != txt.name:
+            todo_texts.append((task_index, task))
+    bs = max(1, batch_size)
+    for i in tqdm(range(0, len(todo_texts), bs), desc=f"text {txt.name}", unit="batch", disable=not progress or not todo_texts):
+        chunk = todo_texts[i : i + bs]
+        for (task_index, task), (emb, n) in zip(chunk, encode_texts(txt, [t for _, t in chunk], bs)):
+            cache.write_text(cache.text_path(out_dir, task_index), emb, encoder=txt.name, task=task,
+                             task_index=task_index, text_len=n)
+            report.texts_written.append(task_index)
 
 
 def encode_dataset(
@@ -46,11 +73,20 @@ def encode_dataset(
     text_device: str = "cpu",
     text_batch_size: int = 16,
     text_max_len: int = 512,
+    dtype: str = "float32",
+    tiling: bool = False,
+    slicing: bool = False,
+    tile_size: int = 256,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> EncodeReport:
+    """Fill the latent cache of ``root`` (see the module docstring); ``rank`` of ``world_size``
+    processes encodes every ``world_size``-th episode."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
     source = EpisodeSource(root, video_backend=video_backend)
-    enc = make_video_encoder(encoder, device=device) if isinstance(encoder, str) else encoder
-    txt = (make_text_encoder(text_encoder, device=text_device, max_len=text_max_len)
-           if isinstance(text_encoder, str) else text_encoder)
+    enc = (make_video_encoder(encoder, device=device, dtype=dtype, tiling=tiling, slicing=slicing, tile_size=tile_size)
+           if isinstance(encoder, str) else encoder)
     cams = resolve_cameras(source.video_keys, cameras, source.info_file)
     out_dir = Path(latents_dir) if latents_dir is not None else cache.default_latents_dir(source.root)
     report = EncodeReport(latents_dir=out_dir, cameras=cams)
@@ -59,23 +95,15 @@ def encode_dataset(
     for folder in (out_dir / "text", cache.latent_path(out_dir, cams, 0).parent):
         remove_dead_temporaries(folder, ".*.tmp-*")
 
-    todo_texts = []
-    for task_index, task in source.tasks().items():
-        path = cache.text_path(out_dir, task_index)
-        problems, _, head = inspect_text(path, episode=None, task=task, task_index=task_index)
-        if problems or head.encoder != txt.name:
-            todo_texts.append((task_index, task))
-    bs = max(1, text_batch_size)
-    for i in tqdm(range(0, len(todo_texts), bs), desc=f"text {txt.name}", unit="batch", disable=not progress or not todo_texts):
-        chunk = todo_texts[i : i + bs]
-        for (task_index, task), (emb, n) in zip(chunk, encode_texts(txt, [t for _, t in chunk], bs)):
-            cache.write_text(cache.text_path(out_dir, task_index), emb, encoder=txt.name, task=task,
-                             task_index=task_index, text_len=n)
-            report.texts_written.append(task_index)
+    if rank == 0:  # task texts are rank 0's: the other ranks never load the (large) text encoder
+        txt = (make_text_encoder(text_encoder, device=text_device, max_len=text_max_len)
+               if isinstance(text_encoder, str) else text_encoder)
+        _encode_texts(source, txt, out_dir, report, batch_size=text_batch_size, progress=progress)
 
     frames_of = dict(zip(source.episodes, source.video_frames))
-    todo = list(source.episodes) if episodes is None else list(episodes)
-    bar = tqdm(todo, desc=f"encode {enc.name} {cache.camera_tag(cams)}", unit="ep", disable=not progress)
+    todo = (list(source.episodes) if episodes is None else list(episodes))[rank::world_size]
+    desc = f"encode {enc.name} {cache.camera_tag(cams)}" + (f" rank {rank}/{world_size}" if world_size > 1 else "")
+    bar = tqdm(todo, desc=desc, unit="ep", disable=not progress)
     for episode in bar:
         n = frames_of[episode]
         path = cache.latent_path(out_dir, cams, episode)
@@ -94,6 +122,12 @@ def encode_dataset(
             cameras=cams, video_frames=n, stride=enc.stride,
         )
         report.encoded.append(episode)
+        report.frames += used * len(cams)
+    if rank == 0:  # from the parquet data alone: no need to wait for the other ranks' latents
+        try:
+            report.stats_file = action_stats.write(out_dir, action_stats.compute(source))
+        except ValueError as exc:  # NaN/Inf actions: the latents stay; check-dataset names the episodes
+            print(f"warning: no pooled statistics written: {exc}", file=sys.stderr)
     return report
 
 
@@ -108,22 +142,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--text-max-len", type=int, default=512, help="tokens per task text (Wan: 512)")
     parser.add_argument("--latents-dir", type=Path, default=None, help="cache folder (default DATASET/latents)")
     parser.add_argument("--video-backend", default="pyav", help="lerobot video backend (pyav or torchcodec)")
-    parser.add_argument("--device", default="cpu", help="device for the wan-vae encoder")
+    parser.add_argument("--device", default="cpu", help="device for the wan-vae encoder (under torchrun 'cuda' = cuda:LOCAL_RANK)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                        help="wan-vae weights and activations (bfloat16: about half the memory and time on a GPU)")
+    parser.add_argument("--tiling", action="store_true", help="wan-vae: encode frames over --tile-size px in spatial tiles (memory)")
+    parser.add_argument("--tile-size", type=int, default=256, help="wan-vae --tiling: tile edge in pixels (default 256)")
+    parser.add_argument("--slicing", action="store_true", help="wan-vae: one camera at a time through the VAE (memory)")
     parser.add_argument("--no-progress", action="store_true")
 
 
+def _world() -> tuple[int, int, int]:
+    """(rank, world size, local rank) from torchrun's environment; (0, 1, 0) without it."""
+    env = os.environ
+    return int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0))
+
+
 def run(args: argparse.Namespace) -> int:
+    rank, world_size, local_rank = _world()
+    device = f"cuda:{local_rank}" if args.device == "cuda" and world_size > 1 else args.device
     try:
         report = encode_dataset(
             args.dataset, encoder=args.encoder, text_encoder=args.text_encoder, cameras=args.cameras,
-            latents_dir=args.latents_dir, video_backend=args.video_backend, device=args.device,
+            latents_dir=args.latents_dir, video_backend=args.video_backend, device=device,
             progress=not args.no_progress, text_device=args.text_device, text_batch_size=args.text_batch_size,
-            text_max_len=args.text_max_len,
+            text_max_len=args.text_max_len, dtype=args.dtype, tiling=args.tiling, slicing=args.slicing,
+            tile_size=args.tile_size,
+            rank=rank, world_size=world_size,
         )
     except (ValueError, OSError, ImportError) as exc:  # finished episodes stay cached: rerun to resume
         raise UserError(one_line(exc)) from exc
+    who = f"rank {rank}/{world_size}: " if world_size > 1 else ""
     print(
-        f"encoded {len(report.encoded)} episode(s), skipped {len(report.skipped)} already cached, "
+        f"{who}encoded {len(report.encoded)} episode(s), skipped {len(report.skipped)} already cached, "
         f"wrote {len(report.texts_written)} task text(s) -> {report.latents_dir} (cameras {report.cameras})"
     )
+    if report.stats_file is not None:
+        print(f"{who}pooled action/state statistics over all frames -> {report.stats_file}")
     return 0

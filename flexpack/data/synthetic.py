@@ -171,6 +171,12 @@ def run(args: argparse.Namespace) -> int:
     # quiet encoders: SVT-AV1 prints ~25 info lines per video, `datasets` a progress bar per episode
     os.environ.setdefault("SVT_LOG", "1")
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    # lerobot hands libav's log back to FFmpeg's default printer after each video, which then prints
+    # an info line per file ("[mp4 @ 0x…] Starting second pass"); warnings and errors still show
+    with contextlib.suppress(ImportError, AttributeError):
+        import av.logging
+
+        av.logging.set_libav_level(av.logging.WARNING)
     try:
         root = make_synthetic_dataset(
             args.root, episodes=args.episodes, min_frames=args.min_frames, max_frames=args.max_frames,

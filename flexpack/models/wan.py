@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+from einops import rearrange
 from torch.utils.checkpoint import checkpoint
 
 from ..packing.layout import SequenceLayout, TokenLayout
@@ -148,14 +149,14 @@ class WanVA(nn.Module):
                     f"batch.action must be ({copies},{R},{cfg.action_channels},{Fr},A) (copy dim optional), got {tuple(action.shape)}"
                 )
             A = act.shape[4]
-            acts = act.permute(0, 1, 3, 4, 2)  # (copies, R, Fr, A, Ca)
+            acts = rearrange(act, "k r ca f a -> k r f a ca")
             t_action = t_video if action_timestep is None else self._per_copy(action_timestep, (copies, R, Fr), "action_timestep")
         patches, (h, w) = self._patchify(lat)
         tl = layout.tokens(video_tokens=h * w, action_tokens=A, copies=copies, grid_hw=(h, w))
         vid, act_out = self._run(patches, acts, tl, t_video, t_action, batch.text, mask, chunk_size, window, text_slots)
         valid_RF = layout.frame_valid.to(vid.dtype)
         video = self._unpatchify(vid * valid_RF[..., None, None], h, w)
-        action_out = None if act_out is None else (act_out * valid_RF[..., None, None]).permute(0, 3, 1, 2)
+        action_out = None if act_out is None else rearrange(act_out * valid_RF[..., None, None], "r f a ca -> r ca f a")
         return WanVAOutput(video=video, action=action_out)
 
     def forward_video(self, latent: Tensor, timestep: Tensor, text: Tensor) -> Tensor:
@@ -221,16 +222,14 @@ class WanVA(nn.Module):
             raise ValueError(
                 f"latent (C,F,H,W)={(C, Fn, H, W)} does not fit in_channels={self.config.in_channels}, patch={self.config.patch_size}"
             )
-        h, w = H // ph, W // pw
-        x = lat.reshape(c, R, C, Fn // pt, pt, h, ph, w, pw).permute(0, 1, 3, 5, 7, 2, 4, 6, 8)
-        return x.reshape(c, R, Fn // pt, h * w, -1), (h, w)
+        patches = rearrange(lat, "k r c (f pt) (h ph) (w pw) -> k r f (h w) (c pt ph pw)", pt=pt, ph=ph, pw=pw)
+        return patches, (H // ph, W // pw)
 
     def _unpatchify(self, y: Tensor, h: int, w: int) -> Tensor:
-        """(R, F', h*w, pt*ph*pw*C) → (R, C, F'*pt, h*ph, w*pw)."""
-        R, Fp = y.shape[:2]
+        """(R, F', h*w, pt*ph*pw*C) → (R, C, F'*pt, h*ph, w*pw); the head's channel order is
+        diffusers' (patch offsets outer, channels inner), unlike the input patches'."""
         pt, ph, pw = self.config.patch_size
-        y = y.reshape(R, Fp, h, w, pt, ph, pw, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
-        return y.reshape(R, -1, Fp * pt, h * ph, w * pw)
+        return rearrange(y, "r f (h w) (pt ph pw c) -> r c (f pt) (h ph) (w pw)", h=h, w=w, pt=pt, ph=ph, pw=pw)
 
     def _run(
         self,

@@ -66,7 +66,7 @@ def build_data(cfg: TrainConfig, rank: int = 0, world_size: int = 1, *, split: s
         ds = LatentEpisodeDataset(
             d.root, latents_dir=d.latents_dir, action_dim=max(m.action_channels, 1), action_steps=d.action_steps,
             stride=d.stride, cameras=list(d.cameras) if d.cameras else None, normalize=d.normalize, segments=d.segments,
-            episodes=episodes,
+            episodes=episodes, action_stats=d.action_stats,
         )
     item = ds[0]
     C, _, H, W = item["latent"].shape

@@ -56,6 +56,7 @@ class DataConfig:
     action_steps: int = 4
     stride: int = 4
     normalize: bool = True
+    action_stats: str = "pooled"  # "pooled": exact quantiles over all frames (LATENTS/stats.json); "lerobot": meta/stats.json
     segments: bool | str = "auto"  # items per annotated task run ("auto", true) or whole episodes (false)
     mode: str = "pack"
     max_tokens: int = 65536
@@ -73,6 +74,8 @@ class DataConfig:
             raise ValueError(f"data.val_fraction must be in [0, 1), got {self.val_fraction!r}")
         if self.mode not in MODES:
             raise ValueError(f"data.mode must be one of {MODES}, got {self.mode!r}")
+        if self.action_stats not in ("pooled", "lerobot"):
+            raise ValueError(f"data.action_stats must be 'pooled' or 'lerobot', got {self.action_stats!r}")
         if self.segments not in (True, False, "auto"):
             raise ValueError(f"data.segments must be true, false or 'auto', got {self.segments!r}")
         _positive("data", action_steps=self.action_steps, stride=self.stride, max_tokens=self.max_tokens,
@@ -224,6 +227,8 @@ class RuntimeConfig:
     tensorboard: bool = True  # event files under RUN/tb/ (flexpack.training.tracking)
     wandb: bool = False  # also log to Weights & Biases (needs the wandb package; WANDB_MODE=offline works)
     wandb_project: str = "flexpack"
+    wandb_entity: str = ""  # "" = W&B's default entity (WANDB_ENTITY or the account's)
+    wandb_tags: tuple[str, ...] = ()
     eval_every: int = 0  # steps between validation losses on the held-out episodes; 0 = none
 
     def __post_init__(self) -> None:

@@ -10,6 +10,10 @@
     flexpack_config.json                                the checkpoint's training config (its own
                                                         config.json, with export's --set applied)
     ema/                                                with --ema: the EMA weights, the same layout
+    README.md, lerobot_policy/                          model card; LeRobot-style policy folder
+                                                        (:mod:`flexpack.training.export_extras`)
+
+``--push-to-hub REPO`` uploads the finished folder through ``huggingface_hub``.
 
 The config and the action statistics come from the checkpoint itself (``config.json`` and
 ``train_state.json`` in its folder), so a run whose dataset moved still exports; the dataset is
@@ -48,10 +52,11 @@ def _check_out(out: Path) -> None:
 def _normalization(cfg: Any, state: dict[str, Any]) -> dict[str, Any]:
     """The action normalization of the run: the dataset's layout (columns, channels) from its
     metadata, the statistics the weights were trained with from the checkpoint where it carries them
-    (``extra.action_normalizer``), else from the metadata (what LatentEpisodeDataset used)."""
+    (``extra.action_normalizer``), else ``data.action_stats``'s (what LatentEpisodeDataset used)."""
     saved = (state.get("extra") or {}).get("action_normalizer")
+    from flexpack.data import action_stats, cache
     from flexpack.data.actions import ActionNormalizer, channel_map
-    from flexpack.data.lengths import open_metadata
+    from flexpack.data.episodes import EpisodeSource
 
     key = "action"
     action_dim = max(cfg.model.wan_config().action_channels, 1)
@@ -60,13 +65,16 @@ def _normalization(cfg: Any, state: dict[str, Any]) -> dict[str, Any]:
         columns = len(low)
     else:
         try:
-            meta = open_metadata(cfg.data.root)
+            source = EpisodeSource(cfg.data.root)
         except (OSError, ValueError) as exc:
             raise ValueError(f"the checkpoint carries no action statistics and data.root = {cfg.data.root!r} cannot be "
                              f"read ({exc}); pass --set data.root=DATASET") from None
-        columns = int(torch.Size(meta.features[key]["shape"]).numel())
-        stats = (meta.stats or {}).get(key)
-        norm = ActionNormalizer.from_stats(stats, columns, key) if cfg.data.normalize else ActionNormalizer.identity(columns)
+        columns = int(torch.Size(source.meta.features[key]["shape"]).numel())
+        norm = ActionNormalizer.identity(columns)
+        if cfg.data.normalize:  # the statistics the dataset used (data.action_stats)
+            latents = cfg.data.latents_dir or cache.default_latents_dir(source.root)
+            stats = action_stats.feature_stats(source, latents, key, getattr(cfg.data, "action_stats", "pooled"))
+            norm = ActionNormalizer.from_stats(stats, columns, key)
         mode, low, high = norm.mode, norm.low.tolist(), norm.high.tolist()
     return {"action_key": key, "mode": mode, "low": low, "high": high,
             "columns": columns, "channels": channel_map(columns, action_dim, None).tolist(),
@@ -81,7 +89,7 @@ def write_weights(folder: Path, state_dict: dict[str, torch.Tensor], wcfg: WanVA
     try:
         from diffusers import WanTransformer3DModel
     except ImportError as exc:
-        raise ImportError("flexpack export needs diffusers (pip install diffusers)") from exc
+        raise ImportError("flexpack export needs diffusers: pip install 'flexpack[hf]'") from exc
     from safetensors.torch import save_file
 
     from flexpack.models.wan_convert import config_to_diffusers, to_diffusers_state_dict
@@ -100,7 +108,7 @@ def write_weights(folder: Path, state_dict: dict[str, torch.Tensor], wcfg: WanVA
 
 
 def export_run(run: str | os.PathLike, out: str | os.PathLike, *, ema: bool = False,
-               dtype: torch.dtype = torch.float32, overrides: Sequence[str] = ()) -> Path:
+               dtype: torch.dtype = torch.float32, overrides: Sequence[str] = (), policy: bool = True) -> Path:
     """Export ``run``'s newest intact checkpoint into ``out`` (see the module docstring); returns ``out``.
     ``overrides`` (``--set``) apply to the checkpoint's own config."""
     from flexpack.training.config import save_config
@@ -136,6 +144,10 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike, *, ema: bool = Fa
             write_weights(tmp / "ema", averaged.full_state_dict(), wcfg, action_steps=cfg.data.action_steps, dtype=dtype)
         (tmp / "normalization.json").write_text(json.dumps(norm, indent=2) + "\n")
         save_config(cfg, tmp / "flexpack_config.json")
+        from flexpack.training.export_extras import write_extras
+
+        write_extras(tmp, run=run, cfg=cfg, wcfg=wcfg, state_dict=model.state_dict(), norm=norm,
+                     step=int(state["step"]), ema=ema, dtype=dtype, policy=policy)
         (tmp / "export.json").write_text(json.dumps(
             {"run": str(run), "checkpoint": str(found), "step": int(state["step"]), "ema": ema}, indent=2) + "\n")
         ordinary_modes(tmp)
@@ -180,9 +192,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="dtype of the exported weights")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a value of the checkpoint's config, e.g. --set data.root=DATASET (repeatable)")
+    parser.add_argument("--no-policy", action="store_true", help="skip the LeRobot-style policy folder (OUT/lerobot_policy)")
+    parser.add_argument("--push-to-hub", metavar="REPO", default=None,
+                        help="upload OUT to this Hugging Face model repo (org/name) once written")
+    parser.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
 
 
 def run(args: argparse.Namespace) -> int:
-    out = export_run(args.run, args.out, ema=args.ema, dtype=getattr(torch, args.dtype), overrides=args.overrides)
-    print(f"exported {args.run} -> {out} (load: diffusers.WanTransformer3DModel.from_pretrained({str(out)!r}))")
+    from flexpack.errors import UserError, one_line
+
+    try:
+        import diffusers  # noqa: F401  (checked before any work: the diffusers folder is the export's core)
+    except ImportError:
+        raise UserError("flexpack export needs diffusers: pip install 'flexpack[hf]'") from None
+    if args.push_to_hub:
+        try:
+            import huggingface_hub  # noqa: F401
+        except ImportError:
+            raise UserError("--push-to-hub needs huggingface_hub: pip install 'flexpack[hub]'") from None
+    out = export_run(args.run, args.out, ema=args.ema, dtype=getattr(torch, args.dtype), overrides=args.overrides,
+                     policy=not args.no_policy)
+    print(f"exported {args.run} -> {out} (load: diffusers.WanTransformer3DModel.from_pretrained({str(out)!r}); "
+          f"model card {out / 'README.md'})")
+    if args.push_to_hub:
+        from flexpack.training.export_extras import push_to_hub
+
+        try:
+            where = push_to_hub(out, args.push_to_hub, private=args.private)
+        except Exception as exc:  # network, auth, offline mode: the export itself is complete
+            raise UserError(f"{out} is exported, but the upload to {args.push_to_hub} failed ({type(exc).__name__}: "
+                            f"{one_line(exc)}); retry with: python -c \"from flexpack.training.export_extras import "
+                            f"push_to_hub; push_to_hub('{out}', '{args.push_to_hub}')\" (HF_HUB_OFFLINE unset, "
+                            "logged in with hf auth login)") from exc
+        print(f"pushed {out} -> {args.push_to_hub}: {where}")
     return 0

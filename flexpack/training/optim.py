@@ -10,7 +10,7 @@ No decay (the usual practice for transformers, cf. nanoGPT's ``configure_optimiz
   the inputs into the model and are not the capacity decay is meant to limit.
 
 The grouping is by parameter name and shape, so it is the same for a plain and an FSDP2 model
-(DTensor parameters keep the global shape); it is printed once per run on rank 0.
+(DTensor parameters keep the global shape); one line of counts is printed once per run on rank 0.
 """
 
 from __future__ import annotations
@@ -47,14 +47,25 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     return [g for g in groups.values() if g["params"]]
 
 
-def describe(groups: list[dict[str, Any]]) -> str:
-    """One line per group: tensor and element counts and the names, block indices folded (``blocks.*``)."""
-    lines = []
+def describe(groups: list[dict[str, Any]], *, names: bool = False) -> str:
+    """One line of counts: tensors and parameters with and without weight decay (no decay at all
+    when ``weight_decay`` is 0). ``names``: one more line per group listing its parameter names,
+    block indices folded (``blocks.*``)."""
+    parts = {g["name"]: (len(g["params"]), sum(p.numel() for p in g["params"]), g["weight_decay"]) for g in groups}
+    total = sum(n for _, n, _ in parts.values()), sum(c for c, _, _ in parts.values())
+    decay = parts.get("decay")
+    if decay is None or decay[2] == 0:
+        line = f"optim: AdamW, no weight decay ({total[1]} tensors, {total[0]:,} parameters)"
+    else:
+        rest = parts.get("no_decay", (0, 0, 0.0))
+        line = (f"optim: AdamW, weight_decay={decay[2]} on {decay[0]} tensors ({decay[1]:,} parameters), "
+                f"none on {rest[0]} (norms, biases, modulation, embeddings: {rest[1]:,} parameters)")
+    if not names:
+        return line
+    lines = [line]
     for g in groups:
-        names = list(dict.fromkeys(re.sub(r"^blocks\.\d+\.", "blocks.*.", n) for n in g["names"]))
-        numel = sum(p.numel() for p in g["params"])
-        lines.append(f"optim group {g['name']} (weight_decay={g['weight_decay']}): {len(g['params'])} tensors, "
-                     f"{numel:,} parameters: {', '.join(names)}")
+        folded = list(dict.fromkeys(re.sub(r"^blocks\.\d+\.", "blocks.*.", n) for n in g["names"]))
+        lines.append(f"optim group {g['name']} (weight_decay={g['weight_decay']}): {', '.join(folded)}")
     return "\n".join(lines)
 
 

@@ -3,8 +3,13 @@ Weights & Biases. ``metrics.jsonl`` stays the source of truth: every numeric key
 records is logged as it is (a key added to the record later shows up without a change here);
 nested tables are logged as ``key/subkey``.
 
+Tags are grouped as dashboards expect them: ``train/…`` (loss parts, lr, grad norm, throughput),
+``val/…`` (``val_loss`` -> ``val/loss``) and ``sample/…`` (``sample_*`` or ``sample/*`` keys).
+
 Only rank 0 logs. W&B reads its usual environment (``WANDB_MODE=offline`` needs no account;
-``wandb sync RUN/wandb/offline-run-*`` uploads later).
+``wandb sync RUN/wandb/offline-run-*`` uploads later). Its run id is stored in ``RUN/wandb_run_id``
+on the first start; every resume of the run folder continues that W&B run (``resume="allow"``)
+instead of starting a new one. ``runtime.wandb_project`` / ``wandb_entity`` / ``wandb_tags`` pass through.
 """
 
 from __future__ import annotations
@@ -29,6 +34,42 @@ def scalars(rec: dict[str, Any]) -> dict[str, float]:
     return {k: v for k, v in _numeric(rec) if k != "step"}
 
 
+GROUPS = ("train", "val", "sample")
+
+
+def group(key: str) -> str:
+    """The tag of a metrics key: ``val_loss`` -> ``val/loss``, ``sample_mse`` -> ``sample/mse``,
+    ``val/loss`` and ``sample/...`` kept, everything else under ``train/``."""
+    head = key.split("/", 1)[0]
+    if head in GROUPS:
+        return key
+    for g in GROUPS[1:]:
+        if key.startswith(f"{g}_"):
+            return f"{g}/{key[len(g) + 1:]}"
+    return f"train/{key}"
+
+
+WANDB_ID_FILE = "wandb_run_id"
+
+
+def wandb_run_id(run: Path) -> str:
+    """The run folder's W&B run id: the stored one, or a new one stored now (atomically)."""
+    from flexpack.atomic import atomic_path
+
+    path = run / WANDB_ID_FILE
+    if path.is_file():
+        stored = path.read_text().strip()
+        if stored:
+            return stored
+    import secrets
+
+    new = secrets.token_hex(4)  # W&B ids: short, [a-z0-9]
+    run.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp:
+        tmp.write_text(new + "\n")
+    return new
+
+
 def check(cfg: Any) -> None:
     """Fail before any data or model work when a requested logger is not installed."""
     r = cfg.runtime
@@ -42,7 +83,7 @@ def check(cfg: Any) -> None:
         try:
             import wandb  # noqa: F401
         except ImportError:
-            raise ValueError("runtime.wandb = true needs the wandb package: pip install wandb "
+            raise ValueError("runtime.wandb = true needs the wandb package: pip install 'flexpack[wandb]' "
                              "(or set runtime.wandb = false)") from None
 
 
@@ -71,12 +112,13 @@ class MetricSinks:
         if r.wandb:
             import wandb
 
-            self.wandb = wandb.init(project=r.wandb_project, dir=str(self.run), name=self.run.name,
-                                    config=self.cfg.to_dict())
+            self.wandb = wandb.init(project=r.wandb_project, entity=r.wandb_entity or None,
+                                    tags=list(r.wandb_tags) or None, dir=str(self.run), name=self.run.name,
+                                    id=wandb_run_id(self.run), resume="allow", config=self.cfg.to_dict())
         return self
 
     def log(self, rec: dict[str, Any]) -> None:
-        values = scalars(rec)
+        values = {group(k): v for k, v in scalars(rec).items()}
         step = int(rec["step"])
         if self.tb is not None:
             for key, value in values.items():

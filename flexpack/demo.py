@@ -1,0 +1,116 @@
+"""The closing block of ``make demo``: what ran, where each output is, what to try next.
+
+    python -m flexpack.demo OUT [--bin .venv/bin]
+
+Lists only outputs that exist (a step that did not run leaves no line): the dataset with its
+latent cache and pooled statistics, the run folder, its newest checkpoint, ``metrics.jsonl``,
+``metrics.png``, ``tb/``, the sampler-statistics PNGs, and any sampling outputs under the run
+(``samples/**/metrics.json`` and their PNGs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def _rel(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def _last_losses(metrics: Path) -> str:
+    """The first and last logged loss, as ``loss 1.23 -> 0.45 over N steps``; "" when unreadable."""
+    records = []
+    for line in metrics.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a torn last line of a killed run
+        if isinstance(rec, dict) and isinstance(rec.get("loss"), (int, float)):
+            records.append(rec)
+    if not records:
+        return ""
+    first, last = records[0], records[-1]
+    return f"loss {first['loss']:.4g} (step {first['step']}) -> {last['loss']:.4g} (step {last['step']})"
+
+
+def outputs(out: Path, run: Path, data: Path) -> list[tuple[str, str]]:
+    """(label, where) for every demo output that exists."""
+    from flexpack.training import checkpoint
+
+    rows: list[tuple[str, str]] = []
+    if data.is_dir():
+        rows.append(("dataset", f"{_rel(data)}  (LeRobot v3, synthetic)"))
+        if (data / "latents").is_dir():
+            rows.append(("latent cache", _rel(data / "latents")))
+        if (data / "latents" / "stats.json").is_file():
+            rows.append(("action stats", f"{_rel(data / 'latents' / 'stats.json')}  (exact over all frames)"))
+    if run.is_dir():
+        rows.append(("run folder", _rel(run)))
+        found = checkpoint.latest(run / "checkpoints")
+        if found is not None:
+            rows.append(("checkpoint", _rel(found)))
+        metrics = run / "metrics.jsonl"
+        if metrics.is_file():
+            losses = _last_losses(metrics)
+            rows.append(("metrics", _rel(metrics) + (f"  ({losses})" if losses else "")))
+        if (run / "metrics.png").is_file():
+            rows.append(("plot", _rel(run / "metrics.png")))
+        if (run / "tb").is_dir():
+            rows.append(("tensorboard", f"{_rel(run / 'tb')}  (tensorboard --logdir {_rel(run / 'tb')})"))
+        for m in sorted(run.glob("samples/**/metrics.json")):
+            rows.append(("sample metrics", _rel(m)))
+            rows += [("sample plot", _rel(p)) for p in sorted(m.parent.glob("*.png"))]
+    for png in sorted(out.glob("stats_*.png")):
+        rows.append(("sampler stats", _rel(png)))
+    return rows
+
+
+def summary(out: str | Path, *, run: str | Path | None = None, data: str | Path | None = None,
+            bin_dir: str = ".venv/bin") -> str:
+    out = Path(out)
+    run = Path(run) if run is not None else out / "demo-run"
+    data = Path(data) if data is not None else out / "demo-data"
+    rows = outputs(out, run, data)
+    width = max((len(label) for label, _ in rows), default=0)
+    fp = f"{bin_dir}/flexpack"
+    lines = [
+        "",
+        "== flexpack demo: done ==",
+        "What ran: a synthetic LeRobot dataset -> its latent cache (pool encoder) and pooled action statistics",
+        "-> the tiny WanVA trained on CPU in pack mode -> packed == per-episode check -> sampler statistics of",
+        "the demo's own episodes.",
+        "",
+        "Outputs:",
+        *(f"  {label:<{width}}  {where}" for label, where in rows),
+        "",
+        f"`flexpack` lives in {bin_dir}/: run `source {bin_dir}/activate` to use the README's commands as",
+        f"written, or call {fp} directly. Try next:",
+        f"  {fp} check-dataset {_rel(data)}          # problems, and what normalization clips per action dimension",
+        f"  {fp} train configs/tiny_cpu.toml --set data.root={_rel(data)} --set runtime.out_dir={_rel(run)} "
+        "--set schedule.steps=80   # resumes and trains on",
+        f"  {fp} export {_rel(run)} {_rel(out / 'demo-export')}          # diffusers folder, model card, LeRobot-style policy",
+        f"  {fp} stats --frames-file data/episode_frames_ref.txt --mode pack --max-tokens 65536 --world-size 8"
+        "   # packing at Wan2.2-5B scale",
+        "  README.md, 'Train on your data': the same steps on a LeRobot dataset with the real Wan2.2 VAE.",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m flexpack.demo", description=__doc__.splitlines()[0])
+    p.add_argument("out", type=Path, help="the demo's output folder (make demo: out)")
+    p.add_argument("--run", type=Path, default=None, help="run folder (default OUT/demo-run)")
+    p.add_argument("--data", type=Path, default=None, help="dataset folder (default OUT/demo-data)")
+    p.add_argument("--bin", default=".venv/bin", help="where the flexpack command is")
+    args = p.parse_args(argv)
+    print(summary(args.out, run=args.run, data=args.data, bin_dir=args.bin))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,215 @@
+"""What ``flexpack export`` adds for the ecosystem beside the diffusers folder.
+
+``OUT/README.md``
+    A model card (Hugging Face front matter + text): base model, data, steps, the training config,
+    the final losses of ``metrics.jsonl`` and the newest sample metrics under ``RUN/samples/``.
+``OUT/lerobot_policy/``
+    The layout LeRobot users know from ``PreTrainedPolicy.save_pretrained`` and its processors:
+    ``config.json`` (``type``, ``input_features``, ``output_features``, ``normalization_mapping``,
+    the WanVA config), ``model.safetensors`` (the whole WanVA, flexpack names, one file), and the
+    normalization as LeRobot processor pipelines (``policy_preprocessor.json`` /
+    ``policy_postprocessor.json`` with their ``*.safetensors`` statistics), written by lerobot's own
+    ``DataProcessorPipeline.save_pretrained`` so ``DataProcessorPipeline.from_pretrained`` reads them.
+    The action statistics are those the weights were trained with (the checkpoint's); states and
+    the remaining fields come from the dataset's pooled statistics (:mod:`flexpack.data.action_stats`).
+``push_to_hub``
+    Uploads the finished folder through ``huggingface_hub`` (``HfApi`` or any object with its
+    ``create_repo`` / ``upload_folder`` methods).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+POLICY_DIR = "lerobot_policy"
+POLICY_TYPE = "flexpack_wanva"
+
+
+# -- run facts -------------------------------------------------------------------------------------
+def _records(run: Path) -> list[dict[str, Any]]:
+    path = run / "metrics.jsonl"
+    out = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a torn last line of a killed run
+        if isinstance(rec, dict):
+            out.append(rec)
+    return out
+
+
+def final_losses(run: Path) -> dict[str, float]:
+    """The last logged value of every ``*loss`` key (train and validation) in ``RUN/metrics.jsonl``."""
+    out: dict[str, float] = {}
+    for rec in _records(run):
+        for key, value in rec.items():
+            if key.endswith("loss") and isinstance(value, (int, float)) and not isinstance(value, bool):
+                out[key] = float(value)
+    return out
+
+
+def sample_metrics(run: Path) -> tuple[Path | None, dict[str, float]]:
+    """The newest ``RUN/samples/**/metrics.json`` and its numeric entries (none before sampling runs)."""
+    found = sorted((run / "samples").glob("**/metrics.json"), key=lambda p: (p.stat().st_mtime, str(p)))
+    if not found:
+        return None, {}
+    try:
+        data = json.loads(found[-1].read_text())
+    except (OSError, json.JSONDecodeError):
+        return found[-1], {}
+    flat = {k: float(v) for k, v in data.items() if isinstance(v, (int, float)) and not isinstance(v, bool)} \
+        if isinstance(data, dict) else {}
+    return found[-1], flat
+
+
+# -- model card ------------------------------------------------------------------------------------
+def model_card(*, run: Path, cfg: Any, step: int, norm: dict[str, Any], ema: bool, dataset_info: dict[str, Any]) -> str:
+    base = cfg.model.pretrained or f"none (random init, preset {cfg.model.preset!r})"
+    losses = final_losses(run)
+    sample_file, samples = sample_metrics(run)
+    root = str(cfg.data.root)
+    front = ["---", "library_name: flexpack", "license: apache-2.0", "pipeline_tag: robotics",
+             "tags: [flexpack, lerobot, robotics, vla, video-diffusion, wan]"]
+    if cfg.model.pretrained and not Path(cfg.model.pretrained).exists() and cfg.model.pretrained.count("/") == 1:
+        front.append(f"base_model: {cfg.model.pretrained}")  # a Hub id, not a local folder
+    if not Path(root).exists() and root.count("/") == 1:
+        front.append(f"datasets: [{root}]")
+    front.append("---")
+    lines = [
+        *front, "", f"# {run.name}: a Wan-style video/action diffusion transformer trained with flexpack", "",
+        "| | |", "|---|---|",
+        f"| base model | {base} |",
+        f"| data | `{root}` ({dataset_info.get('episodes', '?')} episodes, {dataset_info.get('frames', '?')} frames, "
+        f"cameras {', '.join(dataset_info.get('cameras', [])) or '?'}) |",
+        f"| action normalization | {norm['mode']} ({getattr(cfg.data, 'action_stats', 'pooled')} statistics): "
+        f"{norm['formula']} |",
+        f"| steps | {step} of {cfg.schedule.steps} ({cfg.data.mode} mode, "
+        f"{cfg.data.max_tokens if cfg.data.mode == 'pack' else cfg.data.batch_size} "
+        f"{'tokens' if cfg.data.mode == 'pack' else 'episodes'} per micro-batch, {cfg.optim.accum_steps} micro-batches per step) |",
+        f"| weights | {'EMA (ema/) and ' if ema else ''}final, in diffusers' WanTransformer3DModel layout + the action stream |",
+        "", "## Final losses", "",
+    ]
+    lines += [f"- `{k}`: {v:.5g}" for k, v in sorted(losses.items())] or ["- none logged"]
+    lines += ["", "## Sample metrics", ""]
+    if samples:
+        lines += [f"From `{sample_file.relative_to(run)}`:", ""] + [f"- `{k}`: {v:.5g}" for k, v in sorted(samples.items())]
+    else:
+        lines.append("- no sampling run was recorded")
+    lines += [
+        "", "## Use", "", "```python",
+        "import diffusers",
+        "video = diffusers.WanTransformer3DModel.from_pretrained(FOLDER)   # the video transformer",
+        "from flexpack.training.export import load_export",
+        "model = load_export(FOLDER)                                       # WanVA with the action stream",
+        "```", "",
+        f"`{POLICY_DIR}/` holds the LeRobot-style policy folder (config.json, model.safetensors, and the "
+        "normalization as LeRobot processor pipelines); `normalization.json` says how to invert the action "
+        "normalization.", "",
+        "## Training config", "", "```json", json.dumps(cfg.to_dict(), indent=2, default=str), "```", "",
+    ]
+    return "\n".join(lines)
+
+
+# -- LeRobot-style policy folder ---------------------------------------------------------------------
+def _features(meta: Any, cfg: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """LeRobot ``PolicyFeature``s as JSON: cameras (3, H, W), the state, the action."""
+    inputs: dict[str, Any] = {}
+    cams = list(cfg.data.cameras) if cfg.data.cameras else list(meta.video_keys)
+    for key in meta.video_keys:
+        if key in cams or key.split(".")[-1] in cams:
+            h, w, c = meta.features[key]["shape"]
+            inputs[key] = {"type": "VISUAL", "shape": [int(c), int(h), int(w)]}
+    if "observation.state" in meta.features:
+        inputs["observation.state"] = {"type": "STATE", "shape": [int(torch.Size(meta.features["observation.state"]["shape"]).numel())]}
+    action = {"action": {"type": "ACTION", "shape": [int(torch.Size(meta.features["action"]["shape"]).numel())]}}
+    return inputs, action
+
+
+def _stats_tensors(norm: dict[str, Any], pooled: dict[str, Any], keys: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+    """Per feature: LeRobot's stat names as float32 tensors; the action's q01/q99 (or mean/std) are the
+    checkpoint's, the rest the pooled statistics."""
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for key in keys:
+        stats = {k: torch.tensor(v, dtype=torch.float32) for k, v in (pooled.get(key) or {}).items() if isinstance(v, list)}
+        out[key] = stats
+    if norm["mode"] == "quantile":
+        out.setdefault("action", {}).update(q01=torch.tensor(norm["low"]), q99=torch.tensor(norm["high"]))
+    elif norm["mode"] == "meanstd":
+        out.setdefault("action", {}).update(mean=torch.tensor(norm["low"]), std=torch.tensor(norm["high"]))
+    return {k: {n: t.float() for n, t in v.items()} for k, v in out.items()}
+
+
+def write_policy_folder(folder: Path, *, cfg: Any, wcfg: Any, state_dict: dict[str, torch.Tensor], norm: dict[str, Any],
+                        pooled: dict[str, Any], meta: Any, dtype: torch.dtype = torch.float32) -> Path:
+    """``folder`` as a LeRobot-style policy folder (see the module docstring)."""
+    from dataclasses import asdict
+
+    from lerobot.configs.types import FeatureType, NormalizationMode, PolicyFeature
+    from lerobot.processor import DataProcessorPipeline
+    from lerobot.processor.normalize_processor import NormalizerProcessorStep, UnnormalizerProcessorStep
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    inputs, outputs = _features(meta, cfg)
+    mode = {"quantile": "QUANTILES", "meanstd": "MEAN_STD", "none": "IDENTITY"}[norm["mode"]]
+    state_mode = "QUANTILES" if mode == "QUANTILES" else ("MEAN_STD" if mode == "MEAN_STD" else "IDENTITY")
+    mapping = {"VISUAL": "IDENTITY", "STATE": state_mode, "ACTION": mode}
+    config = {
+        "type": POLICY_TYPE, "n_obs_steps": 1, "normalization_mapping": mapping,
+        "input_features": inputs, "output_features": outputs, "device": "cuda", "use_amp": False,
+        "action_steps_per_latent_frame": cfg.data.action_steps, "temporal_stride": cfg.data.stride,
+        "action_channels": norm["channels"], "wanva_config": asdict(wcfg), "license": "apache-2.0",
+        "note": "weights in flexpack's WanVA names; flexpack.models.WanVA(WanVAConfig(**wanva_config)).load_state_dict",
+    }
+    (folder / "config.json").write_text(json.dumps(config, indent=2, default=list) + "\n")
+    save_file({k: v.to(dtype).contiguous() for k, v in state_dict.items()}, str(folder / "model.safetensors"),
+              metadata={"format": "pt", "flexpack": POLICY_TYPE})
+
+    features = {k: PolicyFeature(type=FeatureType(v["type"]), shape=tuple(v["shape"])) for k, v in {**inputs, **outputs}.items()}
+    norm_map = {FeatureType(k): NormalizationMode(v) for k, v in mapping.items()}
+    stats = _stats_tensors(norm, pooled, [k for k in features if k in pooled or k == "action"])
+    pre = NormalizerProcessorStep(features=features, norm_map=norm_map, stats=stats)
+    post = UnnormalizerProcessorStep(features={"action": features["action"]}, norm_map=norm_map, stats=stats)
+    DataProcessorPipeline([pre], name="policy_preprocessor").save_pretrained(folder)
+    DataProcessorPipeline([post], name="policy_postprocessor").save_pretrained(folder)
+    return folder
+
+
+# -- the Hub ---------------------------------------------------------------------------------------
+def push_to_hub(folder: str | Path, repo_id: str, *, private: bool = False, api: Any = None,
+                commit_message: str | None = None) -> str:
+    """Upload an exported folder to ``repo_id`` (created if missing); returns the commit's URL or id."""
+    if api is None:
+        try:
+            from huggingface_hub import HfApi
+        except ImportError as exc:
+            raise ImportError("--push-to-hub needs huggingface_hub: pip install 'flexpack[hub]'") from exc
+        api = HfApi()
+    folder = Path(folder)
+    api.create_repo(repo_id=repo_id, repo_type="model", private=private, exist_ok=True)
+    info = api.upload_folder(folder_path=str(folder), repo_id=repo_id, repo_type="model",
+                             commit_message=commit_message or f"flexpack export of {folder.name}")
+    return str(getattr(info, "commit_url", None) or info)
+
+
+# -- the one call from export ---------------------------------------------------------------------
+def write_extras(out: Path, *, run: Path, cfg: Any, wcfg: Any, state_dict: dict[str, torch.Tensor], norm: dict[str, Any],
+                 step: int, ema: bool, dtype: torch.dtype = torch.float32, policy: bool = True) -> None:
+    """The model card and (``policy``) the LeRobot-style policy folder inside the export folder ``out``."""
+    from flexpack.data import action_stats, cache
+    from flexpack.data.episodes import EpisodeSource
+
+    source = EpisodeSource(cfg.data.root)
+    latents = cfg.data.latents_dir or cache.default_latents_dir(source.root)
+    pooled = action_stats.pooled(source, latents)
+    cams = list(cfg.data.cameras) if cfg.data.cameras else list(source.video_keys)
+    info = {"episodes": len(source.episodes), "frames": pooled["frames"], "cameras": cams}
+    (out / "README.md").write_text(model_card(run=run, cfg=cfg, step=step, norm=norm, ema=ema, dataset_info=info))
+    if policy:
+        write_policy_folder(out / POLICY_DIR, cfg=cfg, wcfg=wcfg, state_dict=state_dict, norm=norm,
+                            pooled=pooled["features"], meta=source.meta, dtype=dtype)

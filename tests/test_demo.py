@@ -1,0 +1,38 @@
+"""``make demo``'s closing summary lists the outputs that exist, and only those."""
+
+from __future__ import annotations
+
+import json
+
+from flexpack import demo
+
+
+def test_summary_lists_existing_outputs_only(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "out"
+    (out / "demo-data" / "latents").mkdir(parents=True)
+    text = demo.summary(out)
+    assert "dataset" in text and "latent cache  out/demo-data/latents" in text
+    assert "run folder" not in text and "action stats" not in text and "sampler stats" not in text
+
+    (out / "demo-data" / "latents" / "stats.json").write_text("{}")
+    run = out / "demo-run"
+    (run / "tb").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 3.5}) + "\n" + json.dumps({"step": 40, "loss": 1.25})
+                                       + '\n{"step": 41, "lo')  # a torn last line is skipped
+    (run / "metrics.png").write_bytes(b"png")
+    (out / "stats_pack.png").write_bytes(b"png")
+    samples = run / "samples" / "step_00000040"
+    samples.mkdir(parents=True)
+    (samples / "metrics.json").write_text("{}")
+    (samples / "actions_ep0.png").write_bytes(b"png")
+    rows = dict(demo.outputs(out, run, out / "demo-data"))
+    assert rows["run folder"] == "out/demo-run" and rows["plot"] == "out/demo-run/metrics.png"
+    assert rows["metrics"] == "out/demo-run/metrics.jsonl  (loss 3.5 (step 1) -> 1.25 (step 40))"
+    assert rows["tensorboard"].startswith("out/demo-run/tb  (tensorboard --logdir out/demo-run/tb)")
+    assert rows["sample metrics"] == "out/demo-run/samples/step_00000040/metrics.json"
+    assert rows["sample plot"] == "out/demo-run/samples/step_00000040/actions_ep0.png"
+    assert rows["sampler stats"] == "out/stats_pack.png" and "checkpoint" not in rows  # none written
+    text = demo.summary(out, bin_dir=".venv/bin")
+    assert text.splitlines()[1] == "== flexpack demo: done ==" and "source .venv/bin/activate" in text
+    assert ".venv/bin/flexpack export out/demo-run" in text
