@@ -283,7 +283,7 @@ def test_tensorboard_restart_before_any_checkpoint_drops_the_killed_runs_steps(t
             sinks.log({"step": step, "loss": 2.0})
     acc = EventAccumulator(str(tmp_path / "tb"))
     acc.Reload()
-    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(1, 2.0), (2, 2.0)]
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 2.0), (2, 2.0)]
 
 
 def test_async_save_writes_checksums_too(tiny_dataset, tmp_path):
