@@ -255,7 +255,11 @@ def test_int8_cache_and_missing_stats_are_problems_for_check_dataset_and_train(c
     (root / "meta" / "stats.json").unlink()
     code = main(["check-dataset", str(root)])
     out = capsys.readouterr().out
-    assert code == 1 and "tensor 'latent' has dtype int8" in out and "no 'action' statistics" in out
+    # the default (pooled) statistics need no meta/stats.json; LeRobot's do
+    assert code == 1 and "tensor 'latent' has dtype int8" in out and "no 'action' statistics" not in out
+    code = main(["check-dataset", str(root), "--action-stats", "lerobot"])
+    out = capsys.readouterr().out
+    assert code == 1 and "no 'action' statistics" in out
     code, err = _cli(capsys, *_train(root, tmp_path / "run", "data.normalize=false"))
     assert code == 2 and "has dtype int8" in _line(err, "train")
 

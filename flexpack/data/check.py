@@ -42,6 +42,7 @@ def check_dataset(
     cameras: list[str] | None = None,
     stride: int = 4,
     action_key: str = "action",
+    action_stats: str = "pooled",
     progress: bool = False,
 ) -> tuple[list[Problem], EpisodeSource]:
     if stride < 1:
@@ -54,10 +55,13 @@ def check_dataset(
     if action_key not in source.meta.features:
         problems.append(Problem("shape", None, source.info_file, f"no feature {action_key!r} in the dataset"))
         return problems, source
-    if not (source.meta.stats or {}).get(action_key):  # train normalizes actions with them (data.normalize)
+    # with data.action_stats = "lerobot" train normalizes actions with LeRobot's statistics; the pooled
+    # default computes its own (LATENTS/stats.json, or on the spot), so meta/stats.json is optional then
+    if action_stats == "lerobot" and not (source.meta.stats or {}).get(action_key):
         problems.append(Problem("missing", None, source.root / "meta" / "stats.json",
-                                f"no {action_key!r} statistics: train with data.normalize = true needs them; "
-                                "restore meta/stats.json or train with data.normalize = false"))
+                                f"no {action_key!r} statistics: train with data.action_stats = 'lerobot' and "
+                                "data.normalize = true needs them; restore meta/stats.json, or train with "
+                                "data.action_stats = 'pooled' or data.normalize = false"))
 
     users: dict[int, list[int]] = {}  # task index -> episodes annotated with it (every subtask counts)
     for ep in source.episodes:
@@ -146,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         problems, source = check_dataset(
             args.root, latents_dir=args.latents_dir, cameras=args.cameras, stride=args.stride,
-            action_key=args.action_key, progress=sys.stderr.isatty(),
+            action_key=args.action_key, action_stats=args.action_stats, progress=sys.stderr.isatty(),
         )
     except FileNotFoundError as exc:
         print(f"[missing] dataset: {exc}")
