@@ -62,8 +62,9 @@ def _torchao() -> Any:
     return f8
 
 
-def layer_filter(module: nn.Module, fqn: str, *, min_dim: int = MIN_DIM) -> bool:
+def layer_filter(module: nn.Module, fqn: str, *, min_dim: int | None = None) -> bool:
     """Whether the linear layer at ``fqn`` (a name inside the model) gets float8 matmuls."""
+    min_dim = MIN_DIM if min_dim is None else min_dim
     if not isinstance(module, nn.Linear):
         return False
     if not (fqn.startswith("blocks.") or ".blocks." in fqn):
@@ -75,7 +76,7 @@ def layer_filter(module: nn.Module, fqn: str, *, min_dim: int = MIN_DIM) -> bool
 
 
 def convert(model: nn.Module, mode: str, *, fsdp: bool = False, emulate: bool = False,
-            min_dim: int = MIN_DIM) -> list[str]:
+            min_dim: int | None = None) -> list[str]:
     """Swap the blocks' qualifying ``nn.Linear`` layers for torchao ``Float8Linear`` in place;
     returns their names. ``fsdp``: float8 all-gather of the weights (tensorwise only: torchao has it
     for dynamic tensorwise scales). ``emulate``: float8 numerics without float8 kernels (tests on CPU)."""
