@@ -30,7 +30,7 @@ def run_loop(args, name: str, lengths: list[int], items, device: torch.device, c
     sampler = TokenBudgetBatchSampler(lengths, args.max_tokens, tokens_per_frame=tpf)
     data = Data(items, sampler, _Collate(PackCollate.from_token_budget(args.max_tokens, tpf), actions=False), tpf,
                 text_slots=run_text_slots(sampler))
-    log_every = 10 if not args.smoke else 1
+    log_every = args.loop_log_every if not args.smoke else 1
     steps = log_every * (1 + max(1, args.loop_steps // log_every))  # a compile window + the measured ones
     out = tempfile.mkdtemp(prefix="flexpack-loop-")
     cfg = replace(cfg, schedule=replace(cfg.schedule, steps=steps, warmup_steps=1),

@@ -348,7 +348,9 @@ def main() -> None:
     p.add_argument("--no-diffusers", action="store_true", help="drop the diffusers variants from --variants")
     p.add_argument("--diffusers-steps", type=int, default=None,
                    help="timed packs for diffusers (default --steps): its episodes run one by one, twice")
-    p.add_argument("--loop-steps", type=int, default=30, help="logged steps of the loop-* variants (log_every 10)")
+    p.add_argument("--loop-steps", type=int, default=30, help="measured steps of the loop-* variants (after a first "
+                   "window of --loop-log-every steps that holds the compile)")
+    p.add_argument("--loop-log-every", type=int, default=10, help="runtime.log_every of the loop-* variants")
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks the code paths, times nothing real")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/train_step_h200.json"))
     args = p.parse_args()
