@@ -101,7 +101,8 @@ def main() -> None:
         args.out.write_text(json.dumps(results, indent=1))
         print(f"[float8 {mode}] " + (run.get("error") or f"loss {run['losses'][0]:.4f} -> {run['losses'][-1]:.4f}, "
               f"{run['tokens_per_s']:.0f} tok/s, {run['layers_float8']} float8 layers, "
-              f"vs bf16 {run.get('final_rel_diff_vs_bf16', 0):+.2%}, wall {run['wall_s']:.0f} s"), flush=True)
+              + (f"vs bf16 {run['final_rel_diff_vs_bf16']:+.2%}, " if "final_rel_diff_vs_bf16" in run else "")
+              + f"wall {run['wall_s']:.0f} s"), flush=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     checkpoint.Checkpointer.save = save
