@@ -1,5 +1,6 @@
-"""Parallelize a plain WanVA from outside: regional compilation, activation checkpointing, then
-FSDP2 per block, then the root.
+"""Parallelize a plain WanVA from outside: float8 linear layers (``runtime.float8``,
+:mod:`flexpack.training.float8`), regional compilation, activation checkpointing (whole blocks, or
+per op: :mod:`flexpack.training.selective`), then FSDP2 per block, then the root.
 
 The model file knows nothing of ranks. :func:`parallelize` compiles each block's forward
 (``compile=True``: one inductor graph per block with FlexAttention inside, so AdaLN modulation,
