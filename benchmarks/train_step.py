@@ -377,6 +377,7 @@ def main() -> None:
         args.pad_batch = max(1, round(args.max_tokens / (statistics.mean(lengths) * tpf)))
         for v in variants:
             t0 = time.perf_counter()
+            held = torch.cuda.memory_allocated(device) / 1e9 if device.type == "cuda" else None  # a leak shows here
             try:
                 if v.startswith("diffusers"):
                     how = {"diffusers-compiled": "whole", "diffusers-regional": "regional"}.get(v, False)
@@ -400,7 +401,7 @@ def main() -> None:
                         flex.AUTO_CUDA["text"] = text_backend
             except Exception as exc:  # keep the other variants' numbers; say what failed
                 r = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
-            r["wall_s"] = time.perf_counter() - t0
+            r["wall_s"], r["mem_at_start_gb"] = time.perf_counter() - t0, held
             res[v] = r
             _summarize(res)
             args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -410,6 +411,8 @@ def main() -> None:
                   f"host {r.get('host_ms_per_step') or 0:.0f} ms, syncs {r.get('host_syncs_per_step')}, "
                   f"peak {r.get('peak_mem_gb') or 0:.1f} GB, recompiles {r.get('recompiles_after_warmup')}, wall {r['wall_s']:.0f} s"),
                   flush=True)
+            if args.layers > 8:  # compiled code may hold the last model: at 30 layers two would not fit
+                torch._dynamo.reset()
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
