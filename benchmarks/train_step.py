@@ -13,6 +13,13 @@ measured in the same run.
     python benchmarks/train_step.py --out $OUT/train_step_h200.json                # both sets, all variants
     python benchmarks/train_step.py --sets short --variants pack-compiled,diffusers-compiled
     python benchmarks/train_step.py --smoke                                        # CPU, tiny shapes: API check
+    python benchmarks/train_step.py --variants pack-compiled,pack-float8-rowwise,pack-float8-tensorwise,diffusers-compiled
+    python benchmarks/train_step.py --layers 30 --activation-checkpointing selective --variants pack-float8-rowwise
+    python benchmarks/train_step.py --variants pack-compiled,loop-compiled         # flexpack train vs its bare step
+
+``pack-float8-MODE``: the compiled step with ``runtime.float8 = MODE``; where one ran, the set's ``pack`` figures
+are the fastest float8 step and its ``float8`` key has the mode, its tokens/s and the bf16 step's. ``loop-*``:
+``benchmarks/loop_vs_step.py``. ``--activation-checkpointing`` (true / N / selective) applies to every flexpack variant.
 
 Each variant: warm-up steps (compiles), a first pass over the timed steps with a sync around each
 (host time; for diffusers also the first step at each episode length, ``first_pass_tokens_per_s``),
