@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Float8 training, selective checkpointing and the loop vs its step on one H200, in one call of <= 9 minutes.
 #
-#   OUT=/path benchmarks/float8_h200.sh          # BUDGET=530 (seconds for all stages), SKIP="stage ..." to leave some out
+#   OUT=/path benchmarks/float8_h200.sh          # BUDGET=515 (seconds for all stages), SKIP="stage ..." to leave some out
 #
 # Wheels: every .whl under .whl/ (torchao, diffusers, ...) is installed with pip --no-index --no-deps into /tmp/site;
 # FA4 too where .gpuwheels-a/ and .gpuwheels-b/ are there (shared tools/gpu-wheels.sh layout). Stages, most
@@ -18,7 +18,7 @@
 #   loop4      4 layers, bf16: `flexpack train` vs its bare step                           train_step_loop_h200.json
 set -uo pipefail
 OUT=${OUT:?set OUT to the output folder}
-BUDGET=${BUDGET:-530}
+BUDGET=${BUDGET:-515}
 SKIP=${SKIP:-}
 X=${SMOKE:+--smoke}  # SMOKE=1: every stage on CPU with tiny shapes (a check of the script, no numbers)
 mkdir -p "$OUT"
