@@ -10,9 +10,9 @@
 #   verify     packed vs per-episode errors under each float8 mode (2 blocks, 5B widths)   float8_verify_h200.json
 #   ref        4-layer step, reference lengths: bf16 vs float8 rowwise / tensorwise vs     train_step_h200.json
 #              diffusers compiled
+#   loss       loss curves bf16 vs tensorwise vs rowwise, same data and seed (+ PNG)       float8_loss_h200.json
 #   wan5b      30 layers, every block checkpointed, float8 rowwise: bare step and          train_step_30l_h200.json
 #              `flexpack train` (log_every 10) on the same packs (loop_vs_step)
-#   loss       loss curves bf16 vs tensorwise vs rowwise, same data and seed (+ PNG)       float8_loss_h200.json
 #   short      as ref on the short-episode set                                             train_step_h200.json
 #   wan5b_ac_* 30 layers, float8: selective checkpointing / 26 of 30 blocks checkpointed   train_step_30l_ac_*_h200.json
 #   loop4      4 layers, bf16: `flexpack train` vs its bare step                           train_step_loop_h200.json
@@ -60,11 +60,11 @@ F8="pack-compiled,pack-float8-rowwise,pack-float8-tensorwise"
 stage verify 30 60 python3 benchmarks/float8_verify.py $X --out "$OUT/float8_verify_h200.json"
 stage ref 120 230 python3 $S $X --sets ref --variants "$F8,diffusers-compiled" --steps 6 --warmup 2 --diffusers-steps 2 \
   --out "$OUT/train_step_h200.json"
+stage loss 50 120 python3 benchmarks/float8_loss.py $X --steps 100 --max-tokens 8192 --out "$OUT/float8_loss_h200.json"
+[[ -f "$OUT/float8_loss_h200.json" ]] && python3 benchmarks/plot_float8_loss.py "$OUT/float8_loss_h200.json" 2>&1 | tail -1
 # the full 30-layer 5B, every block checkpointed, float8: the bare step and `flexpack train` (log_every 10) on the same packs
 stage wan5b 120 240 python3 $S $X --sets ref --layers 30 --activation-checkpointing true \
   --variants pack-float8-rowwise,loop-float8-rowwise --steps 4 --warmup 2 --loop-steps 10 --out "$OUT/train_step_30l_h200.json"
-stage loss 70 150 python3 benchmarks/float8_loss.py $X --steps 100 --max-tokens 8192 --out "$OUT/float8_loss_h200.json"
-[[ -f "$OUT/float8_loss_h200.json" ]] && python3 benchmarks/plot_float8_loss.py "$OUT/float8_loss_h200.json" 2>&1 | tail -1
 stage short 100 200 python3 $S $X --sets short --variants "$F8,diffusers-compiled" --steps 6 --warmup 2 --diffusers-steps 2 \
   --out "$OUT/train_step_h200.json"
 for ac in selective 26; do  # 30 layers: per-op checkpointing of every block, or 4 blocks left whole

@@ -48,6 +48,8 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=16384, help="tokens per pack (smaller than a real run: more steps fit)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--set", dest="lengths", default="short", choices=("ref", "short"))
+    p.add_argument("--compile", action="store_true", help="compiled blocks (default eager: no compile time per mode; "
+                   "the float8 recipe and its numerics are the same)")
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU with emulated float8: checks the code path")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/float8_loss_h200.json"))
     args = p.parse_args()
@@ -63,7 +65,7 @@ def main() -> None:
     preset = "tiny" if args.smoke else "wan2.2-5b"
     results = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__,
                "date": time.strftime("%Y-%m-%d"), "layers": args.layers, "max_tokens": args.max_tokens, "lr": args.lr,
-               "set": args.lengths, "steps": args.steps, "command": " ".join(sys.argv), "runs": {}}
+               "set": args.lengths, "steps": args.steps, "compile": args.compile, "command": " ".join(sys.argv), "runs": {}}
     save = checkpoint.Checkpointer.save
     checkpoint.Checkpointer.save = lambda self, *a, **k: None  # the curves are the output, not the weights
     for mode in args.modes.split(","):
@@ -75,6 +77,7 @@ def main() -> None:
             "schedule": {"steps": args.steps, "warmup_steps": max(1, args.steps // 10), "decay": "constant"},
             "checkpoint": {"every": 0},
             "runtime": {"dtype": "bfloat16", "float8": mode, "progress": False, "tensorboard": False, "log_every": 1,
+                        "compile": args.compile,
                         "out_dir": out, "seed": 0, "device": str(device.type)}})
         sampler = TokenBudgetBatchSampler(lengths, args.max_tokens, tokens_per_frame=tpf)
         data = Data(items, sampler, _Collate(PackCollate.from_token_budget(args.max_tokens, tpf), actions=False), tpf,
