@@ -13,6 +13,13 @@ measured in the same run.
     python benchmarks/train_step.py --out $OUT/train_step_h200.json                # both sets, all variants
     python benchmarks/train_step.py --sets short --variants pack-compiled,diffusers-compiled
     python benchmarks/train_step.py --smoke                                        # CPU, tiny shapes: API check
+    python benchmarks/train_step.py --variants pack-compiled,pack-float8-rowwise,pack-float8-tensorwise,diffusers-compiled
+    python benchmarks/train_step.py --layers 30 --activation-checkpointing selective --variants pack-float8-rowwise
+    python benchmarks/train_step.py --variants pack-compiled,loop-compiled         # flexpack train vs its bare step
+
+``pack-float8-MODE``: the compiled step with ``runtime.float8 = MODE``; where one ran, the set's ``pack`` figures
+are the fastest float8 step and its ``float8`` key has the mode, its tokens/s and the bf16 step's. ``loop-*``:
+``benchmarks/loop_vs_step.py``. ``--activation-checkpointing`` (true / N / selective) applies to every flexpack variant.
 
 Each variant: warm-up steps (compiles), a first pass over the timed steps with a sync around each
 (host time; for diffusers also the first step at each episode length, ``first_pass_tokens_per_s``),
@@ -47,7 +54,22 @@ from flexpack.training.optim import build_optimizer  # noqa: E402
 from flexpack.training.step import train_step  # noqa: E402
 
 REF = Path(__file__).resolve().parents[1] / "data" / "episode_frames_ref.txt"
-VARIANTS = ("pack-compiled", "pack-eager", "diffusers-compiled", "diffusers-regional", "diffusers-eager", "pad-eager")
+VARIANTS = ("pack-compiled", "pack-float8-tensorwise", "pack-float8-rowwise", "pack-eager", "diffusers-compiled",
+            "diffusers-regional", "diffusers-eager", "pad-eager")
+# also: loop-compiled, loop-float8-MODE: the same packs through `flexpack train` (benchmarks/loop_vs_step.py)
+
+
+def float8_of(variant: str) -> str:
+    """runtime.float8 of a variant name (``pack-float8-rowwise`` → ``rowwise``); float8 variants are compiled."""
+    return variant.split("float8-", 1)[1] if "float8-" in variant else "off"
+
+
+def parse_ac(text: str) -> bool | int | str:
+    """``--activation-checkpointing``: true / false / a block count / selective."""
+    low = text.strip().lower()
+    if low in ("true", "false"):
+        return low == "true"
+    return "selective" if low == "selective" else int(low)
 
 
 def length_sets(smoke: bool) -> dict[str, list[int]]:
@@ -58,14 +80,15 @@ def length_sets(smoke: bool) -> dict[str, list[int]]:
     return {"ref": read_frames_file(REF), "short": np.random.default_rng(0).integers(56, 147, 1280).tolist()}
 
 
-def config(args: argparse.Namespace, mode: str, compile_: bool) -> TrainConfig:
+def config(args: argparse.Namespace, mode: str, compile_: bool, float8: str = "off") -> TrainConfig:
     model = {"preset": "tiny", "overrides": {"num_layers": args.layers, "action_channels": 0}} if args.smoke else \
         {"preset": "wan2.2-5b", "overrides": {"num_layers": args.layers, "action_channels": 0}}
     return from_dict(TrainConfig, {
         "data": {"mode": mode, "max_tokens": args.max_tokens},
         "model": model,
         "optim": {"lr": 1e-5, "betas": [0.9, 0.95], "grad_clip": 1.0},
-        "runtime": {"dtype": "bfloat16", "compile": compile_, "progress": False,
+        "runtime": {"dtype": "bfloat16", "compile": compile_, "progress": False, "float8": float8,
+                    "activation_checkpointing": args.activation_checkpointing,
                     "activation_memory_budget": args.memory_budget if compile_ else 1.0},
     })
 
@@ -118,7 +141,7 @@ def _medians(times: list[float], host: list[float], tokens: list[int], flops: li
 
 def run_flexpack(args, name: str, lengths: list[int], batches: list[list[int]], items: Items, mode: str,
                  compile_: bool, device: torch.device, peak: float) -> dict:
-    cfg = config(args, mode, compile_)
+    cfg = config(args, mode, compile_, float8_of(name))
     m = cfg.model.wan_config()
     tpf = items.shape[1] // m.patch_size[1] * (items.shape[2] // m.patch_size[2])
     if mode == "pack":
@@ -131,7 +154,8 @@ def run_flexpack(args, name: str, lengths: list[int], batches: list[list[int]], 
     extra = {"text_slots": run_text_slots(sampler)}
     with device:
         model = build_model(cfg)
-    model = parallelize(model, device=device, compile=compile_, memory_budget=cfg.runtime.activation_memory_budget)
+    model = parallelize(model, device=device, compile=compile_, memory_budget=cfg.runtime.activation_memory_budget,
+                        activation_checkpointing=cfg.runtime.activation_checkpointing, float8=cfg.runtime.float8)
     opt = build_optimizer(model, cfg.optim, fused=device.type == "cuda")
     made = [collate([items[i] for i in b]) for b in plan]
     if device.type == "cuda":
@@ -140,6 +164,8 @@ def run_flexpack(args, name: str, lengths: list[int], batches: list[list[int]], 
     for k in range(warm):  # compiles, captures, allocator warm-up
         train_step(model, opt, [made[k]], cfg, step=k, device=device, extra_model_kwargs=extra)
     _sync(device)
+    syncs = count_syncs(lambda: train_step(model, opt, [made[warm - 1]], cfg, step=warm, device=device,
+                                           extra_model_kwargs=extra), device)
     graphs_after_warmup = compiled_graphs()
     _peak_reset(device)
     timed = made[warm:]
@@ -155,11 +181,30 @@ def run_flexpack(args, name: str, lengths: list[int], batches: list[list[int]], 
     flops = [useful_flops(m, b.layout, video_tokens=tpf) for b in timed]
     out = _medians(times, host, tokens, flops, peak)
     out.update(peak_mem_gb=_peak_gb(device), recompiles_after_warmup=compiled_graphs() - graphs_after_warmup,
+               host_syncs_per_step=syncs, float8=cfg.runtime.float8, activation_checkpointing=cfg.runtime.activation_checkpointing,
                losses=losses, finite=all(np.isfinite(losses)), computed_tokens_per_step=made[0].layout.frame_doc.numel() * tpf)
     if args.profile and mode == "pack" and device.type == "cuda":
         out["kernel_split"] = profile_split(lambda: train_step(model, opt, [made[warm]], cfg, step=0, device=device,
                                                                extra_model_kwargs=extra), device)
     return out
+
+
+def count_syncs(fn, device: torch.device) -> int | None:
+    """Host-device synchronizations in one call of ``fn`` (CUDA's sync debug mode warns on each)."""
+    if device.type != "cuda":
+        return None
+    import warnings
+
+    _sync(device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    _sync(device)
+    return sum("synchroniz" in str(w.message).lower() for w in caught)
 
 
 def _event_times(step, n: int, device: torch.device) -> tuple[list[float], list]:
@@ -305,6 +350,14 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="kernel-time split of one packed step")
     p.add_argument("--memory-budget", type=float, default=1.0,
                    help="runtime.activation_memory_budget of the compiled flexpack variants")
+    p.add_argument("--activation-checkpointing", type=parse_ac, default=False, metavar="true|false|N|selective",
+                   help="runtime.activation_checkpointing of the flexpack variants (--layers 30 needs it)")
+    p.add_argument("--no-diffusers", action="store_true", help="drop the diffusers variants from --variants")
+    p.add_argument("--diffusers-steps", type=int, default=None,
+                   help="timed packs for diffusers (default --steps): its episodes run one by one, twice")
+    p.add_argument("--loop-steps", type=int, default=30, help="measured steps of the loop-* variants (after a first "
+                   "window of --loop-log-every steps that holds the compile)")
+    p.add_argument("--loop-log-every", type=int, default=10, help="runtime.log_every of the loop-* variants")
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks the code paths, times nothing real")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/train_step_h200.json"))
     args = p.parse_args()
@@ -318,7 +371,7 @@ def main() -> None:
                    date=time.strftime("%Y-%m-%d"), torch=torch.__version__, layers=args.layers,
                    bf16_matmul_tflops=peak / 1e12, command=" ".join(sys.argv))
     sets = length_sets(args.smoke)
-    variants = args.variants.split(",")
+    variants = [v for v in args.variants.split(",") if not (args.no_diffusers and v.startswith("diffusers"))]
     for set_name in args.sets.split(","):
         lengths = sets[set_name]
         tpf = (H // 2) * (W // 2)
@@ -331,10 +384,16 @@ def main() -> None:
         args.pad_batch = max(1, round(args.max_tokens / (statistics.mean(lengths) * tpf)))
         for v in variants:
             t0 = time.perf_counter()
+            held = torch.cuda.memory_allocated(device) / 1e9 if device.type == "cuda" else None  # a leak shows here
             try:
                 if v.startswith("diffusers"):
                     how = {"diffusers-compiled": "whole", "diffusers-regional": "regional"}.get(v, False)
-                    r = run_diffusers(args, lengths, batches, items, how, device, peak)
+                    n = args.warmup + (args.diffusers_steps or args.steps)
+                    r = run_diffusers(args, lengths, batches[:n], items, how, device, peak)
+                elif v.startswith("loop"):
+                    from loop_vs_step import run_loop
+
+                    r = run_loop(args, v, lengths, items, device, config(args, "pack", True, float8_of(v)), peak)
                 else:
                     from flexpack.attention import flex
 
@@ -343,20 +402,24 @@ def main() -> None:
                     if v.endswith("textflash"):  # experiment: FA4 for the text cross-attention too
                         flex.AUTO_CUDA["text"] = "flex-flash"
                     try:
-                        r = run_flexpack(args, v, lengths, batches, items, mode, "compiled" in v, device, peak)
+                        r = run_flexpack(args, v, lengths, batches, items, mode, "compiled" in v or "float8" in v,
+                                         device, peak)
                     finally:
                         flex.AUTO_CUDA["text"] = text_backend
             except Exception as exc:  # keep the other variants' numbers; say what failed
                 r = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
-            r["wall_s"] = time.perf_counter() - t0
+            r["wall_s"], r["mem_at_start_gb"] = time.perf_counter() - t0, held
             res[v] = r
             _summarize(res)
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(results, indent=1))
             print(f"[{set_name}] {v}: " + (r.get("error") or
-                  f"{r['tokens_per_s']:.0f} tok/s, step {r['step_s']*1e3:.0f} ms, mfu {r['mfu']:.3f}, host {r['host_ms_per_step']:.0f} ms, "
+                  f"{r['tokens_per_s']:.0f} tok/s, step {r['step_s']*1e3:.0f} ms, mfu {r.get('mfu') or 0:.3f}, "
+                  f"host {r.get('host_ms_per_step') or 0:.0f} ms, syncs {r.get('host_syncs_per_step')}, "
                   f"peak {r.get('peak_mem_gb') or 0:.1f} GB, recompiles {r.get('recompiles_after_warmup')}, wall {r['wall_s']:.0f} s"),
                   flush=True)
+            if args.layers > 8:  # compiled code may hold the last model: at 30 layers two would not fit
+                torch._dynamo.reset()
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -368,11 +431,21 @@ def _summarize(res: dict) -> None:
     """The issue's flat keys per length set, from whatever variants have numbers."""
     def tok(v):
         return res.get(v, {}).get("tokens_per_s")
-    pack = res.get("pack-compiled", {}) if tok("pack-compiled") else res.get("pack-eager", {})
+    bf16 = res.get("pack-compiled", {}) if tok("pack-compiled") else res.get("pack-eager", {})
+    f8 = max((v for v in res if v.startswith("pack-float8-") and tok(v)), key=tok, default=None)
+    pack = res[f8] if f8 else bf16  # the issue's `pack`: the float8 step where one ran
+    if f8:
+        res["float8"] = {"mode": float8_of(f8), "tokens_per_s": tok(f8), "bf16_tokens_per_s": bf16.get("tokens_per_s"),
+                         "speedup_vs_bf16": tok(f8) / bf16["tokens_per_s"] if bf16.get("tokens_per_s") else None,
+                         "modes": {float8_of(v): tok(v) for v in res if v.startswith("pack-float8-") and tok(v)}}
+    for v in (v for v in list(res) if v.startswith("loop-") and tok(v)):  # vs the bare step of the same settings
+        step = tok("pack-" + v.removeprefix("loop-"))
+        res[v]["loop_vs_step"] = tok(v) / step if step else None
+        res.setdefault("loop_vs_step", {})[v] = res[v]["loop_vs_step"]
     compiled = max((tok(v) or 0.0 for v in ("diffusers-compiled", "diffusers-regional")), default=0.0) or None
     res.update(pack_tokens_per_s=pack.get("tokens_per_s"), diffusers_compiled_tokens_per_s=compiled,
                diffusers_eager_tokens_per_s=tok("diffusers-eager"), pad_tokens_per_s=tok("pad-eager"),
-               mfu_pack=pack.get("mfu"), peak_mem_gb_pack=pack.get("peak_mem_gb"),
+               mfu_pack=pack.get("mfu"),  # useful FLOPs over the measured bf16 peak: the bf16-equivalent MFU peak_mem_gb_pack=pack.get("peak_mem_gb"),
                recompiles_after_warmup=pack.get("recompiles_after_warmup"), host_ms_per_step=pack.get("host_ms_per_step"))
     if pack.get("tokens_per_s") and compiled:
         res["pack_vs_diffusers_compiled"] = pack["tokens_per_s"] / compiled

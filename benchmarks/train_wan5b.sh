@@ -3,16 +3,21 @@
 #
 #   benchmarks/train_wan5b.sh OUT [--set key=value ...]      # e.g. --set runtime.activation_checkpointing=28
 #
+# Defaults are the fastest settings that fit 141 GB: float8 matmuls in the blocks (FLOAT8=tensorwise; rowwise or
+# off), every block checkpointed (per-op "selective" checkpointing of all 30 blocks keeps every matmul output: by the
+# earlier runs' ~5.7 GB per block left whole it is not expected to fit next to the fp32 weights, gradients and AdamW
+# state; float8_h200.sh's wan5b_ac_selective stage measures it), log_every 10 as a real run logs. --set overrides any.
+#
 # Makes (once, under $WORK, default /tmp/wan5b) a 13-episode dataset with two 128x128 cameras and 30 action
 # channels (32 video + 4 action tokens per latent frame), encodes it with the hash text encoder (512 x 4096),
-# (FRAMES="..." sets other latent frame counts) then trains configs/wan5b_pack.toml for $STEPS (default 22) logged steps and copies metrics.jsonl and the
+# (FRAMES="..." sets other latent frame counts) then trains configs/wan5b_pack.toml for $STEPS (default 40) steps and copies metrics.jsonl and the
 # log to OUT. The run is stopped (SIGKILL) once its last step is logged: the final checkpoint (fp32 weights
 # and AdamW state, ~80 GB) is not what is measured, and SIGTERM would save it.
 set -euo pipefail
 out=${1:?usage: train_wan5b.sh OUT [--set key=value ...]}
 shift
 work=${WORK:-/tmp/wan5b}
-steps=${STEPS:-22}
+steps=${STEPS:-40}  # a multiple of 10: the run is stopped at its last logged step
 mkdir -p "$out" "$work"
 lengths=""
 for f in ${FRAMES:-350 330 310 290 270 269 340 320 300 280 260 250 69}; do lengths+="$((4 * f - 3)),"; done
@@ -26,8 +31,8 @@ run="$work/run"
 rm -rf "$run"
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 python3 -m flexpack.cli train configs/wan5b_pack.toml --set data.root="$work/data" --set runtime.out_dir="$run" \
-  --set schedule.steps="$steps" --set schedule.warmup_steps=4 --set runtime.log_every=1 --set runtime.progress=false \
-  --set data.num_workers=4 "$@" > "$out/train.log" 2>&1 &
+  --set schedule.steps="$steps" --set schedule.warmup_steps=4 --set runtime.log_every=10 --set runtime.progress=false \
+  --set data.num_workers=4 --set runtime.float8="${FLOAT8:-tensorwise}" --set runtime.activation_checkpointing=true "$@" > "$out/train.log" 2>&1 &
 pid=$!
 while kill -0 "$pid" 2>/dev/null; do
   if grep -q "^{\"step\": $steps," "$run/metrics.jsonl" 2>/dev/null; then
@@ -43,6 +48,6 @@ import json, statistics, sys
 rows = [json.loads(x) for x in open(sys.argv[1])]
 later = rows[1:] or rows
 med = {k: statistics.median(r[k] for r in later) for k in ("step_s", "tokens_per_s", "mfu", "peak_mem_gb") if k in later[0]}
-print(f"{len(rows)} logged steps; loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f}; median of steps 2+: "
+print(f"{len(rows)} logged windows; loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f}; median of windows 2+: "
       + ", ".join(f"{k} {v:.4g}" for k, v in med.items()))
 PY

@@ -215,11 +215,12 @@ class RuntimeConfig:
     adopt_dir: bool = False  # add the run to an out_dir holding other files (never changing them); train --force
     device: str = "auto"  # auto: cuda:LOCAL_RANK when available, else cpu
     dtype: str = "float32"  # bfloat16: FSDP mixed precision (params bf16, reduce fp32) or autocast
-    activation_checkpointing: bool | int = False  # true: every block; n: the first n blocks
+    activation_checkpointing: bool | int | str = False  # true: every block; n: the first n blocks; "selective": per op
     compile: bool | str = "auto"  # compile each block (fused step); auto: on CUDA in pack mode
     # compiled blocks only: the share of the activations their default partition saves that they may
     # keep; below 1 the partitioner recomputes the cheapest ops (by FLOPs) in the backward instead
     activation_memory_budget: float = 1.0
+    float8: str = "off"  # "tensorwise" / "rowwise": float8 matmuls in the blocks (flexpack.training.float8; torchao)
     peak_tflops: float | None = None  # bf16 peak for `mfu` in metrics.jsonl; None: measured at start (CUDA)
     seed: int = 0
     log_every: int = 1
@@ -242,7 +243,13 @@ class RuntimeConfig:
         _positive("runtime", log_every=self.log_every)
         if self.compile not in (True, False, "auto"):
             raise ValueError(f"runtime.compile must be true, false or 'auto', got {self.compile!r}")
-        if not isinstance(self.activation_checkpointing, bool) and self.activation_checkpointing < 0:
+        if isinstance(self.activation_checkpointing, str) and self.activation_checkpointing != "selective":
+            raise ValueError(f"runtime.activation_checkpointing must be true, false, a block count >= 0 or 'selective', "
+                             f"got {self.activation_checkpointing!r}")
+        from flexpack.training.float8 import check_mode
+
+        check_mode(self.float8)
+        if isinstance(self.activation_checkpointing, int) and self.activation_checkpointing < 0:
             raise ValueError(f"runtime.activation_checkpointing must be true, false or a block count >= 0, "
                              f"got {self.activation_checkpointing!r}")
         if not (isinstance(self.activation_memory_budget, (int, float)) and 0.0 <= self.activation_memory_budget <= 1.0):

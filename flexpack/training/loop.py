@@ -25,6 +25,7 @@ Order of one optimizer step (nanoGPT's): lr → checkpoint → micro-steps → c
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -39,7 +40,7 @@ from torch import nn
 from tqdm import tqdm
 
 from flexpack.packing.collate import Batch
-from flexpack.training import checkpoint, faults, resume, runfolder, tracking
+from flexpack.training import checkpoint, faults, float8, resume, runfolder, tracking
 from flexpack.training.build import Data, build_data, build_model, materialize
 from flexpack.training.checks import positive_int, preflight
 from flexpack.training.config import ScheduleConfig, TrainConfig, load_config
@@ -109,6 +110,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, data: Data | None 
     if rank == 0:
         tracking.check(cfg)  # a missing logger package fails before any data or model work
     device = preflight(cfg, stop_after)  # device, run folder, finite numbers: before data and model
+    float8.check(cfg.runtime.float8, device)  # torchao and an sm89+ GPU, before data and model
     found = resume.find(cfg, rank)
     if found is not None and resume.step_of(found) >= cfg.schedule.steps:  # nothing to do: touch nothing
         done = resume.step_of(found)
@@ -135,7 +137,7 @@ def _train(cfg: TrainConfig, found: Path | None, stop: faults.GracefulStop, stop
                          f"{cfg.data.mode} mode); set runtime.compile = true")
     model = parallelize(model, device=device, param_dtype=param_dtype, compile=compiled,
                         activation_checkpointing=cfg.runtime.activation_checkpointing,
-                        memory_budget=cfg.runtime.activation_memory_budget)
+                        memory_budget=cfg.runtime.activation_memory_budget, float8=cfg.runtime.float8)
     materialize(model, cfg, device)  # model.pretrained under FSDP2: each rank loads its shards
     o, run = cfg.optim, Path(cfg.runtime.out_dir)
     opt = build_optimizer(model, o, log=rank == 0, fused=device.type == "cuda")  # no decay on norms, biases, ...
@@ -166,8 +168,9 @@ def _train(cfg: TrainConfig, found: Path | None, stop: faults.GracefulStop, stop
                disable=rank != 0 or not cfg.runtime.progress)
     with (StepProfiler.for_training(cfg, rank, steps_left=end - step, first_step=step, tokens_per_frame=tpf,
                                     device=device) as prof,
-          tracking.MetricSinks(run, cfg, rank=rank, start_step=start) as sinks):
+          tracking.MetricSinks(run, cfg, rank=rank, start_step=start) as sinks, _QuietGC() as gc_pause):
         while step < end and not signum:
+            gc_pause.step(step)
             prof.step()
             lr = lr_at(step, o.lr, cfg.schedule, resumed_at)
             for group in opt.param_groups:
@@ -214,6 +217,27 @@ def _train(cfg: TrainConfig, found: Path | None, stop: faults.GracefulStop, stop
     if signum:
         raise faults.Interrupted(signum, step, result.checkpoint if step > start else None)
     return result
+
+
+class _QuietGC:
+    """Python's cyclic collector off during the loop, run explicitly every ``every`` steps: its
+    automatic generation-2 passes walk every live object (the autograd graph, the loader's
+    batches) and stall the host at an arbitrary point of a step, where the GPU then waits for it."""
+
+    def __init__(self, every: int = 50) -> None:
+        self.every, self.was = every, gc.isenabled()
+
+    def __enter__(self) -> "_QuietGC":
+        gc.disable()
+        return self
+
+    def step(self, step: int) -> None:
+        if step % self.every == 0:  # young generations (quick: a step's garbage lands there); all now and then
+            gc.collect(2 if step % (20 * self.every) == 0 else 1)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.was:
+            gc.enable()
 
 
 def _barrier() -> None:

@@ -1,5 +1,6 @@
-"""Parallelize a plain WanVA from outside: regional compilation, activation checkpointing, then
-FSDP2 per block, then the root.
+"""Parallelize a plain WanVA from outside: float8 linear layers (``runtime.float8``,
+:mod:`flexpack.training.float8`), regional compilation, activation checkpointing (whole blocks, or
+per op: :mod:`flexpack.training.selective`), then FSDP2 per block, then the root.
 
 The model file knows nothing of ranks. :func:`parallelize` compiles each block's forward
 (``compile=True``: one inductor graph per block with FlexAttention inside, so AdaLN modulation,
@@ -77,30 +78,47 @@ def parallelize(
     model: nn.Module,
     *,
     device: torch.device,
-    activation_checkpointing: bool | int = False,
+    activation_checkpointing: bool | int | str = False,
     param_dtype: torch.dtype | None = None,
     compile: bool = False,
     memory_budget: float = 1.0,
+    float8: str = "off",
 ) -> nn.Module:
     """Apply compile → AC → ``fully_shard`` per block → root, in place; returns ``model``.
 
-    ``activation_checkpointing``: ``True`` checkpoints every block, an int ``n`` the first ``n``.
+    ``activation_checkpointing``: ``True`` checkpoints every block, an int ``n`` the first ``n``,
+    ``"selective"`` every block per op (:mod:`flexpack.training.selective`: matmul and attention
+    outputs kept, elementwise ops recomputed; wrapped before compile so the policy is traced).
+    ``float8``: ``runtime.float8`` (:mod:`flexpack.training.float8`), applied first, to the blocks'
+    linear layers; emulated off CUDA (the train loop checks for an sm89+ GPU before).
     ``param_dtype`` (e.g. bf16) is the FSDP mixed-precision compute dtype of the parameters
     (gradients are reduced in fp32); ignored without FSDP. ``compile``: :func:`compile_blocks`, with
     ``memory_budget`` (checkpointed blocks recompute their whole forward whatever the budget).
     """
     blocks = model.blocks
-    if compile:  # inside the checkpoint: a recompute replays the compiled forward
-        compile_blocks(model, memory_budget=memory_budget)
-    elif memory_budget < 1.0:
+    _, size = world()
+    if float8 != "off":  # torchtitan's order: float8 → compile → AC → FSDP2
+        from flexpack.training import float8 as f8
+
+        f8.convert(model, float8, fsdp=size > 1, emulate=device.type != "cuda")
+    if not compile and memory_budget < 1.0:
         raise ValueError(f"activation_memory_budget = {memory_budget} applies to compiled blocks; compile is off")
+    if activation_checkpointing == "selective":  # checkpoint first, then compile: the policy is traced
+        from flexpack.training import selective
+
+        for i in range(len(blocks)):
+            blocks[i] = selective.wrap(blocks[i])
+        if compile:
+            compile_blocks(model, memory_budget=memory_budget)
+        activation_checkpointing = False
+    elif compile:  # inside the checkpoint: a recompute replays the compiled forward
+        compile_blocks(model, memory_budget=memory_budget)
     n_ckpt = len(blocks) if activation_checkpointing is True else int(activation_checkpointing)
     if n_ckpt:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
         for i in range(min(n_ckpt, len(blocks))):
             blocks[i] = checkpoint_wrapper(blocks[i])  # non-reentrant by default
-    _, size = world()
     if size == 1:
         return model
     from torch.distributed.device_mesh import init_device_mesh

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from flexpack.packing.collate import Batch
+from flexpack.training import float8
 from flexpack.training.build import model_kwargs, noise_seeds
 from flexpack.training.config import TrainConfig
 from flexpack.training.noise import episode_flow_sample
@@ -72,6 +73,7 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, batches: Sequence[B
     norm = nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip or float("inf"), foreach=True)
     if guard is None or guard(step, norm, sums, batches):
         opt.step()
+        float8.after_optimizer_step(model)  # FSDP2 float8 all-gather: all weight scales in one pass
         if ema is not None:
             ema.update()
     opt.zero_grad(set_to_none=True)

@@ -1,0 +1,52 @@
+"""``flexpack train`` against its bare step, on the same in-memory packs (``train_step.py``'s ``loop-*`` variants).
+
+The loop runs ``flexpack.training.loop.train(cfg, data=...)`` exactly as the CLI does — DataLoader
+with workers and pinned memory, collate per step, noise seeds, the step guard, the meter, logging
+every 10 steps — on ``train_step.py``'s synthetic episodes (made per item in the workers, as a
+dataset reads them). Its tokens/s is the median of the logged windows after the first (the first
+holds the compile); ``train_step.py`` divides it by the tokens/s of the matching ``pack-*`` variant
+(``loop_vs_step``; the issue's target is ≥ 0.97). The final checkpoint is not written: a 5B-shape
+save is not part of a step.
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import tempfile
+from dataclasses import replace
+
+import torch
+
+from flexpack.packing.collate import PackCollate
+from flexpack.packing.sampler import TokenBudgetBatchSampler
+from flexpack.training import checkpoint, loop
+from flexpack.training.build import Data, _Collate, run_text_slots
+
+
+def run_loop(args, name: str, lengths: list[int], items, device: torch.device, cfg, peak: float) -> dict:
+    m = cfg.model.wan_config()
+    tpf = items.shape[1] // m.patch_size[1] * (items.shape[2] // m.patch_size[2])
+    sampler = TokenBudgetBatchSampler(lengths, args.max_tokens, tokens_per_frame=tpf)
+    data = Data(items, sampler, _Collate(PackCollate.from_token_budget(args.max_tokens, tpf), actions=False), tpf,
+                text_slots=run_text_slots(sampler))
+    log_every = args.loop_log_every if not args.smoke else 1
+    steps = log_every * (1 + max(1, args.loop_steps // log_every))  # a compile window + the measured ones
+    out = tempfile.mkdtemp(prefix="flexpack-loop-")
+    cfg = replace(cfg, schedule=replace(cfg.schedule, steps=steps, warmup_steps=1),
+                  checkpoint=replace(cfg.checkpoint, every=0),
+                  data=replace(cfg.data, num_workers=0 if args.smoke else 4),
+                  runtime=replace(cfg.runtime, out_dir=out, log_every=log_every, tensorboard=False, progress=False,
+                                  peak_tflops=peak / 1e12 if device.type == "cuda" else None))
+    save = checkpoint.Checkpointer.save
+    checkpoint.Checkpointer.save = lambda self, *a, **k: None  # no 5B-shape save at the end: not a step
+    try:
+        result = loop.train(cfg, data=data)
+    finally:
+        checkpoint.Checkpointer.save = save
+        shutil.rmtree(out, ignore_errors=True)
+    rows = result.metrics[1:] or result.metrics
+    med = {k: statistics.median(r[k] for r in rows) for k in ("tokens_per_s", "step_s", "peak_mem_gb", "mfu") if k in rows[0]}
+    return {**med, "steps": steps, "log_every": log_every, "windows": [r["tokens_per_s"] for r in result.metrics],
+            "losses": [r["loss"] for r in result.metrics], "float8": cfg.runtime.float8,
+            "activation_checkpointing": cfg.runtime.activation_checkpointing}

@@ -1,0 +1,120 @@
+"""``runtime.float8``: float8 (e4m3) matmuls for the transformer blocks' linear layers, through
+torchao's float8 training (``convert_to_float8_training``; the optional extra ``flexpack[float8]``).
+
+- ``"off"``: bf16/fp32 as configured. ``"tensorwise"``: one dynamic scale per tensor (the fastest
+  cast; under FSDP2 the weights are all-gathered in float8, half the bytes of bf16).
+  ``"rowwise"``: one scale per row of each operand (closer to bf16 numerically, a little slower).
+- Which layers: the ``nn.Linear`` modules inside ``model.blocks`` (self-attention q/k/v/o,
+  cross-attention q/o, FFN) whose in and out features are both multiples of 16 (``torch._scaled_mm``
+  needs them) and at least :data:`MIN_DIM`. Not converted: embeddings, the time MLP and the heads
+  (outside the blocks: their M is a few rows or a few thousand tokens once per step, they are
+  a sliver of the FLOPs and the most precision-sensitive layers), and the cross-attention k/v
+  projections, whose M is the pack's text tokens (512 per episode, a few thousand per pack):
+  there the dynamic-scale casts of input, weight and gradient cost about what the float8 GEMM saves.
+- Order (as torchtitan's): convert → compile → activation checkpointing → FSDP2, in
+  :func:`flexpack.training.parallel.parallelize`.
+- State dicts stay in the model's dtype: ``Float8Linear`` keeps its ``weight``/``bias`` parameters
+  (same names, same dtype); the float8 copies are made in each forward. Checkpoints and exports do
+  not know float8 was on, and a run can switch it on or off on resume.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from flexpack.errors import UserError
+
+MODES = ("off", "tensorwise", "rowwise")
+MIN_DIM = 1024  # below this K or N the casts (amax + scale + cast, per forward and backward) outweigh the GEMM gain
+SKIP = ("cross_attn.k", "cross_attn.v")  # M = the pack's text tokens: too few rows to pay (module docstring)
+
+
+def check_mode(mode: Any) -> None:
+    if mode not in MODES:
+        raise ValueError(f"runtime.float8 must be one of {MODES}, got {mode!r}")
+
+
+def check(mode: str, device: torch.device) -> None:
+    """At the start of a run: torchao importable and an sm89+ GPU (Ada, Hopper, Blackwell), or one
+    line saying what is missing."""
+    if mode == "off":
+        return
+    if device.type != "cuda":
+        raise UserError(f"runtime.float8 = {mode!r} needs an NVIDIA GPU of compute capability 8.9 or newer "
+                        f"(float8 matmuls); this run is on {device.type}; set runtime.float8 = 'off'")
+    cap = torch.cuda.get_device_capability(device)
+    if cap < (8, 9):
+        raise UserError(f"runtime.float8 = {mode!r} needs compute capability 8.9 or newer (Ada, Hopper, Blackwell); "
+                        f"{torch.cuda.get_device_name(device)} is {cap[0]}.{cap[1]}; set runtime.float8 = 'off'")
+    _torchao()
+
+
+def _torchao() -> Any:
+    try:
+        import torchao.float8 as f8
+    except ImportError as exc:
+        raise UserError("runtime.float8 needs torchao: pip install 'flexpack[float8]' (or torchao matching "
+                        f"torch {torch.__version__.split('+')[0]}); set runtime.float8 = 'off' to train without it "
+                        f"({exc})") from None
+    return f8
+
+
+def layer_filter(module: nn.Module, fqn: str, *, min_dim: int | None = None) -> bool:
+    """Whether the linear layer at ``fqn`` (a name inside the model) gets float8 matmuls."""
+    min_dim = MIN_DIM if min_dim is None else min_dim
+    if not isinstance(module, nn.Linear):
+        return False
+    if not (fqn.startswith("blocks.") or ".blocks." in fqn):
+        return False
+    if any(fqn.endswith(s) for s in SKIP):
+        return False
+    k, n = module.in_features, module.out_features
+    return k % 16 == 0 and n % 16 == 0 and min(k, n) >= min_dim
+
+
+def convert(model: nn.Module, mode: str, *, fsdp: bool = False, emulate: bool = False,
+            min_dim: int | None = None) -> list[str]:
+    """Swap the blocks' qualifying ``nn.Linear`` layers for torchao ``Float8Linear`` in place;
+    returns their names. ``fsdp``: float8 all-gather of the weights (tensorwise only: torchao has it
+    for dynamic tensorwise scales). ``emulate``: float8 numerics without float8 kernels (tests on CPU)."""
+    check_mode(mode)
+    if mode == "off":
+        return []
+    f8 = _torchao()
+    config = f8.Float8LinearConfig.from_recipe_name(mode)
+    if fsdp and mode == "tensorwise":
+        config = f8.Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=emulate)
+    elif emulate:
+        import dataclasses
+
+        config = dataclasses.replace(config, emulate=True)
+    names: list[str] = []
+
+    def keep(module: nn.Module, fqn: str) -> bool:
+        ok = layer_filter(module, fqn, min_dim=min_dim)
+        if ok:
+            names.append(fqn)
+        return ok
+
+    f8.convert_to_float8_training(model, module_filter_fn=keep, config=config)
+    model.float8_all_gather = bool(fsdp and mode == "tensorwise")
+    return names
+
+
+def after_optimizer_step(model: nn.Module) -> None:
+    """Under FSDP2 with float8 all-gather: compute every float8 weight's scale in one fused amax
+    over the shards (instead of one all-reduce per layer in the next forward)."""
+    if getattr(model, "float8_all_gather", False):
+        _torchao().precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+def converted(model: nn.Module) -> list[str]:
+    """Names of the model's float8 linear layers."""
+    try:
+        from torchao.float8.float8_linear import Float8Linear
+    except ImportError:
+        return []
+    return [n for n, m in model.named_modules() if isinstance(m, Float8Linear)]
