@@ -125,7 +125,7 @@ phase verify 0 150 "$PY" "${V[@]}" "${flex[@]}" >> "$OUT/verify.log" 2>&1
 phase verify-drop 1 90 "$PY" "${V[@]}" "${flex[@]}" --drop-packing >> "$OUT/verify.log" 2>&1
 
 phase blockmask 0 90 "$PY" benchmarks/blockmask_build.py --rounds 5 --runs 10 --out "$OUT/blockmask_build_h200.json" >> "$log" 2>&1
-xdist=(); "$PY" -c "import xdist" 2>/dev/null && xdist=(-n 4 --dist loadfile)  # compiles are CPU-bound
+xdist=(); "$PY" -c "import xdist" 2>/dev/null && xdist=(-n 4 --dist load)  # compiles are CPU-bound
 phase pytest 0 330 "$PY" -m pytest -m gpu -rs -p no:cacheprovider --durations=15 "${xdist[@]}" \
   --junitxml="$OUT/pytest_gpu.xml" tests > "$OUT/pytest_gpu.log" 2>&1
 tail -n 40 "$OUT/pytest_gpu.log" >> "$log"

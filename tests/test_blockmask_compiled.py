@@ -138,18 +138,33 @@ def test_sweep_covers_every_episode_count_and_kind() -> None:
     assert any(name.startswith("pad-") for name, *_ in cases)
 
 
+PARTS = [f"{b}-copies{c}" for b in BUDGETS for c in (1, 2)] + ["pad"]  # one test each: spread over workers
+
+
+def part_of(name: str, sl: SequenceLayout, kw: dict) -> str:
+    return "pad" if name.startswith("pad-") else f"{name.split('-')[2]}-copies{kw['copies']}"
+
+
+def test_sweep_parts_cover_every_case() -> None:
+    assert {part_of(name, sl, kw) for name, sl, _, kw, _ in sweep_cases()} == set(PARTS)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (compiles the block-mask builder for the GPU)")
-def test_compiled_builder_compiles_every_sampler_shape_on_cuda() -> None:
+@pytest.mark.parametrize("part", PARTS)
+def test_compiled_builder_compiles_every_sampler_shape_on_cuda(part: str) -> None:
     """Every (mask, budget, episode count) the samplers produce builds through the compiled builder
     and its CUDA graph, as training runs it (FlexAttnFunc.prepare), with no eager fallback (the
     fallback warning is an error here) and the eager builder's result."""
     from flexpack.attention.flex import FlexAttnFunc
 
     attn = FlexAttnFunc("flex")
+    cases = [c for c in sweep_cases() if part_of(c[0], c[1], c[3]) == part]
+    assert cases
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=FALLBACK)
-        for name, sl, kind, kw, _ in sweep_cases():
+        for name, sl, kind, kw, _ in cases:
+            kw = dict(kw)
             copies = kw.pop("copies")
             lay = sl.tokens(TPF_VIDEO, TPF_ACTION, copies=copies).to("cuda")
             prep = attn.prepare(lay, kind, **kw)

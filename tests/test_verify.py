@@ -61,6 +61,17 @@ def test_packed_equals_per_episode_on_a_correct_model(case):
     assert "OK: max rel err" in report.table()
 
 
+def test_episodes_alone_in_the_pack_shape_equal_them_unpadded():
+    """Compiled blocks run the per-episode passes in the run's pack shape (no graph per length):
+    padding after the episode changes nothing."""
+    report = verify_batch(model(), items([5, 3, 7, 2]), PackCollate(20), FlowMatchingConfig(), seed=4,
+                          alone_collate=PackCollate(20))
+    assert report.ok and report.max_err < 1e-5 and [r.frames for r in report.rows] == [5, 3, 7, 2]
+    bad = verify_batch(model(), items([5, 3, 7, 2]), PackCollate(20), FlowMatchingConfig(), alone_collate=PackCollate(20),
+                       drop_packing=True)
+    assert not bad.ok and min(r.video_err for r in bad.rows) > 1e-3
+
+
 @pytest.mark.parametrize("collate", [PackCollate(20), PadCollate(4)], ids=["pack", "pad"])
 def test_dropped_doc_ids_fail(collate):
     report = verify_batch(model(), items([5, 3, 7, 2]), collate, FlowMatchingConfig(), drop_packing=True)
