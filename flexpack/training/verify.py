@@ -79,7 +79,7 @@ def verify_batch(
 
     Collated batches move to the model's device. ``autocast``: run the forwards under
     ``torch.autocast`` of that dtype (training's bf16 on one process). ``alone_collate``: the
-    collate of the per-episode passes (default: exactly the episode's frames, no padding)."""
+    collate of the per-episode passes (default: exactly the episode's frames as collated, no padding)."""
     report = report or VerifyReport()
     kw = model_kwargs or {}
     device = _device(model)
@@ -102,11 +102,11 @@ def verify_batch(
 
     # alone: each episode its own micro-batch, accumulated with the exact weighting
     model.zero_grad(set_to_none=True)
-    singles = [(alone_collate or PackCollate(int(it["latent"].shape[1])))([it]).to(device) for it in items]
+    rows, starts = layout.episode_row.tolist(), layout.episode_start.tolist()
+    frames = batch.layout.episode_frames.tolist()  # as collated: a cropped episode keeps its first frames
+    singles = [(alone_collate or PackCollate(n, crop=True))([it]).to(device) for it, n in zip(items, frames)]
     counts = [loss_counts(b) for b in singles]
     totals = (float(sum(c[0] for c in counts)), float(sum(c[1] for c in counts)))
-    rows, starts = layout.episode_row.tolist(), layout.episode_start.tolist()
-    frames = batch.layout.episode_frames.tolist()
     accumulated = 0.0
     for e, (single, s_seed) in enumerate(zip(singles, seeds)):
         s_sample = episode_flow_sample(single, cfg, [s_seed])
