@@ -72,6 +72,12 @@ def test_episodes_alone_in_the_pack_shape_equal_them_unpadded():
     assert not bad.ok and min(r.video_err for r in bad.rows) > 1e-3
 
 
+def test_a_cropped_episode_is_compared_on_its_kept_frames():
+    """data.crop: an episode longer than the budget is cut to it; alone it is cut the same way."""
+    report = verify_batch(model(), items([10]), PackCollate(6, crop=True), FlowMatchingConfig(), seed=1)
+    assert report.ok and report.max_err < 1e-5 and [r.frames for r in report.rows] == [6]
+
+
 @pytest.mark.parametrize("collate", [PackCollate(20), PadCollate(4)], ids=["pack", "pad"])
 def test_dropped_doc_ids_fail(collate):
     report = verify_batch(model(), items([5, 3, 7, 2]), collate, FlowMatchingConfig(), drop_packing=True)
