@@ -21,6 +21,10 @@
 #               eager fallback, and the CUDA case of the compiled-step test; the rest of the budget;
 #   verify-auto verify with attn_backend='auto' (FA4 where installed), must exit 0;
 #   verify-fsdp torchrun on 2 GPUs (FSDP2, bf16 parameters), only where there are 2 or more GPUs.
+# lerobot is not needed: no GPU test reads a LeRobot dataset (the profiling test and verify use in-memory
+# episodes). Carrying it would take lerobot, draccus, mergedeep, toml, gymnasium, farama-notifications,
+# termcolor, datasets, dill, multiprocess, jsonlines and torchcodec (which also needs FFmpeg's shared
+# libraries, not a wheel), against lerobot's pin numpy<2.3 (the H200 has 2.5): not worth it for CPU tests.
 # Files in $OUT (8 at most come back from the device machine): summary.json, suite.log,
 # pytest_gpu.log, pytest_gpu.xml, verify.log, blockmask_build_h200.json.
 set -uo pipefail
