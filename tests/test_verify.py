@@ -164,6 +164,10 @@ def test_bad_backend_for_dtype_and_checkpoint_of_another_shape_are_one_line(caps
     rc, out, err = _verify(capsys, "--checkpoint", str(tmp_path))
     assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1 and err.startswith("flexpack verify: error: ")
     assert "shape" in err
+    from flexpack.cli import main
+
+    assert main(["verify", TINY, "--synthetic-hw", "2", "2"]) == 2  # shapes synthetic episodes only
+    assert "add --synthetic" in capsys.readouterr().err
 
 
 def test_nonfinite_gradients_fail(one_thread):

@@ -249,6 +249,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--micro-batches must be >= 1, got {args.micro_batches}")
     if args.tol is not None and not (math.isfinite(args.tol) and args.tol > 0):  # tol <= 0 fails a correct model
         raise ValueError(f"--tol must be a finite number > 0 (a max relative error), got {args.tol!r}")
+    if not args.synthetic and (args.synthetic_hw is not None or args.synthetic_text != 16):
+        raise ValueError("--synthetic-hw and --synthetic-text shape --synthetic episodes; add --synthetic")
     cfg = load_config(args.config, args.overrides)
     started = False
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():  # torchrun: FSDP2 as training
