@@ -141,7 +141,7 @@ export RESERVE=95  # seconds kept for the benchmark
   fi
 ) &
 chain=$!
-xdist=(); "$PY" -c "import xdist" 2>/dev/null && xdist=(-n 4 --dist load)  # compiles are CPU-bound
+xdist=(); "$PY" -c "import xdist" 2>/dev/null && xdist=(-n 6 --dist load)  # compiles are CPU-bound (16 cores)
 phase pytest 0 420 "$PY" -m pytest -m gpu -rs -p no:cacheprovider --durations=15 "${xdist[@]}" \
   --junitxml="$OUT/pytest_gpu.xml" tests > "$OUT/pytest_gpu.log" 2>&1
 tail -n 40 "$OUT/pytest_gpu.log" >> "$log"
