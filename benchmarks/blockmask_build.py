@@ -10,7 +10,10 @@ teacher forcing, 2-6 episodes x 2 copies, chunk 4) and each variant of the compi
 one) the builder is warmed up, then all cases and variants are timed in interleaved rounds (wall
 clock of a synchronized ``prepare``, the way a training step pays for it), so that drift hits
 every one alike. Reported per case and variant: the median over all timed calls, the 90th
-percentile, the minimum, kernel launches per build and GPU kernel time per build (torch.profiler).
+percentile, the minimum and maximum, kernel launches per build and GPU kernel time per build
+(torch.profiler); and per variant the worst case (``worst``: the case with the highest median, the
+highest p90 and the single slowest call). An eager fallback of the compiled builder (a warning)
+is an error here: every case must run compiled.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import random
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -43,6 +47,10 @@ def cases(frames: list[int], cap: int, rng: random.Random) -> list[tuple[str, ob
     for n in (2, 4, 6):
         lay = SequenceLayout.from_rows([draw_pack(rng, frames, n, cap // 2)], cap // 2).tokens(TPF_VIDEO, TPF_ACTION, copies=2).to("cuda")
         out.append((f"teacher_forcing_{n}", lay, "teacher_forcing", {"chunk_size": 4}))
+    # drawn last: the earlier cases keep the packs of earlier measurements
+    lens = draw_pack(rng, frames, 8, cap)  # cross-attention: 512 text keys per slot, some of them padding
+    lay = SequenceLayout.from_rows([lens], cap, text_len=[rng.randint(64, 512) for _ in lens]).tokens(TPF_VIDEO, TPF_ACTION)
+    out.append(("text_8", lay.to("cuda"), "text", {"text_tokens": 512, "text_slots": 8}))
     return out
 
 
@@ -73,6 +81,8 @@ def main() -> None:
     rng = random.Random(0)
     todo = cases(load_latent_frames(Path(args.frames_file)), args.cap_frames, rng)
     variants = {"graphs": FlexAttnFunc("flex"), "launches": FlexAttnFunc("flex", graph_block_mask=False)}
+    # a shape that does not compile would be timed eagerly: fail instead
+    warnings.filterwarnings("error", message=r".*(building eagerly|capturing the block-mask build as a CUDA graph failed).*")
     for attn in variants.values():
         for _, lay, kind, kw in todo:  # compile (and capture) every signature first
             for _ in range(3):
@@ -101,6 +111,14 @@ def main() -> None:
                   f"  max {row['max_ms']:.3f}  launches {launches:.0f}  GPU {gpu_ms:.3f} ms")
         c = result["cases"][name]
         c["ratio_median_launches_over_graphs"] = c["launches"]["median_ms"] / c["graphs"]["median_ms"]
+    result["worst"] = {}
+    for v in variants:
+        rows = {name: result["cases"][name][v] for name, *_ in todo}
+        result["worst"][v] = {key: {"case": max(rows, key=lambda n: rows[n][key]), "ms": max(r[key] for r in rows.values())}
+                              for key in ("median_ms", "p90_ms", "max_ms")}
+        w = result["worst"][v]
+        print(f"worst ({v}): median {w['median_ms']['ms']:.3f} ms ({w['median_ms']['case']}), p90 {w['p90_ms']['ms']:.3f} ms "
+              f"({w['p90_ms']['case']}), slowest call {w['max_ms']['ms']:.3f} ms ({w['max_ms']['case']})")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(args.out).with_suffix(".tmp")
     tmp.write_text(json.dumps(result, indent=1))

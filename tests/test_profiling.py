@@ -249,14 +249,22 @@ def test_profile_step_benchmark_smoke(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (profiles CUDA kernels)")
 @pytest.mark.usefixtures("one_thread")
-def test_profile_on_cuda_counts_kernel_time_and_mfu(dataset, tmp_path, monkeypatch):
+def test_profile_on_cuda_counts_kernel_time_and_mfu(tmp_path, monkeypatch):
+    """In-memory episodes (no LeRobot dataset), so that it runs on a GPU machine without lerobot."""
+    from flexpack.training.config import load_config
+    from flexpack.training.loop import train
+    from flexpack.training.memory_data import synthetic_data
+
     monkeypatch.setenv("LINGBOT_PROFILE", "2")
     monkeypatch.setenv("LINGBOT_PROFILE_WARMUP", "1")
     monkeypatch.setenv("LINGBOT_PEAK_TFLOPS", "100")  # an MFU on any GPU
-    _train(dataset, tmp_path / "run", "schedule.steps=4", "runtime.device='auto'", "optim.accum_steps=1",
-           "model.overrides={in_channels=48, text_dim=64, action_channels=6, attn_backend='auto'}")
+    cfg = load_config(CONFIGS / "tiny_cpu.toml", [
+        f'runtime.out_dir="{tmp_path / "run"}"', "runtime.progress=false", "data.max_tokens=60", "checkpoint.every=0",
+        "runtime.tensorboard=false", "schedule.steps=4", "runtime.device='auto'", "optim.accum_steps=1",
+        "model.overrides={in_channels=48, text_dim=64, action_channels=6, attn_backend='auto'}"])
+    train(cfg, data=synthetic_data(cfg, text_len=4))
     prof = tmp_path / "run" / "profile"
     s = json.loads((prof / "summary_rank0.json").read_text())
     assert s["time_base"] == "cuda kernels" and s["profiled_steps"] == [3, 4]

@@ -32,7 +32,9 @@ Three refinements make the kernels and the build fast:
   per-row bounds instead of gathering several per-token keys on both sides (on the H200 this made
   FA4 teacher forcing 13 % faster fwd+bwd, 34 % forward; BENCHMARKS.md).
 * No sort: block indices are ordered by two batched binary searches over running counts
-  (:func:`_ordered`), and self-attention segments its tokens once for both sides.
+  (:func:`_ordered`), and self-attention segments its tokens once for both sides. The searches
+  are unrolled gathers (:func:`count_below`), not ``torch.searchsorted``: inductor's Triton code
+  for searchsorted is a data-dependent loop whose codegen failed on the H200 for some shapes.
 """
 
 from __future__ import annotations
@@ -56,6 +58,36 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def count_below(sorted_seq: Tensor, values: Tensor) -> Tensor:
+    """``torch.searchsorted(sorted_seq, values)`` (left side) along the last dim, as int32, without
+    a data-dependent loop.
+
+    Binary lifting: ``pos`` is the count of elements ``< value`` found so far; for each power of two
+    ``step`` from the largest ``<= N`` down to 1 it advances to ``pos + step`` when element
+    ``pos + step - 1`` is still ``< value``. The loop runs at trace time (``log2 N`` steps, fixed by
+    the shape), so compiled code is one fused kernel of gathers and selects. Inductor lowers
+    ``torch.searchsorted`` to a ``while`` loop over a per-element interval instead, and its Triton
+    code generation failed for some block-mask shapes on the H200 ("Loop-carried variable low has
+    initial type int32[1] but is re-assigned to int32[4] in loop"), which made the builder fall back
+    to eager.
+
+    ``sorted_seq``: (..., N) non-decreasing; ``values``: (..., M) with the same leading dims (or
+    1-D both). Result: (..., M) int32, each in ``[0, N]``.
+    """
+    n = sorted_seq.shape[-1]
+    pos = torch.zeros(values.shape, dtype=torch.int32, device=values.device)
+    if n == 0:
+        return pos
+    step = 1 << (n.bit_length() - 1)
+    while step:
+        cand = pos + step
+        # cand <= n keeps the probe inside the sequence; the clamp keeps the gather in bounds
+        probe = torch.gather(sorted_seq, -1, (cand - 1).clamp(max=n - 1).long())
+        pos = torch.where((cand <= n) & (probe < values), cand, pos)
+        step >>= 1
+    return pos
+
+
 def _segments(keys: tuple[Tensor, ...], length: int, s_max: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Segment id per token, a representative token per segment, each block's segment range,
     and each segment's first token (``length`` for ids beyond the real count)."""
@@ -67,7 +99,7 @@ def _segments(keys: tuple[Tensor, ...], length: int, s_max: int) -> tuple[Tensor
     seg = new.long().cumsum(0) - 1  # (T,)
     # seg is sorted: the first token of segment s is where s starts; ids beyond the real count
     # point at the last token (any index works, no block rectangle reaches them)
-    first = torch.searchsorted(seg, torch.arange(s_max, device=dev))
+    first = count_below(seg, torch.arange(s_max, device=dev)).long()
     rep = first.clamp(max=length - 1)
     nb = _cdiv(length, BLOCK)
     starts = torch.arange(nb, device=dev) * BLOCK
@@ -131,9 +163,9 @@ def _ordered(m: Tensor) -> tuple[Tensor, Tensor]:
 
     Slot ``j < count`` holds the ``j``-th True column: the first column where the running count
     of Trues reaches ``j + 1``; slot ``j >= count`` the ``(j - count)``-th False column, alike.
-    Two batched binary searches instead of a sort (the radix sort was a third of the GPU time of
-    a build at 75k tokens); a cumsum + scatter formulation hit an inductor codegen bug at
-    ~585 x 585 blocks.
+    Two batched binary searches (:func:`count_below`) instead of a sort (the radix sort was a
+    third of the GPU time of a build at 75k tokens); a cumsum + scatter formulation hit an
+    inductor codegen bug at ~585 x 585 blocks.
     """
     mi = m.to(torch.int32)
     true_seen = mi.cumsum(-1, dtype=torch.int32)
@@ -141,8 +173,8 @@ def _ordered(m: Tensor) -> tuple[Tensor, Tensor]:
     # slot j (0-based) wants the (j + 1)-th True, or the (j + 1 - n)-th False, column
     rank = torch.arange(1, m.shape[-1] + 1, dtype=torch.int32, device=m.device).expand_as(true_seen).contiguous()
     false_seen = rank - true_seen  # Falses among the first columns, as rank counts columns too
-    in_true = torch.searchsorted(true_seen.contiguous(), rank, out_int32=True)
-    in_false = torch.searchsorted(false_seen.contiguous(), (rank - n).clamp(min=1), out_int32=True)
+    in_true = count_below(true_seen, rank)
+    in_false = count_below(false_seen, (rank - n).clamp(min=1))
     idx = torch.where(rank <= n, in_true, in_false)
     return n[..., 0].contiguous(), idx.contiguous()
 

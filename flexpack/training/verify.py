@@ -4,13 +4,22 @@ For each micro-batch checked, the model (same weights) runs twice:
 
 - **batched**: the micro-batch as the config's collate builds it (pack: episodes back to back in
   one row; pad: one padded row per episode);
-- **alone**: every episode as its own unpadded micro-batch.
+- **alone**: every episode as its own micro-batch (unpadded; with compiled blocks in the run's
+  pack shape, so that no episode length compiles a graph of its own).
 
 Both paths see identical x_t: σ and noise are drawn per episode from a generator seeded by the
 episode alone (:func:`flexpack.training.noise.episode_flow_sample`). Compared, per episode: the model's
 video and action predictions, and the episode's loss; for the micro-batch: the total loss
-(batched ``FlowLoss.loss`` vs Σ ``accumulation_loss`` of the episodes alone) and every parameter
-gradient. Errors are ``max |a − b| / max |b|``; anything above ``tol`` fails (exit status 1).
+(batched ``FlowLoss.loss`` vs Σ ``accumulation_loss`` of the episodes alone) and the gradients,
+per parameter group (the embeddings, each block, the heads). Errors are ``max |a − b| / max |b|``;
+anything above its tolerance, or any non-finite gradient, fails (exit status 1).
+
+The model is built as training builds it (:func:`training_model`): on the run's device, blocks
+compiled where ``runtime.compile`` compiles them, bf16 autocast (one process) or FSDP2 mixed
+precision (``torchrun``, every rank checks the same micro-batches) for ``runtime.dtype =
+"bfloat16"``, the configured attention backend (FA4 or Triton flex on CUDA). Tolerances depend on
+that dtype (:data:`TOLERANCES`): float32 paths agree to rounding; bf16 rounds every activation to
+8 bits of mantissa, and a packed row and an episode alone reduce in different orders.
 
 ``drop_packing=True`` reproduces the bug this guards against (DeepSeek-V3's post-mortem: packing
 metadata silently dropped at the model boundary): the model gets a layout whose doc ids are all
@@ -20,72 +29,38 @@ metadata silently dropped at the model boundary): the model gets a layout whose 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from flexpack.errors import UserError
 from flexpack.packing.collate import Batch, PackCollate
 from flexpack.training.noise import episode_flow_sample, episode_seed
 from flexpack.training.objective import FlowMatchingConfig, flow_loss, loss_counts
-
-TOL = 1e-4
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-12))
+from flexpack.training.verify_report import (  # noqa: F401  (the report's names are verify's public API too)
+    TOL, TOLERANCES, EpisodeRow, Tolerance, VerifyReport, _compare_grads, _grads, _rel, param_group,
+)
 
 
-@dataclass
-class EpisodeRow:
-    episode: int
-    frames: int
-    video_err: float
-    action_err: float
-    loss_batched: float
-    loss_alone: float
-
-    @property
-    def loss_err(self) -> float:
-        return abs(self.loss_batched - self.loss_alone) / max(abs(self.loss_alone), 1e-12)
+def _into(frame: torch.Tensor | None, part: torch.Tensor | None) -> torch.Tensor | None:
+    """``part`` (1, C, n, ...) written over the first ``n`` frames of a detached copy of ``frame``."""
+    if frame is None or part is None:
+        return part
+    out = frame.detach().clone()
+    out[:, :, : part.shape[2]] = part
+    return out
 
 
-@dataclass
-class VerifyReport:
-    rows: list[EpisodeRow] = field(default_factory=list)
-    loss_batched: list[float] = field(default_factory=list)  # per micro-batch
-    loss_alone: list[float] = field(default_factory=list)
-    grad_err: list[float] = field(default_factory=list)
-    tol: float = TOL
-
-    @property
-    def max_err(self) -> float:
-        errs = [max(r.video_err, r.action_err, r.loss_err) for r in self.rows] + self.grad_err
-        errs += [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(self.loss_batched, self.loss_alone)]
-        return max(errs, default=0.0)
-
-    @property
-    def ok(self) -> bool:
-        return self.max_err <= self.tol
-
-    def table(self) -> str:
-        lines = [f"{'episode':>8} {'frames':>6} {'video err':>10} {'action err':>10} {'loss batched':>13} {'loss alone':>11} {'loss err':>9}"]
-        for r in self.rows:
-            lines.append(f"{r.episode:>8} {r.frames:>6} {r.video_err:>10.2e} {r.action_err:>10.2e} "
-                         f"{r.loss_batched:>13.6f} {r.loss_alone:>11.6f} {r.loss_err:>9.2e}")
-        for i, (a, b, g) in enumerate(zip(self.loss_batched, self.loss_alone, self.grad_err)):
-            lines.append(f"micro-batch {i}: loss batched {a:.6f} vs accumulated alone {b:.6f}; max grad rel err {g:.2e}")
-        verdict = "OK" if self.ok else "MISMATCH"
-        lines.append(f"{verdict}: max rel err {self.max_err:.2e} (tolerance {self.tol:.0e})")
-        return "\n".join(lines)
-
-
-def _grads(model: nn.Module) -> torch.Tensor:
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in model.parameters()])
+def _device(model: nn.Module) -> torch.device:
+    p = next(model.parameters(), None)
+    return torch.device("cpu") if p is None else p.device
 
 
 def verify_batch(
@@ -98,79 +73,153 @@ def verify_batch(
     model_kwargs: dict[str, Any] | None = None,
     drop_packing: bool = False,
     report: VerifyReport | None = None,
+    autocast: torch.dtype | None = None,
+    alone_collate: Any = None,
 ) -> VerifyReport:
-    """Check one micro-batch of ``items`` (dataset items) collated by ``collate``; appends to ``report``."""
+    """Check one micro-batch of ``items`` (dataset items) collated by ``collate``; appends to ``report``.
+
+    Collated batches move to the model's device. ``autocast``: run the forwards under
+    ``torch.autocast`` of that dtype (training's bf16 on one process). ``alone_collate``: the
+    collate of the per-episode passes (default: exactly the episode's frames as collated, no padding)."""
     report = report or VerifyReport()
     kw = model_kwargs or {}
+    device = _device(model)
+    amp = (lambda: torch.autocast(device.type, autocast)) if autocast is not None else contextlib.nullcontext
     keys = [(int(it.get("episode_index", i)), int(it.get("segment", -1))) for i, it in enumerate(items)]
     seeds = [episode_seed(seed, e, s + 1) for e, s in keys]
 
     # batched path
     model.zero_grad(set_to_none=True)
-    batch: Batch = collate(items)
+    batch: Batch = collate(items).to(device)
     sample = episode_flow_sample(batch, cfg, seeds)
     layout = batch.layout
     if drop_packing:  # the bug: every frame in episode 0, padding included
         layout = replace(layout, frame_doc=torch.zeros_like(layout.frame_doc))
-    pred = model(sample.inputs, layout, **sample.model_kwargs(), **kw)
+    with amp():
+        pred = model(sample.inputs, layout, **sample.model_kwargs(), **kw)
     full = flow_loss(pred, sample, batch, cfg)
     full.loss.backward()
     g_batched = _grads(model)
 
     # alone: each episode its own micro-batch, accumulated with the exact weighting
     model.zero_grad(set_to_none=True)
-    singles = [PackCollate(int(it["latent"].shape[1]))([it]) for it in items]
+    rows, starts = layout.episode_row.tolist(), layout.episode_start.tolist()
+    frames = batch.layout.episode_frames.tolist()  # as collated: a cropped episode keeps its first frames
+    singles = [(alone_collate or PackCollate(n, crop=True))([it]).to(device) for it, n in zip(items, frames)]
     counts = [loss_counts(b) for b in singles]
     totals = (float(sum(c[0] for c in counts)), float(sum(c[1] for c in counts)))
-    rows, starts = layout.episode_row.tolist(), layout.episode_start.tolist()
     accumulated = 0.0
     for e, (single, s_seed) in enumerate(zip(singles, seeds)):
         s_sample = episode_flow_sample(single, cfg, [s_seed])
-        s_pred = model(s_sample.inputs, **s_sample.model_kwargs(), **kw)
+        with amp():
+            s_pred = model(s_sample.inputs, **s_sample.model_kwargs(), **kw)
         part = flow_loss(s_pred, s_sample, single, cfg)
         share = part.accumulation_loss(totals)
         share.backward()
         accumulated += float(share.detach())
-        # the batched prediction of this episode, cut out of its row
-        r, s0, n = rows[e], starts[e], single.layout.frame_doc.shape[1]
+        # the batched prediction of this episode, cut out of its row; the single's own frames
+        r, s0, n = rows[e], starts[e], frames[e]
         video = pred.video[r : r + 1, :, s0 : s0 + n].detach()
         action = None if pred.action is None else pred.action[r : r + 1, :, s0 : s0 + n].detach()
-        cut = flow_loss(type(pred)(video=video, action=action), s_sample, single, cfg)
+        s_video = s_pred.video[:, :, :n].detach()
+        s_action = None if s_pred.action is None else s_pred.action[:, :, :n].detach()
+        # the batched prediction in the single's frames (a padded single: its padding frames are
+        # outside the loss), so the episode's loss is computed the same way on both paths
+        cut = flow_loss(type(pred)(video=_into(s_pred.video, video), action=_into(s_pred.action, action)),
+                        s_sample, single, cfg)
         report.rows.append(EpisodeRow(
-            episode=keys[e][0], frames=n, video_err=_rel(video, s_pred.video.detach()),
-            action_err=0.0 if action is None else _rel(action, s_pred.action.detach()),
+            episode=keys[e][0], frames=n, video_err=_rel(video, s_video),
+            action_err=0.0 if action is None else _rel(action, s_action),
             loss_batched=float(cut.loss), loss_alone=float(part.loss.detach()),
         ))
-    report.grad_err.append(_rel(g_batched, _grads(model)))
+    total, per_group, nonfinite = _compare_grads(g_batched, _grads(model))
+    report.grad_err.append(total)
+    report.grad_groups.append(per_group)
+    report.nonfinite += [n for n in nonfinite if n not in report.nonfinite]
     report.loss_batched.append(float(full.loss.detach()))
     report.loss_alone.append(accumulated)
     model.zero_grad(set_to_none=True)
     return report
 
 
-def verify_config(cfg: Any, *, micro_batches: int = 2, checkpoint_dir: str | None = None, tol: float = TOL,
-                  drop_packing: bool = False) -> VerifyReport:
-    """Verify the first ``micro_batches`` micro-batches of the config's sampler (epoch 0, rank 0)."""
-    from flexpack.training import checkpoint
-    from flexpack.training.build import build_data, build_model, model_kwargs
+def check_backend(cfg: Any, device: torch.device) -> None:
+    """An attention backend that cannot run the config's dtype on ``device``, in one line."""
+    from flexpack.attention.flex import has_flash
 
-    data = build_data(cfg)
-    model = build_model(cfg)
+    backend, dtype = cfg.model.wan_config().attn_backend, cfg.runtime.dtype
+    if backend == "flex-flash" and dtype != "bfloat16":
+        raise UserError(f"model.overrides.attn_backend = 'flex-flash' (FA4) takes bfloat16 inputs, but runtime.dtype = "
+                        f"{dtype!r}; set runtime.dtype = 'bfloat16' or attn_backend = 'flex'")
+    if backend in ("flex", "flex-flash") and device.type == "cpu":
+        raise UserError(f"model.overrides.attn_backend = {backend!r} has no CPU backward (FlexAttention); on CPU use "
+                        "attn_backend = 'dense' or 'auto'")
+    if backend == "flex-flash" and not has_flash():
+        raise UserError("model.overrides.attn_backend = 'flex-flash' needs FA4 (flash_attn.cute), which is not installed "
+                        "here; install it or use attn_backend = 'flex'")
+    if dtype == "bfloat16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise UserError(f"runtime.dtype = 'bfloat16' is not supported by {torch.cuda.get_device_name(device)}; "
+                        "set runtime.dtype = 'float32'")
+
+
+def training_model(cfg: Any, device: torch.device) -> tuple[nn.Module, bool]:
+    """(model, compiled): built as :func:`flexpack.training.loop.train` builds it, on ``device``:
+    compiled blocks where ``runtime.compile`` compiles them, activation checkpointing, FSDP2 with
+    bf16 parameters under several ranks, ``model.pretrained`` loaded."""
+    from flexpack.training.build import build_model, materialize
+    from flexpack.training.loop import use_compile
+    from flexpack.training.parallel import parallelize
+
+    with device:
+        model = build_model(cfg)
+    compiled = use_compile(cfg, device)
+    param_dtype = torch.bfloat16 if cfg.runtime.dtype == "bfloat16" else None
+    parallelize(model, device=device, param_dtype=param_dtype, compile=compiled,
+                activation_checkpointing=cfg.runtime.activation_checkpointing,
+                memory_budget=cfg.runtime.activation_memory_budget if compiled else 1.0)
+    materialize(model, cfg, device)
+    return model, compiled
+
+
+def verify_config(cfg: Any, *, micro_batches: int = 2, checkpoint_dir: str | None = None, tol: float | None = None,
+                  drop_packing: bool = False, data: Any = None) -> VerifyReport:
+    """Verify the first ``micro_batches`` micro-batches of the config's sampler (epoch 0, rank 0's
+    share: under ``torchrun`` every rank checks the same ones, so the sharded model sees the same
+    work on each) with the model as training builds it. ``tol``: one max relative error for all
+    quantities (default: :data:`TOLERANCES` of ``runtime.dtype``). ``data``: replaces what
+    ``cfg.data`` describes (e.g. :func:`flexpack.training.memory_data.synthetic_data`)."""
+    from flexpack.training import checkpoint
+    from flexpack.training.build import build_data, model_kwargs
+    from flexpack.training.checks import resolve_device
+    from flexpack.training.parallel import is_sharded, world
+
+    device = resolve_device(cfg.runtime.device)
+    check_backend(cfg, device)
+    data = build_data(cfg) if data is None else data
+    model, compiled = training_model(cfg, device)
     if checkpoint_dir:
         from flexpack.training.export_io import pick_checkpoint  # says which one and why a newer one was skipped
 
         found = pick_checkpoint(Path(checkpoint_dir), "verify")
-        state = checkpoint.load(found, model, restore_rng=False)
+        state = checkpoint.load(found, model, restore_rng=False)  # a checkpoint of another shape: one line
         print(f"verify: checkpoint {found} (step {state['step']})", file=sys.stderr)
-    report = VerifyReport(tol=tol)
+    sharded = is_sharded(model)
+    bf16 = cfg.runtime.dtype == "bfloat16"
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    mode = "FSDP2 mixed precision" if bf16 and sharded else "autocast" if bf16 else "no autocast"
+    report = VerifyReport(tol=TOLERANCES[cfg.runtime.dtype] if tol is None else Tolerance.uniform(tol), setup=(
+        f"{device} ({name}), runtime.dtype {cfg.runtime.dtype} ({mode}), blocks {'compiled' if compiled else 'eager'}, "
+        f"attention {cfg.model.wan_config().attn_backend}, {world()[1]} rank(s){', FSDP2' if sharded else ''}"))
+    kw = {**model_kwargs(cfg), "text_slots": data.text_slots}  # training's text shape
     for i, indices in enumerate(data.sampler):
         if i >= micro_batches:
             break
         items = [data.dataset[j] for j in indices]
         if not cfg.model.wan_config().action_channels:  # a video-only model gets no actions
             items = [{k: v for k, v in it.items() if k not in ("action", "action_mask")} for it in items]
-        verify_batch(model, items, data.collate, cfg.objective, seed=cfg.runtime.seed,
-                     model_kwargs=model_kwargs(cfg), drop_packing=drop_packing, report=report)
+        # compiled blocks: the episodes alone in the run's pack shape (one graph), as training would see them
+        verify_batch(model, items, data.collate, cfg.objective, seed=cfg.runtime.seed, model_kwargs=kw,
+                     drop_packing=drop_packing, report=report, autocast=torch.bfloat16 if bf16 and not sharded else None,
+                     alone_collate=data.collate if compiled else None)
     return report
 
 
@@ -181,20 +230,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", default=None,
                         help="weights: a checkpoint folder or a run folder (its newest checkpoint); default: fresh init")
     parser.add_argument("--micro-batches", type=int, default=2, help="micro-batches of the sampler to check")
-    parser.add_argument("--tol", type=float, default=TOL, help="max relative error")
+    parser.add_argument("--tol", type=float, default=None,
+                        help="one max relative error for outputs, losses and gradients (default per runtime.dtype: "
+                             + "; ".join(f"{k}: {v}" for k, v in TOLERANCES.items()) + ")")
     parser.add_argument("--drop-packing", action="store_true",
                         help="feed the model a layout with all doc ids 0 (the bug this check catches); must fail")
+    parser.add_argument("--synthetic", action="store_true",
+                        help="in-memory random episodes shaped for the model instead of data.root (no dataset needed)")
+    parser.add_argument("--synthetic-hw", type=int, nargs=2, default=None, metavar=("H", "W"),
+                        help="latent height and width of --synthetic episodes (default: one patch)")
+    parser.add_argument("--synthetic-text", type=int, default=16, metavar="L", help="text tokens per --synthetic episode")
 
 
 def run(args: argparse.Namespace) -> int:
+    import os
+
     from flexpack.training.config import load_config
+    from flexpack.training.parallel import world
 
     if args.micro_batches < 1:
         raise ValueError(f"--micro-batches must be >= 1, got {args.micro_batches}")
-    if not (math.isfinite(args.tol) and args.tol > 0):  # tol <= 0 would call a correct model a MISMATCH
-        raise ValueError(f"--tol must be a finite number > 0 (a max relative error, default {TOL:g}), got {args.tol!r}")
+    if args.tol is not None and not (math.isfinite(args.tol) and args.tol > 0):  # tol <= 0 fails a correct model
+        raise ValueError(f"--tol must be a finite number > 0 (a max relative error), got {args.tol!r}")
+    if not args.synthetic and (args.synthetic_hw is not None or args.synthetic_text != 16):
+        raise ValueError("--synthetic-hw and --synthetic-text shape --synthetic episodes; add --synthetic")
     cfg = load_config(args.config, args.overrides)
-    report = verify_config(cfg, micro_batches=args.micro_batches, checkpoint_dir=args.checkpoint, tol=args.tol,
-                           drop_packing=args.drop_packing)
-    print(report.table())
+    started = False
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():  # torchrun: FSDP2 as training
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        started = True
+    try:
+        data = None
+        if args.synthetic:
+            from flexpack.training.memory_data import synthetic_data
+
+            data = synthetic_data(cfg, hw=args.synthetic_hw, text_len=args.synthetic_text)
+        report = verify_config(cfg, micro_batches=args.micro_batches, checkpoint_dir=args.checkpoint, tol=args.tol,
+                               drop_packing=args.drop_packing, data=data)
+    finally:
+        if started:
+            dist.destroy_process_group()
+    if world()[0] == 0 and int(os.environ.get("RANK", "0")) == 0:
+        print(report.table())
     return 0 if report.ok else 1

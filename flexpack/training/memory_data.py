@@ -1,0 +1,93 @@
+"""In-memory episodes shaped like :class:`~flexpack.data.LatentEpisodeDataset`'s items, with the
+sampler and collate a config builds: ``flexpack verify --synthetic`` (and benchmarks) run the
+training configuration without a LeRobot dataset on disk.
+
+Each item is drawn from a generator seeded by its index (latent, text, actions), so a rank, a
+re-run and a per-episode pass all see the same episode.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+
+from flexpack.training.build import Data, _Collate, run_text_slots
+
+REFERENCE_FRAMES = Path(__file__).resolve().parents[2] / "data" / "episode_frames_ref.txt"
+
+
+class RandomEpisodes(torch.utils.data.Dataset):
+    """Items with ``latent`` (C, F, H, W), ``text`` (L, Dt), ``text_len`` and, for ``action_channels``
+    > 0, ``action`` / ``action_mask`` (Ca, F, A), drawn from a seed per episode."""
+
+    def __init__(self, lengths: list[int], *, channels: int, hw: tuple[int, int], action_channels: int,
+                 action_steps: int, text_len: int, text_dim: int) -> None:
+        self.frames, self.c, self.hw = list(lengths), channels, hw
+        self.ca, self.a, self.text_len, self.text_dim = action_channels, action_steps, text_len, text_dim
+
+    def __len__(self) -> int:
+        return len(self.frames)
+
+    def lengths(self) -> list[int]:
+        return list(self.frames)
+
+    def __getitem__(self, i: int) -> dict:
+        g = torch.Generator().manual_seed(i)
+        f = self.frames[i]
+        item = {"latent": torch.randn(self.c, f, *self.hw, generator=g), "episode_index": i, "segment": -1,
+                "text": torch.randn(self.text_len, self.text_dim, generator=g), "text_len": self.text_len}
+        if self.ca:
+            item["action"] = torch.randn(self.ca, f, self.a, generator=g)
+            item["action_mask"] = torch.rand(self.ca, f, self.a, generator=g) > 0.1
+        return item
+
+
+def episode_lengths(budget_frames: int, *, count: int = 64, seed: int = 0) -> list[int]:
+    """Latent frames per episode: the reference lengths (``data/episode_frames_ref.txt``) where the
+    budget holds the longest of them, else ``count`` seeded lengths in ``[1, budget / 2]`` (several
+    episodes per pack, as on a real dataset of short episodes)."""
+    from flexpack.packing.lengths import read_frames_file
+
+    ref = read_frames_file(REFERENCE_FRAMES)
+    if budget_frames >= max(ref):
+        return ref
+    rng = random.Random(seed)
+    return [rng.randint(1, max(1, budget_frames // 2)) for _ in range(count)]
+
+
+def synthetic_data(cfg, *, hw: tuple[int, int] | None = None, text_len: int = 16, rank: int = 0,
+                   world_size: int = 1) -> Data:
+    """The config's sampler and collate over :class:`RandomEpisodes` shaped for its model.
+
+    ``hw``: latent height and width (default: one patch, one video token per frame); must be a
+    multiple of the model's patch. Pack and pad mode as :func:`flexpack.training.build.build_data`."""
+    from flexpack.packing.collate import PackCollate, PadCollate
+    from flexpack.packing.sampler import LengthBucketBatchSampler, TokenBudgetBatchSampler
+
+    d, m = cfg.data, cfg.model.wan_config()
+    _, ph, pw = m.patch_size
+    hw = (ph, pw) if hw is None else tuple(hw)
+    if len(hw) != 2 or min(hw) <= 0 or hw[0] % ph or hw[1] % pw:
+        raise ValueError(f"--synthetic-hw {hw} must be two positive multiples of the model's patch ({ph}, {pw})")
+    if text_len <= 0:
+        raise ValueError(f"synthetic text_len must be >= 1, got {text_len}")
+    na = d.action_steps if m.action_channels else 0
+    tpf = (hw[0] // ph) * (hw[1] // pw) + na
+    common = dict(rank=rank, world_size=world_size, seed=d.seed)
+    if d.mode == "pack":
+        if d.max_tokens < tpf:
+            raise ValueError(f"data.max_tokens = {d.max_tokens} is less than one latent frame ({tpf} tokens)")
+        lengths = episode_lengths(d.max_tokens // tpf, seed=d.seed)
+        sampler = TokenBudgetBatchSampler(lengths, d.max_tokens, tokens_per_frame=tpf, **common)
+        collate = PackCollate.from_token_budget(d.max_tokens, tpf)
+    else:
+        rng = random.Random(d.seed)  # short episodes: pad mode's shapes follow the longest of each batch
+        lengths = [rng.randint(1, 24) for _ in range(8 * d.batch_size)]
+        sampler = LengthBucketBatchSampler(lengths, d.batch_size, pool_factor=d.pool_factor, pad_multiple=d.pad_multiple,
+                                           tokens_per_frame=tpf, **common)
+        collate = PadCollate(d.pad_multiple)
+    dataset = RandomEpisodes(lengths, channels=m.in_channels, hw=hw, action_channels=m.action_channels,
+                             action_steps=d.action_steps, text_len=text_len, text_dim=m.text_dim)
+    return Data(dataset, sampler, _Collate(collate, actions=na > 0), tpf, text_slots=run_text_slots(sampler))
