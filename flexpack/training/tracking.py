@@ -14,6 +14,8 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
+import numpy as np
+
 
 def _numeric(rec: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, float]]:
     for key, value in rec.items():
@@ -83,6 +85,23 @@ class MetricSinks:
                 self.tb.add_scalar(key, value, step)
         if self.wandb is not None:
             self.wandb.log(values, step=step)
+
+    def log_images(self, step: int, images: dict[str, str | os.PathLike]) -> None:
+        """Log PNG files (``{tag: path}``, e.g. the sampler's action plots) at ``step``: TensorBoard
+        ``add_image`` (HWC uint8 RGB) and, with W&B on, ``wandb.Image``. A no-op off rank 0."""
+        if self.tb is None and self.wandb is None:
+            return
+        from PIL import Image
+
+        if self.tb is not None:
+            for tag, path in images.items():
+                with Image.open(path) as im:
+                    self.tb.add_image(tag, np.asarray(im.convert("RGB")), int(step), dataformats="HWC")
+            self.tb.flush()  # images are logged rarely; make them visible now, not after flush_secs
+        if self.wandb is not None:
+            import wandb
+
+            self.wandb.log({tag: wandb.Image(str(path)) for tag, path in images.items()}, step=int(step))
 
     def __exit__(self, *exc) -> None:
         if self.tb is not None:
