@@ -64,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _config_file(path: Path) -> Path:
     if path.is_dir():
-        for name in ("config.json", "flexpack_config.json"):
+        for name in ("flexpack_config.json", "config.json"):  # an export's config.json is the diffusers one
             if (path / name).is_file():
                 return path / name
         raise FileNotFoundError(f"{path}: holds neither config.json (a run folder) nor flexpack_config.json (an export)")

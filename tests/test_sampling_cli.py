@@ -1,0 +1,150 @@
+"""``flexpack sample`` end to end on a short trained run, its bad inputs, and ``runtime.sample_every``."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lerobot")
+
+from flexpack.cli import main  # noqa: E402
+from flexpack.training.config import load_config  # noqa: E402
+from flexpack.training.loop import train  # noqa: E402
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+pytestmark = pytest.mark.usefixtures("one_thread")
+KEYS = ("action_mse", "action_mse_raw", "latent_mse")
+
+
+def _sets(root, out, *more):
+    return [f'data.root="{root}"', f'runtime.out_dir="{out}"', "runtime.progress=false", "optim.accum_steps=1",
+            "data.max_tokens=60", "checkpoint.every=0", "data.val_episodes=[0, 2]", "runtime.tensorboard=false",
+            *more]
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_dataset, tmp_path_factory):
+    run = tmp_path_factory.mktemp("sample") / "run"
+    train(load_config(CONFIGS / "tiny_cpu.toml", _sets(tiny_dataset, run, "schedule.steps=3", "optim.ema_decay=0.5")))
+    return tiny_dataset, run
+
+
+def _cli(capsys, *argv):
+    try:
+        code = main(["sample", *map(str, argv)])
+    except SystemExit as exc:
+        code = exc.code
+    cap = capsys.readouterr()
+    return code, cap.out, cap.err
+
+
+def test_sample_writes_metrics_plots_and_a_table(trained, tmp_path, capsys):
+    root, run = trained
+    out = tmp_path / "out"
+    code, stdout, err = _cli(capsys, run, "--checkpoint", run, "--val", "--out", out, "--steps", 3, "--plots", 1,
+                             "--cuts", 2, "--horizon", 2)
+    assert code == 0, err
+    m = json.loads((out / "metrics.json").read_text())
+    for k in KEYS:
+        assert m[k] > 0 and m["baselines"]["last"][k] >= 0 and m["baselines"]["mean"][k] >= 0
+    assert m["episodes"] == [0, 2] and m["steps"] == 3 and m["mode"] == "forecast"
+    assert m["pair_list"] == [[0, 1, 2], [0, 8, 2], [2, 1, 2], [2, 4, 2]]  # 10 and 6 latent frames, 2 cuts each
+    assert len(m["action_mse_per_dim"]) == 6 and len(m["action_mse_per_step"]) == 2
+    assert m["model_calls"] == 2 * 3  # pairs of 3, 10, 3, 6 frames in 12-frame packs (60 tokens): 2 packs
+    assert (out / "episode_000000_actions.png").is_file() and (out / "episode_000000_latents.png").is_file()
+    assert not (out / "episode_000002_actions.png").exists()  # --plots 1
+    assert "action_mse" in stdout and "last" in stdout and str(out / "metrics.json") in stdout
+
+
+def test_sample_from_export_equals_checkpoint_and_ema_differs(trained, tmp_path, capsys):
+    from flexpack.training.export import export_run
+
+    root, run = trained
+    exported = export_run(run, tmp_path / "export", ema=True)
+    res = {}
+    for name, src, more in [("ckpt", run, []), ("export", exported, []), ("ema", run, ["--ema"]),
+                            ("export_ema", exported, ["--ema"])]:
+        code, _, err = _cli(capsys, exported, "--checkpoint", src, "--episodes", "0,4", "--out", tmp_path / name,
+                            "--steps", 2, "--plots", 0, "--mode", "rollout", "--horizon", 3, *more)
+        assert code == 0, err
+        res[name] = json.loads((tmp_path / name / "metrics.json").read_text())
+    assert res["ckpt"]["episodes"] == [0, 4] and res["ckpt"]["mode"] == "rollout"
+    assert res["ckpt"]["pair_list"] == [[0, 1, 9], [4, 1, 3]]  # from the first chunk to the end
+    for k in KEYS:
+        assert res["export"][k] == pytest.approx(res["ckpt"][k], rel=1e-5)
+        assert res["export_ema"][k] == pytest.approx(res["ema"][k], rel=1e-5)
+    assert res["ema"]["action_mse"] != pytest.approx(res["ckpt"]["action_mse"], rel=1e-6)
+
+
+def _no_stats(root: Path, tmp: Path) -> Path:
+    copy = tmp / "nostats"
+    shutil.copytree(root, copy)
+    stats = json.loads((copy / "meta" / "stats.json").read_text())
+    for k in ("q01", "q99", "mean", "std"):
+        stats["action"].pop(k, None)
+    stats["action"]["q01"] = [v - 1 for v in stats["action"]["min"]]  # other statistics than the run's
+    stats["action"]["q99"] = stats["action"]["max"]
+    (copy / "meta" / "stats.json").write_text(json.dumps(stats))
+    return copy
+
+
+@pytest.mark.parametrize("case,args,message", [
+    ("steps", ["--steps", "0"], "--steps must be >= 1"),
+    ("episodes", ["--episodes", "0,99"], "episodes [99] are not in"),
+    ("cut", ["--cut-points", "9", "--horizon", "2"], "cut point 9 + horizon 2 is beyond episode 0 (10 latent frames)"),
+    ("shape", ["--set", "model.overrides.ffn_dim=96"], "the checkpoint is of another model shape"),
+    ("stats", None, "are not those"),
+    ("val", ["--val", "--set", "data.val_episodes=[]"], "--val needs held-out episodes"),
+    ("ema", ["--ema", "--episodes", "0"], None),
+])
+def test_bad_inputs_are_one_line_and_exit_2(trained, tmp_path, capsys, case, args, message):
+    root, run = trained
+    if case == "stats":
+        args = ["--set", f'data.root="{_no_stats(root, tmp_path)}"']
+    if case == "ema":  # a run trained without EMA
+        run = tmp_path / "noema"
+        train(load_config(CONFIGS / "tiny_cpu.toml", _sets(root, run, "schedule.steps=1")))
+        message = "holds no EMA weights"
+    code, _, err = _cli(capsys, run, "--checkpoint", run, "--out", tmp_path / "o", "--plots", 0, "--steps", 1, *args)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("flexpack sample: error: "), err
+    assert message in lines[0]
+    if case == "shape":
+        assert "checkpoint [" in lines[0] and "vs model [" in lines[0]  # both shapes named
+    assert not (tmp_path / "o" / "metrics.json").exists()
+
+
+def test_sample_every_writes_samples_and_resume_gives_the_same_numbers(tiny_dataset, tmp_path):
+    more = ["schedule.steps=4", "runtime.sample_every=2", "runtime.sample_steps=2", "runtime.sample_plots=1",
+            "runtime.sample_horizon=2", "schedule.rewarmup_steps=0"]  # a resume re-warms the LR otherwise
+    straight, resumed = tmp_path / "a", tmp_path / "b"
+    train(load_config(CONFIGS / "tiny_cpu.toml", _sets(tiny_dataset, straight, *more)))
+    cfg_b = load_config(CONFIGS / "tiny_cpu.toml", _sets(tiny_dataset, resumed, *more))
+    train(cfg_b, stop_after=2)
+    train(cfg_b)
+
+    def samples(run):
+        recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r for r in recs if "sample/action_mse" in r}
+
+    a, b = samples(straight), samples(resumed)
+    assert sorted(a) == sorted(b) == [2, 4]
+    for step in (2, 4):
+        for k in ("sample/action_mse", "sample/latent_mse", "sample/last/action_mse", "sample/mean/action_mse"):
+            assert a[step][k] == pytest.approx(b[step][k], rel=1e-6), (step, k)
+        files = json.loads((straight / "samples" / f"step_{step:08d}" / "metrics.json").read_text())
+        assert files["action_mse"] == pytest.approx(a[step]["sample/action_mse"])
+        assert (straight / "samples" / f"step_{step:08d}" / "episode_000000_actions.png").is_file()
+    assert a[2]["sample/action_mse"] != a[4]["sample/action_mse"]  # the weights changed between the samplings
+    assert a[2]["sample/last/action_mse"] == a[4]["sample/last/action_mse"]  # baselines: same frames
+
+
+def test_sample_every_needs_held_out_episodes_and_a_per_frame_sigma(tiny_dataset, tmp_path):
+    with pytest.raises(ValueError, match="sample_every=2 needs held-out episodes"):
+        load_config(CONFIGS / "tiny_cpu.toml", [f'data.root="{tiny_dataset}"', "runtime.sample_every=2"])
+    with pytest.raises(ValueError, match="runtime.sample_steps must be >= 1"):
+        load_config(CONFIGS / "tiny_cpu.toml", ["runtime.sample_steps=0"])
