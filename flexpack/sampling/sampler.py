@@ -94,6 +94,14 @@ class PackedSampler:
         """Fill every pair's ``pred_*`` target frames, stage after stage."""
         for p in pairs:
             p.done = 0
+        if self.text_slots is None and pairs:
+            # one text-key shape for every pack of this run (compiled blocks never see another): the
+            # first stage has the shortest sequences, so the most pairs in one pack
+            from flexpack.attention.masks import text_slots
+
+            first = [p.cut + min(self.stage or stage_frames(self.cfg, p.horizon), p.horizon) for p in pairs]
+            plan = TokenBudgetBatchSampler(first, self.max_tokens, tokens_per_frame=self.tpf, seed=0)
+            self.text_slots = text_slots(max(1, plan.max_batch_size()))
         while True:
             active = [p for p in pairs if p.done < p.horizon]
             if not active:
