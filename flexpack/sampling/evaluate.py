@@ -86,9 +86,9 @@ def build_pairs(cfg: Any, dataset: Any, plan: PairPlan, *, limit_pairs: int | No
     horizon = plan.horizon or default_horizon(cfg)
     if horizon < 1:
         raise ValueError(f"--horizon must be >= 1 latent frame, got {horizon}")
-    if cfg.model.mask == "teacher_forcing" and horizon % cfg.model.chunk_size:
-        raise ValueError(f"--horizon {horizon} must be a multiple of model.chunk_size = {cfg.model.chunk_size} "
-                         "(teacher forcing generates whole chunks)")
+    if horizon % chunk:  # frames of one chunk share σ in training: never split one between context and target
+        raise ValueError(f"--horizon {horizon} must be a multiple of the chunk the model was trained with "
+                         f"({chunk} latent frames)")
     actions = cfg.model.wan_config().action_channels > 0
     lengths = dataset.lengths()
     pairs, short = [], []

@@ -23,8 +23,9 @@ Conditioning per mask (what training taught the model):
 A *stage* generates the next ``stage_frames`` target frames of every unfinished pair at once:
 forecast under ``document`` / ``chunk_causal`` is one stage of ``horizon`` frames; a rollout
 (cut = the first chunk, horizon = the rest of the episode) runs stage after stage, each conditioned
-on the model's own earlier output. A pair's sequence in a stage is its frames ``[0, k + n)``: the
-masks are causal in chunks, so the frames after the stage's target could not change it anyway.
+on the model's own earlier output. A pair's sequence in a stage is its frames ``[0, k + n)``, the
+known ones and the ones being generated: under the chunk-causal masks the later frames could not
+change the result anyway, under ``document`` they are simply not there yet.
 
 Under several ranks each rank solves its packs (the sampler deals bins so every rank runs the same
 number of forwards, keeping FSDP's collectives matched) and the stage's results are summed across
