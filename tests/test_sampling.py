@@ -236,3 +236,42 @@ def test_denormalize_inverts_the_dataset_normalizer():
         x = n.low + u * (n.high - n.low) if n.mode == "quantile" else 4 * u - 1  # quantile clips outside q01..q99
         np.testing.assert_allclose(denormalize(state, n(x), np.arange(3)), x, atol=1e-5)
         np.testing.assert_allclose(normalize(state, x), n(x), atol=1e-6)
+
+
+def test_sampler_euler_equals_diffusers_scheduler_on_one_episode():
+    """The whole forecast of one pair: the sampler vs a loop of diffusers' scheduler steps over the
+    same model calls (video and actions each stepped by their own scheduler; same σ grid)."""
+    diffusers = pytest.importorskip("diffusers")
+    from dataclasses import replace
+
+    from flexpack.sampling.pairs import pair_noise
+
+    cfg = _cfg("document", "objective.shift=3.0", "objective.action_shift=2.0")
+    torch.manual_seed(0)
+    model = build_model(cfg).eval()
+    pair = _pairs(_items(lengths=(9,)), [(0, 3, 6)])[0]
+    ref = make_pair(_items(lengths=(9,))[0], 3, 6)
+    _run(model, cfg, [pair])  # 3 Euler steps, in a 40-frame pack
+
+    n = 3
+    batch = PackCollate(9)([ref.item(9)])
+    target = (batch.layout.frame_pos >= 3)[0]  # (Fr,)
+    noise, anoise = pair_noise(batch.layout, [ref.seed], batch.latent.shape, batch.action.shape, torch.device("cpu"))
+    t5, a_live = target[None, None, :, None, None], target[None, None, :, None] & batch.action_mask
+    x = torch.where(t5, noise, batch.latent)
+    a = torch.where(a_live, anoise, batch.action)
+    scheds = []
+    for shift in (3.0, 2.0):
+        s = diffusers.FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=shift)
+        s.set_timesteps(sigmas=np.linspace(1.0, 0.0, n + 1)[:-1])
+        scheds.append(s)
+    sv, sa = scheds
+    with torch.no_grad():
+        for i in range(n):
+            tv = torch.where(target, sv.timesteps[i], 0.0)[None]
+            ta = torch.where(target, sa.timesteps[i], 0.0)[None]
+            out = model(replace(batch, latent=x, action=a), timestep=tv, action_timestep=ta, mask="document")
+            x = torch.where(t5, sv.step(out.video, sv.timesteps[i], x).prev_sample, x)
+            a = torch.where(a_live, sa.step(out.action, sa.timesteps[i], a).prev_sample, a)
+    torch.testing.assert_close(pair.pred_latent, x[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(pair.pred_action, torch.where(batch.action_mask, a, 0.0)[0], atol=1e-5, rtol=0)
