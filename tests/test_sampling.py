@@ -20,6 +20,7 @@ from flexpack.training.config import load_config
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 pytestmark = pytest.mark.usefixtures("one_thread")
 TPF = 5  # tiny_cpu: one 2x2 latent patch + 4 action steps per frame
+SPECS_DIST = [(0, 2, 8), (1, 2, 6), (2, 2, 4), (3, 2, 4), (0, 4, 4)]  # (item, cut, horizon): rollouts and forecasts
 
 MASKS = {
     "document": [],
