@@ -148,3 +148,34 @@ def test_sample_every_needs_held_out_episodes_and_a_per_frame_sigma(tiny_dataset
         load_config(CONFIGS / "tiny_cpu.toml", [f'data.root="{tiny_dataset}"', "runtime.sample_every=2"])
     with pytest.raises(ValueError, match="runtime.sample_steps must be >= 1"):
         load_config(CONFIGS / "tiny_cpu.toml", ["runtime.sample_steps=0"])
+
+
+def test_wan_vae_cache_gets_videos_and_psnr_of_the_target_frames(trained, tmp_path, monkeypatch):
+    """The Wan VAE branch with a stand-in decoder (no VAE weights in tests): a causal "decode" that
+    repeats each latent frame ``stride`` times (frame 0 once), as the VAE's frame count does."""
+    import numpy as np
+    import torch
+
+    from flexpack.sampling import evaluate, media
+    from flexpack.sampling.pairs import make_pair
+
+    root, run = trained
+    cfg = load_config(Path(run) / "config.json")
+    ds = evaluate.dataset_for(cfg, [0])
+
+    def decode(latent, encoder, **kw):
+        x = latent[:3].float().clamp(-1, 1)
+        frames = torch.cat([x[:, :1], x[:, 1:].repeat_interleave(ds.stride, dim=1)], dim=1)  # (3, 1 + s(F-1), H, W)
+        return ((frames + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 3, 0).numpy()
+
+    monkeypatch.setattr(media, "decode_latents", decode)
+    pair = make_pair(ds[0], 3, 4)
+    pair.pred_latent[:, 3:] = pair.latent[:, 3:] + 0.25  # a known error on the target frames only
+    files, extra = evaluate.write_media(tmp_path, [pair], ds, plots=1)
+    assert (tmp_path / "episode_000000.mp4").stat().st_size > 0 and "sample/episode_000000/actions" in files
+    true, pred = decode(pair.latent, ""), decode(pair.pred_latent, "")
+    first = 2 * ds.stride + 1  # video frames of latent frames 0..2 (the context): 1 + 4 + 4
+    to = lambda v: v[first:].astype(np.float32) / 127.5 - 1.0  # noqa: E731
+    assert extra["psnr"] == pytest.approx(media.psnr(to(pred), to(true)))
+    assert np.isfinite(extra["psnr"]) and extra["psnr_pairs"] == 1
+    assert extra["psnr_baseline_last"] < 100
