@@ -122,7 +122,8 @@ def test_sample_every_writes_samples_and_resume_gives_the_same_numbers(tiny_data
     more = ["schedule.steps=4", "runtime.sample_every=2", "runtime.sample_steps=2", "runtime.sample_plots=1",
             "runtime.sample_horizon=2", "schedule.rewarmup_steps=0"]  # a resume re-warms the LR otherwise
     straight, resumed = tmp_path / "a", tmp_path / "b"
-    train(load_config(CONFIGS / "tiny_cpu.toml", _sets(tiny_dataset, straight, *more)))
+    train(load_config(CONFIGS / "tiny_cpu.toml", _sets(tiny_dataset, straight, *more, "runtime.tensorboard=true",
+                                                                  "runtime.eval_every=2")))
     cfg_b = load_config(CONFIGS / "tiny_cpu.toml", _sets(tiny_dataset, resumed, *more))
     train(cfg_b, stop_after=2)
     train(cfg_b)
@@ -141,6 +142,14 @@ def test_sample_every_writes_samples_and_resume_gives_the_same_numbers(tiny_data
         assert (straight / "samples" / f"step_{step:08d}" / "episode_000000_actions.png").is_file()
     assert a[2]["sample/action_mse"] != a[4]["sample/action_mse"]  # the weights changed between the samplings
     assert a[2]["sample/last/action_mse"] == a[4]["sample/last/action_mse"]  # baselines: same frames
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(straight / "tb"), size_guidance={"images": 0})
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("sample/action_mse")] == [
+        (s, pytest.approx(a[s]["sample/action_mse"], rel=1e-6)) for s in (2, 4)]
+    assert [e.step for e in acc.Scalars("val_loss")] == [2, 4]  # validation reaches TensorBoard beside it
+    assert [e.step for e in acc.Images("sample/episode_000000/actions")] == [2, 4]
 
 
 def test_sample_every_needs_held_out_episodes_and_a_per_frame_sigma(tiny_dataset, tmp_path):
