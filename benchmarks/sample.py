@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flexpack.packing.lengths import read_frames_file  # noqa: E402
 from flexpack.sampling.pairs import cut_points, make_pair  # noqa: E402
-from flexpack.sampling.sampler import PackedSampler, SampleOptions  # noqa: E402
+from flexpack.sampling.sampler import PackedSampler, SampleOptions, pack_text_slots  # noqa: E402
 from flexpack.training.build import build_model  # noqa: E402
 from flexpack.training.config import TrainConfig, from_dict  # noqa: E402
 from flexpack.training.parallel import compiled_graphs, parallelize  # noqa: E402
@@ -99,7 +99,8 @@ def run_set(args, lengths: list[int], device: torch.device) -> dict:
     with device:
         base = build_model(cfg).eval()
     compiled = parallelize(base, device=device, compile=device.type == "cuda")  # blocks compiled in place
-    packed = PackedSampler(compiled, cfg, tpf, device, opts)
+    slots = pack_text_slots(fresh(specs), args.max_tokens, tpf)  # the timed run's, for the warm-up too
+    packed = PackedSampler(compiled, cfg, tpf, device, opts, text_slots=slots)
     # warm-up: the first pack's shape compiles (one shape for all packs), then the timed run of all pairs
     packed.run(fresh(specs[: max(1, len(specs) // 8)]))
     graphs = compiled_graphs()

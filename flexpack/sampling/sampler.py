@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from flexpack.attention.masks import text_slots
 from flexpack.packing.collate import PackCollate
 from flexpack.packing.sampler import TokenBudgetBatchSampler
 from flexpack.sampling.pairs import Pair, pair_noise
@@ -95,14 +96,6 @@ class PackedSampler:
         """Fill every pair's ``pred_*`` target frames, stage after stage."""
         for p in pairs:
             p.done = 0
-        if self.text_slots is None and pairs:
-            # one text-key shape for every pack of this run (compiled blocks never see another): the
-            # first stage has the shortest sequences, so the most pairs in one pack
-            from flexpack.attention.masks import text_slots
-
-            first = [p.cut + min(self.stage or stage_frames(self.cfg, p.horizon), p.horizon) for p in pairs]
-            plan = TokenBudgetBatchSampler(first, self.max_tokens, tokens_per_frame=self.tpf, seed=0)
-            self.text_slots = text_slots(max(1, plan.max_batch_size()))
         while True:
             active = [p for p in pairs if p.done < p.horizon]
             if not active:
@@ -119,6 +112,11 @@ class PackedSampler:
         sampler = TokenBudgetBatchSampler(lengths, self.max_tokens, tokens_per_frame=self.tpf, rank=rank,
                                           world_size=size, seed=0)
         collate = PackCollate.from_token_budget(self.max_tokens, self.tpf)
+        # one text-key shape for every pack (compiled blocks never see another); the first stage has the
+        # shortest sequences, so the most pairs per pack: later stages keep its value
+        need = text_slots(max(1, sampler.max_batch_size()))
+        if self.text_slots is None or need > self.text_slots:
+            self.text_slots = need
         written: list[tuple[int, Tensor, Tensor | None]] = []
         for indices in sampler:
             group = [todo[i] for i in indices]
@@ -195,6 +193,14 @@ class PackedSampler:
         lats = [xs[0][r, :, s:s + f] for r, s, f in zip(rows, starts, frames)]
         acts = None if a_true is None else [xs[1][r, :, s:s + f] for r, s, f in zip(rows, starts, frames)]
         return lats, acts
+
+
+def pack_text_slots(pairs: Sequence[Pair], max_tokens: int, tokens_per_frame: int, stage: int | None = None) -> int:
+    """Text key slots that fit every pack of a first stage over ``pairs`` (pass it as ``text_slots``
+    to keep one shape across several runs, e.g. a warm-up on fewer pairs)."""
+    first = [p.cut + min(stage or p.horizon, p.horizon) for p in pairs]
+    plan = TokenBudgetBatchSampler(first, max_tokens, tokens_per_frame=tokens_per_frame)
+    return text_slots(max(1, plan.max_batch_size()))
 
 
 def _world() -> tuple[int, int]:
