@@ -188,3 +188,12 @@ def test_wan_vae_cache_gets_videos_and_psnr_of_the_target_frames(trained, tmp_pa
     assert extra["psnr"] == pytest.approx(media.psnr(to(pred), to(true)))
     assert np.isfinite(extra["psnr"]) and extra["psnr_pairs"] == 1
     assert extra["psnr_baseline_last"] < 100
+
+
+def test_sample_every_with_too_short_held_out_episodes_fails_before_training(tiny_dataset, tmp_path):
+    run = tmp_path / "short"
+    cfg = load_config(CONFIGS / "tiny_cpu.toml", _sets(tiny_dataset, run, "schedule.steps=2", "runtime.sample_every=1",
+                                                         "data.val_episodes=[5]", "runtime.sample_horizon=4"))
+    with pytest.raises(ValueError, match=r"runtime.sample_every=1: no episode has room for a cut point.*sample_horizon"):
+        train(cfg)  # episode 5 has 3 latent frames: one context frame + 4 do not fit
+    assert not (run / "checkpoints").exists()

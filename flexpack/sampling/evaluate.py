@@ -78,7 +78,8 @@ def tokens_per_frame(cfg: Any, dataset: Any) -> int:
     return (H // m.patch_size[1]) * (W // m.patch_size[2]) + (cfg.data.action_steps if m.action_channels else 0)
 
 
-def build_pairs(cfg: Any, dataset: Any, plan: PairPlan, *, limit_pairs: int | None = None) -> list[Pair]:
+def build_pairs(cfg: Any, dataset: Any, plan: PairPlan, *, limit_pairs: int | None = None,
+                note: bool = True) -> list[Pair]:
     """Pairs of every episode of ``dataset``: forecast cut points, or one rollout from the first chunk."""
     if plan.mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {plan.mode!r}")
@@ -110,7 +111,7 @@ def build_pairs(cfg: Any, dataset: Any, plan: PairPlan, *, limit_pairs: int | No
             pairs.append(make_pair(item, c, (F - c) if plan.mode == "rollout" else horizon, actions=actions))
         if limit_pairs is not None and len(pairs) >= limit_pairs:
             break
-    if short:
+    if short and note:
         print(f"note: episodes {short} are too short for one context chunk ({chunk} latent frames) plus the "
               f"horizon ({horizon}); skipped", file=sys.stderr)
     if not pairs:
@@ -217,9 +218,10 @@ def table(metrics: dict[str, Any]) -> str:
 
 def evaluate(model: nn.Module, cfg: Any, dataset: Any, plan: PairPlan, options: SampleOptions, *,
              device: torch.device, normalizer: dict[str, Any] | None, out: Path | None, plots: int = 4,
-             write: bool = True, text_slots: int | None = None) -> tuple[dict[str, Any], dict[str, Path]]:
+             write: bool = True, text_slots: int | None = None, note: bool = True
+             ) -> tuple[dict[str, Any], dict[str, Path]]:
     """Sample, score, and (``write``: rank 0) write ``metrics.json`` and the plots into ``out``."""
-    pairs = build_pairs(cfg, dataset, plan)
+    pairs = build_pairs(cfg, dataset, plan, note=note)
     tpf = tokens_per_frame(cfg, dataset)
     stage = (plan.horizon or default_horizon(cfg)) if plan.mode == "rollout" else None
     was = model.training

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from flexpack.sampling.evaluate import PairPlan, dataset_for, evaluate
+from flexpack.sampling.evaluate import PairPlan, build_pairs, dataset_for, evaluate
 
 KEYS = ("action_mse", "action_l1", "action_mse_raw", "action_l1_raw", "latent_mse")
 
@@ -38,6 +38,11 @@ class SampleHook:
         if dataset_normalizer is not None:  # the statistics the weights are trained with (kept on resume)
             self.dataset.normalizer = dataset_normalizer
         self.plan = PairPlan(mode="forecast", cuts=r.sample_cuts, horizon=r.sample_horizon or None)
+        try:  # before the first step: held-out episodes too short for the horizon fail now, not mid-run
+            build_pairs(cfg, self.dataset, self.plan, note=rank == 0)
+        except ValueError as exc:
+            raise ValueError(f"runtime.sample_every={r.sample_every}: {exc} (runtime.sample_horizon, "
+                             "data.val_episodes)") from None
         from flexpack.sampling.sampler import SampleOptions
 
         self.options = SampleOptions(steps=r.sample_steps, solver="euler")
@@ -56,7 +61,8 @@ class SampleHook:
 
             options = replace(options, dtype="bfloat16")
         metrics, files = evaluate(model, self.cfg, self.dataset, self.plan, options, device=self.device,
-                                  normalizer=self.normalizer, out=out, plots=r.sample_plots, write=self.rank == 0)
+                                  normalizer=self.normalizer, out=out, plots=r.sample_plots, write=self.rank == 0,
+                                  note=False)  # said once, when the hook was made
         rec: dict[str, Any] = {"step": step, **{f"sample/{k}": metrics[k] for k in KEYS}}
         for name, b in metrics["baselines"].items():
             rec.update({f"sample/{name}/{k}": b[k] for k in KEYS})
