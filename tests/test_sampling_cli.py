@@ -53,6 +53,7 @@ def test_sample_writes_metrics_plots_and_a_table(trained, tmp_path, capsys):
     assert m["episodes"] == [0, 2] and m["steps"] == 3 and m["mode"] == "forecast"
     assert m["pair_list"] == [[0, 1, 2], [0, 8, 2], [2, 1, 2], [2, 4, 2]]  # 10 and 6 latent frames, 2 cuts each
     assert len(m["action_mse_per_dim"]) == 6 and len(m["action_mse_per_step"]) == 2
+    assert m["action_names"] == ["a0", "a1", "a2", "a3", "a4", "a5"]  # the dataset's names, in per_dim order
     assert m["model_calls"] == 2 * 3  # pairs of 3, 10, 3, 6 frames in 12-frame packs (60 tokens): 2 packs
     assert (out / "episode_000000_actions.png").is_file() and (out / "episode_000000_latents.png").is_file()
     assert not (out / "episode_000002_actions.png").exists()  # --plots 1

@@ -136,6 +136,15 @@ def checkpoint_normalizer(dataset: Any, saved: dict[str, Any] | None, where: str
     return saved
 
 
+def action_names(dataset: Any) -> list[str]:
+    """Names of the dataset's action columns (``meta/info.json``), else ``a0, a1, ...``."""
+    names = dataset.source.meta.features[dataset.action_key].get("names")
+    if isinstance(names, dict):  # LeRobot v2-style {"motors": [...]}
+        names = next(iter(names.values()), None)
+    n = len(dataset.channels)
+    return [str(x) for x in names] if isinstance(names, list) and len(names) == n else [f"a{i}" for i in range(n)]
+
+
 def mean_action(dataset: Any) -> list[float] | None:
     stats = (dataset.source.meta.stats or {}).get(dataset.action_key) or {}
     return None if "mean" not in stats else np.asarray(stats["mean"], dtype=np.float64).reshape(-1).tolist()
@@ -179,7 +188,7 @@ def write_media(out: Path, pairs: Sequence[Pair], dataset: Any, plots: int) -> t
             files[f"sample/{stem}/actions"] = media.action_plot(
                 out / f"{stem}_actions.png", _actions_TD(p.pred_action, p.action_mask, dataset.channels),
                 _actions_TD(p.action, p.action_mask, dataset.channels), context=p.cut * steps,
-                title=f"episode {p.episode}, cut {p.cut}, horizon {p.horizon}")
+                title=f"episode {p.episode}, cut {p.cut}, horizon {p.horizon}", names=action_names(dataset))
         pred = media.decode_latents(p.pred_latent, header.encoder)
         if pred is None:
             files[f"sample/{stem}/latents"] = media.latent_strip(out / f"{stem}_latents.png", p.pred_latent.numpy(),
@@ -233,7 +242,7 @@ def evaluate(model: nn.Module, cfg: Any, dataset: Any, plan: PairPlan, options: 
         model.train(was)
     metrics = score(pairs, dataset, normalizer)
     metrics.update(episodes=sorted({p.episode for p in pairs}), steps=options.steps, solver=options.solver,
-                   mode=plan.mode, horizon=plan.horizon or default_horizon(cfg),
+                   mode=plan.mode, horizon=plan.horizon or default_horizon(cfg), action_names=action_names(dataset),
                    pair_list=[[p.episode, p.cut, p.horizon] for p in pairs], model_calls=sampler.forwards)
     files: dict[str, Path] = {}
     if write and out is not None:
