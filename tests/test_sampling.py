@@ -276,3 +276,14 @@ def test_sampler_euler_equals_diffusers_scheduler_on_one_episode():
             a = torch.where(a_live, sa.step(out.action, sa.timesteps[i], a).prev_sample, a)
     torch.testing.assert_close(pair.pred_latent, x[0], atol=1e-5, rtol=0)
     torch.testing.assert_close(pair.pred_action, torch.where(batch.action_mask, a, 0.0)[0], atol=1e-5, rtol=0)
+
+
+def test_a_pair_longer_than_a_pack_is_named():
+    cfg = _cfg("document", "data.max_tokens=30")  # 6 frames per pack
+    model = build_model(cfg).eval()
+    pairs = _pairs(_items(), [(0, 2, 4), (0, 4, 4)])
+    with pytest.raises(ValueError, match=r"episode 10 at cut 4: 8 latent frames = 40 tokens do not fit a pack of "
+                                         r"data.max_tokens=30"):
+        _run(model, cfg, pairs)
+    with pytest.raises(ValueError, match="solver must be one of"):
+        PackedSampler(model, cfg, TPF, torch.device("cpu"), SampleOptions(solver="rk4"))

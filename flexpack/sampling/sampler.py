@@ -46,7 +46,7 @@ from flexpack.attention.masks import text_slots
 from flexpack.packing.collate import PackCollate
 from flexpack.packing.sampler import TokenBudgetBatchSampler
 from flexpack.sampling.pairs import Pair, pair_noise
-from flexpack.sampling.schedule import sigma_grid, solve
+from flexpack.sampling.schedule import check_solver, sigma_grid, solve
 
 
 def context_chunk(cfg: Any) -> int:
@@ -79,6 +79,7 @@ class PackedSampler:
                  options: SampleOptions = SampleOptions(), *, max_tokens: int | None = None,
                  text_slots: int | None = None, stage: int | None = None) -> None:
         context_chunk(cfg)
+        check_solver(options.solver)
         self.model, self.cfg, self.tpf, self.device, self.opt = model, cfg, tokens_per_frame, device, options
         self.max_tokens = int(max_tokens or cfg.data.max_tokens)
         self.text_slots = text_slots
@@ -109,6 +110,11 @@ class PackedSampler:
     def _stage(self, todo: list[tuple[Pair, int, int]]) -> None:
         rank, size = _world()
         lengths = [k + n for _, k, n in todo]
+        for (p, _, _), n in zip(todo, lengths):
+            if n * self.tpf > self.max_tokens:
+                raise ValueError(f"episode {p.episode} at cut {p.cut}: {n} latent frames = {n * self.tpf} tokens do "
+                                 f"not fit a pack of data.max_tokens={self.max_tokens}; raise data.max_tokens "
+                                 "or lower --horizon")
         sampler = TokenBudgetBatchSampler(lengths, self.max_tokens, tokens_per_frame=self.tpf, rank=rank,
                                           world_size=size, seed=0)
         collate = PackCollate.from_token_budget(self.max_tokens, self.tpf)
