@@ -12,8 +12,10 @@ episodes × 4 cut points, ``--steps`` Euler steps, ``--horizon`` latent frames p
   each length warmed up once before the timed pass.
 
 Both count valid tokens × model calls, so ``packed_vs_loop`` is the speed-up of the same work.
-``recompiles_after_warmup``: graphs compiled during the timed packed run (blocks + attention), after
-one warm-up pack; it must be 0 across episode lengths.
+``recompiles_after_warmup``: graphs compiled during the timed packed runs (blocks + attention), after
+a warm-up on an eighth of the pairs; it must be 0 across episode lengths. Times are wall seconds
+between device syncs around whole runs (a run syncs at its end anyway, to hand results back);
+packed: the median of ``--repeats`` runs over all pairs.
 
     python benchmarks/sample.py --out benchmarks/results/sample_h200.json     # H200: both sets
     python benchmarks/sample.py --tiny                                       # CPU, tiny model: checks the code path
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -104,11 +107,14 @@ def run_set(args, lengths: list[int], device: torch.device) -> dict:
     # warm-up: the first pack's shape compiles (one shape for all packs), then the timed run of all pairs
     packed.run(fresh(specs[: max(1, len(specs) // 8)]))
     graphs = compiled_graphs()
-    packed.tokens = 0
-    pairs = fresh(specs)
-    t_packed = _timed(lambda: packed.run(pairs), device)
+    rates, times = [], []
+    for _ in range(args.repeats):  # the median of whole runs over all pairs
+        packed.tokens, packed.forwards = 0, 0
+        pairs = fresh(specs)
+        times.append(_timed(lambda: packed.run(pairs), device))
+        rates.append(packed.tokens / times[-1])
     recompiles = compiled_graphs() - graphs
-    packed_tps = packed.tokens / t_packed
+    packed_tps, t_packed = statistics.median(rates), statistics.median(times)
 
     # the loop: each pair alone, eager blocks (a static-shape compile would recompile per length)
     with device:
@@ -128,7 +134,8 @@ def run_set(args, lengths: list[int], device: torch.device) -> dict:
     return {"packed_tokens_per_s": packed_tps, "loop_tokens_per_s": loop_tps, "packed_vs_loop": packed_tps / loop_tps,
             "recompiles_after_warmup": recompiles, "pairs": len(specs), "episodes": len(lengths),
             "frames": [min(lengths), max(lengths)], "packed_model_calls": packed.forwards, "packed_s": t_packed,
-            "loop_pairs_timed": len(sub), "loop_s": t_loop, "steps": args.steps, "horizon": args.horizon,
+            "packed_runs": args.repeats, "loop_pairs_timed": len(sub), "loop_s": t_loop, "steps": args.steps,
+            "horizon": args.horizon,
             "tokens_per_frame": tpf, "max_tokens": args.max_tokens,
             "peak_mem_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None}
 
@@ -143,11 +150,13 @@ def main() -> None:
     p.add_argument("--horizon", type=int, default=8, help="latent frames predicted per cut point")
     p.add_argument("--max-tokens", type=int, default=65536)
     p.add_argument("--loop-pairs", type=int, default=32, help="pairs timed one at a time (a rate: a subset suffices)")
+    p.add_argument("--repeats", type=int, default=3, help="timed packed runs (the median is reported)")
     p.add_argument("--tiny", action="store_true", help="tiny model on CPU: checks the code path, times nothing real")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/sample_h200.json"))
     args = p.parse_args()
     if args.tiny:
         args.layers, args.max_tokens, args.episodes, args.steps, args.horizon, args.loop_pairs = 2, 400, 8, 2, 2, 4
+        args.repeats = 1
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     results = json.loads(args.out.read_text()) if args.out.exists() else {}
     results.update(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
