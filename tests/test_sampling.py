@@ -287,3 +287,21 @@ def test_a_pair_longer_than_a_pack_is_named():
         _run(model, cfg, pairs)
     with pytest.raises(ValueError, match="solver must be one of"):
         PackedSampler(model, cfg, TPF, torch.device("cpu"), SampleOptions(solver="rk4"))
+
+
+def test_benchmark_script_runs_tiny_and_reports_its_keys(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "sample.py"), "--tiny", "--sets", "short",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())["short"]
+    assert r["recompiles_after_warmup"] == 0 and r["pairs"] > r["episodes"]
+    assert r["packed_vs_loop"] == pytest.approx(r["packed_tokens_per_s"] / r["loop_tokens_per_s"])
+    assert r["packed_model_calls"] < r["pairs"] * r["steps"]  # several pairs per pack
