@@ -24,6 +24,7 @@ SPECS_DIST = [(0, 2, 8), (1, 2, 6), (2, 2, 4), (3, 2, 4), (0, 4, 4)]  # (item, c
 
 MASKS = {
     "document": [],
+    "document_chunk_sigma": ["objective.chunk_size=2"],  # one σ per 2-frame chunk: cut points on chunk edges
     "chunk_causal": ["model.mask='chunk_causal'", "model.chunk_size=2", "objective.chunk_size=2"],
     "teacher_forcing": ["model.mask='teacher_forcing'", "model.chunk_size=2", "objective.chunk_size=2",
                         "objective.teacher_forcing=true"],
