@@ -7,13 +7,13 @@ index, column k >= 2 = frame index + 1000·k (for alignment tests).
 
 With ``scene="orbit"`` the data is learnable: every episode shows one bright blob circling the
 frame centre at a fixed angular speed (``ORBIT_OMEGA`` radians per video frame, one turn in 24
-frames) from an episode-specific start angle, clockwise or anticlockwise by episode, and its
+frames, the same way round in every episode) from an episode-specific start angle, and its
 actions are a deterministic function of what the camera sees: column k = cos(θ_t + 2πk/D) for the
 blob's angle θ_t (column 0 = its x offset; column D/4, where D divides by 4, its y offset). The
 blob is broad (σ = 12 % of the frame) so the 16×16 average pooling of the ``pool`` encoder keeps
 its position: the four cells of a 32×32 camera's 2×2 latent weigh how much of the blob lies in
-each quadrant. Knowing θ at the end of the history (and the direction from two frames), a model
-can forecast the next frames exactly; repeating the last action or the mean action cannot
+each quadrant. Knowing θ at the end of the history (one frame shows it), a model can forecast
+the next frames exactly; repeating the last action or the mean action cannot
 (half a turn in 12 video frames).
 
 With ``subtasks=K`` (2 or 3) every episode is annotated with K consecutive subtasks instead of
@@ -75,9 +75,11 @@ def _frame(t: int, episode: int, camera: int, size: int) -> np.ndarray:
 
 
 def orbit_angles(n: int, rng: np.random.Generator) -> np.ndarray:
-    """The blob's angle at each of ``n`` frames: a random start angle and direction, fixed speed."""
-    start, direction = rng.uniform(0, 2 * np.pi), rng.choice([-1.0, 1.0])
-    return start + direction * ORBIT_OMEGA * np.arange(n)
+    """The blob's angle at each of ``n`` frames: a random start angle, then a fixed speed.
+
+    One direction for all episodes: latent frame 0 shows a single video frame, from which the
+    direction could not be told, so a forecast from it would be a coin toss."""
+    return rng.uniform(0, 2 * np.pi) + ORBIT_OMEGA * np.arange(n)
 
 
 def orbit_frame(theta: float, camera: int, size: int) -> np.ndarray:
