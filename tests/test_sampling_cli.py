@@ -198,3 +198,20 @@ def test_sample_every_with_too_short_held_out_episodes_fails_before_training(tin
     with pytest.raises(ValueError, match=r"runtime.sample_every=1: no episode has room for a cut point.*sample_horizon"):
         train(cfg)  # episode 5 has 3 latent frames: one context frame + 4 do not fit
     assert not (run / "checkpoints").exists()
+
+
+def test_pairs_stay_within_one_pack_and_explicit_cuts_are_checked(trained, capsys):
+    from flexpack.sampling.evaluate import PairPlan, build_pairs, dataset_for
+
+    root, run = trained
+    cfg = load_config(Path(run) / "config.json", ["data.max_tokens=40"])  # 8 latent frames per pack
+    ds = dataset_for(cfg, [0, 2])  # 10 and 6 latent frames
+    pairs = build_pairs(cfg, ds, PairPlan(cuts=2, horizon=2))
+    assert [(p.episode, p.cut, p.frames) for p in pairs] == [(0, 1, 3), (0, 6, 8), (2, 1, 3), (2, 4, 6)]
+    assert "episodes [0] are longer than a pack (8 latent frames at data.max_tokens = 40)" in capsys.readouterr().err
+    rolled = build_pairs(cfg, ds, PairPlan(mode="rollout", horizon=2))
+    assert [(p.cut, p.horizon) for p in rolled] == [(1, 7), (1, 5)]
+    with pytest.raises(ValueError, match="cut point 0 of episode 0: must be a positive multiple"):
+        build_pairs(cfg, ds, PairPlan(cut_points=(0,), horizon=2))
+    with pytest.raises(ValueError, match="must be a multiple of the chunk the model was trained with"):
+        build_pairs(load_config(Path(run) / "config.json", ["objective.chunk_size=2"]), ds, PairPlan(horizon=3))

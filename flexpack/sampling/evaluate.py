@@ -91,10 +91,15 @@ def build_pairs(cfg: Any, dataset: Any, plan: PairPlan, *, limit_pairs: int | No
         raise ValueError(f"--horizon {horizon} must be a multiple of the chunk the model was trained with "
                          f"({chunk} latent frames)")
     actions = cfg.model.wan_config().action_channels > 0
+    # a pair is one document of a pack: automatic cut points and rollouts stay within one pack's frames
+    budget = cfg.data.max_tokens // tokens_per_frame(cfg, dataset)
     lengths = dataset.lengths()
-    pairs, short = [], []
-    for i, F in enumerate(lengths):
+    pairs, short, cut_short = [], [], []
+    for i, F_full in enumerate(lengths):
         episode = dataset.items[i][0]
+        F = F_full if plan.cut_points else min(F_full, budget)
+        if F < F_full:
+            cut_short.append(episode)
         if plan.mode == "rollout":
             cuts = [chunk] if F > chunk else []
         elif plan.cut_points:
@@ -111,6 +116,10 @@ def build_pairs(cfg: Any, dataset: Any, plan: PairPlan, *, limit_pairs: int | No
             pairs.append(make_pair(item, c, (F - c) if plan.mode == "rollout" else horizon, actions=actions))
         if limit_pairs is not None and len(pairs) >= limit_pairs:
             break
+    if cut_short and note:
+        print(f"note: episodes {cut_short} are longer than a pack ({budget} latent frames at data.max_tokens = "
+              f"{cfg.data.max_tokens}): "
+              f"{'rolled out' if plan.mode == 'rollout' else 'cut'} within their first {budget} frames", file=sys.stderr)
     if short and note:
         print(f"note: episodes {short} are too short for one context chunk ({chunk} latent frames) plus the "
               f"horizon ({horizon}); skipped", file=sys.stderr)
