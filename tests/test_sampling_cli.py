@@ -80,10 +80,14 @@ def test_sample_from_export_equals_checkpoint_and_ema_differs(trained, tmp_path,
     assert res["ema"]["action_mse"] != pytest.approx(res["ckpt"]["action_mse"], rel=1e-6)
 
 
-def _no_stats(root: Path, tmp: Path) -> Path:
+def _no_stats(root: Path, tmp: Path, drop: bool = False) -> Path:
     copy = tmp / "nostats"
     shutil.copytree(root, copy)
     stats = json.loads((copy / "meta" / "stats.json").read_text())
+    if drop:
+        del stats["action"]
+        (copy / "meta" / "stats.json").write_text(json.dumps(stats))
+        return copy
     for k in ("q01", "q99", "mean", "std"):
         stats["action"].pop(k, None)
     stats["action"]["q01"] = [v - 1 for v in stats["action"]["min"]]  # other statistics than the run's
@@ -98,13 +102,14 @@ def _no_stats(root: Path, tmp: Path) -> Path:
     ("cut", ["--cut-points", "9", "--horizon", "2"], "cut point 9 + horizon 2 is beyond episode 0 (10 latent frames)"),
     ("shape", ["--set", "model.overrides.ffn_dim=96"], "the checkpoint is of another model shape"),
     ("stats", None, "are not those"),
+    ("nostats", None, "the dataset has no stats for 'action'"),
     ("val", ["--val", "--set", "data.val_episodes=[]"], "--val needs held-out episodes"),
     ("ema", ["--ema", "--episodes", "0"], None),
 ])
 def test_bad_inputs_are_one_line_and_exit_2(trained, tmp_path, capsys, case, args, message):
     root, run = trained
-    if case == "stats":
-        args = ["--set", f'data.root="{_no_stats(root, tmp_path)}"']
+    if case in ("stats", "nostats"):
+        args = ["--set", f'data.root="{_no_stats(root, tmp_path, drop=case == "nostats")}"']
     if case == "ema":  # a run trained without EMA
         run = tmp_path / "noema"
         train(load_config(CONFIGS / "tiny_cpu.toml", _sets(root, run, "schedule.steps=1")))
