@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -179,8 +179,10 @@ def _actions_TD(act: torch.Tensor, mask: torch.Tensor, channels: np.ndarray) -> 
     return a.permute(1, 2, 0).reshape(-1, len(channels)).numpy()
 
 
-def write_media(out: Path, pairs: Sequence[Pair], dataset: Any, plots: int) -> tuple[dict[str, Path], dict[str, float]]:
-    """Plots of the first pair of the first ``plots`` episodes; returns ({tag: file}, PSNR metrics)."""
+def write_media(out: Path, pairs: Sequence[Pair], dataset: Any, plots: int, device: torch.device | str = "cpu"
+                ) -> tuple[dict[str, Path], dict[str, float]]:
+    """Plots of the first pair of the first ``plots`` episodes; returns ({tag: file}, PSNR metrics).
+    With a Wan VAE cache the VAE decodes on ``device``."""
     from flexpack.data.cache import read_latent_header
     from flexpack.sampling import media
 
@@ -198,12 +200,12 @@ def write_media(out: Path, pairs: Sequence[Pair], dataset: Any, plots: int) -> t
                 out / f"{stem}_actions.png", _actions_TD(p.pred_action, p.action_mask, dataset.channels),
                 _actions_TD(p.action, p.action_mask, dataset.channels), context=p.cut * steps,
                 title=f"episode {p.episode}, cut {p.cut}, horizon {p.horizon}", names=action_names(dataset))
-        pred = media.decode_latents(p.pred_latent, header.encoder)
+        pred = media.decode_latents(p.pred_latent, header.encoder, device=str(device))
         if pred is None:
             files[f"sample/{stem}/latents"] = media.latent_strip(out / f"{stem}_latents.png", p.pred_latent.numpy(),
                                                                  p.latent.numpy(), context=p.cut)
             continue
-        true = media.decode_latents(p.latent, header.encoder)
+        true = media.decode_latents(p.latent, header.encoder, device=str(device))
         media.video_mp4(out / f"{stem}.mp4", pred, true, fps=header.fps)
         first = (p.cut - 1) * dataset.stride + 1  # first decoded frame of the target (causal VAE)
         to = lambda v: v[first:].astype(np.float32) / 127.5 - 1.0  # noqa: E731
@@ -257,11 +259,8 @@ def evaluate(model: nn.Module, cfg: Any, dataset: Any, plan: PairPlan, options: 
     if write and out is not None:
         out.mkdir(parents=True, exist_ok=True)
         if plots > 0:
-            files, extra = write_media(out, pairs, dataset, plots)
+            files, extra = write_media(out, pairs, dataset, plots, device)
             metrics.update(extra)
         write_report(out, metrics)
     return metrics, files
 
-
-def replace_data(cfg: Any, **kw: Any) -> Any:
-    return replace(cfg, data=replace(cfg.data, **kw))
