@@ -156,6 +156,10 @@ def test_sample_every_writes_samples_and_resume_gives_the_same_numbers(tiny_data
         (s, pytest.approx(a[s]["sample/action_mse"], rel=1e-6)) for s in (2, 4)]
     assert [e.step for e in acc.Scalars("val_loss")] == [2, 4]  # validation reaches TensorBoard beside it
     assert [e.step for e in acc.Images("sample/episode_000000/actions")] == [2, 4]
+    from flexpack.training import tracking
+
+    shown = tracking.outputs(straight, straight / "checkpoints" / "step_00000004", cfg_b)
+    assert f"samples      {straight / 'samples'}" in shown and f"flexpack sample {straight} --checkpoint" in shown
 
 
 def test_sample_every_needs_held_out_episodes_and_a_per_frame_sigma(tiny_dataset, tmp_path):

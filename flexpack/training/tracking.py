@@ -122,6 +122,10 @@ def outputs(run: str | os.PathLike, checkpoint: Path | None, cfg: Any) -> str:
         rows.append(("wandb", str(run / "wandb")))
     if (run / "profile").is_dir():
         rows.append(("profile", str(run / "profile")))
+    if (run / "samples").is_dir():
+        rows.append(("samples", f"{run / 'samples'}  (runtime.sample_every)"))
     rows.append(("checkpoint", str(checkpoint) if checkpoint else "none"))
     rows.append(("plot", f"flexpack plot {run}"))
+    if checkpoint:
+        rows.append(("sample", f"flexpack sample {run} --checkpoint {run}"))
     return "\n".join(f"  {name:<12} {value}" for name, value in rows)
