@@ -224,3 +224,14 @@ def test_pairs_stay_within_one_pack_and_explicit_cuts_are_checked(trained, capsy
         build_pairs(cfg, ds, PairPlan(cut_points=(0,), horizon=2))
     with pytest.raises(ValueError, match="must be a multiple of the chunk the model was trained with"):
         build_pairs(load_config(Path(run) / "config.json", ["objective.chunk_size=2"]), ds, PairPlan(horizon=3))
+
+
+def test_default_output_folder_is_in_the_run(trained, capsys):
+    root, run = trained
+    ckpt = sorted((run / "checkpoints").glob("step_*"))[-1]
+    code, stdout, err = _cli(capsys, run, "--checkpoint", ckpt, "--episodes", "0", "--steps", 1, "--plots", 0,
+                             "--cuts", 1, "--horizon", 2)
+    assert code == 0, err
+    out = run / "samples" / f"forecast_{ckpt.name}"
+    assert (out / "metrics.json").is_file() and str(out / "metrics.json") in stdout
+    assert not (run / "checkpoints" / "samples").exists()

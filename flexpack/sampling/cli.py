@@ -108,7 +108,12 @@ def load_weights(cfg: Any, source: str | Path, *, ema: bool = False) -> tuple[nn
 
 
 def _default_out(source: Path, label: str, mode: str) -> Path:
-    base = source if (source / "action_stream.json").is_file() or (source / "checkpoints").is_dir() else source.parent
+    """RUN/samples/MODE_STEP for a run or one of its checkpoints, EXPORT/samples/MODE_... for an export."""
+    base = source
+    if source.parent.name == "checkpoints" and (source / "train_state.json").is_file():
+        base = source.parent.parent  # never inside checkpoints/: that folder holds checkpoints only
+    elif not ((source / "action_stream.json").is_file() or (source / "checkpoints").is_dir()):
+        base = source.parent
     return base / "samples" / f"{mode}_{Path(label).name}"
 
 
