@@ -167,6 +167,12 @@ def test_sample_every_needs_held_out_episodes_and_a_per_frame_sigma(tiny_dataset
         load_config(CONFIGS / "tiny_cpu.toml", [f'data.root="{tiny_dataset}"', "runtime.sample_every=2"])
     with pytest.raises(ValueError, match="runtime.sample_steps must be >= 1"):
         load_config(CONFIGS / "tiny_cpu.toml", ["runtime.sample_steps=0"])
+    from dataclasses import replace
+
+    cfg = load_config(CONFIGS / "tiny_cpu.toml", [f'data.root="{tiny_dataset}"', "runtime.sample_every=2",
+                                                    "data.val_episodes=[0]"])
+    with pytest.raises(ValueError, match="one σ per episode and can only generate jointly"):
+        replace(cfg, objective=replace(cfg.objective, chunk_size=None))
 
 
 def test_wan_vae_cache_gets_videos_and_psnr_of_the_target_frames(trained, tmp_path, monkeypatch):
