@@ -9,7 +9,7 @@ With ``scene="orbit"`` the data is learnable: every episode shows one bright blo
 frame centre at a fixed angular speed (``ORBIT_OMEGA`` radians per video frame, one turn in 24
 frames, the same way round in every episode) from an episode-specific start angle, and its
 actions are a deterministic function of what the camera sees: column k = cos(θ_t + 2πk/D) for the
-blob's angle θ_t (column 0 = its x offset; column D/4, where D divides by 4, its y offset). The
+blob's angle θ_t (column 0 ∝ its x offset; column D/4, when 4 divides D, ∝ minus its y offset). The
 blob is broad (σ = 12 % of the frame) so the 16×16 average pooling of the ``pool`` encoder keeps
 its position: the four cells of a 32×32 camera's 2×2 latent weigh how much of the blob lies in
 each quadrant. Knowing θ at the end of the history (one frame shows it), a model can forecast
