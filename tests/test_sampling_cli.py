@@ -58,6 +58,18 @@ def test_sample_writes_metrics_plots_and_a_table(trained, tmp_path, capsys):
     assert (out / "episode_000000_actions.png").is_file() and (out / "episode_000000_latents.png").is_file()
     assert not (out / "episode_000002_actions.png").exists()  # --plots 1
     assert "action_mse" in stdout and "last" in stdout and str(out / "metrics.json") in stdout
+    per = m["per_episode"]
+    assert set(per) == {"0", "2"} and per["0"]["pairs"] == per["2"]["pairs"] == 2
+    # the headline is the element-weighted mean of the episodes' (same horizon, all actions real: equal weights)
+    assert m["latent_mse"] == pytest.approx((per["0"]["latent_mse"] + per["2"]["latent_mse"]) / 2)
+    assert m["seed"] == 0
+
+    code, _, err = _cli(capsys, run, "--checkpoint", run, "--val", "--out", tmp_path / "seed1", "--steps", 3,
+                        "--plots", 0, "--cuts", 2, "--horizon", 2, "--seed", 1)
+    assert code == 0, err
+    m1 = json.loads((tmp_path / "seed1" / "metrics.json").read_text())
+    assert m1["action_mse"] != pytest.approx(m["action_mse"], rel=1e-6)  # other noise, other samples
+    assert m1["baselines"] == m["baselines"]  # the same frames
 
 
 def test_sample_from_export_equals_checkpoint_and_ema_differs(trained, tmp_path, capsys):

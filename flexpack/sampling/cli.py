@@ -56,6 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="explicit cut points (latent frames of context) used for every episode")
     parser.add_argument("--horizon", type=int, default=None,
                         help="latent frames to generate per cut (rollout: per stage); default two context chunks, >= 4")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="noise seed (default 0: the noise runtime.sample_every uses); another draws other noise")
     parser.add_argument("--ema", action="store_true", help="use the checkpoint's EMA weights")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default CHECKPOINT/samples/MODE)")
     parser.add_argument("--plots", type=int, default=4, help="episodes to plot (0 = metrics only)")
@@ -133,7 +135,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--cut-points applies to --mode forecast (a rollout starts from the first chunk)")
     cfg = load_config(_config_file(args.config), args.overrides)
     device = resolve_device(args.device or cfg.runtime.device)
-    plan = PairPlan(mode=args.mode, cuts=args.cuts, horizon=args.horizon, cut_points=tuple(args.cut_points))
+    plan = PairPlan(mode=args.mode, cuts=args.cuts, horizon=args.horizon, cut_points=tuple(args.cut_points),
+                    seed=args.seed)
     from flexpack.sampling.sampler import context_chunk
 
     context_chunk(cfg)  # a one-σ-per-episode model fails here, before any loading

@@ -37,6 +37,7 @@ class PairPlan:
     cuts: int = 4  # evenly spaced cut points per episode (forecast)
     horizon: int | None = None  # frames generated per pair (forecast) / per stage (rollout); None: default
     cut_points: tuple[int, ...] = ()  # explicit cut points (forecast), instead of ``cuts``
+    seed: int = 0  # noise seed: the same pairs with another seed start from other noise
 
 
 def default_horizon(cfg: Any) -> int:
@@ -113,7 +114,8 @@ def build_pairs(cfg: Any, dataset: Any, plan: PairPlan, *, limit_pairs: int | No
             continue
         item = dataset[i]
         for c in cuts:
-            pairs.append(make_pair(item, c, (F - c) if plan.mode == "rollout" else horizon, actions=actions))
+            pairs.append(make_pair(item, c, (F - c) if plan.mode == "rollout" else horizon, actions=actions,
+                                   noise_seed=plan.seed))
         if limit_pairs is not None and len(pairs) >= limit_pairs:
             break
     if cut_short and note:
@@ -167,10 +169,22 @@ def sample_pairs(model: nn.Module, cfg: Any, pairs: list[Pair], *, tpf: int, dev
 
 
 def score(pairs: Sequence[Pair], dataset: Any, normalizer: dict[str, Any] | None) -> dict[str, Any]:
-    metrics = Metrics(normalizer, dataset.channels, mean_action(dataset))
+    """All pairs' metrics, plus ``per_episode``: the headline numbers of each episode's pairs (to find
+    the episodes a model gets wrong)."""
+    mean = mean_action(dataset)
+    metrics = Metrics(normalizer, dataset.channels, mean)
+    per: dict[int, Metrics] = {}
     for p in pairs:
         metrics.add(p)
-    return metrics.result()
+        per.setdefault(p.episode, Metrics(normalizer, dataset.channels, mean)).add(p)
+    out = metrics.result()
+    keys = ("action_mse", "action_mse_raw", "latent_mse")
+    out["per_episode"] = {}
+    for e, m in per.items():
+        r = m.result()
+        out["per_episode"][str(e)] = {**{k: r[k] for k in keys}, "pairs": r["pairs"],
+                                      **{f"{b}_action_mse": r["baselines"][b]["action_mse"] for b in ("last", "mean")}}
+    return out
 
 
 def _actions_TD(act: torch.Tensor, mask: torch.Tensor, channels: np.ndarray) -> np.ndarray:
@@ -252,7 +266,7 @@ def evaluate(model: nn.Module, cfg: Any, dataset: Any, plan: PairPlan, options: 
     finally:
         model.train(was)
     metrics = score(pairs, dataset, normalizer)
-    metrics.update(episodes=sorted({p.episode for p in pairs}), steps=options.steps, solver=options.solver,
+    metrics.update(episodes=sorted({p.episode for p in pairs}), steps=options.steps, solver=options.solver, seed=plan.seed,
                    mode=plan.mode, horizon=plan.horizon or default_horizon(cfg), action_names=action_names(dataset),
                    pair_list=[[p.episode, p.cut, p.horizon] for p in pairs], model_calls=sampler.forwards)
     files: dict[str, Path] = {}

@@ -6,7 +6,7 @@ target the sampler generates. :class:`Pair` holds the truth of those frames and 
 ``pred_*`` that starts as the context followed by zeros and is filled stage by stage.
 
 Noise. The starting noise of every target value is a counter-based draw keyed by the pair's seed
-``episode_seed(SAMPLE_TAG, episode, segment, cut)`` and the value's coordinates *inside the
+``episode_seed(SAMPLE_TAG, noise_seed, episode, segment, cut)`` and the value's coordinates *inside the
 episode* (frame, channel, y, x) — the same hash as training's per-episode noise
 (:mod:`flexpack.training.noise`). A pair therefore starts from the same ε whether it is packed
 with others or alone, at any step of a run and after a resume.
@@ -42,6 +42,7 @@ class Pair:
     pred_latent: Tensor = field(init=False)
     pred_action: Tensor | None = field(init=False)
     done: int = 0  # target frames generated so far
+    noise_seed: int = 0  # another value draws other noise for the same pair (several samples per pair)
 
     def __post_init__(self) -> None:
         self.pred_latent = self.latent.clone()
@@ -57,7 +58,7 @@ class Pair:
 
     @property
     def seed(self) -> int:
-        return episode_seed(SAMPLE_TAG, self.episode, self.segment + 1, self.cut)
+        return episode_seed(SAMPLE_TAG, self.noise_seed, self.episode, self.segment + 1, self.cut)
 
     def item(self, upto: int) -> dict[str, Any]:
         """The pair's first ``upto`` frames as a dataset item for the collates: known frames from the buffer."""
@@ -89,7 +90,7 @@ def check_cut(episode: int, frames: int, cut: int, horizon: int, chunk: int) -> 
         raise ValueError(f"cut point {cut} + horizon {horizon} is beyond episode {episode} ({frames} latent frames)")
 
 
-def make_pair(item: dict[str, Any], cut: int, horizon: int, *, actions: bool = True) -> Pair:
+def make_pair(item: dict[str, Any], cut: int, horizon: int, *, actions: bool = True, noise_seed: int = 0) -> Pair:
     """A pair from a dataset item (``LatentEpisodeDataset[i]``)."""
     L = cut + horizon
     lat = item["latent"]
@@ -104,7 +105,7 @@ def make_pair(item: dict[str, Any], cut: int, horizon: int, *, actions: bool = T
     text = item.get("text")
     return Pair(episode=int(item.get("episode_index", -1)), segment=int(item.get("segment", -1)), cut=cut,
                 horizon=horizon, latent=lat[:, :L].float().clone(), action=act, action_mask=mask, text=text,
-                text_len=int(item.get("text_len", 0 if text is None else text.shape[0])))
+                text_len=int(item.get("text_len", 0 if text is None else text.shape[0])), noise_seed=noise_seed)
 
 
 def pair_noise(layout: Any, seeds: Sequence[int], latent_shape: Sequence[int], action_shape: Sequence[int] | None,
