@@ -1,6 +1,6 @@
 """Flow-matching sampling of a trained WanVA on packed (episode, cut point) pairs.
 
-Layer rule: sampling may import packing, attention, models, data and training's objective, noise,
-build, checkpoint, export and resume; nothing under packing/attention/models/data/training imports
-sampling except training's loop (and tracking) for the in-training hook.
+Layer rule (``tests/test_layers.py``): sampling may import packing, attention, models, data and, of
+training, only objective, noise, build, checkpoint, export, resume, checks, config, holdout and
+parallel; of the other wings only training's loop imports sampling (the ``runtime.sample_every`` hook).
 """
