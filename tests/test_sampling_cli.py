@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("lerobot")
 
@@ -253,3 +254,32 @@ def test_default_output_folder_is_in_the_run(trained, capsys):
     out = run / "samples" / f"forecast_{ckpt.name}"
     assert (out / "metrics.json").is_file() and str(out / "metrics.json") in stdout
     assert not (run / "checkpoints" / "samples").exists()
+
+
+@pytest.mark.parametrize("ema", [False, True])
+def test_in_training_sampling_equals_the_cli_on_the_final_checkpoint(tiny_dataset, tmp_path, capsys, ema):
+    run = tmp_path / "run"
+    more = ["schedule.steps=3", "runtime.sample_every=3", "runtime.sample_steps=2", "runtime.sample_plots=0",
+            "runtime.sample_horizon=2", "runtime.sample_cuts=2", "optim.ema_decay=0.5",
+            f"runtime.sample_ema={str(ema).lower()}"]
+    train(load_config(CONFIGS / "tiny_cpu.toml", _sets(tiny_dataset, run, *more)))
+    rec = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if "sample/action_mse" in x][-1]
+    code, _, err = _cli(capsys, run, "--checkpoint", run, "--val", "--out", tmp_path / "cli", "--steps", 2, "--plots", 0,
+                        "--cuts", 2, "--horizon", 2, *(["--ema"] if ema else []))
+    assert code == 0, err
+    cli = json.loads((tmp_path / "cli" / "metrics.json").read_text())
+    hook = json.loads((run / "samples" / "step_00000003" / "metrics.json").read_text())
+    for k in ("action_mse", "action_mse_raw", "latent_mse"):
+        assert rec[f"sample/{k}"] == pytest.approx(cli[k], rel=1e-5) == hook[k]
+    assert cli["pair_list"] == hook["pair_list"]
+    # the trained weights were put back after sampling with the EMA: the checkpoint (saved after) differs from it
+    from flexpack.training import checkpoint
+
+    found = checkpoint.latest(run / "checkpoints")
+    weights, averages = checkpoint.read_tensors(found, "model"), checkpoint.read_ema(found)
+    assert any(not torch.equal(weights[k].float(), averages[k].float()) for k in weights)
+
+
+def test_sample_ema_needs_ema_weights(tmp_path):
+    with pytest.raises(ValueError, match="runtime.sample_ema = true needs EMA weights"):
+        load_config(CONFIGS / "tiny_cpu.toml", ["runtime.sample_ema=true"])

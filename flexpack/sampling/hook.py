@@ -1,8 +1,8 @@
 """``runtime.sample_every``: sample fixed held-out episodes during training.
 
-Every ``runtime.sample_every`` optimizer steps the model (EMA-free: the weights being trained)
-forecasts the first ``runtime.sample_episodes`` held-out episodes at ``runtime.sample_cuts`` cut
-points each with ``runtime.sample_steps`` Euler steps, from noise fixed per (episode, cut) pair
+Every ``runtime.sample_every`` optimizer steps the model (the weights being trained, or with
+``runtime.sample_ema`` their EMA) forecasts the first ``runtime.sample_episodes`` held-out episodes
+at ``runtime.sample_cuts`` cut points each with ``runtime.sample_steps`` Euler steps, from noise fixed per (episode, cut) pair
 (:mod:`flexpack.sampling.pairs`): the numbers are comparable across steps, across runs of the same
 config and across a resume. Files go to ``RUN/samples/step_NNNNNNNN/`` (the same as
 ``flexpack sample``); ``sample/action_mse``, ``sample/latent_mse``, the baselines'
@@ -13,9 +13,10 @@ validation) and rank 0 writes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -47,8 +48,9 @@ class SampleHook:
 
         self.options = SampleOptions(steps=r.sample_steps, solver="euler")
 
-    def after_step(self, model: nn.Module, step: int, sinks: Any = None) -> dict[str, Any] | None:
-        """Every ``runtime.sample_every`` steps: sample (collective), write files and metrics on rank 0."""
+    def after_step(self, model: nn.Module, step: int, sinks: Any = None, ema: Any = None) -> dict[str, Any] | None:
+        """Every ``runtime.sample_every`` steps: sample (collective), write files and metrics on rank 0;
+        with ``runtime.sample_ema`` the EMA weights stand in for the trained ones meanwhile."""
         from flexpack.training.parallel import is_sharded
 
         r = self.cfg.runtime
@@ -60,9 +62,10 @@ class SampleHook:
             from dataclasses import replace
 
             options = replace(options, dtype="bfloat16")
-        metrics, files = evaluate(model, self.cfg, self.dataset, self.plan, options, device=self.device,
-                                  normalizer=self.normalizer, out=out, plots=r.sample_plots, write=self.rank == 0,
-                                  note=False)  # said once, when the hook was made
+        with _ema_weights(model, ema if r.sample_ema else None):
+            metrics, files = evaluate(model, self.cfg, self.dataset, self.plan, options, device=self.device,
+                                      normalizer=self.normalizer, out=out, plots=r.sample_plots,
+                                      write=self.rank == 0, note=False)  # the note was said once, at start
         rec: dict[str, Any] = {"step": step, **{f"sample/{k}": metrics[k] for k in KEYS}}
         for name, b in metrics["baselines"].items():
             rec.update({f"sample/{name}/{k}": b[k] for k in KEYS})
@@ -76,6 +79,25 @@ class SampleHook:
                 if files:
                     sinks.log_images(step, {k: v for k, v in files.items() if str(v).endswith(".png")})
         return rec
+
+
+@contextlib.contextmanager
+def _ema_weights(model: nn.Module, ema: Any) -> Iterator[None]:
+    """The EMA averages in the model's parameters (each rank its local shards), restored after."""
+    if ema is None:
+        yield
+        return
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+    with torch.no_grad():
+        saved = [local(p).detach().clone() for p in ema.params]
+        for p, s in zip(ema.params, ema.shadow):
+            local(p).copy_(local(s))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, w in zip(ema.params, saved):
+                local(p).copy_(w)
 
 
 def make_sample_hook(cfg: Any, device: torch.device, *, normalizer: dict[str, Any] | None, dataset_normalizer: Any,

@@ -225,6 +225,7 @@ class RuntimeConfig:
     sample_cuts: int = 2  # forecast cut points per episode
     sample_horizon: int = 0  # latent frames predicted per cut; 0 = two context chunks (at least 4)
     sample_plots: int = 2  # episodes plotted per sampling (0 = metrics only)
+    sample_ema: bool = False  # sample with the EMA weights (needs optim.ema_decay > 0)
 
     def __post_init__(self) -> None:
         if self.eval_every < 0:
@@ -282,6 +283,8 @@ class TrainConfig:
         if self.runtime.sample_every and not (self.data.val_fraction or self.data.val_episodes):
             raise ValueError(f"runtime.sample_every={self.runtime.sample_every} needs held-out episodes: "
                              "set data.val_fraction or data.val_episodes")
+        if self.runtime.sample_ema and not self.optim.ema_decay:
+            raise ValueError("runtime.sample_ema = true needs EMA weights: set optim.ema_decay > 0")
         if self.runtime.sample_every and self.objective.chunk_size is None:
             raise ValueError(f"runtime.sample_every={self.runtime.sample_every}: objective.chunk_size is unset, so the "
                              "model is trained with one σ per episode and can only generate jointly, not forecast "

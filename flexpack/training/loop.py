@@ -209,7 +209,7 @@ def _train(cfg: TrainConfig, found: Path | None, stop: faults.GracefulStop, stop
             if validator is not None and (val := validator.after_step(model, step)) is not None:
                 sinks.log(val)
             if sampler_hook is not None:
-                sampler_hook.after_step(model, step, sinks)
+                sampler_hook.after_step(model, step, sinks, ema=ema)
     bar.close()
     result.step = step
     guard.flush()
