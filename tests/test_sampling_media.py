@@ -80,6 +80,11 @@ def test_action_plot_is_a_png_of_the_expected_size(tmp_path):
     # the prediction is drawn only after the context: no red pixel left of the shaded band's right edge
     band = np.nonzero(grey.sum(0) > 100)[0]  # columns of the shading (not the legend's small patch)
     assert red[:, : band.max() + 1].sum() == 0 and red[:, band.max() + 1 :].sum() > 50
+    # wide action vectors keep a readable height: past 8 dimensions rows shrink (to half an inch at 24+)
+    wide = np.random.default_rng(0).normal(size=(6, 12))
+    with Image.open(media.action_plot(tmp_path / "w.png", wide, wide, context=2)) as im:
+        assert im.size == media.action_plot_size(12) == (800, 1260)
+    assert media.action_plot_size(30) == (800, 1560)
     with pytest.raises(ValueError, match="context must be in"):
         media.action_plot(tmp_path / "b.png", true, true, context=25)
     with pytest.raises(ValueError, match=r"\(T, D\)"):

@@ -19,8 +19,9 @@ import torch
 
 from flexpack.atomic import atomic_path
 
-# action plot geometry (inches at DPI): a fixed size, so a plot's pixel size follows from its dimensions
-PLOT_DPI, PLOT_WIDTH_IN, PLOT_ROW_IN, PLOT_TITLE_IN = 100, 8.0, 1.5, 0.6
+# action plot geometry (inches at DPI): a plot's pixel size follows from its dimension count alone;
+# rows shrink from PLOT_ROW_IN towards PLOT_MIN_ROW_IN past 8 dimensions (30-wide action vectors)
+PLOT_DPI, PLOT_WIDTH_IN, PLOT_ROW_IN, PLOT_MIN_ROW_IN, PLOT_TITLE_IN = 100, 8.0, 1.5, 0.5, 0.6
 # latent strip geometry (pixels): each latent cell is upscaled (nearest) to at least STRIP_CELL px
 STRIP_CELL, STRIP_BORDER, STRIP_GAP = 32, 2, 2
 CONTEXT_RGB = np.array([255, 170, 0], np.uint8)  # border of context (ground-truth history) frames
@@ -30,7 +31,8 @@ BACKGROUND_RGB = np.array([255, 255, 255], np.uint8)
 
 def action_plot_size(dims: int) -> tuple[int, int]:
     """(width, height) in pixels of :func:`action_plot` for ``dims`` action dimensions."""
-    return round(PLOT_WIDTH_IN * PLOT_DPI), round((PLOT_ROW_IN * dims + PLOT_TITLE_IN) * PLOT_DPI)
+    row = max(PLOT_MIN_ROW_IN, min(PLOT_ROW_IN, 8 * PLOT_ROW_IN / max(dims, 1)))
+    return round(PLOT_WIDTH_IN * PLOT_DPI), round((row * dims + PLOT_TITLE_IN) * PLOT_DPI)
 
 
 def action_plot(path: Path, pred_TD: np.ndarray, true_TD: np.ndarray, *, context: int, title: str = "",
