@@ -20,20 +20,25 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 	@echo "Installed. 'source $(VENV)/bin/activate' puts flexpack on PATH (the README's commands use it bare)."
 
-# The main job on an embedded default: a small synthetic LeRobot dataset (kept once made), its latent
-# cache (pool encoder), a few dozen CPU training steps of the tiny WanVA (configs/tiny_cpu.toml),
-# the packed == per-episode check on the trained weights, then the sampler statistics of the demo's
-# own episodes (geometry from its latent cache, as train derives it), the loss plot and a summary.
+# The main job on an embedded default: a small synthetic LeRobot dataset (kept once made; the orbit
+# scene, whose actions follow what the camera sees), its latent cache (pool encoder), a few hundred
+# CPU training steps of the tiny WanVA (configs/tiny_cpu.toml) with a quarter of the episodes held
+# out, the packed == per-episode check on the trained weights, forecasts of the held-out episodes
+# against the last-action and mean-action baselines, then the sampler statistics of the demo's own
+# episodes (geometry from its latent cache, as train derives it), the loss plot and a summary.
 # One OpenMP thread: the tiny model's ops are too small for a thread pool.
 demo: $(STAMP)
 	@mkdir -p $(OUT)
-	@test -d $(OUT)/demo-data || $(BIN)/flexpack make-dataset $(OUT)/demo-data --episodes 12
+	@test -d $(OUT)/demo-data || $(BIN)/flexpack make-dataset $(OUT)/demo-data --episodes 24 --scene orbit
 	$(BIN)/flexpack encode --dataset $(OUT)/demo-data
 	rm -rf $(OUT)/demo-run
 	OMP_NUM_THREADS=1 $(BIN)/flexpack train configs/tiny_cpu.toml --set data.root=$(OUT)/demo-data \
-	    --set runtime.out_dir=$(OUT)/demo-run
+	    --set runtime.out_dir=$(OUT)/demo-run --set data.val_fraction=0.25 --set schedule.steps=300
 	OMP_NUM_THREADS=1 $(BIN)/flexpack verify configs/tiny_cpu.toml --set data.root=$(OUT)/demo-data \
 	    --checkpoint $(OUT)/demo-run
+	OMP_NUM_THREADS=1 $(BIN)/flexpack sample $(OUT)/demo-run --checkpoint $(OUT)/demo-run --val \
+	    --out $(OUT)/demo-run/samples
+	@echo "action plot: $$(ls $(OUT)/demo-run/samples/*_actions.png | head -n 1)"
 	$(BIN)/flexpack stats --dataset $(OUT)/demo-data --mode pack --max-tokens 100 --plot $(OUT)/stats_pack.png
 	$(BIN)/flexpack stats --dataset $(OUT)/demo-data --mode pad --batch-size 4 --pool-factor 2 \
 	    --pad-multiple 4 --plot $(OUT)/stats_pad.png

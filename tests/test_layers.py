@@ -105,3 +105,20 @@ def test_top_level_reexports():
         getattr(flexpack, n) for n in flexpack.__all__}
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         flexpack.nope  # noqa: B018
+
+
+SAMPLING_MAY_IMPORT_FROM_TRAINING = {"objective", "noise", "build", "checkpoint", "export", "resume", "checks", "config",
+                                     "holdout", "parallel"}
+
+
+def test_sampling_imports_only_the_training_parts_it_needs():
+    bad = {f"{p.relative_to(ROOT)}: {m}" for p in wing_files("sampling") for m in imported_modules(p)
+           if m.startswith("flexpack.training.")
+           and m.split(".")[2] not in SAMPLING_MAY_IMPORT_FROM_TRAINING}
+    assert not bad, sorted(bad)
+
+
+def test_only_the_training_loop_imports_sampling():
+    users = {str(p.relative_to(ROOT)) for w in ("packing", "attention", "models", "data", "training")
+             for p in wing_files(w) if any(m.startswith("flexpack.sampling") for m in imported_modules(p))}
+    assert users <= {"training/loop.py"}, sorted(users)

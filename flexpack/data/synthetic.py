@@ -5,6 +5,17 @@ has smooth sinusoidal actions and states, and one of a few tasks. With ``index_a
 action columns encode their own position instead: column 0 = frame index, column 1 = episode
 index, column k >= 2 = frame index + 1000·k (for alignment tests).
 
+With ``scene="orbit"`` the data is learnable: every episode shows one bright blob circling the
+frame centre at a fixed angular speed (``ORBIT_OMEGA`` radians per video frame, one turn in 24
+frames, the same way round in every episode) from an episode-specific start angle, and its
+actions are a deterministic function of what the camera sees: column k = cos(θ_t + 2πk/D) for the
+blob's angle θ_t (column 0 ∝ its x offset; column D/4, when 4 divides D, ∝ minus its y offset). The
+blob is broad (σ = 12 % of the frame) so the 16×16 average pooling of the ``pool`` encoder keeps
+its position: the four cells of a 32×32 camera's 2×2 latent weigh how much of the blob lies in
+each quadrant. Knowing θ at the end of the history (one frame shows it), a model can forecast
+the next frames exactly; repeating the last action or the mean action cannot
+(half a turn in 12 video frames).
+
 With ``subtasks=K`` (2 or 3) every episode is annotated with K consecutive subtasks instead of
 one task: lerobot's per-frame ``"task"`` in ``add_frame`` gives each frame its subtask, so the
 parquet's ``task_index`` column holds K runs (cut at random frames; an episode shorter than K
@@ -31,6 +42,10 @@ from flexpack.errors import UserError, one_line
 TASKS = ["pick up the red cube", "open the drawer", "push the button twice", "stack the blue block on the green one"]
 SUBTASKS = ["reach for the red cube", "grasp the red cube", "lift the red cube", "put the cube in the bin"]
 MIN_SIZE, SPATIAL_STRIDE = 32, 16
+SCENES = ("wander", "orbit")
+ORBIT_TASK = "follow the bright ball"
+ORBIT_OMEGA = 2 * np.pi / 24  # radians per video frame
+ORBIT_RADIUS, ORBIT_SIGMA = 0.3, 0.12  # in frame widths
 
 
 def check_size(size: int) -> None:
@@ -59,6 +74,29 @@ def _frame(t: int, episode: int, camera: int, size: int) -> np.ndarray:
     return (np.clip(rgb, 0, 1) * 255).astype(np.uint8)
 
 
+def orbit_angles(n: int, rng: np.random.Generator) -> np.ndarray:
+    """The blob's angle at each of ``n`` frames: a random start angle, then a fixed speed.
+
+    One direction for all episodes: latent frame 0 shows a single video frame, from which the
+    direction could not be told, so a forecast from it would be a coin toss."""
+    return rng.uniform(0, 2 * np.pi) + ORBIT_OMEGA * np.arange(n)
+
+
+def orbit_frame(theta: float, camera: int, size: int) -> np.ndarray:
+    """A dark frame with one bright blob at angle ``theta`` on the orbit (camera 1 sees it mirrored)."""
+    yy, xx = np.mgrid[0:size, 0:size].astype(np.float32) / max(size - 1, 1)
+    cx = 0.5 + ORBIT_RADIUS * np.cos(theta) * (1 if camera == 0 else -1)
+    cy = 0.5 + ORBIT_RADIUS * np.sin(theta)
+    blob = np.exp(-((xx - cx) ** 2 + (yy - cy) ** 2) / (2 * ORBIT_SIGMA**2))
+    rgb = 0.05 + 0.9 * blob[..., None] * np.array([1.0, 0.9, 0.7] if camera == 0 else [0.7, 0.9, 1.0], np.float32)
+    return (np.clip(rgb, 0, 1) * 255).astype(np.uint8)
+
+
+def orbit_actions(theta_T: np.ndarray, action_dim: int) -> np.ndarray:
+    """(T, D) float32: column k = cos(θ + 2πk/D)."""
+    return np.cos(theta_T[:, None] + 2 * np.pi * np.arange(action_dim) / action_dim).astype(np.float32)
+
+
 def make_synthetic_dataset(
     root: str | os.PathLike,
     *,
@@ -72,12 +110,15 @@ def make_synthetic_dataset(
     action_dim: int = 6,
     index_actions: bool = False,
     subtasks: int = 0,
+    scene: str = "wander",
     seed: int = 0,
     progress: bool = False,
 ) -> Path:
     """Write the dataset to ``root`` (must not exist) and return it. ``lengths`` overrides the draw.
 
     ``subtasks``: 0 = one task per episode; 2 or 3 = that many annotated subtasks per episode.
+    ``scene``: ``"wander"`` (a blob over a gradient, actions independent of it) or ``"orbit"``
+    (actions a function of the blob's position; see the module docstring).
     The dataset is written into a temporary folder next to ``root`` and renamed when complete,
     so a failed or interrupted run leaves no partial dataset behind (which a rerun would refuse).
     """
@@ -97,11 +138,17 @@ def make_synthetic_dataset(
         raise ValueError(f"need 1 <= min_frames <= max_frames, got {min_frames}, {max_frames}")
     if subtasks not in (0, 2, 3):
         raise ValueError(f"subtasks must be 0 (one task per episode), 2 or 3, got {subtasks}")
+    if scene not in SCENES:
+        raise ValueError(f"scene must be one of {SCENES}, got {scene!r}")
+    if scene == "orbit" and (index_actions or subtasks):
+        raise ValueError("scene='orbit' sets its own actions and task: it cannot be combined with "
+                         f"index_actions={index_actions} or subtasks={subtasks}")
     check_size(size)
     if lengths is not None and (not lengths or min(lengths) < 1):
         raise ValueError(f"lengths must be >= 1 video frames each, got {lengths}")
     rng = np.random.default_rng(seed)
     sub_rng = np.random.default_rng([seed, 1])  # own stream: subtasks leave the rest of the data unchanged
+    orbit_rng = np.random.default_rng([seed, 2])
     if lengths is None:
         lengths = rng.integers(min_frames, max_frames + 1, size=episodes).tolist()
     cams = [f"observation.images.cam{c}" for c in range(cameras)]
@@ -128,6 +175,15 @@ def make_synthetic_dataset(
                 first = int(sub_rng.integers(len(SUBTASKS) - subtasks + 1))
                 for j, (start, stop) in enumerate(subtask_runs(int(n), subtasks, sub_rng)):
                     frame_tasks[start:stop] = [SUBTASKS[first + j]] * (stop - start)
+            if scene == "orbit":
+                theta = orbit_angles(int(n), orbit_rng)
+                actions = orbit_actions(theta, action_dim)
+                for t in range(int(n)):
+                    frame = {cam: orbit_frame(theta[t], c, size) for c, cam in enumerate(cams)}
+                    frame.update({"action": actions[t], "observation.state": actions[t], "task": ORBIT_TASK})
+                    ds.add_frame(frame)
+                ds.save_episode(parallel_encoding=False)
+                continue
             for t in range(int(n)):
                 if index_actions:
                     action = np.array([t, ep] + [t + 1000 * k for k in range(2, action_dim)], dtype=np.float32)[:action_dim]
@@ -160,6 +216,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--index-actions", action="store_true", help="actions encode their own frame index")
     parser.add_argument("--subtasks", type=int, default=0, choices=(0, 2, 3),
                         help="annotate every episode with this many consecutive subtasks (per-frame task)")
+    parser.add_argument("--scene", default="wander", choices=SCENES,
+                        help="wander: a blob over a gradient, actions independent of it; orbit: a learnable task, "
+                             "the actions are the position of a blob circling the frame centre")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -181,11 +240,13 @@ def run(args: argparse.Namespace) -> int:
         root = make_synthetic_dataset(
             args.root, episodes=args.episodes, min_frames=args.min_frames, max_frames=args.max_frames,
             lengths=lengths, cameras=args.cameras, size=args.size, fps=args.fps, action_dim=args.action_dim,
-            index_actions=args.index_actions, subtasks=args.subtasks, seed=args.seed, progress=True,
+            index_actions=args.index_actions, subtasks=args.subtasks, scene=args.scene, seed=args.seed,
+            progress=True,
         )
     except (ValueError, OSError) as exc:
         raise UserError(one_line(exc)) from exc
     n = len(lengths) if lengths else args.episodes
     sub = f", {args.subtasks} subtasks each" if args.subtasks else ""
+    sub += ", orbit scene" if args.scene == "orbit" else ""
     print(f"wrote {n} episodes ({args.cameras} camera(s), {args.size}x{args.size}{sub}) to {root}")
     return 0

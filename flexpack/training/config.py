@@ -231,10 +231,24 @@ class RuntimeConfig:
     wandb_entity: str = ""  # "" = W&B's default entity (WANDB_ENTITY or the account's)
     wandb_tags: tuple[str, ...] = ()
     eval_every: int = 0  # steps between validation losses on the held-out episodes; 0 = none
+    # sampling of held-out episodes during training (flexpack.sampling.hook): RUN/samples/step_N/ + sample/* metrics
+    sample_every: int = 0  # steps between samplings; 0 = none (needs held-out episodes, like eval_every)
+    sample_steps: int = 10  # Euler steps from noise to data
+    sample_episodes: int = 4  # the first N held-out episodes
+    sample_cuts: int = 2  # forecast cut points per episode
+    sample_horizon: int = 0  # latent frames predicted per cut; 0 = two context chunks (at least 4)
+    sample_plots: int = 2  # episodes plotted per sampling (0 = metrics only)
+    sample_ema: bool = False  # sample with the EMA weights (needs optim.ema_decay > 0)
 
     def __post_init__(self) -> None:
         if self.eval_every < 0:
             raise ValueError(f"runtime.eval_every must be >= 0, got {self.eval_every!r}")
+        for name in ("sample_every", "sample_horizon", "sample_plots"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"runtime.{name} must be >= 0, got {getattr(self, name)!r}")
+        for name in ("sample_steps", "sample_episodes", "sample_cuts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"runtime.{name} must be >= 1, got {getattr(self, name)!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"runtime.dtype must be one of {DTYPES}, got {self.dtype!r}")
         check_device_string(self.device)  # whether CUDA is there is checked when training starts
@@ -288,6 +302,15 @@ class TrainConfig:
         if self.runtime.eval_every and not (self.data.val_fraction or self.data.val_episodes):
             raise ValueError(f"runtime.eval_every={self.runtime.eval_every} needs held-out episodes: "
                              "set data.val_fraction or data.val_episodes")
+        if self.runtime.sample_every and not (self.data.val_fraction or self.data.val_episodes):
+            raise ValueError(f"runtime.sample_every={self.runtime.sample_every} needs held-out episodes: "
+                             "set data.val_fraction or data.val_episodes")
+        if self.runtime.sample_ema and not self.optim.ema_decay:
+            raise ValueError("runtime.sample_ema = true needs EMA weights: set optim.ema_decay > 0")
+        if self.runtime.sample_every and self.objective.chunk_size is None:
+            raise ValueError(f"runtime.sample_every={self.runtime.sample_every}: objective.chunk_size is unset, so the "
+                             "model is trained with one σ per episode and can only generate jointly, not forecast "
+                             "from history; set objective.chunk_size or runtime.sample_every = 0")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

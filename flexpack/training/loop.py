@@ -40,6 +40,7 @@ from torch import nn
 from tqdm import tqdm
 
 from flexpack.packing.collate import Batch
+from flexpack.sampling.hook import make_sample_hook
 from flexpack.training import checkpoint, faults, float8, resume, runfolder, tracking
 from flexpack.training.build import Data, build_data, build_model, materialize
 from flexpack.training.checks import positive_int, preflight
@@ -156,6 +157,8 @@ def _train(cfg: TrainConfig, found: Path | None, stop: faults.GracefulStop, stop
     sampler_state, step, tpf, signum = data.sampler.state_dict(), start, data.tokens_per_frame, 0
     saver = checkpoint.Checkpointer(run / "checkpoints", keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
     extra = {"action_normalizer": resume.normalizer_state(data.dataset)}
+    sampler_hook = make_sample_hook(cfg, device, normalizer=extra["action_normalizer"], rank=rank,
+                                    dataset_normalizer=getattr(data.dataset, "normalizer", None))
 
     guard, meter = faults.StepGuard(stop, o.skip_nonfinite), StepMeter(cfg, device, tpf)
     model_kw = {"text_slots": data.text_slots}  # one text-key shape for the run: no recompiles per episode count
@@ -206,8 +209,10 @@ def _train(cfg: TrainConfig, found: Path | None, stop: faults.GracefulStop, stop
                 result.metrics.append(rec)
                 sinks.log(rec)
                 bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{lr:.2e}", tok_s=f"{rec['tokens_per_s']:.0f}")
-            if validator is not None:
-                validator.after_step(model, step)
+            if validator is not None and (val := validator.after_step(model, step)) is not None:
+                sinks.log(val)
+            if sampler_hook is not None:
+                sampler_hook.after_step(model, step, sinks, ema=ema)
     bar.close()
     result.step = step
     guard.flush()

@@ -19,6 +19,8 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
+import numpy as np
+
 
 def _numeric(rec: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, float]]:
     for key, value in rec.items():
@@ -126,6 +128,23 @@ class MetricSinks:
         if self.wandb is not None:
             self.wandb.log(values, step=step)
 
+    def log_images(self, step: int, images: dict[str, str | os.PathLike]) -> None:
+        """Log PNG files (``{tag: path}``, e.g. the sampler's action plots) at ``step``: TensorBoard
+        ``add_image`` (HWC uint8 RGB) and, with W&B on, ``wandb.Image``. A no-op off rank 0."""
+        if self.tb is None and self.wandb is None:
+            return
+        from PIL import Image
+
+        if self.tb is not None:
+            for tag, path in images.items():
+                with Image.open(path) as im:
+                    self.tb.add_image(tag, np.asarray(im.convert("RGB")), int(step), dataformats="HWC")
+            self.tb.flush()  # images are logged rarely; make them visible now, not after flush_secs
+        if self.wandb is not None:
+            import wandb
+
+            self.wandb.log({tag: wandb.Image(str(path)) for tag, path in images.items()}, step=int(step))
+
     def __exit__(self, *exc) -> None:
         if self.tb is not None:
             self.tb.close()
@@ -145,6 +164,10 @@ def outputs(run: str | os.PathLike, checkpoint: Path | None, cfg: Any) -> str:
         rows.append(("wandb", str(run / "wandb")))
     if (run / "profile").is_dir():
         rows.append(("profile", str(run / "profile")))
+    if (run / "samples").is_dir():
+        rows.append(("samples", f"{run / 'samples'}  (runtime.sample_every)"))
     rows.append(("checkpoint", str(checkpoint) if checkpoint else "none"))
     rows.append(("plot", f"flexpack plot {run}"))
+    if checkpoint:
+        rows.append(("sample", f"flexpack sample {run} --checkpoint {run}"))
     return "\n".join(f"  {name:<12} {value}" for name, value in rows)

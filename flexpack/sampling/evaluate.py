@@ -1,0 +1,280 @@
+"""Sample held-out episodes and write what a user looks at: ``metrics.json``, plots, videos.
+
+Shared by ``flexpack sample`` (:mod:`flexpack.sampling.cli`) and training's ``runtime.sample_every``
+(:class:`SampleHook`), so both write the same files for the same episodes:
+
+- ``metrics.json``: the model's metrics and the ``baselines`` (:mod:`flexpack.sampling.metrics`),
+  ``episodes``, ``pairs`` (episode, cut, horizon), ``steps``, ``solver``, ``mode``, and with a Wan
+  VAE cache ``psnr`` / ``psnr_baseline_last`` of decoded frames;
+- per plotted episode ``episode_EEEEEE_actions.png`` (predicted vs true actions per dimension,
+  context shaded) and ``episode_EEEEEE.mp4`` (Wan VAE cache: decoded predicted next to true video)
+  or ``episode_EEEEEE_latents.png`` (other encoders: the first latent channels).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from flexpack.atomic import atomic_path
+from flexpack.sampling.metrics import Metrics
+from flexpack.sampling.pairs import Pair, check_cut, cut_points, make_pair
+from flexpack.sampling.sampler import PackedSampler, SampleOptions, context_chunk
+
+MODES = ("forecast", "rollout")
+
+
+@dataclass(frozen=True)
+class PairPlan:
+    mode: str = "forecast"
+    cuts: int = 4  # evenly spaced cut points per episode (forecast)
+    horizon: int | None = None  # frames generated per pair (forecast) / per stage (rollout); None: default
+    cut_points: tuple[int, ...] = ()  # explicit cut points (forecast), instead of ``cuts``
+    seed: int = 0  # noise seed: the same pairs with another seed start from other noise
+
+
+def default_horizon(cfg: Any) -> int:
+    """Two context chunks, at least 4 latent frames (16 video frames at the usual stride)."""
+    chunk = context_chunk(cfg)
+    return max(2 * chunk, -(-4 // chunk) * chunk)
+
+
+def dataset_for(cfg: Any, episodes: Sequence[int] | None = None, *, val: bool = False) -> Any:
+    """The config's dataset with whole episodes (no task segments): ``episodes`` (dataset episode
+    indices), the held-out ones (``val``), or all."""
+    from flexpack.data import LatentEpisodeDataset
+    from flexpack.data.episodes import EpisodeSource
+    from flexpack.training.holdout import split_episodes
+
+    d, m = cfg.data, cfg.model.wan_config()
+    if not d.root:
+        raise ValueError("data.root is empty: set it to a LeRobot dataset folder with a latent cache")
+    known = EpisodeSource(d.root).episodes
+    if val:
+        if not (d.val_fraction or d.val_episodes):
+            raise ValueError("--val needs held-out episodes: the config sets neither data.val_fraction nor "
+                             "data.val_episodes (pass --episodes instead)")
+        episodes = split_episodes(known, d, d.root)[1]
+    elif episodes is not None:
+        bad = sorted(set(episodes) - set(known))
+        if bad:
+            raise ValueError(f"episodes {bad} are not in {d.root} (it has {len(known)} episodes: "
+                             f"{known[0]}..{known[-1]})")
+    return LatentEpisodeDataset(d.root, latents_dir=d.latents_dir, action_dim=max(m.action_channels, 1),
+                                action_steps=d.action_steps, stride=d.stride,
+                                cameras=list(d.cameras) if d.cameras else None, normalize=d.normalize,
+                                segments=False, episodes=list(episodes) if episodes is not None else None)
+
+
+def tokens_per_frame(cfg: Any, dataset: Any) -> int:
+    m = cfg.model.wan_config()
+    _, _, H, W = dataset[0]["latent"].shape
+    return (H // m.patch_size[1]) * (W // m.patch_size[2]) + (cfg.data.action_steps if m.action_channels else 0)
+
+
+def build_pairs(cfg: Any, dataset: Any, plan: PairPlan, *, limit_pairs: int | None = None,
+                note: bool = True) -> list[Pair]:
+    """Pairs of every episode of ``dataset``: forecast cut points, or one rollout from the first chunk."""
+    if plan.mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {plan.mode!r}")
+    chunk = context_chunk(cfg)
+    horizon = plan.horizon or default_horizon(cfg)
+    if horizon < 1:
+        raise ValueError(f"--horizon must be >= 1 latent frame, got {horizon}")
+    if horizon % chunk:  # frames of one chunk share σ in training: never split one between context and target
+        raise ValueError(f"--horizon {horizon} must be a multiple of the chunk the model was trained with "
+                         f"({chunk} latent frames)")
+    actions = cfg.model.wan_config().action_channels > 0
+    # a pair is one document of a pack: automatic cut points and rollouts stay within one pack's frames
+    budget = cfg.data.max_tokens // tokens_per_frame(cfg, dataset)
+    lengths = dataset.lengths()
+    pairs, short, cut_short = [], [], []
+    for i, F_full in enumerate(lengths):
+        episode = dataset.items[i][0]
+        F = F_full if plan.cut_points else min(F_full, budget)
+        if F < F_full:
+            cut_short.append(episode)
+        if plan.mode == "rollout":
+            cuts = [chunk] if F > chunk else []
+        elif plan.cut_points:
+            for c in plan.cut_points:
+                check_cut(episode, F, c, horizon, chunk)
+            cuts = list(plan.cut_points)
+        else:
+            cuts = cut_points(F, plan.cuts, horizon, chunk)
+        if not cuts:
+            short.append(episode)
+            continue
+        item = dataset[i]
+        for c in cuts:
+            pairs.append(make_pair(item, c, (F - c) if plan.mode == "rollout" else horizon, actions=actions,
+                                   noise_seed=plan.seed))
+        if limit_pairs is not None and len(pairs) >= limit_pairs:
+            break
+    if cut_short and note:
+        print(f"note: episodes {cut_short} are longer than a pack ({budget} latent frames at data.max_tokens = "
+              f"{cfg.data.max_tokens}): "
+              f"{'rolled out' if plan.mode == 'rollout' else 'cut'} within their first {budget} frames", file=sys.stderr)
+    if short and note:
+        print(f"note: episodes {short} are too short for one context chunk ({chunk} latent frames) plus the "
+              f"horizon ({horizon}); skipped", file=sys.stderr)
+    if not pairs:
+        raise ValueError(f"no episode has room for a cut point: each needs at least {chunk + horizon} latent frames "
+                         f"(context chunk {chunk} + horizon {horizon}); lower --horizon")
+    return pairs
+
+
+def checkpoint_normalizer(dataset: Any, saved: dict[str, Any] | None, where: str) -> dict[str, Any] | None:
+    """The action statistics the weights were trained with; the dataset must normalize the same way."""
+    from flexpack.training.resume import normalizer_state
+
+    mine = normalizer_state(dataset)
+    if saved is None:
+        return mine
+    if mine is None or mine["mode"] != saved["mode"] or not (
+            np.allclose(mine["low"], saved["low"], rtol=1e-6, atol=1e-9)
+            and np.allclose(mine["high"], saved["high"], rtol=1e-6, atol=1e-9)):
+        raise ValueError(f"{dataset.root}: its action statistics ({mine and mine['mode']}) are not those {where} was "
+                         f"trained with ({saved['mode']}, low {np.round(saved['low'], 4).tolist()[:4]}...); "
+                         "sample with the training dataset or restore its meta/stats.json")
+    return saved
+
+
+def action_names(dataset: Any) -> list[str]:
+    """Names of the dataset's action columns (``meta/info.json``), else ``a0, a1, ...``."""
+    names = dataset.source.meta.features[dataset.action_key].get("names")
+    if isinstance(names, dict):  # LeRobot v2-style {"motors": [...]}
+        names = next(iter(names.values()), None)
+    n = len(dataset.channels)
+    return [str(x) for x in names] if isinstance(names, list) and len(names) == n else [f"a{i}" for i in range(n)]
+
+
+def mean_action(dataset: Any) -> list[float] | None:
+    stats = (dataset.source.meta.stats or {}).get(dataset.action_key) or {}
+    return None if "mean" not in stats else np.asarray(stats["mean"], dtype=np.float64).reshape(-1).tolist()
+
+
+def sample_pairs(model: nn.Module, cfg: Any, pairs: list[Pair], *, tpf: int, device: torch.device,
+                 options: SampleOptions, stage: int | None = None, text_slots: int | None = None) -> PackedSampler:
+    sampler = PackedSampler(model, cfg, tpf, device, options, text_slots=text_slots, stage=stage)
+    sampler.run(pairs)
+    return sampler
+
+
+def score(pairs: Sequence[Pair], dataset: Any, normalizer: dict[str, Any] | None) -> dict[str, Any]:
+    """All pairs' metrics, plus ``per_episode``: the headline numbers of each episode's pairs (to find
+    the episodes a model gets wrong)."""
+    mean = mean_action(dataset)
+    metrics = Metrics(normalizer, dataset.channels, mean)
+    per: dict[int, Metrics] = {}
+    for p in pairs:
+        metrics.add(p)
+        per.setdefault(p.episode, Metrics(normalizer, dataset.channels, mean)).add(p)
+    out = metrics.result()
+    keys = ("action_mse", "action_mse_raw", "latent_mse")
+    out["per_episode"] = {}
+    for e, m in per.items():
+        r = m.result()
+        out["per_episode"][str(e)] = {**{k: r[k] for k in keys}, "pairs": r["pairs"],
+                                      **{f"{b}_action_mse": r["baselines"][b]["action_mse"] for b in ("last", "mean")}}
+    return out
+
+
+def _actions_TD(act: torch.Tensor, mask: torch.Tensor, channels: np.ndarray) -> np.ndarray:
+    """(Ca, L, A) → (L·A, D) dataset columns, NaN where no real value exists."""
+    a = torch.where(mask, act.float(), float("nan"))[torch.as_tensor(channels)]
+    return a.permute(1, 2, 0).reshape(-1, len(channels)).numpy()
+
+
+def write_media(out: Path, pairs: Sequence[Pair], dataset: Any, plots: int, device: torch.device | str = "cpu"
+                ) -> tuple[dict[str, Path], dict[str, float]]:
+    """Plots of the first pair of the first ``plots`` episodes; returns ({tag: file}, PSNR metrics).
+    With a Wan VAE cache the VAE decodes on ``device``."""
+    from flexpack.data.cache import read_latent_header
+    from flexpack.sampling import media
+
+    files: dict[str, Path] = {}
+    firsts: dict[int, Pair] = {}
+    for p in pairs:
+        firsts.setdefault(p.episode, p)
+    header = read_latent_header(dataset.latent_file(0))
+    psnrs, base = [], []
+    for p in list(firsts.values())[:plots]:
+        stem = f"episode_{p.episode:06d}"
+        steps = dataset.action_steps
+        if p.action is not None:
+            files[f"sample/{stem}/actions"] = media.action_plot(
+                out / f"{stem}_actions.png", _actions_TD(p.pred_action, p.action_mask, dataset.channels),
+                _actions_TD(p.action, p.action_mask, dataset.channels), context=p.cut * steps,
+                title=f"episode {p.episode}, cut {p.cut}, horizon {p.horizon}", names=action_names(dataset))
+        pred = media.decode_latents(p.pred_latent, header.encoder, device=str(device))
+        if pred is None:
+            files[f"sample/{stem}/latents"] = media.latent_strip(out / f"{stem}_latents.png", p.pred_latent.numpy(),
+                                                                 p.latent.numpy(), context=p.cut)
+            continue
+        true = media.decode_latents(p.latent, header.encoder, device=str(device))
+        media.video_mp4(out / f"{stem}.mp4", pred, true, fps=header.fps)
+        first = (p.cut - 1) * dataset.stride + 1  # first decoded frame of the target (causal VAE)
+        to = lambda v: v[first:].astype(np.float32) / 127.5 - 1.0  # noqa: E731
+        psnrs.append(media.psnr(to(pred), to(true)))
+        last = np.repeat(true[first - 1:first], len(true) - first, axis=0)
+        base.append(media.psnr(last.astype(np.float32) / 127.5 - 1.0, to(true)))
+    # decoding is the costly part: PSNR covers the plotted pairs (their count is recorded beside it)
+    extra = {"psnr": float(np.mean(psnrs)), "psnr_baseline_last": float(np.mean(base)), "psnr_pairs": len(psnrs)} \
+        if psnrs else {}
+    return files, extra
+
+
+def write_report(out: Path, metrics: dict[str, Any]) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    with atomic_path(out / "metrics.json") as tmp:
+        Path(tmp).write_text(json.dumps(metrics, indent=2, allow_nan=True) + "\n")
+    return out / "metrics.json"
+
+
+def table(metrics: dict[str, Any]) -> str:
+    keys = ("action_mse", "action_l1", "action_mse_raw", "action_l1_raw", "latent_mse")
+    b = metrics["baselines"]
+    lines = [f"{'':>16} {'model':>11} {'last':>11} {'mean':>11}"]
+    for k in keys:
+        lines.append(f"{k:>16} {metrics[k]:>11.5g} {b['last'][k]:>11.5g} {b['mean'][k]:>11.5g}")
+    if "psnr" in metrics:
+        lines.append(f"{'psnr (dB)':>16} {metrics['psnr']:>11.4g} {metrics['psnr_baseline_last']:>11.4g} {'':>11}")
+    return "\n".join(lines)
+
+
+def evaluate(model: nn.Module, cfg: Any, dataset: Any, plan: PairPlan, options: SampleOptions, *,
+             device: torch.device, normalizer: dict[str, Any] | None, out: Path | None, plots: int = 4,
+             write: bool = True, text_slots: int | None = None, note: bool = True
+             ) -> tuple[dict[str, Any], dict[str, Path]]:
+    """Sample, score, and (``write``: rank 0) write ``metrics.json`` and the plots into ``out``."""
+    pairs = build_pairs(cfg, dataset, plan, note=note)
+    tpf = tokens_per_frame(cfg, dataset)
+    stage = (plan.horizon or default_horizon(cfg)) if plan.mode == "rollout" else None
+    was = model.training
+    model.eval()
+    try:
+        sampler = sample_pairs(model, cfg, pairs, tpf=tpf, device=device, options=options, stage=stage,
+                               text_slots=text_slots)
+    finally:
+        model.train(was)
+    metrics = score(pairs, dataset, normalizer)
+    metrics.update(episodes=sorted({p.episode for p in pairs}), steps=options.steps, solver=options.solver, seed=plan.seed,
+                   mode=plan.mode, horizon=plan.horizon or default_horizon(cfg), action_names=action_names(dataset),
+                   pair_list=[[p.episode, p.cut, p.horizon] for p in pairs], model_calls=sampler.forwards)
+    files: dict[str, Path] = {}
+    if write and out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        if plots > 0:
+            files, extra = write_media(out, pairs, dataset, plots, device)
+            metrics.update(extra)
+        write_report(out, metrics)
+    return metrics, files
+

@@ -1,0 +1,108 @@
+"""``runtime.sample_every``: sample fixed held-out episodes during training.
+
+Every ``runtime.sample_every`` optimizer steps the model (the weights being trained, or with
+``runtime.sample_ema`` their EMA) forecasts the first ``runtime.sample_episodes`` held-out episodes
+at ``runtime.sample_cuts`` cut points each with ``runtime.sample_steps`` Euler steps, from noise fixed per (episode, cut) pair
+(:mod:`flexpack.sampling.pairs`): the numbers are comparable across steps, across runs of the same
+config and across a resume. Files go to ``RUN/samples/step_NNNNNNNN/`` (the same as
+``flexpack sample``); ``sample/action_mse``, ``sample/latent_mse``, the baselines'
+``sample/last/action_mse`` ... are appended to ``metrics.jsonl`` and logged to TensorBoard / W&B
+with the plots. Under several ranks every rank samples its share of the packs (collective, like
+validation) and rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from flexpack.sampling.evaluate import PairPlan, build_pairs, dataset_for, evaluate
+
+KEYS = ("action_mse", "action_l1", "action_mse_raw", "action_l1_raw", "latent_mse")
+
+
+class SampleHook:
+    def __init__(self, cfg: Any, device: torch.device, *, normalizer: dict[str, Any] | None,
+                 dataset_normalizer: Any = None, rank: int = 0) -> None:
+        from flexpack.data.episodes import EpisodeSource
+        from flexpack.training.holdout import split_episodes
+
+        r = cfg.runtime
+        self.cfg, self.device, self.rank, self.normalizer = cfg, device, rank, normalizer
+        held = split_episodes(EpisodeSource(cfg.data.root).episodes, cfg.data, cfg.data.root)[1]
+        self.dataset = dataset_for(cfg, held[: r.sample_episodes])
+        if dataset_normalizer is not None:  # the statistics the weights are trained with (kept on resume)
+            self.dataset.normalizer = dataset_normalizer
+        self.plan = PairPlan(mode="forecast", cuts=r.sample_cuts, horizon=r.sample_horizon or None)
+        try:  # before the first step: held-out episodes too short for the horizon fail now, not mid-run
+            build_pairs(cfg, self.dataset, self.plan, note=rank == 0)
+        except ValueError as exc:
+            raise ValueError(f"runtime.sample_every={r.sample_every}: {exc} (runtime.sample_horizon, "
+                             "data.val_episodes)") from None
+        from flexpack.sampling.sampler import SampleOptions
+
+        self.options = SampleOptions(steps=r.sample_steps, solver="euler")
+
+    def after_step(self, model: nn.Module, step: int, sinks: Any = None, ema: Any = None) -> dict[str, Any] | None:
+        """Every ``runtime.sample_every`` steps: sample (collective), write files and metrics on rank 0;
+        with ``runtime.sample_ema`` the EMA weights stand in for the trained ones meanwhile."""
+        from flexpack.training.parallel import is_sharded
+
+        r = self.cfg.runtime
+        if not r.sample_every or step % r.sample_every:
+            return None
+        out = Path(r.out_dir) / "samples" / f"step_{step:08d}"
+        options = self.options
+        if r.dtype == "bfloat16" and not is_sharded(model):
+            from dataclasses import replace
+
+            options = replace(options, dtype="bfloat16")
+        with _ema_weights(model, ema if r.sample_ema else None):
+            metrics, files = evaluate(model, self.cfg, self.dataset, self.plan, options, device=self.device,
+                                      normalizer=self.normalizer, out=out, plots=r.sample_plots,
+                                      write=self.rank == 0, note=False)  # the note was said once, at start
+        rec: dict[str, Any] = {"step": step, **{f"sample/{k}": metrics[k] for k in KEYS}}
+        for name, b in metrics["baselines"].items():
+            rec.update({f"sample/{name}/{k}": b[k] for k in KEYS})
+        if "psnr" in metrics:
+            rec["sample/psnr"] = metrics["psnr"]
+        if self.rank == 0:
+            with open(Path(r.out_dir) / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(rec) + "\n")
+            if sinks is not None:
+                sinks.log(rec)
+                if files:
+                    sinks.log_images(step, {k: v for k, v in files.items() if str(v).endswith(".png")})
+        return rec
+
+
+@contextlib.contextmanager
+def _ema_weights(model: nn.Module, ema: Any) -> Iterator[None]:
+    """The EMA averages in the model's parameters (each rank its local shards), restored after."""
+    if ema is None:
+        yield
+        return
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+    with torch.no_grad():
+        saved = [local(p).detach().clone() for p in ema.params]
+        for p, s in zip(ema.params, ema.shadow):
+            local(p).copy_(local(s))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, w in zip(ema.params, saved):
+                local(p).copy_(w)
+
+
+def make_sample_hook(cfg: Any, device: torch.device, *, normalizer: dict[str, Any] | None, dataset_normalizer: Any,
+                     rank: int) -> SampleHook | None:
+    """A SampleHook when ``runtime.sample_every`` > 0, else None."""
+    if not cfg.runtime.sample_every:
+        return None
+    return SampleHook(cfg, device, normalizer=normalizer, dataset_normalizer=dataset_normalizer, rank=rank)

@@ -1,0 +1,165 @@
+"""Forecast metrics on the generated (target) frames, with two baselines on the same frames.
+
+Per pair, only target frames ``[cut, cut + horizon)`` count, and of the actions only the entries
+whose ``action_mask`` is True (real dataset values). Every number is a mean over elements summed
+across all pairs (not a mean of per-pair means), so short and long horizons weigh by their size.
+
+- ``action_mse`` / ``action_l1``: in the model's normalized units (what it was trained on);
+  ``*_raw``: in the dataset's original units, mapping both prediction and truth back through the
+  action statistics the checkpoint was trained with (:func:`denormalize`; with quantile
+  normalization the truth is the clipped one, the model cannot predict beyond q01..q99 either).
+- ``*_per_dim``: per dataset action column; ``*_per_step``: per latent frame of the horizon.
+- ``latent_mse``: over the target latent frames (all channels and pixels).
+
+Baselines (so a number is readable without context):
+
+- ``last``: the last ground-truth action step of the context repeated (per channel: the last
+  real value before the cut); latent: the last context frame repeated.
+- ``mean``: the dataset mean action (``meta/stats.json`` mean, normalized like the data; without
+  a mean, the midpoint 0 of the normalized range); latent: the per-channel mean of the pair's
+  context latents (the best constant a model without dynamics could know).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+KINDS = ("model", "last", "mean")
+
+
+def denormalize(state: dict[str, Any] | None, y: np.ndarray, columns: np.ndarray) -> np.ndarray:
+    """Normalized values ``y`` (..., n) of dataset columns ``columns`` (n,) back in original units."""
+    y = np.asarray(y, dtype=np.float64)
+    if state is None or state["mode"] == "none":
+        return y
+    low = np.asarray(state["low"], dtype=np.float64)[columns]
+    high = np.asarray(state["high"], dtype=np.float64)[columns]
+    if state["mode"] == "quantile":
+        return (y + 1.0) / 2.0 * (high - low) + low
+    return y * np.where(high > 1e-8, high, 1.0) + low
+
+
+def normalize(state: dict[str, Any] | None, x: np.ndarray) -> np.ndarray:
+    """Original-unit values (..., columns) in the model's units (as ``ActionNormalizer`` maps them)."""
+    x = np.asarray(x, dtype=np.float64)
+    if state is None or state["mode"] == "none":
+        return x
+    low, high = np.asarray(state["low"], dtype=np.float64), np.asarray(state["high"], dtype=np.float64)
+    if state["mode"] == "quantile":
+        w = high - low
+        return np.clip(np.where(w > 1e-8, 2 * (x - low) / np.where(w > 1e-8, w, 1.0) - 1, 0.0), -1, 1)
+    return (x - low) / np.where(high > 1e-8, high, 1.0)
+
+
+class _Sums:
+    def __init__(self, dims: int) -> None:
+        self.d = {k: np.zeros(dims) for k in ("a2", "a1", "r2", "r1", "n")}
+        self.step: dict[str, list[float]] = {"a2": [], "an": [], "l2": [], "ln": []}
+        self.lat = np.zeros(2)
+
+    def _grow(self, h: int) -> None:
+        for v in self.step.values():
+            v.extend([0.0] * (h - len(v)))
+
+    def add(self, pa, ta, pr, tr, mask, pl, tl) -> None:
+        """Actions (Ca', H, A) already restricted to dataset columns; latents (C, H, h, w)."""
+        H = pl.shape[1]
+        self._grow(H)
+        if mask is not None:
+            e, r = (pa - ta) * mask, (pr - tr) * mask
+            self.d["a2"] += (e**2).sum(axis=(1, 2))
+            self.d["a1"] += np.abs(e).sum(axis=(1, 2))
+            self.d["r2"] += (r**2).sum(axis=(1, 2))
+            self.d["r1"] += np.abs(r).sum(axis=(1, 2))
+            self.d["n"] += mask.sum(axis=(1, 2))
+            for f in range(H):
+                self.step["a2"][f] += float((e[:, f] ** 2).sum())
+                self.step["an"][f] += float(mask[:, f].sum())
+        le = (pl - tl) ** 2
+        self.lat += [le.sum(), le.size]
+        per = le.sum(axis=(0, 2, 3))
+        for f in range(H):
+            self.step["l2"][f] += float(per[f])
+            self.step["ln"][f] += float(le[:, f].size)
+
+    def result(self) -> dict[str, Any]:
+        d, s = self.d, self.step
+        n = d["n"].sum()
+
+        def div(a, b):
+            return float(a / b) if b > 0 else float("nan")
+
+        per = lambda k: [div(a, b) for a, b in zip(d[k], d["n"])]  # noqa: E731
+        return {
+            "action_mse": div(d["a2"].sum(), n), "action_l1": div(d["a1"].sum(), n),
+            "action_mse_raw": div(d["r2"].sum(), n), "action_l1_raw": div(d["r1"].sum(), n),
+            "latent_mse": div(self.lat[0], self.lat[1]),
+            "action_mse_per_dim": per("a2"), "action_l1_per_dim": per("a1"),
+            "action_mse_raw_per_dim": per("r2"), "action_l1_raw_per_dim": per("r1"),
+            "action_mse_per_step": [div(a, b) for a, b in zip(s["a2"], s["an"])],
+            "latent_mse_per_step": [div(a, b) for a, b in zip(s["l2"], s["ln"])],
+        }
+
+
+class Metrics:
+    """Accumulates pairs; :meth:`result` gives the model's metrics and ``baselines``.
+
+    ``normalizer``: the checkpoint's action normalization state (``{"mode", "low", "high"}``) or
+    None (identity); ``channels``: model channel of each dataset column; ``mean_raw``: the
+    dataset's mean action per column in original units (None: the normalized midpoint 0).
+    """
+
+    def __init__(self, normalizer: dict[str, Any] | None, channels: Sequence[int], mean_raw: Sequence[float] | None) -> None:
+        self.norm, self.channels = normalizer, np.asarray(list(channels), dtype=np.int64)
+        self.columns = np.arange(len(self.channels))
+        cols = len(self.channels)
+        self.mean_norm = np.zeros(cols) if mean_raw is None else normalize(normalizer, np.asarray(mean_raw, dtype=np.float64))
+        self.sums = {k: _Sums(cols) for k in KINDS}
+        self.pairs = 0
+
+    def baselines(self, pair: Any) -> dict[str, tuple[np.ndarray | None, np.ndarray]]:
+        """(actions (Ca, H, A) or None, latents (C, H, h, w)) of each baseline for a pair's target frames."""
+        c, L = pair.cut, pair.frames
+        lat = pair.latent.numpy().astype(np.float64)
+        H = L - c
+        last_l = np.repeat(lat[:, c - 1:c], H, axis=1)
+        mean_l = np.broadcast_to(lat[:, :c].mean(axis=(1, 2, 3), keepdims=True), last_l.shape)
+        if pair.action is None:
+            return {"last": (None, last_l), "mean": (None, mean_l)}
+        act, mask = pair.action.numpy().astype(np.float64), pair.action_mask.numpy()
+        Ca, _, A = act.shape
+        last = np.zeros(Ca)
+        for ch in range(Ca):  # the last real value before the cut, per channel
+            flat_v, flat_m = act[ch, :c].reshape(-1), mask[ch, :c].reshape(-1)
+            idx = np.nonzero(flat_m)[0]
+            last[ch] = flat_v[idx[-1]] if idx.size else 0.0
+        mean = np.zeros(Ca)
+        mean[self.channels] = self.mean_norm
+        return {"last": (np.broadcast_to(last[:, None, None], (Ca, H, A)), last_l),
+                "mean": (np.broadcast_to(mean[:, None, None], (Ca, H, A)), mean_l)}
+
+    def add(self, pair: Any) -> None:
+        c, L = pair.cut, pair.frames
+        true_l = pair.latent[:, c:L].numpy().astype(np.float64)
+        preds = {"model": (None if pair.pred_action is None else pair.pred_action[:, c:L].numpy().astype(np.float64),
+                           pair.pred_latent[:, c:L].numpy().astype(np.float64)), **self.baselines(pair)}
+        ta = mask = None
+        if pair.action is not None:
+            ta = pair.action[:, c:L].numpy().astype(np.float64)[self.channels]
+            mask = pair.action_mask[:, c:L].numpy()[self.channels].astype(np.float64)
+        for k, (pa, pl) in preds.items():
+            if ta is None or pa is None:
+                self.sums[k].add(None, None, None, None, None, pl, true_l)
+                continue
+            pa = pa[self.channels]
+            raw = lambda y: np.moveaxis(denormalize(self.norm, np.moveaxis(y, 0, -1), self.columns), -1, 0)  # noqa: E731
+            self.sums[k].add(pa, ta, raw(pa), raw(ta), mask, pl, true_l)
+        self.pairs += 1
+
+    def result(self) -> dict[str, Any]:
+        out = self.sums["model"].result()
+        out["baselines"] = {k: self.sums[k].result() for k in ("last", "mean")}
+        out["pairs"] = self.pairs
+        return out

@@ -1,0 +1,246 @@
+"""Packed flow-matching sampling conditioned on ground-truth history.
+
+Every (episode, cut point) :class:`~flexpack.sampling.pairs.Pair` is one document of a packed
+micro-batch, built by the training path itself: the pairs' frame counts go through
+:class:`~flexpack.packing.sampler.TokenBudgetBatchSampler` and :class:`~flexpack.packing.collate.PackCollate`
+with the config's ``data.max_tokens`` (one fixed shape for every pack, so compiled blocks never
+recompile), and the model runs with the config's mask. A pack is solved from σ = 1 to 0
+(:mod:`flexpack.sampling.schedule`) with the model called once (Euler) or twice (Heun) per step.
+
+Conditioning per mask (what training taught the model):
+
+- ``document`` / ``chunk_causal`` with per-frame or per-chunk σ: context frames enter at σ = 0
+  (timestep 0) holding the truth at every solver step; target frames (video latents and actions
+  together) start from noise and are integrated. Their velocity update is 0 on context frames,
+  and context values are written back exactly after each step.
+- ``teacher_forcing``: the batch has a noisy and a clean copy. The clean copy holds the history
+  (truth, or the frames generated so far); the noisy copy holds the chunk being denoised, which
+  attends to the clean copy of earlier chunks only. So targets are generated chunk by chunk
+  (``model.chunk_size`` frames per stage), each stage's result becoming clean history for the next.
+- one σ per episode (``objective.chunk_size`` unset): the model never saw clean frames next to
+  noisy ones, so it can only generate whole episodes jointly: conditioning is refused in one line.
+
+A *stage* generates the next ``stage_frames`` target frames of every unfinished pair at once:
+forecast under ``document`` / ``chunk_causal`` is one stage of ``horizon`` frames; a rollout
+(cut = the first chunk, horizon = the rest of the episode) runs stage after stage, each conditioned
+on the model's own earlier output. A pair's sequence in a stage is its frames ``[0, k + n)``, the
+known ones and the ones being generated: under the chunk-causal masks the later frames could not
+change the result anyway, under ``document`` they are simply not there yet.
+
+Under several ranks each rank solves its packs (the sampler deals bins so every rank runs the same
+number of forwards, keeping FSDP's collectives matched) and the stage's results are summed across
+ranks before the next stage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, replace
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from flexpack.attention.masks import text_slots
+from flexpack.packing.collate import PackCollate
+from flexpack.packing.sampler import TokenBudgetBatchSampler
+from flexpack.sampling.pairs import Pair, pair_noise
+from flexpack.sampling.schedule import check_solver, sigma_grid, solve
+
+
+def context_chunk(cfg: Any) -> int:
+    """Frames that share one σ in training (cut points sit on multiples of it). Raises the one-line
+    error for a model trained with one σ per episode, which cannot be conditioned on history."""
+    o, m = cfg.objective, cfg.model
+    if o.chunk_size is None:
+        raise ValueError("objective.chunk_size is unset: the model was trained with one σ per episode and can only "
+                         "generate whole episodes jointly, not condition on history (train with a per-frame or "
+                         "per-chunk σ, objective.chunk_size = 1 or a chunk size)")
+    return int(m.chunk_size) if m.mask != "document" else int(o.chunk_size)
+
+
+def stage_frames(cfg: Any, horizon: int) -> int:
+    """Target frames generated per stage: one chunk under teacher forcing, else the horizon."""
+    return int(cfg.model.chunk_size) if cfg.model.mask == "teacher_forcing" else int(horizon)
+
+
+@dataclass(frozen=True)
+class SampleOptions:
+    steps: int = 10
+    solver: str = "euler"
+    dtype: str = "float32"  # "bfloat16": autocast the model's forward (as training does)
+
+
+class PackedSampler:
+    """Solve pairs in packs of ``max_tokens`` tokens with a config's model, mask and schedule."""
+
+    def __init__(self, model: nn.Module, cfg: Any, tokens_per_frame: int, device: torch.device,
+                 options: SampleOptions = SampleOptions(), *, max_tokens: int | None = None,
+                 text_slots: int | None = None, stage: int | None = None) -> None:
+        context_chunk(cfg)
+        check_solver(options.solver)
+        self.model, self.cfg, self.tpf, self.device, self.opt = model, cfg, tokens_per_frame, device, options
+        self.max_tokens = int(max_tokens or cfg.data.max_tokens)
+        self.text_slots = text_slots
+        # frames per stage: one chunk under teacher forcing, else set by the caller (rollout) or the horizon
+        self.stage = int(cfg.model.chunk_size) if cfg.model.mask == "teacher_forcing" else stage
+        self.actions = cfg.model.wan_config().action_channels > 0
+        o = cfg.objective
+        self.grid_v = sigma_grid(options.steps, o.shift).float()
+        self.grid_a = sigma_grid(options.steps, o.action_shift).float()
+        self.forwards = 0  # model calls (for throughput accounting)
+        self.tokens = 0  # valid tokens × model calls
+
+    # ------------------------------------------------------------------ stages
+    def run(self, pairs: Sequence[Pair]) -> None:
+        """Fill every pair's ``pred_*`` target frames, stage after stage."""
+        for p in pairs:
+            p.done = 0
+        while True:
+            active = [p for p in pairs if p.done < p.horizon]
+            if not active:
+                return
+            todo = [(p, p.cut + p.done, min(self.stage or stage_frames(self.cfg, p.horizon), p.horizon - p.done))
+                    for p in active]
+            self._stage(todo)
+            for p, _, n in todo:
+                p.done += n
+
+    def _stage(self, todo: list[tuple[Pair, int, int]]) -> None:
+        rank, size = _world()
+        lengths = [k + n for _, k, n in todo]
+        for (p, _, _), n in zip(todo, lengths):
+            if n * self.tpf > self.max_tokens:
+                raise ValueError(f"episode {p.episode} at cut {p.cut}: {n} latent frames = {n * self.tpf} tokens do "
+                                 f"not fit a pack of data.max_tokens={self.max_tokens}; raise data.max_tokens "
+                                 "or lower --horizon")
+        sampler = TokenBudgetBatchSampler(lengths, self.max_tokens, tokens_per_frame=self.tpf, rank=rank,
+                                          world_size=size, seed=0)
+        collate = PackCollate.from_token_budget(self.max_tokens, self.tpf)
+        # one text-key shape for every pack (compiled blocks never see another); the first stage has the
+        # shortest sequences, so the most pairs per pack: later stages keep its value
+        need = text_slots(max(1, sampler.max_batch_size()))
+        if self.text_slots is None or need > self.text_slots:
+            self.text_slots = need
+        written: list[tuple[int, Tensor, Tensor | None]] = []
+        for indices in sampler:
+            group = [todo[i] for i in indices]
+            lat, act = self.solve_pack([p for p, _, _ in group], [k for _, k, _ in group],
+                                       [n for _, _, n in group], collate)
+            for j, (i, (p, k, n)) in enumerate(zip(indices, group)):
+                written.append((i, lat[j][:, k:k + n], None if act is None else act[j][:, k:k + n]))
+        if size > 1:
+            written = _gather(written, todo, self.actions)
+        for i, lat, act in written:
+            p, k, n = todo[i]
+            p.pred_latent[:, k:k + n] = lat.to(p.pred_latent.dtype).cpu()
+            if act is not None and p.pred_action is not None:
+                p.pred_action[:, k:k + n] = torch.where(p.action_mask[:, k:k + n], act.cpu().float(), 0.0)
+
+    # ------------------------------------------------------------------ one pack
+    @torch.no_grad()
+    def solve_pack(self, pairs: Sequence[Pair], known: Sequence[int], counts: Sequence[int], collate: Any
+                   ) -> tuple[list[Tensor], list[Tensor] | None]:
+        """Denoise frames ``[known[e], known[e] + counts[e])`` of every pair (its first ``known + count``
+        frames packed by ``collate``); returns per pair its (C, L, H, W) latents and (Ca, L, A) actions."""
+        items = [p.item(k + n) for p, k, n in zip(pairs, known, counts)]
+        return self._solve_items(pairs, items, known, collate)
+
+    def _solve_items(self, pairs: Sequence[Pair], items: list[dict], known: Sequence[int], collate: Any
+                     ) -> tuple[list[Tensor], list[Tensor] | None]:
+        cfg, dev = self.cfg, self.device
+        if not self.actions:
+            items = [{k: v for k, v in it.items() if k not in ("action", "action_mask")} for it in items]
+        batch = collate(items).to(dev)
+        lay = batch.layout
+        doc, pos = lay.frame_doc, lay.frame_pos
+        known_E = torch.as_tensor(list(known), dtype=torch.int64, device=dev)
+        target = (doc >= 0) & (pos >= known_E[doc.clamp(min=0)])  # (R, Fr)
+        x_true = batch.latent.float()
+        a_true = None if batch.action is None else batch.action.float()
+        noise, anoise = pair_noise(lay, [p.seed for p in pairs], x_true.shape,
+                                   None if a_true is None else a_true.shape, dev)
+        t5 = target[:, None, :, None, None]
+        x0 = torch.where(t5, noise, x_true)
+        states, grids, keep = [x0], [self.grid_v.to(dev)[:, None, None] * target[None].float()], [~t5]
+        if a_true is not None:
+            a_live = target[:, None, :, None] & batch.action_mask
+            states.append(torch.where(a_live, anoise, a_true))
+            grids.append(self.grid_a.to(dev)[:, None, None] * target[None].float())
+            keep.append(~a_live)
+        tf = cfg.model.mask == "teacher_forcing"
+        scale = cfg.objective.num_train_timesteps
+        kw = {"mask": cfg.model.mask, "chunk_size": cfg.model.chunk_size, "text_slots": self.text_slots}
+        bf16 = self.opt.dtype == "bfloat16"
+        n_valid = int(lay.episode_frames.sum()) * self.tpf
+
+        def velocity(xs: tuple[Tensor, ...], i: int) -> tuple[Tensor, ...]:
+            t_v, t_a = grids[0][i] * scale, (grids[-1][i] if a_true is not None else grids[0][i]) * scale
+            lat, act = xs[0], xs[1] if a_true is not None else None
+            if tf:  # (noisy, clean): the clean copy is the known history at t = 0
+                lat, t_v = torch.stack([lat, x_true]), torch.stack([t_v, torch.zeros_like(t_v)])
+                t_a = torch.stack([t_a, torch.zeros_like(t_a)])
+                act = None if act is None else torch.stack([act, a_true])
+            inputs = replace(batch, latent=lat.to(batch.latent.dtype), action=act)
+            with torch.autocast(dev.type, torch.bfloat16) if bf16 else contextlib.nullcontext():
+                out = self.model(inputs, timestep=t_v, action_timestep=t_a, **kw)
+            self.forwards += 1
+            self.tokens += n_valid * (2 if tf else 1)
+            vs = [out.video.float()]
+            if a_true is not None:
+                vs.append(out.action.float())
+            return tuple(vs)
+
+        # grids are (N+1, R, Fr); view them to broadcast against (R, C, Fr, H, W) / (R, Ca, Fr, A)
+        shaped = [grids[0][:, :, None, :, None, None]] + ([grids[1][:, :, None, :, None]] if a_true is not None else [])
+        xs = solve(velocity, tuple(states), tuple(shaped), self.opt.solver, keep=tuple(keep))
+        rows, starts, frames = lay.episode_row.tolist(), lay.episode_start.tolist(), lay.episode_frames.tolist()
+        lats = [xs[0][r, :, s:s + f] for r, s, f in zip(rows, starts, frames)]
+        acts = None if a_true is None else [xs[1][r, :, s:s + f] for r, s, f in zip(rows, starts, frames)]
+        return lats, acts
+
+
+def pack_text_slots(pairs: Sequence[Pair], max_tokens: int, tokens_per_frame: int, stage: int | None = None) -> int:
+    """Text key slots that fit every pack of a first stage over ``pairs`` (pass it as ``text_slots``
+    to keep one shape across several runs, e.g. a warm-up on fewer pairs)."""
+    first = [p.cut + min(stage or p.horizon, p.horizon) for p in pairs]
+    plan = TokenBudgetBatchSampler(first, max_tokens, tokens_per_frame=tokens_per_frame)
+    return text_slots(max(1, plan.max_batch_size()))
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _gather(written: list, todo: list[tuple[Pair, int, int]], actions: bool) -> list:
+    """Every rank's stage results on every rank: each pair's slice summed over the ranks that
+    solved it, divided by how many did (a bin repeated to fill the last step solves a pair twice)."""
+    sizes = []
+    for p, _, n in todo:
+        s = p.latent.shape[0] * n * p.latent.shape[2] * p.latent.shape[3]
+        if actions and p.action is not None:
+            s += p.action.shape[0] * n * p.action.shape[2]
+        sizes.append(s)
+    offs = [0]
+    for s in sizes:
+        offs.append(offs[-1] + s)
+    dev = written[0][1].device if written else torch.device("cpu")
+    flat = torch.zeros(offs[-1], device=dev)
+    count = torch.zeros(len(todo), device=dev)
+    for i, lat, act in written:
+        parts = [lat.reshape(-1)] + ([act.reshape(-1)] if act is not None else [])
+        flat[offs[i]:offs[i + 1]] += torch.cat(parts).float()
+        count[i] += 1
+    dist.all_reduce(flat)
+    dist.all_reduce(count)
+    out = []
+    for i, (p, _, n) in enumerate(todo):
+        v = flat[offs[i]:offs[i + 1]] / count[i].clamp(min=1)
+        C, _, H, W = p.latent.shape
+        lat = v[: C * n * H * W].view(C, n, H, W)
+        act = v[C * n * H * W:].view(p.action.shape[0], n, p.action.shape[2]) if actions and p.action is not None else None
+        out.append((i, lat, act))
+    return out
