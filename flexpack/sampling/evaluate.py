@@ -70,7 +70,8 @@ def dataset_for(cfg: Any, episodes: Sequence[int] | None = None, *, val: bool = 
     return LatentEpisodeDataset(d.root, latents_dir=d.latents_dir, action_dim=max(m.action_channels, 1),
                                 action_steps=d.action_steps, stride=d.stride,
                                 cameras=list(d.cameras) if d.cameras else None, normalize=d.normalize,
-                                segments=False, episodes=list(episodes) if episodes is not None else None)
+                                segments=False, episodes=list(episodes) if episodes is not None else None,
+                                action_stats=d.action_stats)
 
 
 def tokens_per_frame(cfg: Any, dataset: Any) -> int:
