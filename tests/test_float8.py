@@ -107,7 +107,7 @@ def test_emulated_float8_trains_close_to_fp32_with_the_same_state_dict(one_threa
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)),
-                    reason="float8 matmuls need an sm89+ GPU")
+                    reason="needs CUDA on an sm89+ GPU (float8 matmuls)")
 @pytest.mark.parametrize("mode", ["tensorwise", "rowwise"])
 def test_float8_matmuls_on_gpu_close_to_bf16(mode):
     torch.manual_seed(0)

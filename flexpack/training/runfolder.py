@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from flexpack.atomic import atomic_path
+from flexpack.atomic import atomic_path, pid_alive
 from flexpack.errors import UserError
 
 LOCK = "train.lock"
@@ -92,16 +92,6 @@ def claim(run: str | os.PathLike, *, adopt: bool = False) -> None:
     mark(run)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
-
-
 class RunLock:
     """``with RunLock(run):`` owns ``run`` for the block (see the module doc); a no-op if ``active`` is false."""
 
@@ -136,7 +126,7 @@ class RunLock:
                           "whole, so no running train holds it", file=sys.stderr)
                     self.path.unlink(missing_ok=True)
                     continue
-                if host == me["host"] and isinstance(pid, int) and not _alive(pid):
+                if host == me["host"] and isinstance(pid, int) and not pid_alive(pid):
                     print(f"warning: {self.path}: taking over the lock of PID {pid} on {host}, which is no longer "
                           "running (a killed train)", file=sys.stderr)
                     self.path.unlink(missing_ok=True)
