@@ -43,7 +43,7 @@ from flexpack.sampling.pairs import cut_points, make_pair  # noqa: E402
 from flexpack.sampling.sampler import PackedSampler, SampleOptions, pack_text_slots  # noqa: E402
 from flexpack.training.build import build_model  # noqa: E402
 from flexpack.training.config import TrainConfig, from_dict  # noqa: E402
-from flexpack.training.parallel import compiled_graphs, parallelize  # noqa: E402
+from flexpack.training.parallel import BLOCK_GRAPHS, compiled_graphs, parallelize  # noqa: E402
 
 REF = Path(__file__).resolve().parents[1] / "data" / "episode_frames_ref.txt"
 
@@ -106,7 +106,9 @@ def run_set(args, lengths: list[int], device: torch.device) -> dict:
     packed = PackedSampler(compiled, cfg, tpf, device, opts, text_slots=slots)
     # warm-up: the first pack's shape compiles (one shape for all packs), then the timed run of all pairs
     packed.run(fresh(specs[: max(1, len(specs) // 8)]))
-    graphs = compiled_graphs()
+    graphs, block_graphs = compiled_graphs(), BLOCK_GRAPHS.n
+    if device.type == "cuda":  # any compile after the warm-up names its reason on stderr
+        torch._logging.set_logs(recompiles=True)
     rates, times = [], []
     for _ in range(args.repeats):  # the median of whole runs over all pairs
         packed.tokens, packed.forwards = 0, 0
@@ -114,6 +116,7 @@ def run_set(args, lengths: list[int], device: torch.device) -> dict:
         times.append(_timed(lambda: packed.run(pairs), device))
         rates.append(packed.tokens / times[-1])
     recompiles = compiled_graphs() - graphs
+    block_recompiles = BLOCK_GRAPHS.n - block_graphs  # the rest: attention kernels and block-mask builders
     packed_tps, t_packed = statistics.median(rates), statistics.median(times)
 
     # the loop: each pair alone, eager blocks (a static-shape compile would recompile per length)
@@ -132,7 +135,7 @@ def run_set(args, lengths: list[int], device: torch.device) -> dict:
         tokens += s.tokens
     loop_tps = tokens / t_loop
     return {"packed_tokens_per_s": packed_tps, "loop_tokens_per_s": loop_tps, "packed_vs_loop": packed_tps / loop_tps,
-            "recompiles_after_warmup": recompiles, "pairs": len(specs), "episodes": len(lengths),
+            "recompiles_after_warmup": recompiles, "block_recompiles_after_warmup": block_recompiles, "pairs": len(specs), "episodes": len(lengths),
             "frames": [min(lengths), max(lengths)], "packed_model_calls": packed.forwards, "packed_s": t_packed,
             "packed_runs": args.repeats, "loop_pairs_timed": len(sub), "loop_s": t_loop, "steps": args.steps,
             "horizon": args.horizon,
