@@ -16,7 +16,9 @@ $(STAMP): pyproject.toml
 	@echo "lerobot, diffusers, transformers. 5-15 min on a fast link; later runs skip this step)."
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install --progress-bar on -e ".[dev]"
+	@# PYTHONWARNINGS: setuptools prints an informational "Editable installation" warning for every editable
+	@# install (its import-path finder); it is not a problem and only alarms a first reader
+	PYTHONWARNINGS=ignore $(BIN)/python -m pip install --progress-bar on -e ".[dev]"
 	@touch $(STAMP)
 	@echo "Installed. 'source $(VENV)/bin/activate' puts flexpack on PATH (the README's commands use it bare)."
 
