@@ -38,6 +38,17 @@ def _last_losses(metrics: Path) -> str:
     return f"loss {first['loss']:.4g} (step {first['step']}) -> {last['loss']:.4g} (step {last['step']})"
 
 
+def _action_mse(metrics: Path) -> str:
+    """'  (action MSE model X vs last-action Y, mean-action Z)' from a sample's metrics.json, or ''."""
+    try:
+        m = json.loads(metrics.read_text())
+        model, base = m["action_mse"], m["baselines"]
+        return (f"  (action MSE: model {model:.3g}, repeat last action {base['last']['action_mse']:.3g}, "
+                f"dataset mean {base['mean']['action_mse']:.3g})")
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+
+
 def outputs(out: Path, run: Path, data: Path) -> list[tuple[str, str]]:
     """(label, where) for every demo output that exists."""
     from flexpack.training import checkpoint
@@ -63,7 +74,7 @@ def outputs(out: Path, run: Path, data: Path) -> list[tuple[str, str]]:
         if (run / "tb").is_dir():
             rows.append(("tensorboard", f"{_rel(run / 'tb')}  (tensorboard --logdir {_rel(run / 'tb')})"))
         for m in sorted(run.glob("samples/**/metrics.json")):
-            rows.append(("sample metrics", _rel(m)))
+            rows.append(("sample metrics", _rel(m) + _action_mse(m)))
             rows += [("sample plot", _rel(p)) for p in sorted(m.parent.glob("*.png"))]
     for png in sorted(out.glob("stats_*.png")):
         rows.append(("sampler stats", _rel(png)))
@@ -82,8 +93,9 @@ def summary(out: str | Path, *, run: str | Path | None = None, data: str | Path 
         "",
         "== flexpack demo: done ==",
         "What ran: a synthetic LeRobot dataset -> its latent cache (pool encoder) and pooled action statistics",
-        "-> the tiny WanVA trained on CPU in pack mode -> packed == per-episode check -> sampler statistics of",
-        "the demo's own episodes.",
+        "-> the tiny WanVA trained on CPU in pack mode, a quarter of the episodes held out -> packed ==",
+        "per-episode check -> forecasts of the held-out episodes against two baselines -> sampler statistics",
+        "of the demo's own episodes.",
         "",
         "Outputs:",
         *(f"  {label:<{width}}  {where}" for label, where in rows),
@@ -92,7 +104,7 @@ def summary(out: str | Path, *, run: str | Path | None = None, data: str | Path 
         f"written, or call {fp} directly. Try next:",
         f"  {fp} check-dataset {_rel(data)}          # problems, and what normalization clips per action dimension",
         f"  {fp} train configs/tiny_cpu.toml --set data.root={_rel(data)} --set runtime.out_dir={_rel(run)} "
-        "--set schedule.steps=80   # resumes and trains on",
+        "--set data.val_fraction=0.25 --set schedule.steps=400   # resumes and trains on",
         f"  {fp} export {_rel(run)} {_rel(out / 'demo-export')}          # diffusers folder, model card, LeRobot-style policy",
         f"  {fp} stats --frames-file data/episode_frames_ref.txt --mode pack --max-tokens 65536 --world-size 8"
         "   # packing at Wan2.2-5B scale",
