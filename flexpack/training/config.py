@@ -52,20 +52,20 @@ class DataConfig:
 
     root: str = ""  # LeRobot dataset folder (with a latent cache), or a repo id in lerobot's cache (HF_LEROBOT_HOME)
     latents_dir: str | None = None  # default ROOT/latents
-    cameras: tuple[str, ...] | None = None
-    action_steps: int = 4
-    stride: int = 4
-    normalize: bool = True
+    cameras: tuple[str, ...] | None = None  # video keys used as cameras; unset = all of the dataset's
+    action_steps: int = 4  # action steps per latent frame (must divide stride)
+    stride: int = 4  # video frames per latent frame (the VAE's temporal stride)
+    normalize: bool = True  # normalize actions with the dataset's action statistics
     action_stats: str = "pooled"  # "pooled": exact quantiles over all frames (LATENTS/stats.json); "lerobot": meta/stats.json
     segments: bool | str = "auto"  # items per annotated task run ("auto", true) or whole episodes (false)
-    mode: str = "pack"
-    max_tokens: int = 65536
-    crop: bool = False
-    batch_size: int = 4
-    pool_factor: int = 50
-    pad_multiple: int = 8
-    num_workers: int = 0
-    seed: int = 0
+    mode: str = "pack"  # "pack": token-budget packed micro-batches; "pad": padded batches of batch_size episodes
+    max_tokens: int = 65536  # pack mode: token budget of one micro-batch
+    crop: bool = False  # pack mode: cut an episode longer than max_tokens to it instead of an error
+    batch_size: int = 4  # pad mode: episodes per micro-batch
+    pool_factor: int = 50  # pad mode: batches per length-sorted pool (larger: less padding, less shuffling)
+    pad_multiple: int = 8  # pad mode: frames are padded up to a multiple of this
+    num_workers: int = 0  # DataLoader worker processes (0 = load in the main process)
+    seed: int = 0  # seed of the sampler's shuffling
     val_fraction: float = 0.0  # share of episodes held out for validation (flexpack.training.validation)
     val_episodes: tuple[int, ...] = ()  # episode indices held out (with val_fraction: both)
 
@@ -95,10 +95,10 @@ class ModelConfig:
     (:mod:`flexpack.training.pretrained`).
     """
 
-    preset: str = "tiny"
+    preset: str = "tiny"  # WanVA preset: "tiny" or "wan2.2-5b"
     overrides: dict[str, Any] = field(default_factory=dict)  # any WanVAConfig field
     pretrained: str = ""  # "" = random init
-    mask: str = "document"
+    mask: str = "document"  # self-attention mask: "document", "chunk_causal" or "teacher_forcing"
     chunk_size: int | None = None  # chunk_causal / teacher_forcing masks
 
     def __post_init__(self) -> None:
@@ -143,10 +143,10 @@ class ModelConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class OptimConfig:
-    lr: float = 1e-4
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.01
+    lr: float = 1e-4  # peak learning rate (AdamW)
+    betas: tuple[float, float] = (0.9, 0.999)  # AdamW betas
+    eps: float = 1e-8  # AdamW epsilon
+    weight_decay: float = 0.01  # AdamW decoupled weight decay
     grad_clip: float = 1.0  # max global grad norm; 0 = no clipping
     accum_steps: int = 1  # micro-batches per optimizer step
     ema_decay: float = 0.0  # EMA of the weights, saved with checkpoints (flexpack.training.ema); 0 = off
@@ -175,14 +175,14 @@ class ScheduleConfig:
     reference recipe's, the first step at lr 0) instead of ``(t+1) / warmup_steps``.
     """
 
-    steps: int = 1000
-    warmup_steps: int = 100
-    decay: str = "cosine"
-    min_lr_ratio: float = 0.1
-    rewarmup_steps: int = 0
-    rewarmup_from: float = 0.1
-    rewarmup_mode: str = "linear"
-    warmup_from_zero: bool = False
+    steps: int = 1000  # optimizer steps of the whole run (the end of the LR decay)
+    warmup_steps: int = 100  # steps of linear LR warmup from the start
+    decay: str = "cosine"  # "cosine" to min_lr_ratio·lr at steps, or "constant"
+    min_lr_ratio: float = 0.1  # final LR as a share of optim.lr (cosine decay)
+    rewarmup_steps: int = 0  # after a resume, steps of LR re-warmup (0 = off)
+    rewarmup_from: float = 0.1  # linear re-warmup: the share of the LR at the first step after a resume
+    rewarmup_mode: str = "linear"  # "linear" (from rewarmup_from) or "ramp" (min(1, (s+1)/N))
+    warmup_from_zero: bool = False  # warmup factor t/warmup_steps (first step at LR 0) instead of (t+1)/warmup_steps
 
     def __post_init__(self) -> None:
         _positive("schedule", steps=self.steps)
@@ -222,14 +222,14 @@ class RuntimeConfig:
     activation_memory_budget: float = 1.0
     float8: str = "off"  # "tensorwise" / "rowwise": float8 matmuls in the blocks (flexpack.training.float8; torchao)
     peak_tflops: float | None = None  # bf16 peak for `mfu` in metrics.jsonl; None: measured at start (CUDA)
-    seed: int = 0
-    log_every: int = 1
-    progress: bool = True
+    seed: int = 0  # seed of the model init and the noise draws
+    log_every: int = 1  # optimizer steps between metrics.jsonl lines
+    progress: bool = True  # show a progress bar on rank 0
     tensorboard: bool = True  # event files under RUN/tb/ (flexpack.training.tracking)
     wandb: bool = False  # also log to Weights & Biases (needs the wandb package; WANDB_MODE=offline works)
-    wandb_project: str = "flexpack"
+    wandb_project: str = "flexpack"  # W&B project of the run
     wandb_entity: str = ""  # "" = W&B's default entity (WANDB_ENTITY or the account's)
-    wandb_tags: tuple[str, ...] = ()
+    wandb_tags: tuple[str, ...] = ()  # W&B tags of the run
     eval_every: int = 0  # steps between validation losses on the held-out episodes; 0 = none
     # sampling of held-out episodes during training (flexpack.sampling.hook): RUN/samples/step_N/ + sample/* metrics
     sample_every: int = 0  # steps between samplings; 0 = none (needs held-out episodes, like eval_every)

@@ -35,27 +35,16 @@ WEIGHTINGS = ("none", "bell")
 
 @dataclass(frozen=True, kw_only=True)
 class FlowMatchingConfig:
-    """Objective options.
+    """Objective options; each field's doc is the comment on its line (read by ``flexpack config show``)."""
 
-    Attributes:
-        shift / action_shift: timestep shift for video latents / actions (1 = no shift).
-        latent_weight / action_weight: weights of the two loss parts.
-        weighting: ``"none"``, or ``"bell"``: ``exp(−2(σ − ½)²)`` normalized to mean 1 over σ ∈ [0, 1]
-            (Wan-style emphasis on mid noise levels), applied per frame.
-        chunk_size: frames of an episode that share one σ (``frame // chunk_size``); 1 = per frame,
-            None = one σ per episode.
-        teacher_forcing: add a clean copy (t = 0) of every frame as model input (copies = 2).
-        num_train_timesteps: the model's timestep scale (timestep = σ · this).
-    """
-
-    shift: float = 5.0
-    action_shift: float = 1.0
-    latent_weight: float = 1.0
-    action_weight: float = 1.0
-    weighting: str = "none"
-    chunk_size: int | None = 1
-    teacher_forcing: bool = False
-    num_train_timesteps: float = 1000.0
+    shift: float = 5.0  # timestep shift of the video latents' σ (1 = no shift)
+    action_shift: float = 1.0  # timestep shift of the actions' σ (same uniform draw; 1 = no shift)
+    latent_weight: float = 1.0  # weight of the latent (video) loss
+    action_weight: float = 1.0  # weight of the action loss
+    weighting: str = "none"  # "none", or "bell": per-frame exp(−2(σ − ½)²) normalized to mean 1 (mid noise levels)
+    chunk_size: int | None = 1  # frames sharing one σ (frame // chunk_size); 1 = per frame, unset = one σ per episode
+    teacher_forcing: bool = False  # add a clean copy (t = 0) of every frame as model input
+    num_train_timesteps: float = 1000.0  # the model's timestep scale (timestep = σ · this)
 
     def __post_init__(self) -> None:
         # messages name the keys as a training config writes them ([objective] section)
