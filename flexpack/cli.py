@@ -25,7 +25,13 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plot": ("flexpack.training.plot", "write a PNG of a run's loss curves and throughput from its metrics.jsonl"),
     "sample": ("flexpack.sampling.cli", "sample episodes of a trained run (forecast or rollout) and score them against baselines"),
     "export": ("flexpack.training.export", "write a run's newest checkpoint as a diffusers folder plus action stream"),
+    "config": ("flexpack.cli_config", "print the resolved training config, its defaults as TOML, or docs/CONFIG.md"),
 }
+
+# subcommands that read a training config: their --help points to where every key is documented
+CONFIG_EPILOG = ("Every config key, its default and its doc: 'flexpack config show [CONFIG] [--set KEY=VALUE]' "
+                 "(the resolved config), 'flexpack config defaults' (a complete TOML) and docs/CONFIG.md.")
+TAKES_CONFIG = ("train", "verify", "sample")
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
@@ -37,7 +43,8 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     wanted = next((a for a in argv if not a.startswith("-")), None)
     for name, (module, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text,
+                           epilog=CONFIG_EPILOG if name in TAKES_CONFIG else None)
         if name == wanted:
             importlib.import_module(module).add_arguments(p)
     return parser

@@ -51,7 +51,7 @@ class DataConfig:
     """
 
     root: str = ""  # LeRobot dataset folder (with a latent cache), or a repo id in lerobot's cache (HF_LEROBOT_HOME)
-    latents_dir: str | None = None  # default ROOT/latents
+    latents_dir: str | None = None  # latent cache folder; unset = ROOT/latents
     cameras: tuple[str, ...] | None = None  # video keys used as cameras; unset = all of the dataset's
     action_steps: int = 4  # action steps per latent frame (must divide stride)
     stride: int = 4  # video frames per latent frame (the VAE's temporal stride)
@@ -99,7 +99,7 @@ class ModelConfig:
     overrides: dict[str, Any] = field(default_factory=dict)  # any WanVAConfig field
     pretrained: str = ""  # "" = random init
     mask: str = "document"  # self-attention mask: "document", "chunk_causal" or "teacher_forcing"
-    chunk_size: int | None = None  # chunk_causal / teacher_forcing masks
+    chunk_size: int | None = None  # latent frames per chunk of the chunk_causal / teacher_forcing masks
 
     def __post_init__(self) -> None:
         self.wan_config()  # unknown preset or override fields raise here, at load time

@@ -1,0 +1,38 @@
+"""``flexpack config``: the training config's keys, values, defaults and docs.
+
+``show [CONFIG] [--set KEY=VALUE]``: the resolved config, every key with its value and doc (keys
+that differ from the default marked, with the default); ``defaults``: a complete commented TOML
+that loads back to the defaults; ``markdown``: ``docs/CONFIG.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    show = sub.add_parser("show", help="the resolved config: every key, its value, default and doc",
+                          description="Print the resolved config: every key, its value, its default and its doc.")
+    show.add_argument("config", type=Path, nargs="?", default=None, help="TOML or JSON config (default: the defaults)")
+    show.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                      help="override a config value, e.g. --set schedule.steps=40 (repeatable)")
+    sub.add_parser("defaults", help="a complete commented TOML of the defaults (loads back to exactly them)")
+    sub.add_parser("markdown", help="the config reference as Markdown (docs/CONFIG.md)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from flexpack.training import config_doc
+
+    if args.action == "show":
+        from flexpack.training.config import load_config
+
+        text = config_doc.render_show(load_config(args.config, args.overrides))
+    elif args.action == "defaults":
+        text = config_doc.render_defaults()
+    else:
+        text = config_doc.render_markdown()
+    sys.stdout.write(text)
+    return 0
