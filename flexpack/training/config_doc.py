@@ -158,13 +158,9 @@ def render_markdown() -> str:
     section = None
     for k in keys():
         if k.section != section:
-            lines += [f"## `[{k.section}]`", "", "| key | type | default | doc |", "|---|---|---|---|"]
+            lines += ([""] if section else []) + [f"## `[{k.section}]`", "", "| key | type | default | doc |",
+                                                  "|---|---|---|---|"]
             section = k.section
         default = "unset" if k.default is None else f"`{_md_cell(toml_value(k.default))}`"
         lines.append(f"| `{k.name}` | `{_md_cell(k.type)}` | {default} | {_md_cell(k.doc)} |")
-    out = []
-    for i, line in enumerate(lines):  # a blank line after each table, before the next heading
-        if line.startswith("## ") and i > 0 and out and out[-1] != "":
-            out.append("")
-        out.append(line)
-    return "\n".join(out) + "\n"
+    return "\n".join(lines) + "\n"
