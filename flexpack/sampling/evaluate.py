@@ -49,11 +49,11 @@ def default_horizon(cfg: Any) -> int:
 def dataset_for(cfg: Any, episodes: Sequence[int] | None = None, *, val: bool = False) -> Any:
     """The config's dataset with whole episodes (no task segments): ``episodes`` (dataset episode
     indices), the held-out ones (``val``), or all."""
-    from flexpack.data import LatentEpisodeDataset
     from flexpack.data.episodes import EpisodeSource
+    from flexpack.training.build import open_dataset
     from flexpack.training.holdout import split_episodes
 
-    d, m = cfg.data, cfg.model.wan_config()
+    d = cfg.data
     if not d.root:
         raise ValueError("data.root is empty: set it to a LeRobot dataset folder with a latent cache")
     known = EpisodeSource(d.root).episodes
@@ -67,17 +67,15 @@ def dataset_for(cfg: Any, episodes: Sequence[int] | None = None, *, val: bool = 
         if bad:
             raise ValueError(f"episodes {bad} are not in {d.root} (it has {len(known)} episodes: "
                              f"{known[0]}..{known[-1]})")
-    return LatentEpisodeDataset(d.root, latents_dir=d.latents_dir, action_dim=max(m.action_channels, 1),
-                                action_steps=d.action_steps, stride=d.stride,
-                                cameras=list(d.cameras) if d.cameras else None, normalize=d.normalize,
-                                segments=False, episodes=list(episodes) if episodes is not None else None,
-                                action_stats=d.action_stats)
+    return open_dataset(cfg, episodes, segments=False)
 
 
 def tokens_per_frame(cfg: Any, dataset: Any) -> int:
-    m = cfg.model.wan_config()
+    """Tokens of one latent frame of ``dataset`` for the config's model (:func:`flexpack.training.build.tokens_per_frame`)."""
+    from flexpack.training import build
+
     _, _, H, W = dataset[0]["latent"].shape
-    return (H // m.patch_size[1]) * (W // m.patch_size[2]) + (cfg.data.action_steps if m.action_channels else 0)
+    return build.tokens_per_frame(cfg.model.wan_config(), (H, W), cfg.data.action_steps)
 
 
 def build_pairs(cfg: Any, dataset: Any, plan: PairPlan, *, limit_pairs: int | None = None,

@@ -48,12 +48,48 @@ class Data:
     text_slots: int | None = None  # text key slots for the whole run (one compiled shape per pack)
 
 
+def tokens_per_frame(m: Any, latent_hw: tuple[int, int], action_steps: int) -> int:
+    """Tokens of one latent frame, the unit of ``data.max_tokens``: the frame's video patches plus
+    its action steps (none for a model without actions). ``m``: the resolved ``WanVAConfig``."""
+    _, ph, pw = m.patch_size
+    return (latent_hw[0] // ph) * (latent_hw[1] // pw) + (action_steps if m.action_channels else 0)
+
+
+def open_dataset(cfg: TrainConfig, episodes: Sequence[int] | None = None, *, segments: bool | str | None = None) -> Any:
+    """The config's ``LatentEpisodeDataset`` over ``episodes`` (dataset episode indices; all by default);
+    ``segments`` overrides ``data.segments`` (sampling takes whole episodes)."""
+    from flexpack.data import LatentEpisodeDataset
+
+    d, m = cfg.data, cfg.model.wan_config()
+    if not d.root:
+        raise ValueError("data.root is empty: set it to a LeRobot dataset folder with a latent cache")
+    return LatentEpisodeDataset(
+        d.root, latents_dir=d.latents_dir, action_dim=max(m.action_channels, 1), action_steps=d.action_steps,
+        stride=d.stride, cameras=list(d.cameras) if d.cameras else None, normalize=d.normalize,
+        segments=d.segments if segments is None else segments,
+        episodes=list(episodes) if episodes is not None else None, action_stats=d.action_stats,
+    )
+
+
+def batching(cfg: TrainConfig, lengths: Sequence[int], tpf: int, rank: int = 0, world_size: int = 1) -> tuple[Any, Any]:
+    """(sampler, collate) of ``data.mode`` over episode ``lengths`` (latent frames): the token-budget
+    sampler with its pack collate, or the length-bucket sampler with the pad collate."""
+    from flexpack.packing.sampler import LengthBucketBatchSampler, TokenBudgetBatchSampler
+
+    d = cfg.data
+    common = dict(rank=rank, world_size=world_size, seed=d.seed)
+    if d.mode == "pack":
+        sampler = TokenBudgetBatchSampler(lengths, d.max_tokens, tokens_per_frame=tpf, crop=d.crop, **common)
+        return sampler, PackCollate.from_token_budget(d.max_tokens, tpf, crop=d.crop)
+    sampler = LengthBucketBatchSampler(lengths, d.batch_size, pool_factor=d.pool_factor,
+                                       pad_multiple=d.pad_multiple, tokens_per_frame=tpf, **common)
+    return sampler, PadCollate(d.pad_multiple)
+
+
 def build_data(cfg: TrainConfig, rank: int = 0, world_size: int = 1, *, split: str = "train") -> Data:
     """Dataset, this rank's sampler and the matching collate; checks the data fits the model.
     ``split``: the training episodes or the held-out ``"val"`` ones (:mod:`flexpack.training.validation`)."""
-    from flexpack.data import LatentEpisodeDataset
     from flexpack.data.episodes import EpisodeSource
-    from flexpack.packing.sampler import LengthBucketBatchSampler, TokenBudgetBatchSampler
     from flexpack.training.holdout import split_episodes
 
     d, m = cfg.data, cfg.model.wan_config()
@@ -63,11 +99,7 @@ def build_data(cfg: TrainConfig, rank: int = 0, world_size: int = 1, *, split: s
     with config_terms(cfg):
         if d.val_fraction or d.val_episodes:
             episodes = split_episodes(EpisodeSource(d.root).episodes, d, d.root)[split == "val"]
-        ds = LatentEpisodeDataset(
-            d.root, latents_dir=d.latents_dir, action_dim=max(m.action_channels, 1), action_steps=d.action_steps,
-            stride=d.stride, cameras=list(d.cameras) if d.cameras else None, normalize=d.normalize, segments=d.segments,
-            episodes=episodes, action_stats=d.action_stats,
-        )
+        ds = open_dataset(cfg, episodes)
     item = ds[0]
     C, _, H, W = item["latent"].shape
     _, ph, pw = m.patch_size
@@ -76,16 +108,10 @@ def build_data(cfg: TrainConfig, rank: int = 0, world_size: int = 1, *, split: s
             f"{d.root}: latents (C, H, W)={(C, H, W)} with text width {item['text'].shape[1]} do not fit the model "
             f"(in_channels={m.in_channels}, patch={m.patch_size}, text_dim={m.text_dim}); set model.overrides"
         )
-    tpf = (H // ph) * (W // pw) + (d.action_steps if m.action_channels else 0)
-    common = dict(rank=rank, world_size=world_size, seed=d.seed)
+    tpf = tokens_per_frame(m, (H, W), d.action_steps)
     if d.mode == "pack":
         check_token_budget(cfg, ds, tpf)
-        sampler = TokenBudgetBatchSampler(ds.lengths(), d.max_tokens, tokens_per_frame=tpf, crop=d.crop, **common)
-        collate = PackCollate.from_token_budget(d.max_tokens, tpf, crop=d.crop)
-    else:
-        sampler = LengthBucketBatchSampler(ds.lengths(), d.batch_size, pool_factor=d.pool_factor,
-                                           pad_multiple=d.pad_multiple, tokens_per_frame=tpf, **common)
-        collate = PadCollate(d.pad_multiple)
+    sampler, collate = batching(cfg, ds.lengths(), tpf, rank, world_size)
     return Data(ds, sampler, _Collate(collate, actions=m.action_channels > 0), tpf, text_slots=run_text_slots(sampler))
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from flexpack.training.build import Data, _Collate, run_text_slots
+from flexpack.training.build import Data, _Collate, batching, run_text_slots, tokens_per_frame
 
 REFERENCE_FRAMES = Path(__file__).resolve().parents[2] / "data" / "episode_frames_ref.txt"
 
@@ -63,9 +63,6 @@ def synthetic_data(cfg, *, hw: tuple[int, int] | None = None, text_len: int = 16
 
     ``hw``: latent height and width (default: one patch, one video token per frame); must be a
     multiple of the model's patch. Pack and pad mode as :func:`flexpack.training.build.build_data`."""
-    from flexpack.packing.collate import PackCollate, PadCollate
-    from flexpack.packing.sampler import LengthBucketBatchSampler, TokenBudgetBatchSampler
-
     d, m = cfg.data, cfg.model.wan_config()
     _, ph, pw = m.patch_size
     hw = (ph, pw) if hw is None else tuple(hw)
@@ -73,21 +70,16 @@ def synthetic_data(cfg, *, hw: tuple[int, int] | None = None, text_len: int = 16
         raise ValueError(f"--synthetic-hw {hw} must be two positive multiples of the model's patch ({ph}, {pw})")
     if text_len <= 0:
         raise ValueError(f"synthetic text_len must be >= 1, got {text_len}")
-    na = d.action_steps if m.action_channels else 0
-    tpf = (hw[0] // ph) * (hw[1] // pw) + na
-    common = dict(rank=rank, world_size=world_size, seed=d.seed)
+    tpf = tokens_per_frame(m, hw, d.action_steps)
     if d.mode == "pack":
         if d.max_tokens < tpf:
             raise ValueError(f"data.max_tokens = {d.max_tokens} is less than one latent frame ({tpf} tokens)")
         lengths = episode_lengths(d.max_tokens // tpf, seed=d.seed)
-        sampler = TokenBudgetBatchSampler(lengths, d.max_tokens, tokens_per_frame=tpf, **common)
-        collate = PackCollate.from_token_budget(d.max_tokens, tpf)
     else:
         rng = random.Random(d.seed)  # short episodes: pad mode's shapes follow the longest of each batch
         lengths = [rng.randint(1, 24) for _ in range(8 * d.batch_size)]
-        sampler = LengthBucketBatchSampler(lengths, d.batch_size, pool_factor=d.pool_factor, pad_multiple=d.pad_multiple,
-                                           tokens_per_frame=tpf, **common)
-        collate = PadCollate(d.pad_multiple)
+    sampler, collate = batching(cfg, lengths, tpf, rank, world_size)
     dataset = RandomEpisodes(lengths, channels=m.in_channels, hw=hw, action_channels=m.action_channels,
                              action_steps=d.action_steps, text_len=text_len, text_dim=m.text_dim)
-    return Data(dataset, sampler, _Collate(collate, actions=na > 0), tpf, text_slots=run_text_slots(sampler))
+    return Data(dataset, sampler, _Collate(collate, actions=m.action_channels > 0), tpf,
+                text_slots=run_text_slots(sampler))
