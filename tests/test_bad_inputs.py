@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from flexpack.cli import main
+from helpers import run_cli
 from flexpack.training.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,14 +23,6 @@ TINY = ROOT / "configs" / "tiny_cpu.toml"
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def run_cli(capsys, *argv: str) -> tuple[int, str]:
-    """(exit status, stderr) of ``flexpack ARGV``; argparse errors count as exit status 2 too."""
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:
-        code = exc.code
-    err = capsys.readouterr().err
-    return code, err
 
 
 def train_args(root: Path | str, out: Path, *sets: str) -> list[str]:

@@ -17,6 +17,7 @@ import pytest
 pytest.importorskip("lerobot")
 
 from flexpack.cli import main  # noqa: E402
+from helpers import run_cli  # noqa: E402
 from flexpack.training import runfolder  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,12 +25,6 @@ TINY = ROOT / "configs" / "tiny_cpu.toml"
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _cli(capsys, *argv: str) -> tuple[int, str]:
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:
-        code = exc.code
-    return code, capsys.readouterr().err
 
 
 def _train(root: Path | str, out: Path, *sets: str) -> list[str]:
@@ -52,12 +47,12 @@ def test_foreign_folder_is_refused_naming_its_files_and_left_untouched(capsys, t
     text = '{"epoch": 1, "acc": 0.91}\nmy notes\n'
     (user / "metrics.jsonl").write_text(text)
     (user / "config.json").write_text("not json")
-    code, err = _cli(capsys, *_train(tiny_dataset, user))
+    code, err = run_cli(capsys, *_train(tiny_dataset, user))
     line = _line(err, "train")
     assert code == 2 and "holds files flexpack did not write (config.json, metrics.jsonl)" in line
     assert "runtime.adopt_dir = true (train --force)" in line
     # --force adds a run only beside files it would not change: these it would
-    code, err = _cli(capsys, *_train(tiny_dataset, user), "--force")
+    code, err = run_cli(capsys, *_train(tiny_dataset, user), "--force")
     assert code == 2 and "holds config.json, metrics.jsonl, which flexpack did not write" in _line(err, "train")
     assert (user / "metrics.jsonl").read_text() == text and (user / "config.json").read_text() == "not json"
     assert sorted(p.name for p in user.iterdir()) == ["config.json", "metrics.jsonl"]
@@ -67,29 +62,29 @@ def test_force_adds_the_run_beside_other_files_and_changes_none(capsys, tiny_dat
     user = tmp_path / "userdir"
     user.mkdir()
     (user / "notes.txt").write_text("keep me")
-    code, _ = _cli(capsys, *_train(tiny_dataset, user), "--force")
+    code, _ = run_cli(capsys, *_train(tiny_dataset, user), "--force")
     assert code == 0 and (user / "notes.txt").read_text() == "keep me"
     assert (user / runfolder.MARKER).is_file() and (user / "checkpoints" / "step_00000002").is_dir()
-    code, err = _cli(capsys, *_train(tiny_dataset, user, "schedule.steps=3"))  # marked: resumes without --force
+    code, err = run_cli(capsys, *_train(tiny_dataset, user, "schedule.steps=3"))  # marked: resumes without --force
     assert code == 0 and (user / "notes.txt").read_text() == "keep me"
 
 
 def test_a_run_of_an_earlier_version_without_marker_still_resumes_and_gets_marked(capsys, tiny_dataset, tmp_path):
     run = tmp_path / "run"
-    assert _cli(capsys, *_train(tiny_dataset, run))[0] == 0
+    assert run_cli(capsys, *_train(tiny_dataset, run))[0] == 0
     (run / runfolder.MARKER).unlink()
-    code, _ = _cli(capsys, *_train(tiny_dataset, run, "schedule.steps=3"))
+    code, _ = run_cli(capsys, *_train(tiny_dataset, run, "schedule.steps=3"))
     steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert code == 0 and steps == [1, 2, 3] and (run / runfolder.MARKER).is_file()
 
 
 def test_empty_and_missing_folders_are_adopted_and_a_file_named_checkpoints_is_refused_first(capsys, tiny_dataset, tmp_path):
     (tmp_path / "empty").mkdir()
-    assert _cli(capsys, *_train(tiny_dataset, tmp_path / "empty"))[0] == 0
+    assert run_cli(capsys, *_train(tiny_dataset, tmp_path / "empty"))[0] == 0
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "checkpoints").write_text("")
-    code, err = _cli(capsys, *_train(tiny_dataset, bad), "--force")
+    code, err = run_cli(capsys, *_train(tiny_dataset, bad), "--force")
     assert code == 2 and "holds a file named 'checkpoints' where the run keeps a folder" in _line(err, "train")
     assert not (bad / "metrics.jsonl").exists()  # refused before any step was trained
 
@@ -105,13 +100,13 @@ def test_an_empty_or_torn_lock_file_is_replaced_and_locks_are_written_whole(tmp_
 
 def test_advice_never_says_to_delete_a_folder(capsys, tiny_dataset, tmp_path):
     run = tmp_path / "run"
-    assert _cli(capsys, *_train(tiny_dataset, run))[0] == 0
+    assert run_cli(capsys, *_train(tiny_dataset, run))[0] == 0
     for p in (run / "checkpoints").glob("step_*/manifest.json"):
         p.write_text("{")
-    code, err = _cli(capsys, *_train(tiny_dataset, run, "schedule.steps=3"))
+    code, err = run_cli(capsys, *_train(tiny_dataset, run, "schedule.steps=3"))
     line = _line(err, "train")
     assert code == 2 and "checkpoints: no usable checkpoint, all 1 are damaged" in line and "delete" not in line
-    code, err = _cli(capsys, *_train(tiny_dataset, run, "checkpoint.resume=false"))
+    code, err = run_cli(capsys, *_train(tiny_dataset, run, "checkpoint.resume=false"))
     assert code == 2 and "delete" not in err and "remove the folder" not in err
 
 
@@ -124,28 +119,28 @@ def test_advice_never_says_to_delete_a_folder(capsys, tiny_dataset, tmp_path):
 ])
 def test_values_that_would_train_nothing_are_one_line(capsys, tiny_dataset, tmp_path, setting, message):
     sets = [setting, "objective.latent_weight=0"] if "action_weight" in setting else [setting]
-    code, err = _cli(capsys, *_train(tiny_dataset, tmp_path / "run", *sets))
+    code, err = run_cli(capsys, *_train(tiny_dataset, tmp_path / "run", *sets))
     assert code == 2 and message in _line(err, "train") and not (tmp_path / "run").exists()
 
 
 def test_max_tokens_beyond_device_memory_is_refused_before_the_data(capsys, tmp_path):
-    code, err = _cli(capsys, *_train(tmp_path / "no-data", tmp_path / "run", "data.max_tokens=1000000000000"))
+    code, err = run_cli(capsys, *_train(tmp_path / "no-data", tmp_path / "run", "data.max_tokens=1000000000000"))
     line = _line(err, "train")
     assert code == 2 and "data.max_tokens = 1000000000000 cannot fit" in line and "GiB of cpu" in line
 
 
 def test_unreadable_config_files_are_one_line(capsys, tmp_path):
     (tmp_path / "list.json").write_text("[1, 2]")
-    code, err = _cli(capsys, "train", str(tmp_path / "list.json"), "--set", "schedule.steps=2")
+    code, err = run_cli(capsys, "train", str(tmp_path / "list.json"), "--set", "schedule.steps=2")
     assert code == 2 and "list.json: the top level must be a table" in _line(err, "train")
     (tmp_path / "latin.toml").write_bytes(b"[data]\nroot = \"caf\xe9\"\n")
-    code, err = _cli(capsys, "train", str(tmp_path / "latin.toml"))
+    code, err = run_cli(capsys, "train", str(tmp_path / "latin.toml"))
     assert code == 2 and "latin.toml: not UTF-8 text (byte 18)" in _line(err, "train")
 
 
 def test_garbage_pretrained_weights_are_one_line_blamed_on_the_set(capsys, tiny_dataset, tmp_path):
     (tmp_path / "w.safetensors").write_bytes(os.urandom(3000))
-    code, err = _cli(capsys, *_train(tiny_dataset, tmp_path / "run", f'model.pretrained="{tmp_path / "w.safetensors"}"'))
+    code, err = run_cli(capsys, *_train(tiny_dataset, tmp_path / "run", f'model.pretrained="{tmp_path / "w.safetensors"}"'))
     line = _line(err, "train")
     assert code == 2 and "--set model.pretrained=" in line and "not a readable safetensors file" in line
 
@@ -204,14 +199,14 @@ def test_export_reads_the_checkpoints_own_config_and_statistics(capsys, tiny_dat
     (run / "config.json").write_text(json.dumps(first))
     ckcfg = run / "checkpoints" / "step_00000002" / "config.json"
     own = json.loads(ckcfg.read_text())
-    code, err = _cli(capsys, "export", str(run), str(tmp_path / "out"))
+    code, err = run_cli(capsys, "export", str(run), str(tmp_path / "out"))
     assert code == 0, err
     saved = json.loads((tmp_path / "out" / "flexpack_config.json").read_text())
     assert saved["model"] == own["model"]
     norm = json.loads((tmp_path / "out" / "normalization.json").read_text())
     ts = json.loads((run / "checkpoints" / "step_00000002" / "train_state.json").read_text())
     assert norm["low"] == ts["extra"]["action_normalizer"]["low"]
-    code, err = _cli(capsys, "export", str(run), str(tmp_path / "out2"), "--set", "data.action_steps=2", "--set", "data.stride=4")
+    code, err = run_cli(capsys, "export", str(run), str(tmp_path / "out2"), "--set", "data.action_steps=2", "--set", "data.stride=4")
     assert code == 0 and json.loads((tmp_path / "out2" / "normalization.json").read_text())["action_steps"] == 2
     mask = os.umask(0)
     os.umask(mask)
@@ -224,7 +219,7 @@ def test_export_into_a_read_only_place_is_one_line_and_removes_dead_temporaries(
     dead.wait()
     stale = tmp_path / f".tmp-out-{dead.pid}"
     stale.mkdir()
-    code, _ = _cli(capsys, "export", str(run2), str(tmp_path / "out"))
+    code, _ = run_cli(capsys, "export", str(run2), str(tmp_path / "out"))
     assert code == 0 and not stale.exists()
     if os.geteuid() == 0:
         return  # root writes into read-only folders
@@ -232,9 +227,9 @@ def test_export_into_a_read_only_place_is_one_line_and_removes_dead_temporaries(
     ro.mkdir()
     ro.chmod(0o555)
     try:
-        code, err = _cli(capsys, "export", str(run2), str(ro / "out"))
+        code, err = run_cli(capsys, "export", str(run2), str(ro / "out"))
         assert code == 2 and "cannot write the export there (Permission denied)" in _line(err, "export")
-        code, err = _cli(capsys, "plot", str(run2), "--out", str(ro / "m.png"))
+        code, err = run_cli(capsys, "plot", str(run2), "--out", str(ro / "m.png"))
         assert code == 2 and "cannot write the plot (Permission denied)" in err
     finally:
         ro.chmod(0o755)
@@ -260,7 +255,7 @@ def test_int8_cache_and_missing_stats_are_problems_for_check_dataset_and_train(c
     code = main(["check-dataset", str(root), "--action-stats", "lerobot"])
     out = capsys.readouterr().out
     assert code == 1 and "no 'action' statistics" in out
-    code, err = _cli(capsys, *_train(root, tmp_path / "run", "data.normalize=false"))
+    code, err = run_cli(capsys, *_train(root, tmp_path / "run", "data.normalize=false"))
     assert code == 2 and "has dtype int8" in _line(err, "train")
 
 
@@ -271,7 +266,7 @@ def test_resume_on_another_dataset_names_data_root(capsys, tiny_dataset, run2, t
     other = make_synthetic_dataset(tmp_path / "other", lengths=[21, 17, 13], seed=2)
     encode_dataset(other, progress=False)
     shutil.copytree(run2, tmp_path / "run")
-    code, err = _cli(capsys, *_train(other, tmp_path / "run", "schedule.steps=3"))
+    code, err = run_cli(capsys, *_train(other, tmp_path / "run", "schedule.steps=3"))
     line = _line(err, "train")
     assert code == 2 and f"data.root is '{tiny_dataset}' there and '{other}' now" in line
 
@@ -318,6 +313,6 @@ def test_a_full_or_read_only_disk_anywhere_is_a_user_error(capsys, tiny_dataset,
         raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "run" / "metrics.jsonl"))
 
     monkeypatch.setattr(loop, "_log", full)
-    code, err = _cli(capsys, *_train(tiny_dataset, tmp_path / "run"))
+    code, err = run_cli(capsys, *_train(tiny_dataset, tmp_path / "run"))
     assert code == 2 and "metrics.jsonl: No space left on device" in _line(err, "train")
     assert not (tmp_path / "run" / runfolder.LOCK).exists()

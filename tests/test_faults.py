@@ -9,7 +9,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -24,6 +23,7 @@ from flexpack.training.config import load_config  # noqa: E402
 from flexpack.training.faults import NonFiniteError  # noqa: E402
 from flexpack.training.loop import train  # noqa: E402
 from flexpack.training.runfolder import LOCK, RunLock, cut_metrics  # noqa: E402
+from helpers import logged_steps, wait_for_steps  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "tiny_cpu.toml"
@@ -53,29 +53,11 @@ def _spawn(root: Path, out: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
 
 
-def _steps(out: Path) -> list[int]:
-    path = out / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.endswith("}")]
-
-
-def _wait_for_steps(proc: subprocess.Popen, out: Path, n: int, timeout: float = 120.0) -> None:
-    t0 = time.monotonic()
-    while len(_steps(out)) < n:
-        if proc.poll() is not None:
-            raise AssertionError(f"train ended early (rc {proc.returncode}): {proc.stderr.read()[-3000:]}")
-        if time.monotonic() - t0 > timeout:
-            proc.kill()
-            raise AssertionError(f"no {n} metrics lines after {timeout} s")
-        time.sleep(0.02)
-
-
 def test_sigterm_saves_the_step_exits_143_and_a_second_train_is_refused_meanwhile(train_dataset, tmp_path):
     out = tmp_path / "run"
     proc = _spawn(train_dataset, out, "schedule.steps=500")
     try:
-        _wait_for_steps(proc, out, 2)
+        wait_for_steps(proc, out, 2)
         lock = json.loads((out / LOCK).read_text())
         assert lock["pid"] == proc.pid
         # a second train on the same folder: refused before any data or model work, naming the holder
@@ -87,25 +69,25 @@ def test_sigterm_saves_the_step_exits_143_and_a_second_train_is_refused_meanwhil
         proc.kill()
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
     saved = checkpoint.latest(out / "checkpoints")
-    done = _steps(out)
+    done = logged_steps(out)
     assert saved is not None and json.loads((saved / "train_state.json").read_text())["step"] == done[-1]
     assert f"interrupted by SIGTERM after step {done[-1]}; checkpoint {saved}; run the same command again" in err
     assert not (out / LOCK).exists()  # released on the way out
     # resuming continues right after the saved step: every step logged once
     res = train(config(train_dataset, out, f"schedule.steps={done[-1] + 2}"))
-    assert res.start_step == done[-1] and _steps(out) == list(range(1, done[-1] + 3))
+    assert res.start_step == done[-1] and logged_steps(out) == list(range(1, done[-1] + 3))
 
 
 def test_kill_9_before_any_checkpoint_then_resume_drops_its_metrics_and_takes_over_the_lock(train_dataset, tmp_path, capfd):
     out = tmp_path / "run"
     proc = _spawn(train_dataset, out, "schedule.steps=500")  # checkpoint.every=0: none until the end
     try:
-        _wait_for_steps(proc, out, 4)
+        wait_for_steps(proc, out, 4)
         proc.kill()
         proc.wait(timeout=30)
     finally:
         proc.kill()
-    logged = _steps(out)
+    logged = logged_steps(out)
     assert checkpoint.latest(out / "checkpoints") is None and len(logged) >= 4
     assert json.loads((out / LOCK).read_text())["pid"] == proc.pid  # the dead process's lock is left behind
     (out / "checkpoints" / ".tmp-step_00000300" / "state").mkdir(parents=True)  # a save cut short
@@ -114,7 +96,7 @@ def test_kill_9_before_any_checkpoint_then_resume_drops_its_metrics_and_takes_ov
     assert f"taking over the lock of PID {proc.pid}" in err
     assert ".tmp-step_00000300 (an interrupted save)" in err
     assert f"removed {len(logged)} line(s) after step 0" in err  # lines of weights that no longer exist
-    assert res.start_step == 0 and _steps(out) == [1, 2]
+    assert res.start_step == 0 and logged_steps(out) == [1, 2]
     assert not list((out / "checkpoints").glob(".tmp-*")) and not (out / LOCK).exists()
 
 
@@ -137,7 +119,7 @@ def test_cut_metrics_keeps_the_checkpoints_steps_and_drops_a_torn_line(tmp_path)
     lines = [json.dumps({"step": s, "loss": 1.0}) for s in (1, 2, 3, 4, 2, 3)] + ['{"step": 5, "lo']
     (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     assert cut_metrics(tmp_path, 2) == 4
-    assert _steps(tmp_path) == [1, 2, 2]  # an older duplicate is not invented away, only later steps go
+    assert logged_steps(tmp_path) == [1, 2, 2]  # an older duplicate is not invented away, only later steps go
     assert cut_metrics(tmp_path, 2) == 0
 
 
@@ -163,7 +145,7 @@ def test_nonfinite_gradient_stops_naming_step_and_episodes_without_a_checkpoint(
     assert "\n" not in msg and msg.startswith("step 3: non-finite loss") and "gradient norm nan" in msg
     assert "on micro-batches with episodes [[" in msg and "optim.skip_nonfinite=true" in msg
     assert not (out / "checkpoints").exists()  # nothing saved
-    assert _steps(out) == [1, 2]
+    assert logged_steps(out) == [1, 2]
 
 
 def test_skip_nonfinite_skips_the_update_logs_it_and_trains_on(train_dataset, tmp_path, monkeypatch):
@@ -200,7 +182,7 @@ def test_data_error_mid_run_saves_the_steps_done_before_raising(train_dataset, t
     with pytest.raises(Exception, match=f"episode {episode}"):
         train(config(root, out, "schedule.steps=4"))
     saved = checkpoint.latest(out / "checkpoints")
-    assert saved is not None and saved.name == f"step_{k:08d}" and _steps(out) == list(range(1, k + 1))
+    assert saved is not None and saved.name == f"step_{k:08d}" and logged_steps(out) == list(range(1, k + 1))
     assert f"saved step {k} in {saved} before the error below" in capfd.readouterr().err
 
 
@@ -214,14 +196,14 @@ def test_damaged_newest_checkpoint_is_reported_and_the_one_before_used(train_dat
     err = capfd.readouterr().err
     assert f"step_00000004: state/__0_0.distcp has {size // 2} bytes, the manifest says {size} (truncated?); " \
            "using the checkpoint before it" in err
-    assert res.start_step == 2 and _steps(out) == [1, 2, 3, 4, 5]
+    assert res.start_step == 2 and logged_steps(out) == [1, 2, 3, 4, 5]
     assert checkpoint.problem(out / "checkpoints" / "step_00000005") is None
     # nothing usable left: refused (never a silent restart from scratch over the run's checkpoints)
     for p in (out / "checkpoints").glob("step_*/manifest.json"):
         p.unlink()
     with pytest.raises(ValueError, match=r"checkpoints: no usable checkpoint, all 2 are damaged \(newest: .*step_00000005: not a complete checkpoint"):
         train(config(train_dataset, out, "schedule.steps=6"))
-    assert _steps(out) == [1, 2, 3, 4, 5]
+    assert logged_steps(out) == [1, 2, 3, 4, 5]
 
 
 def test_finished_run_says_so_exits_0_and_touches_nothing(train_dataset, tmp_path, capfd):
@@ -263,7 +245,7 @@ def test_resume_with_another_epoch_order_or_model_shape_is_one_line_naming_the_v
     assert "\n" not in msg and "its model has another shape (" in msg and "tensors differ, e.g. blocks.0." in msg
     assert msg.endswith("model.overrides.ffn_dim is None there and 96 now; resume with the checkpoint's model "
                         "values or choose another runtime.out_dir")
-    assert _steps(out) == [1, 2] and not (out / LOCK).exists()
+    assert logged_steps(out) == [1, 2] and not (out / LOCK).exists()
 
 
 def test_graceful_stop_records_the_first_signal_and_a_second_ctrl_c_interrupts_at_once():
@@ -314,12 +296,12 @@ def test_sigterm_under_torchrun_stops_both_ranks_at_one_step_and_saves_it(train_
     cmd, env = _train_cmd(train_dataset, out, "schedule.steps=500", ranks=2)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
     try:
-        _wait_for_steps(proc, out, 3, timeout=240)
+        wait_for_steps(proc, out, 3, timeout=240)
         proc.send_signal(signal.SIGTERM)  # torchrun passes it on to both ranks
         _, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
-    done = _steps(out)
+    done = logged_steps(out)
     saved = checkpoint.latest(out / "checkpoints")
     state = json.loads((saved / "train_state.json").read_text())
     assert state["step"] == done[-1] and state["world_size"] == 2  # the ranks agreed on the step
@@ -328,7 +310,7 @@ def test_sigterm_under_torchrun_stops_both_ranks_at_one_step_and_saves_it(train_
     assert f"interrupted by SIGTERM after step {done[-1]}; checkpoint {saved}" in err
     assert err.count("SIGTERM: finishing this step") == 1 and not (out / LOCK).exists()
     res = train(config(train_dataset, out, f"schedule.steps={done[-1] + 1}"))  # and one rank goes on
-    assert res.start_step == done[-1] and _steps(out) == list(range(1, done[-1] + 2))
+    assert res.start_step == done[-1] and logged_steps(out) == list(range(1, done[-1] + 2))
 
 
 @pytest.mark.slow
@@ -357,7 +339,7 @@ def test_data_error_on_one_torchrun_rank_saves_the_steps_done_on_both(train_data
     assert json.loads((saved / "train_state.json").read_text())["world_size"] == 2
     assert f"saved step 1 in {saved} before the error below" in proc.stderr
     assert f"episode {episode}" in proc.stderr and "stopped for a data error on another rank" in proc.stderr
-    assert _steps(out) == [1] and not (out / LOCK).exists()
+    assert logged_steps(out) == [1] and not (out / LOCK).exists()
 
 
 def test_nonfinite_found_at_a_later_logged_step_names_its_step_and_saves_nothing(train_dataset, tmp_path, monkeypatch):
@@ -369,7 +351,7 @@ def test_nonfinite_found_at_a_later_logged_step_names_its_step_and_saves_nothing
         train(config(train_dataset, out, "schedule.steps=8", "checkpoint.every=0", "runtime.log_every=4"))
     msg = str(info.value)
     assert msg.startswith("step 3: non-finite loss") and "found at the check after step 4" in msg
-    assert not (out / "checkpoints").exists() and _steps(out) == []
+    assert not (out / "checkpoints").exists() and logged_steps(out) == []
 
 
 def test_metrics_carry_step_time_and_peak_memory_and_no_mfu_without_a_gpu(train_dataset, tmp_path):

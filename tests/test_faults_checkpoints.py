@@ -21,6 +21,7 @@ import torch
 pytest.importorskip("lerobot")
 
 from flexpack.cli import main  # noqa: E402
+from helpers import run_cli, wait_for_steps  # noqa: E402
 from flexpack.training import checkpoint, manifest  # noqa: E402
 from flexpack.training.safeload import SafePlanner, UnsafeCheckpointError, read_metadata_file  # noqa: E402
 
@@ -35,12 +36,6 @@ def _sets(root: Path, out: Path, *extra: str) -> list[str]:
     return [a for s in base for a in ("--set", s)]
 
 
-def _cli(capsys, *argv: str) -> tuple[int, str]:
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:
-        code = exc.code
-    return code, capsys.readouterr().err
 
 
 def _last_line(err: str, command: str) -> str:
@@ -96,14 +91,14 @@ def test_crafted_pickle_runs_nothing_and_is_one_line_naming_the_file(capsys, tin
         (folder / target).write_bytes(pickle.dumps(_Payload(marker)) if target.endswith("metadata")
                                       else _torch_payload(marker))
         _remanifest(folder)
-    code, err = _cli(capsys, "train", str(TINY), *_sets(tiny_dataset, run, "schedule.steps=6"))
+    code, err = run_cli(capsys, "train", str(TINY), *_sets(tiny_dataset, run, "schedule.steps=6"))
     assert code == 2 and target.split("/")[-1] in _last_line(err, "train")
     assert "nothing in it was run" in err and not marker.exists()
     if target == "rng.pt":  # only a resume restores the RNG: verify and export never read it
         return
-    code, err = _cli(capsys, "verify", str(TINY), "--set", f'data.root="{tiny_dataset}"', "--checkpoint", str(run))
+    code, err = run_cli(capsys, "verify", str(TINY), "--set", f'data.root="{tiny_dataset}"', "--checkpoint", str(run))
     assert code == 2 and target.split("/")[-1] in _last_line(err, "verify")
-    code, err = _cli(capsys, "export", str(run), str(tmp_path / "exp"))
+    code, err = run_cli(capsys, "export", str(run), str(tmp_path / "exp"))
     assert code == 2 and target.split("/")[-1] in _last_line(err, "export")
     assert "nothing in it was run" in err and not marker.exists()
 
@@ -152,14 +147,14 @@ def test_damaged_newest_checkpoint_falls_back_loudly_for_every_kind_of_damage(ca
     why = checkpoint.problem(new)
     assert why is not None and str(new) in why
     assert checkpoint.latest(run / "checkpoints") == old
-    code, err = _cli(capsys, "verify", str(TINY), "--set", f'data.root="{tiny_dataset}"', "--set", "data.max_tokens=60",
+    code, err = run_cli(capsys, "verify", str(TINY), "--set", f'data.root="{tiny_dataset}"', "--set", "data.max_tokens=60",
                      "--checkpoint", str(run))
     assert f"verify: warning: {why}; using the checkpoint before it" in err
     assert f"verify: checkpoint {old} (step 2)" in err
-    code, err = _cli(capsys, "export", str(run), str(tmp_path / "exp"))
+    code, err = run_cli(capsys, "export", str(run), str(tmp_path / "exp"))
     assert code == 0 and f"export: checkpoint {old} (step 2)" in err and why in err
     assert json.loads((tmp_path / "exp" / "export.json").read_text())["step"] == 2
-    code, err = _cli(capsys, "train", str(TINY), *_sets(tiny_dataset, run, "schedule.steps=5"))
+    code, err = run_cli(capsys, "train", str(TINY), *_sets(tiny_dataset, run, "schedule.steps=5"))
     assert code == 0 and f"warning: {why}; using the checkpoint before it" in err
     steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 5]
@@ -177,7 +172,7 @@ def test_any_save_failure_is_one_line_removes_the_temporary_and_keeps_the_previo
 
     monkeypatch.setattr(checkpoint.torch, "save", save)
     run = tmp_path / "run"
-    code, err = _cli(capsys, "train", str(TINY), *_sets(tiny_dataset, run))
+    code, err = run_cli(capsys, "train", str(TINY), *_sets(tiny_dataset, run))
     line = _last_line(err, "train")
     assert code == 2 and "step_00000004: cannot write the checkpoint (RuntimeError: [enforce fail" in line
     assert f"{run / 'checkpoints' / 'step_00000002'} is still the newest checkpoint" in line
@@ -227,7 +222,7 @@ def test_kill_during_pruning_leaves_only_trash_which_the_next_start_removes(caps
     # a pruning of an earlier version (manifest deleted first, shards kept) is recognised too
     shutil.copytree(new, old)
     (old / "manifest.json").unlink()
-    code, err = _cli(capsys, "train", str(TINY), *_sets(tiny_dataset, run, "schedule.steps=5"))
+    code, err = run_cli(capsys, "train", str(TINY), *_sets(tiny_dataset, run, "schedule.steps=5"))
     assert code == 0
     assert f"removed {trash} (an interrupted pruning)" in err and f"removed {old} (an interrupted pruning)" in err
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000004", "step_00000005"]
@@ -253,12 +248,7 @@ def test_sighup_saves_like_sigterm(tiny_dataset, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     try:
-        import time
-
-        t0 = time.monotonic()
-        while not (out / "metrics.jsonl").is_file() or len((out / "metrics.jsonl").read_text().splitlines()) < 2:
-            assert proc.poll() is None and time.monotonic() - t0 < 120
-            time.sleep(0.05)
+        wait_for_steps(proc, out, 2)
         proc.send_signal(signal.SIGHUP)
         _, err = proc.communicate(timeout=120)
     finally:
@@ -296,8 +286,6 @@ def test_async_save_writes_checksums_too(tiny_dataset, tmp_path):
 
 
 def test_export_racing_a_pruning_takes_the_newest_again(capsys, run4, tmp_path, monkeypatch):
-    from flexpack.training import export
-
     run, old, new = _copy(run4, tmp_path)
     real, seen = checkpoint.load, []
 
@@ -309,7 +297,7 @@ def test_export_racing_a_pruning_takes_the_newest_again(capsys, run4, tmp_path, 
         return real(path, *a, **k)
 
     monkeypatch.setattr(checkpoint, "load", load)
-    code, err = _cli(capsys, "export", str(run), str(tmp_path / "out"))
+    code, err = run_cli(capsys, "export", str(run), str(tmp_path / "out"))
     assert code == 0 and seen == ["step_00000004", "step_00000006"] and "was pruned while reading it" in err
 
 
@@ -338,10 +326,10 @@ def test_crafted_pickle_in_a_tensor_shard_runs_nothing(capsys, tiny_dataset, run
         (folder / "state" / ".metadata").write_bytes(pickle.dumps(meta))
         _remanifest(folder)
         assert checkpoint.problem(folder) is None  # intact as far as sizes, sums and parses go
-    code, err = _cli(capsys, "export", str(run), str(tmp_path / "exp"))
+    code, err = run_cli(capsys, "export", str(run), str(tmp_path / "exp"))
     line = _last_line(err, "export")
     assert code == 2 and f"{new / 'state'}: a shard holds something other than tensors" in line
-    code, err = _cli(capsys, "train", str(TINY), *_sets(tiny_dataset, run, "schedule.steps=6"))
+    code, err = run_cli(capsys, "train", str(TINY), *_sets(tiny_dataset, run, "schedule.steps=6"))
     assert code == 2 and "nothing in it was run" in _last_line(err, "train") and not marker.exists()
 
 
