@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
-from flexpack.attention.blockmask import BlockMaskBuilder, _ordered, count_below, fast_block_mask
+from flexpack.attention.blockmask import SCAN_CHUNK, BlockMaskBuilder, _ordered, count_below, fast_block_mask, prefix_sum
 from flexpack.attention.masks import make_mask, text_slots
 from flexpack.packing.layout import SequenceLayout
 from test_blockmask import assert_same_block_mask, layout_for
@@ -34,6 +34,27 @@ def test_count_below_equals_searchsorted_on_random_inputs() -> None:
     seg = torch.arange(10).repeat_interleave(3)  # 1-D, as the segment starts use it
     assert count_below(seg, torch.arange(12)).tolist() == [3 * s for s in range(10)] + [30, 30]
     assert count_below(seg[:0], torch.arange(3)).tolist() == [0, 0, 0]
+
+
+def test_prefix_sum_equals_cumsum_and_scans_at_most_a_chunk(monkeypatch) -> None:
+    """The chunked running sum the builder uses instead of one long scan: equal to cumsum along any
+    dim, at lengths around the chunk's powers (1, 32, 33, 585 = the failing H200 grid, 1024, 1025),
+    and no scan it asks for is longer than SCAN_CHUNK."""
+    g = torch.Generator().manual_seed(3)
+    longest = []
+    real = torch.Tensor.cumsum
+
+    def watched(self, dim, *a, **k):
+        longest.append(self.shape[dim])
+        return real(self, dim, *a, **k)
+
+    monkeypatch.setattr(torch.Tensor, "cumsum", watched)
+    for n in (1, 2, 31, 32, 33, 64, 585, 1024, 1025, 74_880):
+        for shape, dim in (((n,), 0), ((3, n), 1), ((n, 5), 0), ((2, 4, n), -1)):
+            x = torch.randint(0, 3, shape, generator=g, dtype=torch.int32)
+            got = prefix_sum(x, dim)
+            assert got.dtype == torch.int32 and got.equal(real(x, dim, dtype=torch.int32)), (shape, dim)
+    assert max(longest) == SCAN_CHUNK
 
 
 @pytest.mark.slow

@@ -35,6 +35,9 @@ Three refinements make the kernels and the build fast:
   (:func:`_ordered`), and self-attention segments its tokens once for both sides. The searches
   are unrolled gathers (:func:`count_below`), not ``torch.searchsorted``: inductor's Triton code
   for searchsorted is a data-dependent loop whose codegen failed on the H200 for some shapes.
+* No long scans: every running count is built from scans of at most :data:`SCAN_CHUNK` elements
+  (:func:`prefix_sum`). Inductor turns a long scan over few rows into a split scan, whose Triton code
+  generation failed on the H200 for a (32 x 585) block grid.
 """
 
 from __future__ import annotations
@@ -52,6 +55,9 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 BLOCK = 128
 # above this many segments per side the S x S grid stops being cheap: use create_block_mask
 MAX_SEGMENTS = 8192
+# the longest scan the builder asks inductor for: at most this many elements per scan it never splits
+# a scan across thread blocks (its split heuristic starts above 32 elements)
+SCAN_CHUNK = 32
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -88,6 +94,30 @@ def count_below(sorted_seq: Tensor, values: Tensor) -> Tensor:
     return pos
 
 
+def prefix_sum(x: Tensor, dim: int = -1) -> Tensor:
+    """Inclusive running sum of an integer tensor along ``dim`` (``x.cumsum(dim)``, same dtype),
+    composed of scans of at most :data:`SCAN_CHUNK` elements.
+
+    The dimension is cut into chunks of ``SCAN_CHUNK``: each chunk is scanned on its own, the chunk
+    totals are scanned the same way (recursively, ``log_32 N`` levels) and added back. Inductor
+    compiles each short scan as an ordinary one; a single long scan over few rows is lowered to a
+    split scan, whose Triton codegen failed on the H200 ("list indices must be integers or slices,
+    not NoneType") and sent the builder to eager.
+    """
+    x = x.movedim(dim, -1)
+    n = x.shape[-1]
+    if n <= SCAN_CHUNK:
+        out = x.cumsum(-1, dtype=x.dtype)
+    else:
+        m = _cdiv(n, SCAN_CHUNK)
+        pad = x.new_zeros((*x.shape[:-1], m * SCAN_CHUNK - n))
+        chunks = torch.cat([x, pad], -1).unflatten(-1, (m, SCAN_CHUNK)).cumsum(-1, dtype=x.dtype)
+        totals = chunks[..., -1]
+        before = prefix_sum(totals) - totals  # the sum of all earlier chunks
+        out = (chunks + before[..., None]).flatten(-2)[..., :n]
+    return out.movedim(-1, dim)
+
+
 def _segments(keys: tuple[Tensor, ...], length: int, s_max: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Segment id per token, a representative token per segment, each block's segment range,
     and each segment's first token (``length`` for ids beyond the real count)."""
@@ -96,7 +126,7 @@ def _segments(keys: tuple[Tensor, ...], length: int, s_max: int) -> tuple[Tensor
     new[0] = True
     for k in keys:
         new[1:] |= k[1:] != k[:-1]
-    seg = new.long().cumsum(0) - 1  # (T,)
+    seg = prefix_sum(new.to(torch.int32)).long() - 1  # (T,)
     # seg is sorted: the first token of segment s is where s starts; ids beyond the real count
     # point at the last token (any index works, no block rectangle reaches them)
     first = count_below(seg, torch.arange(s_max, device=dev)).long()
@@ -168,7 +198,7 @@ def _ordered(m: Tensor) -> tuple[Tensor, Tensor]:
     inductor codegen bug at ~585 x 585 blocks.
     """
     mi = m.to(torch.int32)
-    true_seen = mi.cumsum(-1, dtype=torch.int32)
+    true_seen = prefix_sum(mi)
     n = true_seen[..., -1:]
     # slot j (0-based) wants the (j + 1)-th True, or the (j + 1 - n)-th False, column
     rank = torch.arange(1, m.shape[-1] + 1, dtype=torch.int32, device=m.device).expand_as(true_seen).contiguous()
@@ -185,7 +215,7 @@ def _classify(
     """(Nbq, Nbk) partial and full block flags from the segment mask and block segment ranges."""
     sq, sk = seg_mask.shape
     p = torch.zeros(sq + 1, sk + 1, dtype=torch.int32, device=seg_mask.device)
-    p[1:, 1:] = seg_mask.to(torch.int32).cumsum(0).cumsum(1)
+    p[1:, 1:] = prefix_sum(prefix_sum(seg_mask.to(torch.int32), 0), 1)
     rows_hi, rows_lo = p[hq + 1], p[lq]  # (Nbq, Sk+1)
     count = rows_hi[:, hk + 1] - rows_lo[:, hk + 1] - rows_hi[:, lk] + rows_lo[:, lk]
     area = (hq - lq + 1)[:, None] * (hk - lk + 1)[None, :]
