@@ -84,6 +84,26 @@ def test_range_mask_mod_equals_the_mask(kind: str) -> None:
         assert "two_ranges" in names  # the random layouts did exercise two copies
 
 
+def test_fixed_segment_bounds_depend_on_the_shape_alone() -> None:
+    """Inside ``fixed_segment_bounds`` two packs of one shape holding 3 and 90 episodes get the same
+    segment grid (one builder signature: no compile for the second), the per-frame maximum; outside
+    it the grid follows the episode count; both build the block mask create_block_mask builds."""
+    from flexpack.attention.flex import FlexAttnFunc
+
+    attn = FlexAttnFunc("flex", compile_block_mask=False)
+    frames = 256
+    few = SequenceLayout.from_rows([[100, 80, 60]], frames, text_len=[4, 4, 4]).tokens(3, 1)
+    many = SequenceLayout.from_rows([[2] * 90], frames, text_len=[4] * 90).tokens(3, 1)
+    assert attn.prepare(few, "document").segment_bounds() != attn.prepare(many, "document").segment_bounds()
+    with attn.fixed_segment_bounds():
+        bounds = [attn.prepare(lay, "document").segment_bounds() for lay in (few, many)]
+        prep = attn.prepare(many, "document")
+    assert bounds == [(frames + 1, frames + 1)] * 2
+    assert not attn.prepare(few, "document").fixed_bounds  # only inside the block
+    want = create_block_mask(prep.mask_mod, 1, 1, many.num_tokens, many.num_tokens, device="cpu")
+    assert_same_block_mask(prep.block_mask(), want)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_host_segment_bounds_cover_the_real_counts(kind: str) -> None:
     """The bounds computed on the host (no sync) are >= the real segment counts, tight, and the

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from flexpack.packing.collate import PackCollate
+from flexpack.packing.layout import SequenceLayout
 from flexpack.sampling.metrics import Metrics, denormalize, normalize
 from flexpack.sampling.pairs import Pair, cut_points, make_pair
 from flexpack.sampling.sampler import PackedSampler, SampleOptions, context_chunk
@@ -129,6 +130,28 @@ def test_packed_sampling_equals_each_pair_alone(mask):
         assert torch.equal(p.pred_action[:, :p.cut], p.action[:, :p.cut])
         assert not torch.allclose(p.pred_latent[:, p.cut:], p.latent[:, p.cut:], atol=1e-3)
         assert torch.equal(p.pred_action[~p.action_mask], torch.zeros_like(p.pred_action[~p.action_mask]))
+
+
+def test_sampling_builds_masks_on_shape_fixed_segment_grids():
+    """Every mask the sampler prepares has segment bounds fixed by the pack's shape (packs with
+    different episode counts share one compiled builder on CUDA); the model's attention is back to
+    count-rounded bounds afterwards."""
+    cfg = _cfg("document")
+    torch.manual_seed(0)
+    model = build_model(cfg).eval()
+    seen, real = [], model.attn.prepare
+
+    def spy(*a, **k):
+        prep = real(*a, **k)
+        seen.append((prep.fixed_bounds, (prep.kind, prep.segment_bounds())))
+        return prep
+
+    model.attn.prepare = spy
+    _run(model, cfg, _pairs(_items(), [(0, 2, 4), (1, 2, 4), (2, 2, 4), (3, 2, 4), (0, 6, 4)]))
+    assert seen and all(fixed for fixed, _ in seen)
+    grids = {b for _, b in seen}
+    assert len(grids) == len({kind for kind, _ in grids}) == 2  # per mask (self, text) one grid for every pack
+    assert not real(SequenceLayout.from_rows([[3]], 8, text_len=[1]).tokens(TPF - 1, 1), "document").fixed_bounds
 
 
 def test_rollout_packed_equals_alone_and_stages_chain():

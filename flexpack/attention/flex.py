@@ -25,8 +25,9 @@ every graph compiled here.
 from __future__ import annotations
 
 import importlib.util
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -120,6 +121,7 @@ class PreparedMask:
     kv_len: int
     builder: BlockMaskBuilder
     kv_segments: int | None = None  # bound on kv-side segments (text: 2 per slot + 1)
+    fixed_bounds: bool = False  # segment bounds from the layout's shape alone (see FlexAttnFunc.fixed_segment_bounds)
     _cache: dict = field(default_factory=dict)
 
     @property
@@ -135,12 +137,13 @@ class PreparedMask:
     def segment_bounds(self) -> tuple[int, int]:
         """Static (q, kv) segment counts for the block-mask builder: the mask's host-side bounds
         rounded up to a power of two (>= 64), so that shapes, and compiles, change rarely; at
-        most one cell per (copy, row, frame)."""
+        most one cell per (copy, row, frame). With ``fixed_bounds`` always that maximum: one
+        shape per layout shape, whatever the layout holds."""
         lay = self.layout
         cells = lay.frames.num_rows * lay.frames.frames_per_row * lay.copies + 1
         kv_cells = self.kv_segments or cells
         seg = getattr(self.mask_mod, "segments", None)
-        if seg is None:
+        if seg is None or self.fixed_bounds:
             return cells, kv_cells
         return min(max(64, next_pow2(seg[0])), cells), min(max(64, next_pow2(seg[1])), kv_cells)
 
@@ -200,6 +203,22 @@ class FlexAttnFunc:
         self._graph_bm = graph_block_mask
         self._range_masks = range_masks
         self._builders: dict[bool, BlockMaskBuilder] = {}
+        self._fixed_bounds = False
+
+    @contextmanager
+    def fixed_segment_bounds(self) -> Iterator[None]:
+        """Within this block, block masks are built on segment grids sized by the layout's shape
+        alone (one cell per frame and copy), not by the power of two above the mask's segment count.
+
+        Training tolerates the few builder compiles the power-of-two rounding causes (a new bound
+        compiles once); a sampler that must not compile after its warm-up, whatever number of
+        episodes a pack holds, builds every pack on one grid. The grid is larger (build time grows
+        with it), so this is not the default."""
+        before, self._fixed_bounds = self._fixed_bounds, True
+        try:
+            yield
+        finally:
+            self._fixed_bounds = before
 
     @property
     def compile_count(self) -> int:
@@ -244,7 +263,8 @@ class FlexAttnFunc:
             kv_len, kv_segments = slots * text_tokens, 2 * slots + 1
         if kv_len == 0:
             raise ValueError(f"mask {mask!r} has no keys (kv_len=0)")
-        prep = PreparedMask(mask, layout, mod, layout.num_tokens, kv_len, self._builder(layout.doc.device), kv_segments)
+        prep = PreparedMask(mask, layout, mod, layout.num_tokens, kv_len, self._builder(layout.doc.device), kv_segments,
+                            fixed_bounds=self._fixed_bounds)
         backend = self._pick(prep, needs_grad=True)
         if backend != self._pick(prep, needs_grad=False):
             return prep  # decided per call (CPU auto, long T): build lazily, never a useless T x T mask

@@ -94,18 +94,25 @@ class PackedSampler:
 
     # ------------------------------------------------------------------ stages
     def run(self, pairs: Sequence[Pair]) -> None:
-        """Fill every pair's ``pred_*`` target frames, stage after stage."""
+        """Fill every pair's ``pred_*`` target frames, stage after stage.
+
+        Block masks are built on segment grids fixed by the pack's shape (see
+        :meth:`~flexpack.attention.flex.FlexAttnFunc.fixed_segment_bounds`): packs holding different
+        numbers of episodes then share one compiled builder, so nothing compiles after the first pack.
+        """
         for p in pairs:
             p.done = 0
-        while True:
-            active = [p for p in pairs if p.done < p.horizon]
-            if not active:
-                return
-            todo = [(p, p.cut + p.done, min(self.stage or stage_frames(self.cfg, p.horizon), p.horizon - p.done))
-                    for p in active]
-            self._stage(todo)
-            for p, _, n in todo:
-                p.done += n
+        attn = getattr(self.model, "attn", None)
+        with attn.fixed_segment_bounds() if hasattr(attn, "fixed_segment_bounds") else contextlib.nullcontext():
+            while True:
+                active = [p for p in pairs if p.done < p.horizon]
+                if not active:
+                    return
+                todo = [(p, p.cut + p.done, min(self.stage or stage_frames(self.cfg, p.horizon), p.horizon - p.done))
+                        for p in active]
+                self._stage(todo)
+                for p, _, n in todo:
+                    p.done += n
 
     def _stage(self, todo: list[tuple[Pair, int, int]]) -> None:
         rank, size = _world()
