@@ -166,7 +166,7 @@ def main() -> None:
                    date=time.strftime("%Y-%m-%d"), torch=torch.__version__, layers=args.layers, command=" ".join(sys.argv))
     sets = length_sets(args.tiny, args.episodes)
     for name in args.sets.split(","):
-        r = results[name] = run_set(args, sets[name], device)
+        r = results[name] = {**run_set(args, sets[name], device), "command": " ".join(sys.argv)}
         print(f"{name}: packed {r['packed_tokens_per_s']:.0f} tok/s, loop {r['loop_tokens_per_s']:.0f} tok/s, "
               f"x{r['packed_vs_loop']:.2f}, recompiles after warm-up {r['recompiles_after_warmup']}", flush=True)
         args.out.parent.mkdir(parents=True, exist_ok=True)
