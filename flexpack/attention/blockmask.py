@@ -132,9 +132,13 @@ def _segments(keys: tuple[Tensor, ...], length: int, s_max: int) -> tuple[Tensor
     first = count_below(seg, torch.arange(s_max, device=dev)).long()
     rep = first.clamp(max=length - 1)
     nb = _cdiv(length, BLOCK)
+    # block b covers tokens [b * BLOCK, min((b + 1) * BLOCK, length)); only the last block can run past
+    # the end (then it is never full). Written without comparing index expressions: with a single block
+    # inductor's Triton codegen failed on the H200 to compare ``128*0 + 128`` with the length.
     starts = torch.arange(nb, device=dev) * BLOCK
-    ends = (starts + BLOCK).clamp(max=length) - 1
-    over = starts + BLOCK > length  # the last block runs past the end: never full
+    ends = torch.cat([starts[1:] - 1, torch.full((1,), length - 1, dtype=starts.dtype, device=dev)])
+    over = torch.zeros(nb, dtype=torch.bool, device=dev)
+    over[-1] = nb * BLOCK > length
     return seg, rep, seg[starts], seg[ends], over, first
 
 
