@@ -49,7 +49,7 @@ from flexpack.training.config import from_dict, TrainConfig  # noqa: E402
 from flexpack.training.flops import batch_flops, measured_bf16_peak, useful_flops  # noqa: E402
 from flexpack.training.parallel import compiled_graphs, parallelize  # noqa: E402
 from flexpack.training.optim import build_optimizer  # noqa: E402
-from flexpack.training.plan import geometry_for, plan_for  # noqa: E402
+from flexpack.training.plan import geometry_for, parallel_options, plan_for  # noqa: E402
 from flexpack.training.step import train_step  # noqa: E402
 
 REF = Path(__file__).resolve().parents[1] / "data" / "episode_frames_ref.txt"
@@ -153,8 +153,7 @@ def run_flexpack(args, name: str, lengths: list[int], batches: list[list[int]], 
     plan = batches if mode == "pack" else list(data.sampler)[: len(batches)]
     with device:
         model = build_model(cfg, m)
-    model = parallelize(model, device=device, compile=compile_, memory_budget=cfg.runtime.activation_memory_budget,
-                        activation_checkpointing=cfg.runtime.activation_checkpointing, float8=cfg.runtime.float8)
+    model = parallelize(model, device=device, **parallel_options(cfg, device).kwargs())  # as `flexpack train` wraps it
     opt = build_optimizer(model, cfg.optim, fused=device.type == "cuda")
     made = [collate([items[i] for i in b]) for b in plan]
     if device.type == "cuda":

@@ -102,6 +102,10 @@ class ModelConfig:
     chunk_size: int | None = None  # latent frames per chunk of the chunk_causal / teacher_forcing masks
 
     def __post_init__(self) -> None:
+        if "activation_checkpointing" in self.overrides:  # one setting, applied from outside the model
+            raise ValueError(f"model.overrides.activation_checkpointing = {self.overrides['activation_checkpointing']!r} "
+                             "is not a model setting: set runtime.activation_checkpointing instead (true, a block "
+                             "count or 'selective')")
         self.wan_config()  # unknown preset or override fields raise here, at load time
         if self.mask not in MASKS:
             raise ValueError(f"model.mask must be one of {MASKS}, got {self.mask!r}")
@@ -269,9 +273,11 @@ class RuntimeConfig:
         if not (isinstance(self.activation_memory_budget, (int, float)) and 0.0 <= self.activation_memory_budget <= 1.0):
             raise ValueError(f"runtime.activation_memory_budget must be between 0 and 1 (1: save what the compiled "
                              f"blocks would), got {self.activation_memory_budget!r}")
-        if self.activation_memory_budget < 1.0 and self.compile is False:
-            raise ValueError(f"runtime.activation_memory_budget = {self.activation_memory_budget} applies to compiled "
-                             "blocks, but runtime.compile = false; set runtime.compile = true (or 'auto' on CUDA)")
+        if self.compile is False:  # known at load time; "auto" is decided where the run starts (plan.parallel_options)
+            from flexpack.training.parallel import check_memory_budget
+
+            check_memory_budget(self.activation_memory_budget, False, "runtime.activation_memory_budget",
+                                ", but runtime.compile = false; set runtime.compile = true (or 'auto' on CUDA)")
         if self.peak_tflops is not None and not (self.peak_tflops > 0 and math.isfinite(self.peak_tflops)):
             raise ValueError(f"runtime.peak_tflops must be a positive number, got {self.peak_tflops!r}")
 
@@ -293,9 +299,6 @@ class TrainConfig:
         if self.model.mask == "teacher_forcing" and not self.objective.teacher_forcing:
             # without the clean copy every token is noisy: attention would shrink to the own chunk
             raise ValueError("model.mask = 'teacher_forcing' needs objective.teacher_forcing = true (the clean copy)")
-        if self.runtime.activation_checkpointing and self.model.overrides.get("activation_checkpointing"):
-            raise ValueError("activation checkpointing is on twice (runtime.activation_checkpointing and "
-                             "model.overrides.activation_checkpointing): each block would be recomputed twice; keep one")
         if self.objective.latent_weight == 0 and not self.model.wan_config().action_channels:
             raise ValueError("objective.latent_weight = 0 on a model without actions (action_channels = 0): "
                              "the loss would be 0; set objective.latent_weight > 0")

@@ -51,7 +51,7 @@ from flexpack.training.ema import make_ema
 from flexpack.training.metrics import StepMeter
 from flexpack.training.optim import build_optimizer
 from flexpack.training.parallel import parallelize, world
-from flexpack.training.plan import Plan
+from flexpack.training.plan import Plan, parallel_options, use_compile  # noqa: F401  (use_compile: public here too)
 from flexpack.training.profiling import StepProfiler
 from flexpack.training.step import accumulate, train_step  # noqa: F401  (accumulate: public here too)
 from flexpack.training.validation import make_validator
@@ -82,14 +82,6 @@ def _stream(loader: Any, sampler: Any) -> Iterator[tuple[Batch, dict]]:
             pos += 1  # count batches trained on, not drawn: loader workers prefetch
             yield batch, sampler.state_dict(position=pos)
         sampler.set_epoch(epoch + 1)
-
-
-def use_compile(cfg: TrainConfig, device: torch.device) -> bool:
-    """``runtime.compile``: ``"auto"`` compiles the blocks on CUDA in pack mode (one shape per pack;
-    pad mode's many shapes would each compile)."""
-    if cfg.runtime.compile == "auto":
-        return device.type == "cuda" and cfg.data.mode == "pack"
-    return bool(cfg.runtime.compile)
 
 
 @dataclass
@@ -132,17 +124,9 @@ def _train(cfg: TrainConfig, found: Path | None, stop: faults.GracefulStop, stop
            device: torch.device, data: Plan | None) -> TrainResult:
     rank, size = world()
     data = build_data(cfg, rank, size) if data is None else data
-    param_dtype = torch.bfloat16 if cfg.runtime.dtype == "bfloat16" else None
     with device:  # built where it runs: no full fp32 copy of a 5B model in host memory per rank
         model = build_model(cfg, data.model)
-    compiled = use_compile(cfg, device)
-    if cfg.runtime.activation_memory_budget < 1.0 and not compiled:
-        raise ValueError(f"runtime.activation_memory_budget = {cfg.runtime.activation_memory_budget} applies to compiled "
-                         f"blocks, which runtime.compile = {cfg.runtime.compile!r} leaves off here ({device.type}, "
-                         f"{cfg.data.mode} mode); set runtime.compile = true")
-    model = parallelize(model, device=device, param_dtype=param_dtype, compile=compiled,
-                        activation_checkpointing=cfg.runtime.activation_checkpointing,
-                        memory_budget=cfg.runtime.activation_memory_budget, float8=cfg.runtime.float8)
+    model = parallelize(model, device=device, **parallel_options(cfg, device).kwargs())
     materialize(model, cfg, device, data.model)  # model.pretrained under FSDP2: each rank loads its shards
     o, run = cfg.optim, Path(cfg.runtime.out_dir)
     opt = build_optimizer(model, o, log=rank == 0, fused=device.type == "cuda")  # no decay on norms, biases, ...

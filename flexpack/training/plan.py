@@ -48,6 +48,48 @@ class ForwardOptions:
         return model(sample.inputs, layout, **sample.model_kwargs(), **self.kwargs())
 
 
+@dataclass(frozen=True, kw_only=True)
+class ParallelOptions:
+    """How :func:`flexpack.training.parallel.parallelize` wraps the model on one device: the one
+    activation-checkpointing setting (``runtime.activation_checkpointing``), compiled blocks with
+    their memory budget, float8 and the FSDP compute dtype."""
+
+    compile: bool
+    activation_checkpointing: bool | int | str
+    memory_budget: float
+    float8: str
+    param_dtype: Any  # torch.dtype or None
+
+    def kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of ``parallelize`` (besides ``device``)."""
+        return {"compile": self.compile, "activation_checkpointing": self.activation_checkpointing,
+                "memory_budget": self.memory_budget, "float8": self.float8, "param_dtype": self.param_dtype}
+
+
+def use_compile(cfg: Any, device: Any) -> bool:
+    """``runtime.compile``: ``"auto"`` compiles the blocks on CUDA in pack mode (one shape per pack;
+    pad mode's many shapes would each compile)."""
+    if cfg.runtime.compile == "auto":
+        return device.type == "cuda" and cfg.data.mode == "pack"
+    return bool(cfg.runtime.compile)
+
+
+def parallel_options(cfg: Any, device: Any) -> ParallelOptions:
+    """The config's :class:`ParallelOptions` on ``device``: ``runtime.compile = "auto"`` resolved
+    there, and the memory-budget rule checked against it (once, for train, verify and benchmarks)."""
+    import torch
+
+    from flexpack.training.parallel import check_memory_budget
+
+    r, compiled = cfg.runtime, use_compile(cfg, device)
+    check_memory_budget(r.activation_memory_budget, compiled, "runtime.activation_memory_budget",
+                        f", which runtime.compile = {r.compile!r} leaves off here ({device.type}, {cfg.data.mode} mode); "
+                        "set runtime.compile = true")
+    return ParallelOptions(compile=compiled, activation_checkpointing=r.activation_checkpointing,
+                           memory_budget=r.activation_memory_budget, float8=r.float8,
+                           param_dtype=torch.bfloat16 if r.dtype == "bfloat16" else None)
+
+
 def forward_options(cfg: Any, text_slots: int | None = None) -> ForwardOptions:
     """The config's :class:`ForwardOptions` (``model.mask``, ``model.chunk_size``)."""
     return ForwardOptions(mask=cfg.model.mask, chunk_size=cfg.model.chunk_size, text_slots=text_slots)

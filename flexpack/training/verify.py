@@ -169,18 +169,15 @@ def training_model(cfg: Any, device: torch.device, wcfg: Any = None) -> tuple[nn
     compiled blocks where ``runtime.compile`` compiles them, activation checkpointing, FSDP2 with
     bf16 parameters under several ranks, ``model.pretrained`` loaded. ``wcfg``: the plan's model config."""
     from flexpack.training.build import build_model, materialize
-    from flexpack.training.loop import use_compile
     from flexpack.training.parallel import parallelize
+    from flexpack.training.plan import parallel_options
 
     with device:
         model = build_model(cfg, wcfg)
-    compiled = use_compile(cfg, device)
-    param_dtype = torch.bfloat16 if cfg.runtime.dtype == "bfloat16" else None
-    parallelize(model, device=device, param_dtype=param_dtype, compile=compiled,
-                activation_checkpointing=cfg.runtime.activation_checkpointing,
-                memory_budget=cfg.runtime.activation_memory_budget if compiled else 1.0)
+    opts = replace(parallel_options(cfg, device), float8="off")  # the packing check runs bf16 matmuls
+    parallelize(model, device=device, **opts.kwargs())
     materialize(model, cfg, device, wcfg)
-    return model, compiled
+    return model, opts.compile
 
 
 def verify_config(cfg: Any, *, micro_batches: int = 2, checkpoint_dir: str | None = None, tol: float | None = None,
