@@ -106,7 +106,9 @@ class ModelConfig:
             raise ValueError(f"model.overrides.activation_checkpointing = {self.overrides['activation_checkpointing']!r} "
                              "is not a model setting: set runtime.activation_checkpointing instead (true, a block "
                              "count or 'selective')")
-        self.wan_config()  # unknown preset or override fields raise here, at load time
+        # resolved once, here: unknown preset or override fields raise at load time, and with
+        # model.pretrained its config.json is read once per config, not once per caller
+        object.__setattr__(self, "_resolved", self._resolve())
         if self.mask not in MASKS:
             raise ValueError(f"model.mask must be one of {MASKS}, got {self.mask!r}")
         if self.mask != "document" and (self.chunk_size is None or self.chunk_size <= 0):
@@ -116,6 +118,11 @@ class ModelConfig:
                              "set model.mask to 'chunk_causal' or 'teacher_forcing', or drop chunk_size")
 
     def wan_config(self):
+        """The resolved :class:`~flexpack.models.wan_config.WanVAConfig` (made once, at construction;
+        a run's plan holds it: :mod:`flexpack.training.plan`)."""
+        return self._resolved
+
+    def _resolve(self):
         from flexpack.models.wan_config import WanVAConfig, wan_config
 
         known = {f.name for f in dataclasses.fields(WanVAConfig)}
