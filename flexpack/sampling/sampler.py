@@ -47,6 +47,7 @@ from flexpack.packing.collate import PackCollate
 from flexpack.packing.sampler import TokenBudgetBatchSampler
 from flexpack.sampling.pairs import Pair, pair_noise
 from flexpack.sampling.schedule import check_solver, sigma_grid, solve
+from flexpack.training.plan import forward_options
 
 
 def context_chunk(cfg: Any) -> int:
@@ -171,7 +172,7 @@ class PackedSampler:
             keep.append(~a_live)
         tf = cfg.model.mask == "teacher_forcing"
         scale = cfg.objective.num_train_timesteps
-        kw = {"mask": cfg.model.mask, "chunk_size": cfg.model.chunk_size, "text_slots": self.text_slots}
+        kw = forward_options(cfg, self.text_slots).kwargs()  # training's mask and chunk size
         bf16 = self.opt.dtype == "bfloat16"
         n_valid = int(lay.episode_frames.sum()) * self.tpf
 
