@@ -1,7 +1,9 @@
 """Throughput figures of the train loop's logged steps: tokens/s, step time, peak memory, MFU.
 
 Measured over the window of steps since the previous log, ending at a device synchronization, so
-no step waits for the GPU to be timed (timing each step would put a sync on every step).
+no step waits for the GPU to be timed (timing each step would put a sync on every step). Tokens per
+frame, copies and useful FLOPs come from the run plan's token geometry (:mod:`flexpack.training.plan`,
+:func:`flexpack.training.flops.batch_flops`), the same count the profiler and benchmarks use.
 """
 
 from __future__ import annotations

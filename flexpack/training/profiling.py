@@ -17,7 +17,8 @@ profiler warm-up step, and writes to ``RUN/profile/``:
 
 If the run has fewer steps left than warm-up + n, one line says so and what there is is profiled
 (at least one whole step). On a machine without a GPU the profiler's GPU probe is kept quiet.
-``0`` or unset: off (every hook is a no-op). Files are written atomically.
+``0`` or unset: off (every hook is a no-op). Files are written atomically. Token counts, copies and
+useful FLOPs come from the run's plan (:meth:`StepProfiler.for_training`, :mod:`flexpack.training.plan`).
 """
 
 from __future__ import annotations

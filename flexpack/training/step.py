@@ -1,7 +1,9 @@
 """One optimizer step of the train loop, shared by ``flexpack train`` and ``benchmarks/train_step.py``.
 
 :func:`accumulate` runs the step's micro-batches forward and backward; :func:`train_step` adds
-clipping and the optimizer update (AdamW from :func:`flexpack.training.optim.build_optimizer`). Nothing here waits for the GPU: loss counts come from the
+clipping and the optimizer update (AdamW from :func:`flexpack.training.optim.build_optimizer`).
+The model is called with the run plan's forward options (:class:`~flexpack.training.plan.ForwardOptions`:
+mask, chunk size, text slots). Nothing here waits for the GPU: loss counts come from the
 host-side layout, noise is drawn on the device (:mod:`flexpack.training.noise`), loss parts and
 the gradient norm stay device tensors until the caller logs them, so the host can queue the next
 step while the GPU runs this one.

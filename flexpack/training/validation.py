@@ -11,7 +11,9 @@ every held-out item once and logs ``val_loss``, ``val_latent_loss`` and ``val_ac
 training objective: sums over all items divided by all counts, so the result does not depend on
 batching or rank count) to ``metrics.jsonl``. σ and noise are drawn per item from
 ``(VAL_TAG, episode, segment)`` alone — not from the step or the run seed — so the numbers are
-comparable across steps and across runs. Items are dealt to ranks round-robin and packed in order;
+comparable across steps and across runs. The held-out episodes have their own plan
+(:func:`flexpack.training.build.build_data` with ``split="val"``: its frame budget packs them, its
+forward options run the model). Items are dealt to ranks round-robin and packed in order;
 ranks with fewer micro-batches run a discarded one so FSDP's collectives stay matched.
 """
 

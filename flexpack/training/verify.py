@@ -14,7 +14,8 @@ video and action predictions, and the episode's loss; for the micro-batch: the t
 per parameter group (the embeddings, each block, the heads). Errors are ``max |a − b| / max |b|``;
 anything above its tolerance, or any non-finite gradient, fails (exit status 1).
 
-The model is built as training builds it (:func:`training_model`): on the run's device, blocks
+Micro-batches, collate and forward options come from the run's plan (:mod:`flexpack.training.plan`),
+as in training. The model is built as training builds it (:func:`training_model`): on the run's device, blocks
 compiled where ``runtime.compile`` compiles them, bf16 autocast (one process) or FSDP2 mixed
 precision (``torchrun``, every rank checks the same micro-batches) for ``runtime.dtype =
 "bfloat16"``, the configured attention backend (FA4 or Triton flex on CUDA). Tolerances depend on
