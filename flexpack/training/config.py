@@ -96,7 +96,7 @@ class ModelConfig:
     """
 
     preset: str = "tiny"  # WanVA preset: "tiny" or "wan2.2-5b"
-    overrides: dict[str, Any] = field(default_factory=dict)  # any WanVAConfig field
+    overrides: dict[str, Any] = field(default_factory=dict)  # any WanVAConfig field but activation_checkpointing (a runtime key)
     pretrained: str = ""  # "" = random init
     mask: str = "document"  # self-attention mask: "document", "chunk_causal" or "teacher_forcing"
     chunk_size: int | None = None  # latent frames per chunk of the chunk_causal / teacher_forcing masks
