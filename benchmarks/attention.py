@@ -41,8 +41,8 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from flexpack.attention.flex import AUTO_CUDA, FlexAttnFunc, _compiled_flex, compile_count, has_flash  # noqa: E402
-from flexpack.attention.blockmask import _segments  # noqa: E402
+from flexpack.attention.flex import AUTO_CUDA, FlexAttnFunc, compile_count, compiled_flex_attention, has_flash  # noqa: E402
+from flexpack.attention.blockmask import unmasked_pairs  # noqa: E402
 from flexpack.packing.layout import SequenceLayout, TokenLayout  # noqa: E402
 
 H, D, TPF = 24, 128, 36
@@ -65,20 +65,6 @@ def draw_pack(rng: random.Random, frames: list[int], n: int, cap: int, tries: in
     if not best:
         raise ValueError(f"no pack of {n} episodes fits {cap} frames")
     return best
-
-
-def pairs_of(prep) -> int:
-    """Exact unmasked (q, kv) pairs from the segment mask (no T x T grid)."""
-    mod = prep.mask_mod
-    nq, nk = len(mod.q_keys[0]), len(mod.kv_keys[0])
-    sq, rq, *_ = _segments(mod.q_keys, nq, nq)
-    sk, rk, *_ = _segments(mod.kv_keys, nk, nk)
-    Sq, Sk = int(sq[-1]) + 1, int(sk[-1]) + 1
-    lq = torch.bincount(sq, minlength=Sq).double()
-    lk = torch.bincount(sk, minlength=Sk).double()
-    z = torch.zeros((), dtype=torch.long, device=sq.device)
-    m = mod(z, z, rq[:Sq, None], rk[None, :Sk]).double()
-    return int(lq @ m @ lk)
 
 
 def bench(fn: Callable[[], object], runs: int, warmup: int = 3) -> float:
@@ -159,7 +145,7 @@ def methods_document(lay: TokenLayout, runs: int, flash: bool) -> tuple[dict, di
     mod = FlexAttnFunc("flex").prepare(lay, "document").mask_mod
     cbm = create_block_mask(mod, 1, 1, T, T, device=DEV, _compile=True)
     builds = {"create_block_mask_ms": wall(lambda: create_block_mask(mod, 1, 1, T, T, device=DEV, _compile=True), 10)}
-    flex_c = _compiled_flex(False, q, k)
+    flex_c = compiled_flex_attention(q, k)
     res["flex_cbm_triton"] = fwd_fb(lambda: flex_c(q, k, v, cbm, None), (q, k, v), runs)
 
     from torch.nn.attention.varlen import varlen_attn
@@ -212,7 +198,7 @@ def teacher_forcing(lay: TokenLayout, chunk: int, runs: int, flash: bool) -> dic
     out: dict = {}
     attn = FlexAttnFunc("flex")
     prep = attn.prepare(lay, "teacher_forcing", chunk_size=chunk)
-    pairs = pairs_of(prep)
+    pairs = unmasked_pairs(prep.mask_mod)
     out["pairs"], out["pair_fraction"] = pairs, pairs / T / T
     out["tf_blockmask_ms"] = wall(lambda: attn.prepare(lay, "teacher_forcing", chunk_size=chunk), 30)
     mod = prep.mask_mod

@@ -28,10 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from flexpack.packing.collate import PackCollate  # noqa: E402
-from flexpack.packing.sampler import TokenBudgetBatchSampler  # noqa: E402
 from flexpack.training import checkpoint, float8, loop  # noqa: E402
-from flexpack.training.build import Data, _Collate, run_text_slots  # noqa: E402
+from flexpack.training.plan import plan_for  # noqa: E402
 from flexpack.training.config import TrainConfig, from_dict  # noqa: E402
 from train_step import Items, length_sets  # noqa: E402
 
@@ -60,7 +58,6 @@ def main() -> None:
         float8.check = lambda mode, dev: None  # emulated off CUDA
     C, H, W, L, Dt = (4, 4, 4, 6, 32) if args.smoke else (48, 8, 16, 512, 4096)
     lengths = length_sets(args.smoke)[args.lengths]
-    tpf = (H // 2) * (W // 2)
     items = Items(lengths, C, H, W, L, Dt)
     preset = "tiny" if args.smoke else "wan2.2-5b"
     results = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__,
@@ -79,9 +76,7 @@ def main() -> None:
             "runtime": {"dtype": "bfloat16", "float8": mode, "progress": False, "tensorboard": False, "log_every": 1,
                         "compile": args.compile,
                         "out_dir": out, "seed": 0, "device": str(device.type)}})
-        sampler = TokenBudgetBatchSampler(lengths, args.max_tokens, tokens_per_frame=tpf)
-        data = Data(items, sampler, _Collate(PackCollate.from_token_budget(args.max_tokens, tpf), actions=False), tpf,
-                    text_slots=run_text_slots(sampler))
+        data = plan_for(items, cfg)  # the sampler, collate and forward options `flexpack train` builds
         t0 = time.perf_counter()
         try:
             res = loop.train(replace(cfg), data=data)

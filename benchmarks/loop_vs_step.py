@@ -18,18 +18,12 @@ from dataclasses import replace
 
 import torch
 
-from flexpack.packing.collate import PackCollate
-from flexpack.packing.sampler import TokenBudgetBatchSampler
 from flexpack.training import checkpoint, loop
-from flexpack.training.build import Data, _Collate, run_text_slots
+from flexpack.training.plan import plan_for
 
 
 def run_loop(args, name: str, lengths: list[int], items, device: torch.device, cfg, peak: float) -> dict:
-    m = cfg.model.wan_config()
-    tpf = items.shape[1] // m.patch_size[1] * (items.shape[2] // m.patch_size[2])
-    sampler = TokenBudgetBatchSampler(lengths, args.max_tokens, tokens_per_frame=tpf)
-    data = Data(items, sampler, _Collate(PackCollate.from_token_budget(args.max_tokens, tpf), actions=False), tpf,
-                text_slots=run_text_slots(sampler))
+    data = plan_for(items, cfg)  # what `flexpack train` builds: geometry, sampler, collate, forward options
     log_every = args.loop_log_every if not args.smoke else 1
     steps = log_every * (1 + max(1, args.loop_steps // log_every))  # a compile window + the measured ones
     out = tempfile.mkdtemp(prefix="flexpack-loop-")

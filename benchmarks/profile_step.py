@@ -30,10 +30,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from flexpack.packing.collate import PackCollate  # noqa: E402
 from flexpack.packing.lengths import read_frames_file  # noqa: E402
-from flexpack.packing.sampler import TokenBudgetBatchSampler  # noqa: E402
-from flexpack.training.build import Data, _Collate, run_text_slots  # noqa: E402
+from flexpack.training.plan import plan_for  # noqa: E402
 from flexpack.training.config import load_config  # noqa: E402
 from flexpack.training.profile_summary import CATEGORIES  # noqa: E402
 
@@ -45,15 +43,18 @@ class RandomEpisodes(torch.utils.data.Dataset):
 
     def __init__(self, lengths: list[int], *, channels: int, hw: tuple[int, int], action_channels: int,
                  action_steps: int, text_len: int, text_dim: int) -> None:
-        self.lengths, self.c, self.hw = lengths, channels, hw
+        self.frames, self.c, self.hw = lengths, channels, hw
         self.ca, self.a, self.text_len, self.text_dim = action_channels, action_steps, text_len, text_dim
 
     def __len__(self) -> int:
-        return len(self.lengths)
+        return len(self.frames)
+
+    def lengths(self) -> list[int]:
+        return list(self.frames)
 
     def __getitem__(self, i: int) -> dict:
         g = torch.Generator().manual_seed(i)
-        f = self.lengths[i]
+        f = self.frames[i]
         item = {"latent": torch.randn(self.c, f, *self.hw, generator=g), "episode_index": i, "segment": -1,
                 "text": torch.randn(self.text_len, self.text_dim, generator=g), "text_len": self.text_len}
         if self.ca:
@@ -100,13 +101,10 @@ def main() -> None:
         "runtime.log_every=1", "runtime.tensorboard=false", "runtime.activation_checkpointing=false", f"optim.accum_steps={args.accum}",
         "data.num_workers=2" if cuda else "data.num_workers=0"] + (["runtime.compile=false"] if args.eager else []))
     m = cfg.model.wan_config()
-    na = cfg.data.action_steps if m.action_channels else 0
-    tpf = (hw[0] // m.patch_size[1]) * (hw[1] // m.patch_size[2]) + na
-    sampler = TokenBudgetBatchSampler(lengths, cfg.data.max_tokens, tokens_per_frame=tpf, seed=cfg.data.seed)
     dataset = RandomEpisodes(lengths, channels=m.in_channels, hw=hw, action_channels=m.action_channels,
                              action_steps=cfg.data.action_steps, text_len=text_len, text_dim=text_dim)
-    data = Data(dataset, sampler, _Collate(PackCollate.from_token_budget(cfg.data.max_tokens, tpf), actions=na > 0), tpf,
-                text_slots=run_text_slots(sampler))
+    data = plan_for(dataset, cfg, model=m)  # the train loop's sampler, collate, geometry and forward options
+    tpf = data.geometry.tokens_per_frame
 
     from flexpack.training import loop
 

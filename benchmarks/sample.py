@@ -42,6 +42,7 @@ from flexpack.packing.lengths import read_frames_file  # noqa: E402
 from flexpack.sampling.pairs import cut_points, make_pair  # noqa: E402
 from flexpack.sampling.sampler import PackedSampler, SampleOptions, pack_text_slots  # noqa: E402
 from flexpack.training.build import build_model  # noqa: E402
+from flexpack.training.plan import geometry_for  # noqa: E402
 from flexpack.training.config import TrainConfig, from_dict  # noqa: E402
 from flexpack.training.parallel import BLOCK_GRAPHS, compiled_graphs, parallelize  # noqa: E402
 
@@ -93,14 +94,14 @@ def run_set(args, lengths: list[int], device: torch.device) -> dict:
     cfg = config(args)
     m = cfg.model.wan_config()
     C, H, W, L, Dt = (4, 4, 4, 6, 32) if args.tiny else (48, 8, 16, 512, 4096)
-    tpf = (H // 2) * (W // 2) + 4
+    tpf = geometry_for(m, (H, W), cfg).tokens_per_frame  # patches + action steps, as training counts them
     items = make_items(lengths, C, H, W, m.action_channels, L, Dt)
     specs = [(i, c) for i, F in enumerate(lengths) for c in cut_points(F, args.cuts, args.horizon, 1)]
     fresh = lambda sub: [make_pair(items[i], c, args.horizon) for i, c in sub]  # noqa: E731
     opts = SampleOptions(steps=args.steps, solver="euler", dtype="bfloat16" if device.type == "cuda" else "float32")
     torch.manual_seed(0)
     with device:
-        base = build_model(cfg).eval()
+        base = build_model(cfg, m).eval()
     compiled = parallelize(base, device=device, compile=device.type == "cuda")  # blocks compiled in place
     slots = pack_text_slots(fresh(specs), args.max_tokens, tpf)  # the timed run's, for the warm-up too
     packed = PackedSampler(compiled, cfg, tpf, device, opts, text_slots=slots)
@@ -121,7 +122,7 @@ def run_set(args, lengths: list[int], device: torch.device) -> dict:
 
     # the loop: each pair alone, eager blocks (a static-shape compile would recompile per length)
     with device:
-        eager = build_model(cfg).eval()
+        eager = build_model(cfg, m).eval()
     eager.load_state_dict(base.state_dict())
     sub = specs[:: max(1, len(specs) // args.loop_pairs)][: args.loop_pairs]
     for spec in sub:  # warm-up at every length timed (allocator, attention kernels compiled per shape)

@@ -43,14 +43,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flexpack.packing.collate import PackCollate, PadCollate  # noqa: E402
 from flexpack.packing.lengths import read_frames_file  # noqa: E402
-from flexpack.packing.sampler import LengthBucketBatchSampler, TokenBudgetBatchSampler  # noqa: E402
-from flexpack.training.build import _Collate, build_model, run_text_slots  # noqa: E402
+from flexpack.training.build import build_model  # noqa: E402
 from flexpack.training.config import from_dict, TrainConfig  # noqa: E402
-from flexpack.training.flops import measured_bf16_peak, useful_flops  # noqa: E402
+from flexpack.training.flops import batch_flops, measured_bf16_peak, useful_flops  # noqa: E402
 from flexpack.training.parallel import compiled_graphs, parallelize  # noqa: E402
 from flexpack.training.optim import build_optimizer  # noqa: E402
+from flexpack.training.plan import geometry_for, parallel_options, plan_for  # noqa: E402
 from flexpack.training.step import train_step  # noqa: E402
 
 REF = Path(__file__).resolve().parents[1] / "data" / "episode_frames_ref.txt"
@@ -84,7 +83,7 @@ def config(args: argparse.Namespace, mode: str, compile_: bool, float8: str = "o
     model = {"preset": "tiny", "overrides": {"num_layers": args.layers, "action_channels": 0}} if args.smoke else \
         {"preset": "wan2.2-5b", "overrides": {"num_layers": args.layers, "action_channels": 0}}
     return from_dict(TrainConfig, {
-        "data": {"mode": mode, "max_tokens": args.max_tokens},
+        "data": {"mode": mode, "max_tokens": args.max_tokens, "batch_size": getattr(args, "pad_batch", 4), "pad_multiple": 8},
         "model": model,
         "optim": {"lr": 1e-5, "betas": [0.9, 0.95], "grad_clip": 1.0},
         "runtime": {"dtype": "bfloat16", "compile": compile_, "progress": False, "float8": float8,
@@ -97,12 +96,18 @@ class Items:
     """Synthetic dataset items (the keys LatentEpisodeDataset yields), made once per episode on demand."""
 
     def __init__(self, lengths: list[int], C: int, H: int, W: int, L: int, Dt: int) -> None:
-        self.lengths, self.shape, self.L, self.Dt = lengths, (C, H, W), L, Dt
+        self.frames, self.shape, self.L, self.Dt = lengths, (C, H, W), L, Dt
+
+    def __len__(self) -> int:
+        return len(self.frames)
+
+    def lengths(self) -> list[int]:
+        return list(self.frames)
 
     def __getitem__(self, i: int) -> dict:
         g = torch.Generator().manual_seed(1000 + i)
         C, H, W = self.shape
-        return {"latent": torch.randn(C, self.lengths[i], H, W, generator=g).to(torch.bfloat16),
+        return {"latent": torch.randn(C, self.frames[i], H, W, generator=g).to(torch.bfloat16),
                 "text": torch.randn(self.L, self.Dt, generator=g).to(torch.bfloat16) * 0.1,
                 "episode_index": i, "segment": -1}
 
@@ -142,50 +147,43 @@ def _medians(times: list[float], host: list[float], tokens: list[int], flops: li
 def run_flexpack(args, name: str, lengths: list[int], batches: list[list[int]], items: Items, mode: str,
                  compile_: bool, device: torch.device, peak: float) -> dict:
     cfg = config(args, mode, compile_, float8_of(name))
-    m = cfg.model.wan_config()
-    tpf = items.shape[1] // m.patch_size[1] * (items.shape[2] // m.patch_size[2])
-    if mode == "pack":
-        sampler = TokenBudgetBatchSampler(lengths, args.max_tokens, tokens_per_frame=tpf)
-        collate = _Collate(PackCollate.from_token_budget(args.max_tokens, tpf), actions=False)
-    else:
-        sampler = LengthBucketBatchSampler(lengths, args.pad_batch, pad_multiple=8, tokens_per_frame=tpf)
-        collate = _Collate(PadCollate(8), actions=False)
-    plan = batches if mode == "pack" else list(sampler)[: len(batches)]
-    extra = {"text_slots": run_text_slots(sampler)}
+    data = plan_for(items, cfg)  # the train loop's geometry, sampler, collate and forward options
+    m, geometry, collate, extra = data.model, data.geometry, data.collate, data.forward
+    tpf = geometry.tokens_per_frame
+    plan = batches if mode == "pack" else list(data.sampler)[: len(batches)]
     with device:
-        model = build_model(cfg)
-    model = parallelize(model, device=device, compile=compile_, memory_budget=cfg.runtime.activation_memory_budget,
-                        activation_checkpointing=cfg.runtime.activation_checkpointing, float8=cfg.runtime.float8)
+        model = build_model(cfg, m)
+    model = parallelize(model, device=device, **parallel_options(cfg, device).kwargs())  # as `flexpack train` wraps it
     opt = build_optimizer(model, cfg.optim, fused=device.type == "cuda")
     made = [collate([items[i] for i in b]) for b in plan]
     if device.type == "cuda":
         made = [b.pin_memory() for b in made]
     warm = args.warmup
     for k in range(warm):  # compiles, captures, allocator warm-up
-        train_step(model, opt, [made[k]], cfg, step=k, device=device, extra_model_kwargs=extra)
+        train_step(model, opt, [made[k]], cfg, step=k, device=device, forward=extra)
     _sync(device)
     syncs = count_syncs(lambda: train_step(model, opt, [made[warm - 1]], cfg, step=warm, device=device,
-                                           extra_model_kwargs=extra), device)
+                                           forward=extra), device)
     graphs_after_warmup = compiled_graphs()
     _peak_reset(device)
     timed = made[warm:]
     # pass 1, a sync around every step: host time to queue one step (the GPU idle meanwhile)
     host = [_host_and_wall(lambda: train_step(model, opt, [batch], cfg, step=warm + k, device=device,
-                                              extra_model_kwargs=extra), device)[0]
+                                              forward=extra), device)[0]
             for k, batch in enumerate(timed)]
     # pass 2, as the train loop runs: no sync between steps; an event before each step
     times, sums = _event_times(lambda k: train_step(model, opt, [timed[k]], cfg, step=warm + len(timed) + k,
-                                                    device=device, extra_model_kwargs=extra)[0], len(timed), device)
+                                                    device=device, forward=extra)[0], len(timed), device)
     losses = [float(x[0]) for x in sums]
     tokens = [int(b.layout.episode_frames.sum()) * tpf for b in timed]
-    flops = [useful_flops(m, b.layout, video_tokens=tpf) for b in timed]
+    flops = [batch_flops(m, geometry, b.layout) for b in timed]
     out = _medians(times, host, tokens, flops, peak)
     out.update(peak_mem_gb=_peak_gb(device), recompiles_after_warmup=compiled_graphs() - graphs_after_warmup,
                host_syncs_per_step=syncs, float8=cfg.runtime.float8, activation_checkpointing=cfg.runtime.activation_checkpointing,
                losses=losses, finite=all(np.isfinite(losses)), computed_tokens_per_step=made[0].layout.frame_doc.numel() * tpf)
     if args.profile and mode == "pack" and device.type == "cuda":
         out["kernel_split"] = profile_split(lambda: train_step(model, opt, [made[warm]], cfg, step=0, device=device,
-                                                               extra_model_kwargs=extra), device)
+                                                               forward=extra), device)
     return out
 
 
@@ -231,7 +229,9 @@ def run_diffusers(args, lengths: list[int], batches: list[list[int]], items: Ite
                   device: torch.device, peak: float) -> dict:
     import diffusers
 
-    cfg = config(args, "pack", False).model.wan_config()
+    train_cfg = config(args, "pack", False)
+    cfg = train_cfg.model.wan_config()
+    geometry = geometry_for(cfg, items.shape[1:], train_cfg)  # the flexpack variants' tokens per frame
     torch.manual_seed(0)
     with device:
         model = diffusers.WanTransformer3DModel(
@@ -246,7 +246,7 @@ def run_diffusers(args, lengths: list[int], batches: list[list[int]], items: Ite
         fwd = torch.compile(model, dynamic=True)
     elif compile_ == "regional":  # diffusers' own recipe: each repeated block, dynamic shapes
         model.compile_repeated_blocks(fullgraph=True, dynamic=True)
-    tpf = items.shape[1] // cfg.patch_size[1] * (items.shape[2] // cfg.patch_size[2])
+    tpf = geometry.tokens_per_frame
 
     inputs: dict[int, tuple] = {}
 
@@ -293,7 +293,8 @@ def run_diffusers(args, lengths: list[int], batches: list[list[int]], items: Ite
     times, losses = _event_times(lambda k: [step(i) for i in timed[k]], len(timed), device)
     losses = [float(x) for group in losses for x in group]
     tokens = [sum(lengths[i] for i in b) * tpf for b in timed]
-    flops = [useful_flops(cfg, [lengths[i] for i in b], items.L, video_tokens=tpf) for b in timed]
+    flops = [useful_flops(cfg, [lengths[i] for i in b], items.L, video_tokens=geometry.video_tokens,
+                          action_tokens=geometry.action_tokens, copies=geometry.copies) for b in timed]
     out = _medians(times, host, tokens, flops, peak)
     out.update(first_pass_tokens_per_s=statistics.median(n / t for n, t in zip(tokens, first_wall)),
                first_pass_host_ms=1e3 * statistics.median(first_host),
@@ -374,10 +375,10 @@ def main() -> None:
     variants = [v for v in args.variants.split(",") if not (args.no_diffusers and v.startswith("diffusers"))]
     for set_name in args.sets.split(","):
         lengths = sets[set_name]
-        tpf = (H // 2) * (W // 2)
-        sampler = TokenBudgetBatchSampler(lengths, args.max_tokens, tokens_per_frame=tpf)
-        batches = list(sampler)[: args.warmup + args.steps]
         items = Items(lengths, C, H, W, L, Dt)
+        data = plan_for(items, config(args, "pack", True))  # the packs every variant trains on
+        tpf = data.geometry.tokens_per_frame
+        batches = list(data.sampler)[: args.warmup + args.steps]
         res = results[set_name] = {"command": " ".join(sys.argv), "bf16_matmul_tflops": peak / 1e12}  # one run per set
         res["episodes_per_pack"] = statistics.mean(len(b) for b in batches)
         res["frames"] = [min(lengths), max(lengths)]

@@ -108,7 +108,7 @@ def test_top_level_reexports():
 
 
 SAMPLING_MAY_IMPORT_FROM_TRAINING = {"objective", "noise", "build", "checkpoint", "export", "resume", "checks", "config",
-                                     "holdout", "parallel"}
+                                     "holdout", "parallel", "plan"}
 
 
 def test_sampling_imports_only_the_training_parts_it_needs():

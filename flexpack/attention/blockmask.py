@@ -142,6 +142,22 @@ def _segments(keys: tuple[Tensor, ...], length: int, s_max: int) -> tuple[Tensor
     return seg, rep, seg[starts], seg[ends], over, first
 
 
+def unmasked_pairs(mask_mod: Callable) -> int:
+    """Exact count of the (query, key) pairs a segment mask allows, from its segments (no T x T
+    grid): the mask is constant over a pair of segments, so each allowed segment pair counts
+    ``len(q segment) * len(kv segment)``. ``mask_mod``: a mask carrying ``q_keys`` / ``kv_keys``
+    (what :func:`flexpack.attention.masks.make_mask` returns). Benchmarks count TFLOP/s by it."""
+    nq, nk = len(mask_mod.q_keys[0]), len(mask_mod.kv_keys[0])
+    sq, rq, *_ = _segments(mask_mod.q_keys, nq, nq)
+    sk, rk, *_ = _segments(mask_mod.kv_keys, nk, nk)
+    Sq, Sk = int(sq[-1]) + 1, int(sk[-1]) + 1
+    lq = torch.bincount(sq, minlength=Sq).double()
+    lk = torch.bincount(sk, minlength=Sk).double()
+    z = torch.zeros((), dtype=torch.long, device=sq.device)
+    m = mask_mod(z, z, rq[:Sq, None], rk[None, :Sk]).double()  # (Sq, Sk) one representative token each
+    return int(lq @ m @ lk)
+
+
 def _ranges(seg_mask: Tensor, seg_q: Tensor, first_k: Tensor, kv_len: int, runs: int) -> tuple[Tensor, ...]:
     """Per query token, ``runs`` key ranges ``[lo, hi)`` (int32) whose union is its allowed keys.
 

@@ -107,6 +107,13 @@ def _compiled_flex(flash: bool, q: Tensor, k: Tensor) -> Callable:
     return _COMPILED[key]
 
 
+def compiled_flex_attention(q: Tensor, k: Tensor, *, flash: bool = False) -> Callable:
+    """The compiled ``flex_attention`` call ``FlexAttnFunc`` runs for query / key tensors of these
+    shapes (Triton, or FA4 with ``flash``): ``fn(q, k, v, block_mask, scale)``. Compiled once per
+    shape and shared with ``FlexAttnFunc``, so a benchmark timing it adds no compile."""
+    return _compiled_flex(flash, q, k)
+
+
 @dataclass(eq=False)
 class PreparedMask:
     """A mask built once per step from a layout and shared by every layer.

@@ -31,6 +31,8 @@ class WanVAConfig:
     cross_attn_norm: bool = True
     rope_theta: float = 10000.0
     attn_backend: str = "auto"
+    # checkpoint every block inside forward, for direct users of the model; training configs cannot set
+    # it (model.overrides refuses it): there runtime.activation_checkpointing wraps blocks from outside
     activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:

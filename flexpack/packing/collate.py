@@ -6,7 +6,9 @@ Items are dicts as :class:`flexpack.data.LatentEpisodeDataset` returns them:
 - ``action``: (Ca, F, A) float and ``action_mask``: (Ca, F, A) bool — optional (a missing mask
   means every value is real);
 - ``text``: (L, Dt) float and ``text_len``: int — optional;
-- ``episode_index``: int — optional (``-1`` when absent).
+- ``episode_index``: int — optional (``-1`` when absent);
+- ``segment``: int — optional, the item's segment inside its episode (``-1`` when absent: a whole
+  episode); the layout carries both (``episode_index``, ``episode_segment``).
 
 Pad mode (:class:`PadCollate`): one episode per row, ``F_pad = round_up(max F, pad_multiple)``.
 Pack mode (:class:`PackCollate`): all items back to back in one row of ``frame_budget`` frames,
@@ -22,6 +24,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import Tensor
 
+from .geometry import frame_budget
 from .layout import SequenceLayout, hf_packing_kwargs
 
 Item = Mapping[str, Any]
@@ -130,6 +133,10 @@ def _shape(item: Item, i: int, key: str, ndim: int) -> tuple[int, ...]:
     return tuple(x.shape)
 
 
+def _segments(items: Sequence[Item]) -> list[int]:
+    return [int(it.get("segment", -1)) for it in items]
+
+
 def _text(items: Sequence[Item]) -> tuple[Tensor, list[int]]:
     L = max(it["text"].shape[0] for it in items)
     dt = items[0]["text"].shape[1]
@@ -192,6 +199,7 @@ class PadCollate:
         layout = SequenceLayout.from_rows(
             [[f] for f in frames], f_pad,
             episode_index=[int(it.get("episode_index", -1)) for it in items], text_len=text_len, mode="pad",
+            segment=_segments(items),
         )
         return Batch(latent, action, mask, text, layout)
 
@@ -220,7 +228,7 @@ class PackCollate:
         """The collate matching a token-budget sampler: ``frame_budget = max_tokens // tokens_per_frame``."""
         if tokens_per_frame <= 0 or max_tokens < tokens_per_frame:
             raise ValueError(f"need 0 < tokens_per_frame <= max_tokens, got {tokens_per_frame}, {max_tokens}")
-        return PackCollate(max_tokens // tokens_per_frame, crop=crop, tokens_per_frame=tokens_per_frame)
+        return PackCollate(frame_budget(max_tokens, tokens_per_frame), crop=crop, tokens_per_frame=tokens_per_frame)
 
     def __call__(self, items: Sequence[Item]) -> Batch:
         frames, has_action, has_text = _check_items(items)
@@ -234,5 +242,6 @@ class PackCollate:
         layout = SequenceLayout.from_rows(
             [frames], self.frame_budget,
             episode_index=[int(it.get("episode_index", -1)) for it in items], text_len=text_len, mode="pack",
+            segment=_segments(items),
         )
         return Batch(latent, action, mask, text, layout, extras=hf_packing_kwargs(layout, self.tokens_per_frame))

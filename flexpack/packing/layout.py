@@ -47,6 +47,9 @@ class SequenceLayout:
         episode_start:  (E,) int64 — first frame of each episode inside its row.
         episode_frames: (E,) int64 — valid frames of each episode.
         episode_index:  (E,) int64 — dataset index of each episode (``-1`` where unknown).
+        episode_segment: (E,) int64 — segment (annotated task run) of each episode inside its
+                        dataset episode, ``-1`` for a whole episode or where unknown; with
+                        ``episode_index`` it keys the episode's noise (one draw per item).
         text_len:       (E,) int64 — valid text tokens per episode (0 where there is no text).
         mode:           ``"pad"``, ``"pack"`` or ``"tokens"`` (:meth:`from_lengths`).
     """
@@ -57,6 +60,7 @@ class SequenceLayout:
     episode_start: Tensor
     episode_frames: Tensor
     episode_index: Tensor
+    episode_segment: Tensor
     text_len: Tensor
     mode: str
 
@@ -69,11 +73,13 @@ class SequenceLayout:
         episode_index: Sequence[int] | None = None,
         text_len: Sequence[int] | None = None,
         mode: str = "pack",
+        segment: Sequence[int] | None = None,
     ) -> "SequenceLayout":
         """Build a layout from the episode lengths placed in each row, back to back from frame 0.
 
         ``rows[r]`` lists the frame counts of the episodes in row ``r``; the rest of the row is
-        padding. Episode slots are numbered in row order.
+        padding. Episode slots are numbered in row order. ``segment``: each slot's segment index
+        (default ``-1``: whole episodes).
         """
         if frames_per_row <= 0:
             raise ValueError(f"frames_per_row must be positive, got {frames_per_row}")
@@ -106,10 +112,12 @@ class SequenceLayout:
         E = slot
         idx = torch.full((E,), -1, dtype=torch.int64) if episode_index is None else torch.as_tensor(list(episode_index), dtype=torch.int64)
         tl = torch.zeros(E, dtype=torch.int64) if text_len is None else torch.as_tensor(list(text_len), dtype=torch.int64)
-        if idx.shape != (E,) or tl.shape != (E,):
-            raise ValueError(f"episode_index and text_len need {E} entries, got {tuple(idx.shape)} and {tuple(tl.shape)}")
+        seg = torch.full((E,), -1, dtype=torch.int64) if segment is None else torch.as_tensor(list(segment), dtype=torch.int64)
+        if idx.shape != (E,) or tl.shape != (E,) or seg.shape != (E,):
+            raise ValueError(f"episode_index, text_len and segment need {E} entries, got {tuple(idx.shape)}, "
+                             f"{tuple(tl.shape)} and {tuple(seg.shape)}")
         as_t = lambda xs: torch.as_tensor(xs, dtype=torch.int64).reshape(-1)  # noqa: E731
-        return SequenceLayout(frame_doc, frame_pos, as_t(ep_row), as_t(ep_start), as_t(ep_frames), idx, tl, mode)
+        return SequenceLayout(frame_doc, frame_pos, as_t(ep_row), as_t(ep_start), as_t(ep_frames), idx, seg, tl, mode)
 
     @staticmethod
     def from_lengths(lengths: Sequence[int], pad_to: int | None = None) -> "SequenceLayout":

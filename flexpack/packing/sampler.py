@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 
 from flexpack.packing.bins import pack_bins
+from flexpack.packing.geometry import frame_budget, too_long
 
 COST_HIDDEN_SIZE = 3072  # model width d behind the attention weight of batch_cost (Wan-5B class)
 
@@ -412,18 +413,14 @@ class TokenBudgetBatchSampler(_EpochBatchSampler):
         super().__init__(lengths, rank, world_size, seed)
         self.max_tokens = _int("max_tokens", max_tokens, 1)
         self.tokens_per_frame = _int("tokens_per_frame", tokens_per_frame, 1)
-        self.budget_frames = self.max_tokens // self.tokens_per_frame
-        if self.budget_frames < 1:
-            raise ValueError(
-                f"max_tokens={self.max_tokens} is less than one frame (tokens_per_frame={self.tokens_per_frame})"
-            )
+        self.budget_frames = frame_budget(self.max_tokens, self.tokens_per_frame)
         self.crop = bool(crop)
-        too_long = [i for i, f in enumerate(self.lengths) if f > self.budget_frames]
-        if too_long and not self.crop:
-            i = too_long[0]
+        over = too_long(self.lengths, self.budget_frames)
+        if over and not self.crop:
+            i = over[0]
             raise ValueError(
                 f"episode {i} has {self.lengths[i]} latent frames = {self.lengths[i] * self.tokens_per_frame} "
-                f"tokens > max_tokens={self.max_tokens} ({len(too_long)} episode(s) too long); "
+                f"tokens > max_tokens={self.max_tokens} ({len(over)} episode(s) too long); "
                 "raise max_tokens, drop the episode, or pass crop=True"
             )
         self.effective_lengths = tuple(min(f, self.budget_frames) for f in self.lengths)

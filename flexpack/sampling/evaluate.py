@@ -70,12 +70,21 @@ def dataset_for(cfg: Any, episodes: Sequence[int] | None = None, *, val: bool = 
     return open_dataset(cfg, episodes, segments=False)
 
 
-def tokens_per_frame(cfg: Any, dataset: Any) -> int:
-    """Tokens of one latent frame of ``dataset`` for the config's model (:func:`flexpack.training.build.tokens_per_frame`)."""
-    from flexpack.training import build
+def geometry(cfg: Any, dataset: Any) -> Any:
+    """The token geometry of ``dataset`` for the config's model, as training derives it
+    (:func:`flexpack.training.plan.geometry_for`), with ``data.max_tokens`` per pack in either
+    ``data.mode``: sampling always packs."""
+    from dataclasses import replace
+
+    from flexpack.training.plan import geometry_for
 
     _, _, H, W = dataset[0]["latent"].shape
-    return build.tokens_per_frame(cfg.model.wan_config(), (H, W), cfg.data.action_steps)
+    return replace(geometry_for(cfg.model.wan_config(), (H, W), cfg), max_tokens=cfg.data.max_tokens)
+
+
+def tokens_per_frame(cfg: Any, dataset: Any) -> int:
+    """Tokens of one latent frame of ``dataset`` for the config's model (its :func:`geometry`)."""
+    return geometry(cfg, dataset).tokens_per_frame
 
 
 def build_pairs(cfg: Any, dataset: Any, plan: PairPlan, *, limit_pairs: int | None = None,
@@ -92,7 +101,7 @@ def build_pairs(cfg: Any, dataset: Any, plan: PairPlan, *, limit_pairs: int | No
                          f"({chunk} latent frames)")
     actions = cfg.model.wan_config().action_channels > 0
     # a pair is one document of a pack: automatic cut points and rollouts stay within one pack's frames
-    budget = cfg.data.max_tokens // tokens_per_frame(cfg, dataset)
+    budget = geometry(cfg, dataset).frame_budget
     lengths = dataset.lengths()
     pairs, short, cut_short = [], [], []
     for i, F_full in enumerate(lengths):

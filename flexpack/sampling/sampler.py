@@ -44,9 +44,11 @@ from torch import Tensor, nn
 
 from flexpack.attention.masks import text_slots
 from flexpack.packing.collate import PackCollate
+from flexpack.packing.geometry import frame_budget, too_long
 from flexpack.packing.sampler import TokenBudgetBatchSampler
 from flexpack.sampling.pairs import Pair, pair_noise
 from flexpack.sampling.schedule import check_solver, sigma_grid, solve
+from flexpack.training.plan import forward_options
 
 
 def context_chunk(cfg: Any) -> int:
@@ -117,11 +119,12 @@ class PackedSampler:
     def _stage(self, todo: list[tuple[Pair, int, int]]) -> None:
         rank, size = _world()
         lengths = [k + n for _, k, n in todo]
-        for (p, _, _), n in zip(todo, lengths):
-            if n * self.tpf > self.max_tokens:
-                raise ValueError(f"episode {p.episode} at cut {p.cut}: {n} latent frames = {n * self.tpf} tokens do "
-                                 f"not fit a pack of data.max_tokens={self.max_tokens}; raise data.max_tokens "
-                                 "or lower --horizon")
+        over = too_long(lengths, frame_budget(self.max_tokens, self.tpf))  # the training rule (packing.geometry)
+        if over:
+            (p, _, _), n = todo[over[0]], lengths[over[0]]
+            raise ValueError(f"episode {p.episode} at cut {p.cut}: {n} latent frames = {n * self.tpf} tokens do "
+                             f"not fit a pack of data.max_tokens={self.max_tokens}; raise data.max_tokens "
+                             "or lower --horizon")
         sampler = TokenBudgetBatchSampler(lengths, self.max_tokens, tokens_per_frame=self.tpf, rank=rank,
                                           world_size=size, seed=0)
         collate = PackCollate.from_token_budget(self.max_tokens, self.tpf)
@@ -178,7 +181,7 @@ class PackedSampler:
             keep.append(~a_live)
         tf = cfg.model.mask == "teacher_forcing"
         scale = cfg.objective.num_train_timesteps
-        kw = {"mask": cfg.model.mask, "chunk_size": cfg.model.chunk_size, "text_slots": self.text_slots}
+        kw = forward_options(cfg, self.text_slots).kwargs()  # training's mask and chunk size
         bf16 = self.opt.dtype == "bfloat16"
         n_valid = int(lay.episode_frames.sum()) * self.tpf
 

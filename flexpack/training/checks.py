@@ -170,26 +170,35 @@ def config_terms(cfg: Any) -> Iterator[None]:
         raise
 
 
-def check_token_budget(cfg: Any, dataset: Any, tokens_per_frame: int) -> None:
-    """Pack mode: every item fits ``data.max_tokens`` unless ``data.crop`` cuts it (named by episode)."""
-    d = cfg.data
+def check_token_budget(cfg: Any, dataset: Any, geometry: Any) -> None:
+    """Pack mode: every item fits ``data.max_tokens`` unless ``data.crop`` cuts it (named by episode).
+    ``geometry``: the run's :class:`~flexpack.packing.geometry.TokenGeometry` (its too-long rule)."""
+    d, tokens_per_frame = cfg.data, geometry.tokens_per_frame
     if d.max_tokens < tokens_per_frame:
         raise UserError(f"data.max_tokens = {d.max_tokens} is less than one latent frame ({tokens_per_frame} tokens: "
                         f"video patches + data.action_steps); raise data.max_tokens")
     if d.crop:
         return
     lengths = dataset.lengths()
-    too_long = [i for i, f in enumerate(lengths) if f * tokens_per_frame > d.max_tokens]
+    too_long = geometry.too_long(lengths)
     if not too_long:
         return
     i = max(too_long, key=lambda j: lengths[j])
-    episode, segment = dataset.items[i][0], dataset.items[i][1]
-    what = f"episode {episode}" + ("" if segment is None else f" segment {segment.segment} (video frames {segment.start}..{segment.stop - 1})")
     need = lengths[i] * tokens_per_frame
-    raise UserError(f"{d.root}: {what} has {lengths[i]} latent frames = {need} tokens "
-                    f"({tokens_per_frame} per frame) > data.max_tokens = {d.max_tokens} "
+    raise UserError(f"{d.root or 'in-memory episodes'}: {_item_name(dataset, i)} has {lengths[i]} latent frames = "
+                    f"{need} tokens ({tokens_per_frame} per frame) > data.max_tokens = {d.max_tokens} "
                     f"({len(too_long)} item(s) too long); raise data.max_tokens to at least {need} "
                     "or set data.crop = true")
+
+
+def _item_name(dataset: Any, i: int) -> str:
+    """Item ``i`` of a dataset as a user finds it: its episode (and segment) where the dataset says."""
+    items = getattr(dataset, "items", None)
+    if items is None:
+        return f"episode {i}"
+    episode, segment = items[i][0], items[i][1]
+    return f"episode {episode}" + ("" if segment is None else
+                                   f" segment {segment.segment} (video frames {segment.start}..{segment.stop - 1})")
 
 
 _WRAPPERS = re.compile(r"(^|\.)(_checkpoint_wrapped_module|_orig_mod|_fsdp_wrapped_module)\.")

@@ -96,13 +96,19 @@ class ModelConfig:
     """
 
     preset: str = "tiny"  # WanVA preset: "tiny" or "wan2.2-5b"
-    overrides: dict[str, Any] = field(default_factory=dict)  # any WanVAConfig field
+    overrides: dict[str, Any] = field(default_factory=dict)  # any WanVAConfig field but activation_checkpointing (a runtime key)
     pretrained: str = ""  # "" = random init
     mask: str = "document"  # self-attention mask: "document", "chunk_causal" or "teacher_forcing"
     chunk_size: int | None = None  # latent frames per chunk of the chunk_causal / teacher_forcing masks
 
     def __post_init__(self) -> None:
-        self.wan_config()  # unknown preset or override fields raise here, at load time
+        if "activation_checkpointing" in self.overrides:  # one setting, applied from outside the model
+            raise ValueError(f"model.overrides.activation_checkpointing = {self.overrides['activation_checkpointing']!r} "
+                             "is not a model setting: set runtime.activation_checkpointing instead (true, a block "
+                             "count or 'selective')")
+        # resolved once, here: unknown preset or override fields raise at load time, and with
+        # model.pretrained its config.json is read once per config, not once per caller
+        object.__setattr__(self, "_resolved", self._resolve())
         if self.mask not in MASKS:
             raise ValueError(f"model.mask must be one of {MASKS}, got {self.mask!r}")
         if self.mask != "document" and (self.chunk_size is None or self.chunk_size <= 0):
@@ -112,6 +118,11 @@ class ModelConfig:
                              "set model.mask to 'chunk_causal' or 'teacher_forcing', or drop chunk_size")
 
     def wan_config(self):
+        """The resolved :class:`~flexpack.models.wan_config.WanVAConfig` (made once, at construction;
+        a run's plan holds it: :mod:`flexpack.training.plan`)."""
+        return self._resolved
+
+    def _resolve(self):
         from flexpack.models.wan_config import WanVAConfig, wan_config
 
         known = {f.name for f in dataclasses.fields(WanVAConfig)}
@@ -269,9 +280,11 @@ class RuntimeConfig:
         if not (isinstance(self.activation_memory_budget, (int, float)) and 0.0 <= self.activation_memory_budget <= 1.0):
             raise ValueError(f"runtime.activation_memory_budget must be between 0 and 1 (1: save what the compiled "
                              f"blocks would), got {self.activation_memory_budget!r}")
-        if self.activation_memory_budget < 1.0 and self.compile is False:
-            raise ValueError(f"runtime.activation_memory_budget = {self.activation_memory_budget} applies to compiled "
-                             "blocks, but runtime.compile = false; set runtime.compile = true (or 'auto' on CUDA)")
+        if self.compile is False:  # known at load time; "auto" is decided where the run starts (plan.parallel_options)
+            from flexpack.training.parallel import check_memory_budget
+
+            check_memory_budget(self.activation_memory_budget, False, "runtime.activation_memory_budget",
+                                ", but runtime.compile = false; set runtime.compile = true (or 'auto' on CUDA)")
         if self.peak_tflops is not None and not (self.peak_tflops > 0 and math.isfinite(self.peak_tflops)):
             raise ValueError(f"runtime.peak_tflops must be a positive number, got {self.peak_tflops!r}")
 
@@ -293,9 +306,6 @@ class TrainConfig:
         if self.model.mask == "teacher_forcing" and not self.objective.teacher_forcing:
             # without the clean copy every token is noisy: attention would shrink to the own chunk
             raise ValueError("model.mask = 'teacher_forcing' needs objective.teacher_forcing = true (the clean copy)")
-        if self.runtime.activation_checkpointing and self.model.overrides.get("activation_checkpointing"):
-            raise ValueError("activation checkpointing is on twice (runtime.activation_checkpointing and "
-                             "model.overrides.activation_checkpointing): each block would be recomputed twice; keep one")
         if self.objective.latent_weight == 0 and not self.model.wan_config().action_channels:
             raise ValueError("objective.latent_weight = 0 on a model without actions (action_channels = 0): "
                              "the loss would be 0; set objective.latent_weight > 0")

@@ -33,7 +33,7 @@ import os
 import shutil
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -125,7 +125,7 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike, *, ema: bool = Fa
             if found.exists() or attempt == 2:
                 raise
             print(f"export: {found} was pruned while reading it; taking the newest again", file=sys.stderr)
-    wcfg = replace(cfg.model.wan_config(), activation_checkpointing=False)
+    wcfg = cfg.model.wan_config()
     norm = _normalization(cfg, state)
     print(f"export: checkpoint {found} (step {int(state['step'])})", file=sys.stderr)
 

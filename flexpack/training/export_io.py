@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +62,7 @@ def load_checkpoint(found: Path, run: Path, ema: bool, overrides: Sequence[str])
     if ema and not checkpoint.has_ema(found):
         raise ValueError(f"{found}: holds no EMA weights (trained with optim.ema_decay = 0); export without --ema")
     cfg = load_config(source, overrides)
-    wcfg = replace(cfg.model.wan_config(), activation_checkpointing=False)
+    wcfg = cfg.model.wan_config()
     with torch.device("meta"):
         model = WanVA(wcfg)
     model.to_empty(device="cpu")  # every tensor is overwritten by the checkpoint

@@ -15,7 +15,8 @@ MFU = useful FLOPs / (seconds × peak). The peak is what an 8192³ bf16 matmul r
 itself, measured once per process (:func:`measured_bf16_peak`; 755–795 TFLOP/s on the H200, where
 the datasheet's dense bf16 rate, :data:`DATASHEET_BF16_FLOPS`, is 989), overridable with
 ``LINGBOT_PEAK_TFLOPS`` or ``runtime.peak_tflops``. ``benchmarks/train_step.py``, metrics.jsonl's
-``mfu`` and the profile summary all count this way.
+``mfu`` and the profile summary all count this way, through :func:`batch_flops` fed by the run
+plan's token geometry (:mod:`flexpack.training.plan`: copies, video and action tokens per frame).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from flexpack.models.wan_config import WanVAConfig
+from flexpack.packing.geometry import TokenGeometry
 from flexpack.packing.layout import SequenceLayout, TokenLayout
 
 # NVIDIA datasheets, dense bf16 tensor-core FLOP/s (the "with sparsity" figures are 2x these).
@@ -131,6 +133,14 @@ def useful_flops(
     """Useful forward + backward FLOPs of one micro-batch (see :func:`flops_breakdown` for the arguments;
     ``backward=False`` gives the forward alone)."""
     return flops_breakdown(config, layout_or_counts, text_len, **kw).total
+
+
+def batch_flops(config: WanVAConfig, geometry: TokenGeometry, layout: SequenceLayout, *, backward: bool = True) -> float:
+    """Useful FLOPs of one collated micro-batch: its layout's episodes and text lengths, with the
+    video and action tokens per frame and the copies of the run's ``geometry`` (the one count
+    metrics.jsonl's ``mfu``, the profile summary and ``benchmarks/`` share)."""
+    return useful_flops(config, layout, None, video_tokens=geometry.video_tokens, action_tokens=geometry.action_tokens,
+                        copies=geometry.copies, backward=backward)
 
 
 _MEASURED: dict[str, float] = {}

@@ -2,8 +2,10 @@
 
 Order of one optimizer step (nanoGPT's): lr → checkpoint → micro-steps → clip → step → log.
 
-- Data: LatentEpisodeDataset; pack mode = TokenBudgetBatchSampler + PackCollate, pad mode =
-  LengthBucketBatchSampler + PadCollate. The sampler is sharded by rank and resumes mid-epoch.
+- Data: the run's plan (:mod:`flexpack.training.plan`: model config, token geometry, LatentEpisodeDataset,
+  pack mode = TokenBudgetBatchSampler + PackCollate, pad mode = LengthBucketBatchSampler + PadCollate,
+  forward options), made once and read by the step, meter, profiler and validation. The sampler is
+  sharded by rank and resumes mid-epoch.
 - Accumulation: ``optim.accum_steps`` micro-batches per step, each back-propagating
   ``FlowLoss.accumulation_loss(totals)`` with ``totals`` = Σ ``loss_counts`` over the step's
   micro-batches of all ranks, so a step equals one batch of all its episodes.
@@ -42,13 +44,14 @@ from tqdm import tqdm
 from flexpack.packing.collate import Batch
 from flexpack.sampling.hook import make_sample_hook
 from flexpack.training import checkpoint, faults, float8, resume, runfolder, tracking
-from flexpack.training.build import Data, build_data, build_model, materialize
+from flexpack.training.build import build_data, build_model, materialize
 from flexpack.training.checks import positive_int, preflight
 from flexpack.training.config import ScheduleConfig, TrainConfig, load_config
 from flexpack.training.ema import make_ema
 from flexpack.training.metrics import StepMeter
 from flexpack.training.optim import build_optimizer
 from flexpack.training.parallel import parallelize, world
+from flexpack.training.plan import Plan, parallel_options, use_compile  # noqa: F401  (use_compile: public here too)
 from flexpack.training.profiling import StepProfiler
 from flexpack.training.step import accumulate, train_step  # noqa: F401  (accumulate: public here too)
 from flexpack.training.validation import make_validator
@@ -81,14 +84,6 @@ def _stream(loader: Any, sampler: Any) -> Iterator[tuple[Batch, dict]]:
         sampler.set_epoch(epoch + 1)
 
 
-def use_compile(cfg: TrainConfig, device: torch.device) -> bool:
-    """``runtime.compile``: ``"auto"`` compiles the blocks on CUDA in pack mode (one shape per pack;
-    pad mode's many shapes would each compile)."""
-    if cfg.runtime.compile == "auto":
-        return device.type == "cuda" and cfg.data.mode == "pack"
-    return bool(cfg.runtime.compile)
-
-
 @dataclass
 class TrainResult:
     step: int  # optimizer steps done (over all runs of this folder)
@@ -101,10 +96,11 @@ class TrainResult:
     model: nn.Module | None = None  # the trained model (FSDP-sharded under torchrun)
 
 
-def train(cfg: TrainConfig, *, stop_after: int | None = None, data: Data | None = None) -> TrainResult:
+def train(cfg: TrainConfig, *, stop_after: int | None = None, data: Plan | None = None) -> TrainResult:
     """Train ``cfg.schedule.steps`` optimizer steps (resuming from the run folder's newest checkpoint);
-    ``stop_after`` ends early after that step, with a checkpoint, as an interruption would; ``data``
-    replaces what ``cfg.data`` describes (in-memory episodes, e.g. ``benchmarks/profile_step.py``).
+    ``stop_after`` ends early after that step, with a checkpoint, as an interruption would; ``data``:
+    a :class:`~flexpack.training.plan.Plan` replacing what ``cfg.data`` describes (in-memory episodes,
+    :func:`flexpack.training.memory_data.synthetic_data`, e.g. ``benchmarks/profile_step.py``).
     Faults (:mod:`flexpack.training.faults`): a signal saves and raises ``Interrupted``, a non-finite
     step raises ``NonFiniteError`` (or is skipped), a data error on any rank saves the steps done and re-raises."""
     rank, size = world()
@@ -125,25 +121,17 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, data: Data | None 
 
 
 def _train(cfg: TrainConfig, found: Path | None, stop: faults.GracefulStop, stop_after: int | None,
-           device: torch.device, data: Data | None) -> TrainResult:
+           device: torch.device, data: Plan | None) -> TrainResult:
     rank, size = world()
     data = build_data(cfg, rank, size) if data is None else data
-    param_dtype = torch.bfloat16 if cfg.runtime.dtype == "bfloat16" else None
     with device:  # built where it runs: no full fp32 copy of a 5B model in host memory per rank
-        model = build_model(cfg)
-    compiled = use_compile(cfg, device)
-    if cfg.runtime.activation_memory_budget < 1.0 and not compiled:
-        raise ValueError(f"runtime.activation_memory_budget = {cfg.runtime.activation_memory_budget} applies to compiled "
-                         f"blocks, which runtime.compile = {cfg.runtime.compile!r} leaves off here ({device.type}, "
-                         f"{cfg.data.mode} mode); set runtime.compile = true")
-    model = parallelize(model, device=device, param_dtype=param_dtype, compile=compiled,
-                        activation_checkpointing=cfg.runtime.activation_checkpointing,
-                        memory_budget=cfg.runtime.activation_memory_budget, float8=cfg.runtime.float8)
-    materialize(model, cfg, device)  # model.pretrained under FSDP2: each rank loads its shards
+        model = build_model(cfg, data.model)
+    model = parallelize(model, device=device, **parallel_options(cfg, device).kwargs())
+    materialize(model, cfg, device, data.model)  # model.pretrained under FSDP2: each rank loads its shards
     o, run = cfg.optim, Path(cfg.runtime.out_dir)
     opt = build_optimizer(model, o, log=rank == 0, fused=device.type == "cuda")  # no decay on norms, biases, ...
     ema = make_ema(model, o.ema_decay)
-    validator = make_validator(cfg, device)  # None unless runtime.eval_every
+    validator = make_validator(cfg, device, data.model)  # None unless runtime.eval_every
     start, resumed_at = 0, None
     if found is not None:
         start = resumed_at = int(resume.restore(found, cfg, model, opt, data, rank, ema=ema)["step"])
@@ -160,8 +148,7 @@ def _train(cfg: TrainConfig, found: Path | None, stop: faults.GracefulStop, stop
     sampler_hook = make_sample_hook(cfg, device, normalizer=extra["action_normalizer"], rank=rank,
                                     dataset_normalizer=getattr(data.dataset, "normalizer", None))
 
-    guard, meter = faults.StepGuard(stop, o.skip_nonfinite), StepMeter(cfg, device, tpf)
-    model_kw = {"text_slots": data.text_slots}  # one text-key shape for the run: no recompiles per episode count
+    guard, meter = faults.StepGuard(stop, o.skip_nonfinite), StepMeter(cfg, device, model=data.model, geometry=data.geometry)
 
     def save() -> Path:
         guard.flush()  # never the weights of a non-finite step
@@ -169,8 +156,7 @@ def _train(cfg: TrainConfig, found: Path | None, stop: faults.GracefulStop, stop
 
     bar = tqdm(total=cfg.schedule.steps, initial=start, desc="train", unit="step",
                disable=rank != 0 or not cfg.runtime.progress)
-    with (StepProfiler.for_training(cfg, rank, steps_left=end - step, first_step=step, tokens_per_frame=tpf,
-                                    device=device) as prof,
+    with (StepProfiler.for_training(cfg, rank, steps_left=end - step, first_step=step, plan=data, device=device) as prof,
           tracking.MetricSinks(run, cfg, rank=rank, start_step=start) as sinks, _QuietGC() as gc_pause):
         while step < end and not signum:
             gc_pause.step(step)
@@ -193,7 +179,8 @@ def _train(cfg: TrainConfig, found: Path | None, stop: faults.GracefulStop, stop
                         print(f"saved step {step} in {result.checkpoint} before the error below", file=sys.stderr)
                 raise error or faults.PeerDataError(step + 1)
             batches, sampler_state = [b for b, _ in micro], micro[-1][1]
-            sums, norm = train_step(model, opt, batches, cfg, step=step, device=device, extra_model_kwargs=model_kw,
+            # the plan's forward options: one text-key shape for the run, no recompiles per episode count
+            sums, norm = train_step(model, opt, batches, cfg, step=step, device=device, forward=data.forward,
                                     prof=prof, guard=guard, ema=ema)
             signum, nonfinite = guard.signum, guard.skipped
             meter.add(batches)

@@ -1,5 +1,5 @@
 """In-memory episodes shaped like :class:`~flexpack.data.LatentEpisodeDataset`'s items, with the
-sampler and collate a config builds: ``flexpack verify --synthetic`` (and benchmarks) run the
+plan (sampler, collate, geometry: :mod:`flexpack.training.plan`) a config builds: ``flexpack verify --synthetic`` (and benchmarks) run the
 training configuration without a LeRobot dataset on disk.
 
 Each item is drawn from a generator seeded by its index (latent, text, actions), so a rank, a
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from flexpack.training.build import Data, _Collate, batching, run_text_slots, tokens_per_frame
+from flexpack.training.plan import Plan, geometry_for, plan_for
 
 REFERENCE_FRAMES = Path(__file__).resolve().parents[2] / "data" / "episode_frames_ref.txt"
 
@@ -58,28 +58,28 @@ def episode_lengths(budget_frames: int, *, count: int = 64, seed: int = 0) -> li
 
 
 def synthetic_data(cfg, *, hw: tuple[int, int] | None = None, text_len: int = 16, rank: int = 0,
-                   world_size: int = 1) -> Data:
-    """The config's sampler and collate over :class:`RandomEpisodes` shaped for its model.
+                   world_size: int = 1, model=None) -> Plan:
+    """The config's :class:`~flexpack.training.plan.Plan` over :class:`RandomEpisodes` shaped for its model.
 
     ``hw``: latent height and width (default: one patch, one video token per frame); must be a
-    multiple of the model's patch. Pack and pad mode as :func:`flexpack.training.build.build_data`."""
-    d, m = cfg.data, cfg.model.wan_config()
+    multiple of the model's patch. Pack and pad mode as :func:`flexpack.training.build.build_data`.
+    ``model``: the resolved model config where the caller has it."""
+    d, m = cfg.data, cfg.model.wan_config() if model is None else model
     _, ph, pw = m.patch_size
     hw = (ph, pw) if hw is None else tuple(hw)
     if len(hw) != 2 or min(hw) <= 0 or hw[0] % ph or hw[1] % pw:
         raise ValueError(f"--synthetic-hw {hw} must be two positive multiples of the model's patch ({ph}, {pw})")
     if text_len <= 0:
         raise ValueError(f"synthetic text_len must be >= 1, got {text_len}")
-    tpf = tokens_per_frame(m, hw, d.action_steps)
     if d.mode == "pack":
-        if d.max_tokens < tpf:
-            raise ValueError(f"data.max_tokens = {d.max_tokens} is less than one latent frame ({tpf} tokens)")
-        lengths = episode_lengths(d.max_tokens // tpf, seed=d.seed)
+        geometry = geometry_for(m, hw, cfg)
+        if d.max_tokens < geometry.tokens_per_frame:
+            raise ValueError(f"data.max_tokens = {d.max_tokens} is less than one latent frame "
+                             f"({geometry.tokens_per_frame} tokens)")
+        lengths = episode_lengths(geometry.frame_budget, seed=d.seed)
     else:
         rng = random.Random(d.seed)  # short episodes: pad mode's shapes follow the longest of each batch
         lengths = [rng.randint(1, 24) for _ in range(8 * d.batch_size)]
-    sampler, collate = batching(cfg, lengths, tpf, rank, world_size)
     dataset = RandomEpisodes(lengths, channels=m.in_channels, hw=hw, action_channels=m.action_channels,
                              action_steps=d.action_steps, text_len=text_len, text_dim=m.text_dim)
-    return Data(dataset, sampler, _Collate(collate, actions=m.action_channels > 0), tpf,
-                text_slots=run_text_slots(sampler))
+    return plan_for(dataset, cfg, rank=rank, world_size=world_size, model=m)

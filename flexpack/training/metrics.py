@@ -1,7 +1,9 @@
 """Throughput figures of the train loop's logged steps: tokens/s, step time, peak memory, MFU.
 
 Measured over the window of steps since the previous log, ending at a device synchronization, so
-no step waits for the GPU to be timed (timing each step would put a sync on every step).
+no step waits for the GPU to be timed (timing each step would put a sync on every step). Tokens per
+frame, copies and useful FLOPs come from the run plan's token geometry (:mod:`flexpack.training.plan`,
+:func:`flexpack.training.flops.batch_flops`), the same count the profiler and benchmarks use.
 """
 
 from __future__ import annotations
@@ -13,17 +15,19 @@ from typing import Any, Sequence
 
 import torch
 
+from flexpack.models.wan_config import WanVAConfig
+from flexpack.packing.geometry import TokenGeometry
 from flexpack.training.config import TrainConfig
-from flexpack.training.flops import peak_flops, useful_flops
+from flexpack.training.flops import batch_flops, peak_flops
 
 
 class StepMeter:
-    """Accumulates the steps of one logging window; :meth:`read` closes it."""
+    """Accumulates the steps of one logging window; :meth:`read` closes it. ``model`` and
+    ``geometry``: the run plan's (:mod:`flexpack.training.plan`), so FLOPs count its copies."""
 
-    def __init__(self, cfg: TrainConfig, device: torch.device, tokens_per_frame: int) -> None:
-        self.device, self.tpf = device, tokens_per_frame
-        self.model_cfg = cfg.model.wan_config()
-        self.action_tokens = cfg.data.action_steps if self.model_cfg.action_channels else 0
+    def __init__(self, cfg: TrainConfig, device: torch.device, *, model: WanVAConfig, geometry: TokenGeometry) -> None:
+        self.device, self.model_cfg, self.geometry = device, model, geometry
+        self.tpf = geometry.tokens_per_frame
         self.peak = peak_flops(device, cfg.runtime.peak_tflops)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -38,9 +42,7 @@ class StepMeter:
         for b in batches:
             self.valid_tokens += int(b.layout.episode_frames.sum()) * self.tpf
             if self.peak is not None:
-                copies = 2 if b.latent.ndim == 6 else 1
-                self.flops += useful_flops(self.model_cfg, b.layout, video_tokens=self.tpf - self.action_tokens,
-                                           action_tokens=self.action_tokens, copies=copies)
+                self.flops += batch_flops(self.model_cfg, self.geometry, b.layout)
 
     def read(self) -> dict[str, Any]:
         """``tokens_per_s``, ``step_s``, ``peak_mem_gb`` and (CUDA) ``mfu`` of the window; starts the next."""

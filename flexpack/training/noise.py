@@ -24,6 +24,14 @@ def episode_seed(*parts: int) -> int:
     return int(np.random.SeedSequence([int(p) & 0xFFFFFFFF for p in parts]).generate_state(2, np.uint64)[0] >> 1)
 
 
+def noise_seeds(layout: Any, *parts: int) -> list[int]:
+    """One seed per episode slot of ``layout``: ``episode_seed(*parts, episode, segment + 1)`` from
+    the layout's host-side ``episode_index`` and ``episode_segment``. ``parts``: what else keys the
+    draw, e.g. (run seed, step) in training, ``VAL_TAG`` alone for the validation loss."""
+    pairs = zip(layout.episode_index.tolist(), layout.episode_segment.tolist())
+    return [episode_seed(*parts, e, s + 1) for e, s in pairs]
+
+
 def episode_flow_sample(batch: Any, cfg: FlowMatchingConfig, seeds: Sequence[int]) -> FlowSample:
     """``make_flow_sample`` with σ and noises drawn per episode; ``seeds[e]`` seeds episode slot ``e``.
 

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from flexpack.attention.flex import GraphCounter, compile_count
+from flexpack.errors import UserError
 
 
 def world() -> tuple[int, int]:
@@ -38,6 +39,15 @@ def is_sharded(model: nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(model, FSDPModule)
+
+
+def check_memory_budget(budget: float, compiled: bool, key: str, why: str) -> None:
+    """The activation memory budget rule, written once: below 1 it applies to compiled blocks only
+    (the partitioner that honours it runs when a block compiles). ``key``: the budget as the caller
+    names it; ``why``: the rest of the line (why the blocks are not compiled, what to set)."""
+    if budget < 1.0 and not compiled:
+        raise UserError(f"{key} = {budget} applies to compiled blocks{why}")
+
 
 
 BLOCK_GRAPHS = GraphCounter()  # the model's blocks (FlexAttnFunc counts its own graphs)
@@ -101,8 +111,7 @@ def parallelize(
         from flexpack.training import float8 as f8
 
         f8.convert(model, float8, fsdp=size > 1, emulate=device.type != "cuda")
-    if not compile and memory_budget < 1.0:
-        raise ValueError(f"activation_memory_budget = {memory_budget} applies to compiled blocks; compile is off")
+    check_memory_budget(memory_budget, compile, "activation_memory_budget", "; compile is off")
     if activation_checkpointing == "selective":  # checkpoint first, then compile: the policy is traced
         from flexpack.training import selective
 

@@ -17,7 +17,8 @@ profiler warm-up step, and writes to ``RUN/profile/``:
 
 If the run has fewer steps left than warm-up + n, one line says so and what there is is profiled
 (at least one whole step). On a machine without a GPU the profiler's GPU probe is kept quiet.
-``0`` or unset: off (every hook is a no-op). Files are written atomically.
+``0`` or unset: off (every hook is a no-op). Files are written atomically. Token counts, copies and
+useful FLOPs come from the run's plan (:meth:`StepProfiler.for_training`, :mod:`flexpack.training.plan`).
 """
 
 from __future__ import annotations
@@ -145,22 +146,19 @@ class StepProfiler:
                              record_shapes=False, acc_events=True)
 
     @classmethod
-    def for_training(cls, cfg: Any, rank: int, *, steps_left: int, first_step: int, tokens_per_frame: int,
+    def for_training(cls, cfg: Any, rank: int, *, steps_left: int, first_step: int, plan: Any,
                      device: torch.device) -> "StepProfiler":
-        """The profiler of :func:`flexpack.training.loop.train`: token counts and FLOPs from the config."""
-        from flexpack.training.flops import useful_flops
+        """The profiler of :func:`flexpack.training.loop.train`: token counts, copies and FLOPs from
+        the run's plan (:class:`~flexpack.training.plan.Plan`: its model config and token geometry)."""
+        from flexpack.training.flops import batch_flops
 
-        model = cfg.model.wan_config()
-        na = cfg.data.action_steps if model.action_channels else 0
-        copies = 2 if cfg.objective.teacher_forcing else 1
+        model, geometry = plan.model, plan.geometry
 
         def flops(batch: Any) -> float:
-            text = None if batch.text is not None else 0
-            return useful_flops(model, batch.layout, text, video_tokens=tokens_per_frame - na, action_tokens=na,
-                                copies=copies)
+            return batch_flops(model, geometry, batch.layout)
 
         return cls(cfg.runtime.out_dir, rank, steps_left=steps_left, first_step=first_step,
-                   tokens_per_frame=tokens_per_frame, copies=copies, flops=flops, device=device)
+                   tokens_per_frame=geometry.tokens_per_frame, copies=geometry.copies, flops=flops, device=device)
 
     @property
     def enabled(self) -> bool:

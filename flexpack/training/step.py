@@ -1,7 +1,9 @@
 """One optimizer step of the train loop, shared by ``flexpack train`` and ``benchmarks/train_step.py``.
 
 :func:`accumulate` runs the step's micro-batches forward and backward; :func:`train_step` adds
-clipping and the optimizer update (AdamW from :func:`flexpack.training.optim.build_optimizer`). Nothing here waits for the GPU: loss counts come from the
+clipping and the optimizer update (AdamW from :func:`flexpack.training.optim.build_optimizer`).
+The model is called with the run plan's forward options (:class:`~flexpack.training.plan.ForwardOptions`:
+mask, chunk size, text slots). Nothing here waits for the GPU: loss counts come from the
 host-side layout, noise is drawn on the device (:mod:`flexpack.training.noise`), loss parts and
 the gradient norm stay device tensors until the caller logs them, so the host can queue the next
 step while the GPU runs this one.
@@ -18,19 +20,20 @@ from torch import nn
 
 from flexpack.packing.collate import Batch
 from flexpack.training import float8
-from flexpack.training.build import model_kwargs, noise_seeds
 from flexpack.training.config import TrainConfig
-from flexpack.training.noise import episode_flow_sample
+from flexpack.training.noise import episode_flow_sample, noise_seeds
 from flexpack.training.objective import flow_loss, loss_counts
 from flexpack.training.parallel import is_sharded, world
+from flexpack.training.plan import ForwardOptions, forward_options
 from flexpack.training.profiling import NO_PROFILER, StepProfiler
 
 
 def accumulate(model: nn.Module, batches: Sequence[Batch], cfg: TrainConfig, *, step: int, device: torch.device,
-               extra_model_kwargs: dict[str, Any] | None = None, prof: StepProfiler = NO_PROFILER) -> torch.Tensor:
+               forward: ForwardOptions | None = None, prof: StepProfiler = NO_PROFILER) -> torch.Tensor:
     """Forward + backward one optimizer step's micro-batches (on the host, before ``.to(device)``);
     returns this rank's (loss, latent, action) shares as a device tensor, detached (summed over
-    ranks they are the step's loss and its parts)."""
+    ranks they are the step's loss and its parts). ``forward``: the plan's forward options
+    (default: the config's mask and chunk size, no fixed text slots)."""
     _, size = world()
     counts = torch.stack([torch.stack(loss_counts(b)).float().cpu() for b in batches]).sum(0)
     if size > 1:
@@ -38,18 +41,18 @@ def accumulate(model: nn.Module, batches: Sequence[Batch], cfg: TrainConfig, *, 
     totals = (float(counts[0]), float(counts[1]))
     sharded = is_sharded(model)
     bf16 = cfg.runtime.dtype == "bfloat16" and not sharded  # under FSDP its mixed precision casts instead
-    kw = {**model_kwargs(cfg), **(extra_model_kwargs or {})}
+    forward = forward_options(cfg) if forward is None else forward
     out = torch.zeros(3, device=device)
     for i, batch in enumerate(batches):
         if sharded:  # reduce-scatter gradients once per step, not per micro-batch
             model.set_requires_gradient_sync(i == len(batches) - 1)
-        seeds = noise_seeds(batch, cfg.runtime.seed, step)  # from host-side keys
+        seeds = noise_seeds(batch.layout, cfg.runtime.seed, step)  # from the host-side layout
         prof.phase("data")
         batch = batch.to(device, non_blocking=True)
         prof.phase("forward", batch)
         sample = episode_flow_sample(batch, cfg.objective, seeds)
         with torch.autocast(device.type, torch.bfloat16) if bf16 else contextlib.nullcontext():
-            pred = model(sample.inputs, **sample.model_kwargs(), **kw)
+            pred = forward(model, sample)
         fl = flow_loss(pred, sample, batch, cfg.objective)
         share = fl.accumulation_loss(totals)
         prof.phase("backward")
@@ -61,14 +64,14 @@ def accumulate(model: nn.Module, batches: Sequence[Batch], cfg: TrainConfig, *, 
 
 
 def train_step(model: nn.Module, opt: torch.optim.Optimizer, batches: Sequence[Batch], cfg: TrainConfig, *,
-               step: int, device: torch.device, extra_model_kwargs: dict[str, Any] | None = None,
+               step: int, device: torch.device, forward: ForwardOptions | None = None,
                prof: StepProfiler = NO_PROFILER,
                guard: Callable[[int, torch.Tensor, torch.Tensor, Sequence[Batch]], bool] | None = None,
                ema: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`accumulate` → clip → ``guard`` (:class:`~flexpack.training.faults.StepGuard`: may the
     weights change?) → optimizer step → EMA → zero grads; returns (loss parts, grad norm), both
     device tensors."""
-    sums = accumulate(model, batches, cfg, step=step, device=device, extra_model_kwargs=extra_model_kwargs, prof=prof)
+    sums = accumulate(model, batches, cfg, step=step, device=device, forward=forward, prof=prof)
     prof.phase("optimizer")
     norm = nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip or float("inf"), foreach=True)
     if guard is None or guard(step, norm, sums, batches):

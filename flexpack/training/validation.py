@@ -11,7 +11,9 @@ every held-out item once and logs ``val_loss``, ``val_latent_loss`` and ``val_ac
 training objective: sums over all items divided by all counts, so the result does not depend on
 batching or rank count) to ``metrics.jsonl``. σ and noise are drawn per item from
 ``(VAL_TAG, episode, segment)`` alone — not from the step or the run seed — so the numbers are
-comparable across steps and across runs. Items are dealt to ranks round-robin and packed in order;
+comparable across steps and across runs. The held-out episodes have their own plan
+(:func:`flexpack.training.build.build_data` with ``split="val"``: its frame budget packs them, its
+forward options run the model). Items are dealt to ranks round-robin and packed in order;
 ranks with fewer micro-batches run a discarded one so FSDP's collectives stay matched.
 """
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -26,21 +29,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flexpack.training.build import build_data, model_kwargs
+from flexpack.packing.geometry import TokenGeometry
+from flexpack.training.build import build_data
 from flexpack.training.holdout import VAL_TAG
-from flexpack.training.noise import episode_flow_sample, episode_seed
+from flexpack.training.noise import episode_flow_sample, noise_seeds
 from flexpack.training.objective import flow_loss
 from flexpack.training.parallel import is_sharded, world
 
 
-def _micro_batches(lengths: Sequence[int], indices: Sequence[int], data_cfg: Any, tpf: int) -> list[list[int]]:
+def _micro_batches(lengths: Sequence[int], indices: Sequence[int], data_cfg: Any, geometry: TokenGeometry) -> list[list[int]]:
     """This rank's items grouped like the training collate wants them: packed in order up to the
-    frame budget (pack mode) or ``batch_size`` at a time (pad mode)."""
+    plan's frame budget (pack mode) or ``batch_size`` at a time (pad mode)."""
     if data_cfg.mode == "pad":
         return [list(indices[i : i + data_cfg.batch_size]) for i in range(0, len(indices), data_cfg.batch_size)]
-    budget, out, used = data_cfg.max_tokens // tpf, [], 0
+    budget, out, used = geometry.frame_budget, [], 0
     for i in indices:
-        n = min(lengths[i], budget)  # longer only with data.crop: build_data's sampler rejects them otherwise
+        n = geometry.fitted(lengths[i])  # longer only with data.crop: the plan's sampler rejects them otherwise
         if not out or used + n > budget:
             out.append([])
             used = 0
@@ -52,14 +56,16 @@ def _micro_batches(lengths: Sequence[int], indices: Sequence[int], data_cfg: Any
 class Validator:
     """The validation loss of a config's held-out episodes (see the module docstring)."""
 
-    def __init__(self, cfg: Any, device: torch.device) -> None:
+    def __init__(self, cfg: Any, device: torch.device, model: Any = None) -> None:
         rank, size = world()
         self.cfg, self.device, self.rank = cfg, device, rank
-        self.data = build_data(cfg, split="val")
+        self.data = build_data(cfg, split="val", model=model)  # the held-out episodes' plan
+        # the model's own text-slot count per call, as validation has always run
+        self.forward = replace(self.data.forward, text_slots=None)
         ds = self.data.dataset
         lengths = ds.lengths()
         mine = list(range(rank, len(ds), size))
-        self.batches = _micro_batches(lengths, mine, cfg.data, self.data.tokens_per_frame)
+        self.batches = _micro_batches(lengths, mine, cfg.data, self.data.geometry)
         count = torch.tensor([len(self.batches)])
         if size > 1:
             dist.all_reduce(count, op=dist.ReduceOp.MAX)
@@ -75,11 +81,11 @@ class Validator:
         for j in range(self.rounds):
             real = j < len(self.batches)
             batch = self.data.collate([ds[i] for i in (self.batches[j] if real else self.filler)])
-            seeds = [episode_seed(VAL_TAG, e, s + 1) for e, s in batch.extras["noise_keys"]]
+            seeds = noise_seeds(batch.layout, VAL_TAG)
             batch = batch.to(self.device)
             sample = episode_flow_sample(batch, cfg.objective, seeds)
             with torch.autocast(self.device.type, torch.bfloat16) if bf16 else contextlib.nullcontext():
-                pred = model(sample.inputs, **sample.model_kwargs(), **model_kwargs(cfg))
+                pred = self.forward(model, sample)
             fl = flow_loss(pred, sample, batch, cfg.objective)
             if real:
                 sums += torch.stack([fl.latent_sum, fl.action_sum, fl.latent_count, fl.action_count]).double().cpu()
@@ -102,6 +108,7 @@ class Validator:
         return rec
 
 
-def make_validator(cfg: Any, device: torch.device) -> Validator | None:
-    """A Validator when ``runtime.eval_every`` > 0 (the config then holds episodes out), else None."""
-    return Validator(cfg, device) if cfg.runtime.eval_every else None
+def make_validator(cfg: Any, device: torch.device, model: Any = None) -> Validator | None:
+    """A Validator when ``runtime.eval_every`` > 0 (the config then holds episodes out), else None.
+    ``model``: the run plan's resolved model config."""
+    return Validator(cfg, device, model) if cfg.runtime.eval_every else None

@@ -14,7 +14,8 @@ video and action predictions, and the episode's loss; for the micro-batch: the t
 per parameter group (the embeddings, each block, the heads). Errors are ``max |a − b| / max |b|``;
 anything above its tolerance, or any non-finite gradient, fails (exit status 1).
 
-The model is built as training builds it (:func:`training_model`): on the run's device, blocks
+Micro-batches, collate and forward options come from the run's plan (:mod:`flexpack.training.plan`),
+as in training. The model is built as training builds it (:func:`training_model`): on the run's device, blocks
 compiled where ``runtime.compile`` compiles them, bf16 autocast (one process) or FSDP2 mixed
 precision (``torchrun``, every rank checks the same micro-batches) for ``runtime.dtype =
 "bfloat16"``, the configured attention backend (FA4 or Triton flex on CUDA). Tolerances depend on
@@ -42,7 +43,7 @@ from torch import nn
 
 from flexpack.errors import UserError
 from flexpack.packing.collate import Batch, PackCollate
-from flexpack.training.noise import episode_flow_sample, episode_seed
+from flexpack.training.noise import episode_flow_sample, noise_seeds
 from flexpack.training.objective import FlowMatchingConfig, flow_loss, loss_counts
 from flexpack.training.verify_report import (  # noqa: F401  (the report's names are verify's public API too)
     TOL, TOLERANCES, EpisodeRow, Tolerance, VerifyReport, _compare_grads, _grads, _rel, param_group,
@@ -85,12 +86,14 @@ def verify_batch(
     kw = model_kwargs or {}
     device = _device(model)
     amp = (lambda: torch.autocast(device.type, autocast)) if autocast is not None else contextlib.nullcontext
-    keys = [(int(it.get("episode_index", i)), int(it.get("segment", -1))) for i, it in enumerate(items)]
-    seeds = [episode_seed(seed, e, s + 1) for e, s in keys]
 
     # batched path
     model.zero_grad(set_to_none=True)
     batch: Batch = collate(items).to(device)
+    # noise keyed by (episode, segment) from the layout, as training keys it; the singles' layouts
+    # carry the same keys, so both paths draw the same x_t
+    seeds = noise_seeds(batch.layout, seed)
+    episodes = [e if e >= 0 else slot for slot, e in enumerate(batch.layout.episode_index.tolist())]
     sample = episode_flow_sample(batch, cfg, seeds)
     layout = batch.layout
     if drop_packing:  # the bug: every frame in episode 0, padding included
@@ -128,7 +131,7 @@ def verify_batch(
         cut = flow_loss(type(pred)(video=_into(s_pred.video, video), action=_into(s_pred.action, action)),
                         s_sample, single, cfg)
         report.rows.append(EpisodeRow(
-            episode=keys[e][0], frames=n, video_err=_rel(video, s_video),
+            episode=episodes[e], frames=n, video_err=_rel(video, s_video),
             action_err=0.0 if action is None else _rel(action, s_action),
             loss_batched=float(cut.loss), loss_alone=float(part.loss.detach()),
         ))
@@ -142,11 +145,12 @@ def verify_batch(
     return report
 
 
-def check_backend(cfg: Any, device: torch.device) -> None:
-    """An attention backend that cannot run the config's dtype on ``device``, in one line."""
+def check_backend(cfg: Any, device: torch.device, model: Any = None) -> None:
+    """An attention backend that cannot run the config's dtype on ``device``, in one line.
+    ``model``: the resolved model config (default: resolved here)."""
     from flexpack.attention.flex import has_flash
 
-    backend, dtype = cfg.model.wan_config().attn_backend, cfg.runtime.dtype
+    backend, dtype = (cfg.model.wan_config() if model is None else model).attn_backend, cfg.runtime.dtype
     if backend == "flex-flash" and dtype != "bfloat16":
         raise UserError(f"model.overrides.attn_backend = 'flex-flash' (FA4) takes bfloat16 inputs, but runtime.dtype = "
                         f"{dtype!r}; set runtime.dtype = 'bfloat16' or attn_backend = 'flex'")
@@ -161,23 +165,20 @@ def check_backend(cfg: Any, device: torch.device) -> None:
                         "set runtime.dtype = 'float32'")
 
 
-def training_model(cfg: Any, device: torch.device) -> tuple[nn.Module, bool]:
+def training_model(cfg: Any, device: torch.device, wcfg: Any = None) -> tuple[nn.Module, bool]:
     """(model, compiled): built as :func:`flexpack.training.loop.train` builds it, on ``device``:
     compiled blocks where ``runtime.compile`` compiles them, activation checkpointing, FSDP2 with
-    bf16 parameters under several ranks, ``model.pretrained`` loaded."""
+    bf16 parameters under several ranks, ``model.pretrained`` loaded. ``wcfg``: the plan's model config."""
     from flexpack.training.build import build_model, materialize
-    from flexpack.training.loop import use_compile
     from flexpack.training.parallel import parallelize
+    from flexpack.training.plan import parallel_options
 
     with device:
-        model = build_model(cfg)
-    compiled = use_compile(cfg, device)
-    param_dtype = torch.bfloat16 if cfg.runtime.dtype == "bfloat16" else None
-    parallelize(model, device=device, param_dtype=param_dtype, compile=compiled,
-                activation_checkpointing=cfg.runtime.activation_checkpointing,
-                memory_budget=cfg.runtime.activation_memory_budget if compiled else 1.0)
-    materialize(model, cfg, device)
-    return model, compiled
+        model = build_model(cfg, wcfg)
+    opts = replace(parallel_options(cfg, device), float8="off")  # the packing check runs bf16 matmuls
+    parallelize(model, device=device, **opts.kwargs())
+    materialize(model, cfg, device, wcfg)
+    return model, opts.compile
 
 
 def verify_config(cfg: Any, *, micro_batches: int = 2, checkpoint_dir: str | None = None, tol: float | None = None,
@@ -188,14 +189,15 @@ def verify_config(cfg: Any, *, micro_batches: int = 2, checkpoint_dir: str | Non
     quantities (default: :data:`TOLERANCES` of ``runtime.dtype``). ``data``: replaces what
     ``cfg.data`` describes (e.g. :func:`flexpack.training.memory_data.synthetic_data`)."""
     from flexpack.training import checkpoint
-    from flexpack.training.build import build_data, model_kwargs
+    from flexpack.training.build import build_data
     from flexpack.training.checks import resolve_device
     from flexpack.training.parallel import is_sharded, world
 
     device = resolve_device(cfg.runtime.device)
-    check_backend(cfg, device)
-    data = build_data(cfg) if data is None else data
-    model, compiled = training_model(cfg, device)
+    m = cfg.model.wan_config() if data is None else data.model  # resolved once: the plan holds it
+    check_backend(cfg, device, m)
+    data = build_data(cfg, model=m) if data is None else data
+    model, compiled = training_model(cfg, device, m)
     if checkpoint_dir:
         from flexpack.training.export_io import pick_checkpoint  # says which one and why a newer one was skipped
 
@@ -208,14 +210,14 @@ def verify_config(cfg: Any, *, micro_batches: int = 2, checkpoint_dir: str | Non
     mode = "FSDP2 mixed precision" if bf16 and sharded else "autocast" if bf16 else "no autocast"
     report = VerifyReport(tol=TOLERANCES[cfg.runtime.dtype] if tol is None else Tolerance.uniform(tol), setup=(
         f"{device} ({name}), runtime.dtype {cfg.runtime.dtype} ({mode}), blocks {'compiled' if compiled else 'eager'}, "
-        f"attention {cfg.model.wan_config().attn_backend}, {world()[1]} rank(s){', FSDP2' if sharded else ''}"))
-    kw = {**model_kwargs(cfg), "text_slots": data.text_slots}  # training's text shape
+        f"attention {m.attn_backend}, {world()[1]} rank(s){', FSDP2' if sharded else ''}"))
+    kw = data.forward.kwargs()  # training's mask, chunk size and text shape
     for i, indices in enumerate(data.sampler):
         if i >= micro_batches:
             break
-        items = [data.dataset[j] for j in indices]
-        if not cfg.model.wan_config().action_channels:  # a video-only model gets no actions
-            items = [{k: v for k, v in it.items() if k not in ("action", "action_mask")} for it in items]
+        # as the model takes them (a video-only model gets no actions): the per-episode passes collate
+        # these items themselves
+        items = data.collate.items([data.dataset[j] for j in indices])
         # compiled blocks: the episodes alone in the run's pack shape (one graph), as training would see them
         verify_batch(model, items, data.collate, cfg.objective, seed=cfg.runtime.seed, model_kwargs=kw,
                      drop_packing=drop_packing, report=report, autocast=torch.bfloat16 if bf16 and not sharded else None,

@@ -1,0 +1,155 @@
+"""The composition root (flexpack/training/plan.py): one plan, one owner per quantity."""
+
+import dataclasses
+import json
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from flexpack.packing.collate import PackCollate, PadCollate
+from flexpack.packing.geometry import TokenGeometry
+from flexpack.training.config import load_config
+from flexpack.training.flops import batch_flops, useful_flops
+from flexpack.training.memory_data import synthetic_data
+from flexpack.training.noise import episode_seed, noise_seeds
+from flexpack.training.plan import Plan, plan_for, run_text_slots
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CPU = torch.device("cpu")
+
+
+def _cfg(tmp_path, *extra):
+    return load_config(CONFIGS / "tiny_cpu.toml", [
+        f'runtime.out_dir="{tmp_path / "run"}"', "runtime.progress=false", "runtime.tensorboard=false",
+        "checkpoint.every=0", "data.max_tokens=60", *extra])
+
+
+TEACHER_FORCING = ("objective.teacher_forcing=true", "model.mask='teacher_forcing'", "model.chunk_size=2")
+
+
+def test_teacher_forcing_flops_agree_between_meter_profiler_and_benchmark(tmp_path, monkeypatch):
+    """Under teacher forcing the model computes two copies of every frame: the step meter (metrics.jsonl's
+    ``mfu``), the profiler and the benchmarks' count all take the copies from the plan's geometry."""
+    from flexpack.training import metrics
+    from flexpack.training.profiling import StepProfiler
+
+    monkeypatch.delenv("LINGBOT_PROFILE", raising=False)
+    cfg = _cfg(tmp_path, *TEACHER_FORCING, "runtime.peak_tflops=1")
+    plan = synthetic_data(cfg, text_len=4)
+    g = plan.geometry
+    assert (g.video_tokens, g.action_tokens, g.copies) == (1, 4, 2)
+    batches = [plan.collate([plan.dataset[i] for i in idx]) for idx, _ in zip(plan.sampler, range(3))]
+
+    clock = [10.0]
+    monkeypatch.setattr(metrics, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    meter = metrics.StepMeter(cfg, CPU, model=plan.model, geometry=g)
+    meter.add(batches)
+    clock[0] = 12.0  # the window took 2 s
+    mfu = meter.read()["mfu"]
+
+    prof = StepProfiler.for_training(cfg, 0, steps_left=1, first_step=0, plan=plan, device=CPU)
+    profiled = sum(prof.flops(b) for b in batches)
+    bench = sum(batch_flops(plan.model, g, b.layout) for b in batches)  # benchmarks/train_step.py's count
+    two = sum(useful_flops(plan.model, b.layout, video_tokens=1, action_tokens=4, copies=2) for b in batches)
+    one = sum(useful_flops(plan.model, b.layout, video_tokens=1, action_tokens=4, copies=1) for b in batches)
+    assert profiled == bench == two > 1.5 * one
+    assert mfu == pytest.approx(two / 2.0 / 1e12, rel=1e-12)
+    assert prof.copies == 2 and prof.tpf == 5
+
+
+def test_metrics_jsonl_mfu_counts_both_copies(tmp_path, monkeypatch):
+    """The logged ``mfu`` times the window's seconds and the peak is the useful FLOPs of the step's
+    micro-batches with two copies each."""
+    from flexpack.training.loop import train
+
+    monkeypatch.delenv("LINGBOT_PROFILE", raising=False)
+    cfg = _cfg(tmp_path, *TEACHER_FORCING, "runtime.peak_tflops=1", "schedule.steps=1", "schedule.warmup_steps=0")
+    train(cfg, data=synthetic_data(cfg, text_len=4))
+    rec = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    fresh = synthetic_data(cfg, text_len=4)  # the same epoch-0 order the run started from
+    batches = [fresh.collate([fresh.dataset[i] for i in idx]) for idx, _ in zip(fresh.sampler, range(2))]
+    want = sum(useful_flops(fresh.model, b.layout, video_tokens=1, action_tokens=4, copies=2) for b in batches)
+    assert rec["mfu"] * rec["step_s"] * 1e12 == pytest.approx(want, rel=1e-6)
+
+
+def test_plan_of_a_lerobot_dataset(tiny_dataset, tmp_path):
+    from flexpack.training.build import build_data
+
+    cfg = _cfg(tmp_path, f'data.root="{tiny_dataset}"')
+    plan = build_data(cfg)
+    assert isinstance(plan, Plan)
+    g = plan.geometry
+    # 2x2 latents in 2x2 patches: one video token, plus data.action_steps action tokens
+    assert (g.video_tokens, g.action_tokens, g.copies, g.tokens_per_frame, g.frame_budget) == (1, 4, 1, 5, 12)
+    assert plan.sampler.budget_frames == plan.collate.collate.frame_budget == g.frame_budget
+    assert plan.model == cfg.model.wan_config()
+    assert plan.forward.kwargs() == {"mask": "document", "chunk_size": None, "text_slots": run_text_slots(plan.sampler)}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.geometry = g  # type: ignore[misc]
+    # the collate the plan gives drops actions for a model without action channels
+    video_only = plan_for(plan.dataset, _cfg(tmp_path, f'data.root="{tiny_dataset}"',
+                                             "model.overrides.action_channels=0"))
+    assert video_only.geometry.action_tokens == 0 and video_only.geometry.frame_budget == 60
+    batch = video_only.collate([video_only.dataset[0]])
+    assert batch.action is None and plan.collate([plan.dataset[0]]).action is not None
+
+
+def test_the_model_config_is_resolved_once_per_run(tmp_path, monkeypatch):
+    """``model.wan_config()`` resolves the preset (and a pretrained config.json) at load time only:
+    the plan, the model, the meter, the profiler and the loop reuse that one result."""
+    import importlib
+
+    from flexpack.training.loop import train
+
+    wc = importlib.import_module("flexpack.models.wan_config")  # the module (the package re-exports the function)
+
+    monkeypatch.delenv("LINGBOT_PROFILE", raising=False)
+    calls = []
+    real = wc.wan_config
+    monkeypatch.setattr(wc, "wan_config", lambda *a, **k: calls.append(a) or real(*a, **k))
+    cfg = _cfg(tmp_path, "schedule.steps=1", "schedule.warmup_steps=0")
+    assert len(calls) == 1
+    train(cfg, data=synthetic_data(cfg, text_len=4))
+    assert len(calls) == 1
+
+
+def test_token_geometry_owns_budget_and_too_long():
+    g = TokenGeometry(video_tokens=32, action_tokens=4, copies=2, max_tokens=1000)
+    assert (g.tokens_per_frame, g.frame_budget, g.computed_tokens(3)) == (36, 27, 216)
+    assert g.too_long([27, 28, 5, 40]) == [1, 3] and g.fitted(40) == 27 and g.fitted(5) == 5
+    with pytest.raises(ValueError, match="copies must be 1 or 2"):
+        TokenGeometry(video_tokens=1, copies=3)
+    with pytest.raises(ValueError, match="no max_tokens"):
+        TokenGeometry(video_tokens=1).frame_budget  # noqa: B018
+    with pytest.raises(ValueError, match="max_tokens=20 is less than one frame"):
+        TokenGeometry(video_tokens=32, max_tokens=20).frame_budget  # noqa: B018
+
+
+def _items(segments):
+    return [{"latent": torch.randn(2, 3, 1, 1), "episode_index": 7, "segment": s} for s in segments]
+
+
+@pytest.mark.parametrize("collate", [PackCollate(10), PadCollate(4)])
+def test_segment_index_rides_on_the_layout_and_keys_the_noise(collate):
+    lay = collate(_items([0, 2, -1])).layout
+    assert lay.episode_index.tolist() == [7, 7, 7] and lay.episode_segment.tolist() == [0, 2, -1]
+    seeds = noise_seeds(lay, 5, 11)
+    assert seeds == [episode_seed(5, 11, 7, 1), episode_seed(5, 11, 7, 3), episode_seed(5, 11, 7, 0)]
+    assert len(set(seeds)) == 3  # two segments of one episode draw different noise
+    assert collate([{"latent": torch.randn(2, 3, 1, 1)}]).layout.episode_segment.tolist() == [-1]
+
+
+def test_unmasked_pairs_counts_the_dense_mask():
+    from flexpack.attention.blockmask import unmasked_pairs
+    from flexpack.attention.masks import make_mask
+    from flexpack.packing.layout import SequenceLayout
+
+    lay = SequenceLayout.from_rows([[3, 2]], 7).tokens(video_tokens=2, action_tokens=1, copies=2)
+    for kind, kw in (("document", {}), ("valid", {}), ("teacher_forcing", {"chunk_size": 1})):
+        mod = make_mask(lay, kind, **kw)
+        t = torch.arange(lay.num_tokens)
+        z = torch.zeros((), dtype=torch.long)
+        dense = int(mod(z, z, t[:, None], t[None, :]).sum())
+        assert unmasked_pairs(mod) == dense, kind
