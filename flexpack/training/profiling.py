@@ -1,7 +1,7 @@
-"""Step profiling switched on by the environment: ``LINGBOT_PROFILE=n``.
+"""Step profiling: ``runtime.profile_steps = n`` (or the environment variable ``LINGBOT_PROFILE=n``).
 
 With ``n > 0`` the train loop profiles ``n`` whole optimizer steps with ``torch.profiler`` after
-``LINGBOT_PROFILE_WARMUP`` (default 2) steps of warm-up (compilation, allocator growth) plus one
+``runtime.profile_warmup`` (default 2) steps of warm-up (compilation, allocator growth) plus one
 profiler warm-up step, and writes to ``RUN/profile/``:
 
     steps_rank{r}.jsonl   one line per micro-step of the warm-up and profiled steps: step, micro_step,
@@ -17,7 +17,12 @@ profiler warm-up step, and writes to ``RUN/profile/``:
 
 If the run has fewer steps left than warm-up + n, one line says so and what there is is profiled
 (at least one whole step). On a machine without a GPU the profiler's GPU probe is kept quiet.
-``0`` or unset: off (every hook is a no-op). Files are written atomically.
+``0``: off (every hook is a no-op). Files are written atomically.
+
+The variables ``LINGBOT_PROFILE`` and ``LINGBOT_PROFILE_WARMUP`` stay for runs started without
+touching the config: where one is set it wins over its config key, and rank 0 prints one line
+saying so (:func:`resolve`). The peak behind MFU is ``runtime.peak_tflops`` (measured at the start
+when unset), the same figure as ``metrics.jsonl``'s ``mfu``.
 """
 
 from __future__ import annotations
@@ -52,6 +57,18 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"{name} must be a non-negative integer, got {text!r}") from None
     if value < 0:
         raise ValueError(f"{name} must be a non-negative integer, got {text!r}")
+    return value
+
+
+def resolve(name: str, key: str, configured: int, rank: int = 0) -> int:
+    """The value of config key ``key`` (``configured``) unless environment variable ``name`` is set:
+    then the variable wins (a job script's one-off override of the config), with a line on rank 0
+    when the two differ."""
+    if not os.environ.get(name, "").strip():
+        return configured
+    value = _env_int(name, 0)
+    if value != configured and rank == 0:
+        print(f"{name}={value} overrides {key} = {configured}", file=sys.stderr, flush=True)
     return value
 
 
@@ -104,16 +121,19 @@ class StepProfiler:
         first_step: the run's step count before the first hooked step (steps are logged 1-based after it).
         tokens_per_frame, copies: computed tokens of a micro-batch = frames × tokens_per_frame × copies.
         flops: useful FLOPs of one micro-batch (for MFU on CUDA); None: no MFU.
+        peak_tflops: the bf16 peak MFU is measured against (``runtime.peak_tflops``); None: measured.
         device: where the step runs (CUDA: device time and peak memory; else CPU op time and RSS).
     """
 
     def __init__(self, out_dir: str | os.PathLike, rank: int = 0, steps: int | None = None, warmup: int | None = None,
                  *, steps_left: int | None = None, first_step: int = 0, tokens_per_frame: int = 1, copies: int = 1,
-                 flops: Callable[[Any], float] | None = None, device: torch.device | str | None = None) -> None:
+                 flops: Callable[[Any], float] | None = None, device: torch.device | str | None = None,
+                 peak_tflops: float | None = None) -> None:
         self.steps = _env_int(ENV, 0) if steps is None else steps
         self.warmup = (_env_int(ENV_WARMUP, 2) if self.steps else 0) if warmup is None else warmup  # read only when profiling
         self.dir, self.rank = Path(out_dir) / "profile", rank
         self.first_step, self.tpf, self.copies, self.flops = first_step, tokens_per_frame, copies, flops
+        self.peak_tflops = peak_tflops
         self.written: list[Path] = []
         self.note: str | None = None
         self._prof: profile | None = None
@@ -147,7 +167,8 @@ class StepProfiler:
     @classmethod
     def for_training(cls, cfg: Any, rank: int, *, steps_left: int, first_step: int, tokens_per_frame: int,
                      device: torch.device) -> "StepProfiler":
-        """The profiler of :func:`flexpack.training.loop.train`: token counts and FLOPs from the config."""
+        """The profiler of :func:`flexpack.training.loop.train`: steps, warm-up, token counts, FLOPs and
+        the peak from the config (``LINGBOT_PROFILE`` / ``LINGBOT_PROFILE_WARMUP`` win where set)."""
         from flexpack.training.flops import useful_flops
 
         model = cfg.model.wan_config()
@@ -159,8 +180,12 @@ class StepProfiler:
             return useful_flops(model, batch.layout, text, video_tokens=tokens_per_frame - na, action_tokens=na,
                                 copies=copies)
 
-        return cls(cfg.runtime.out_dir, rank, steps_left=steps_left, first_step=first_step,
-                   tokens_per_frame=tokens_per_frame, copies=copies, flops=flops, device=device)
+        rt = cfg.runtime
+        steps = resolve(ENV, "runtime.profile_steps", rt.profile_steps, rank)
+        warmup = resolve(ENV_WARMUP, "runtime.profile_warmup", rt.profile_warmup, rank) if steps else 0
+        return cls(rt.out_dir, rank, steps, warmup, steps_left=steps_left, first_step=first_step,
+                   tokens_per_frame=tokens_per_frame, copies=copies, flops=flops, device=device,
+                   peak_tflops=rt.peak_tflops)
 
     @property
     def enabled(self) -> bool:
@@ -313,7 +338,7 @@ class StepProfiler:
         tokens = sum(x["tokens"] for x in profiled)
         valid = sum(x["valid_tokens"] for x in profiled)
         flops = sum(x["useful_flops"] or 0.0 for x in profiled) if self.flops is not None else None
-        peak = peak_flops(self.device) if self.cuda else None
+        peak = peak_flops(self.device, self.peak_tflops) if self.cuda else None
         mfu = flops / (wall * peak) if (self.cuda and peak and flops and wall > 0) else None
         return {
             "time_base": "cuda kernels" if self.cuda else "cpu ops",
