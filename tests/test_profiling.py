@@ -18,6 +18,8 @@ from torch.autograd.profiler_util import FunctionEvent
 from flexpack.training import profile_summary as ps
 from flexpack.training.profiling import StepProfiler, plan
 
+from helpers import tiny_config  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
 KEYS = {"step", "micro_step", "phase", "tokens", "valid_tokens", "episodes", "fwd_s", "bwd_s", "fwd_bwd_s",
@@ -44,12 +46,9 @@ def dataset(tiny_dataset) -> Path:
 
 
 def _train(root: Path, out: Path, *overrides: str):
-    from flexpack.training.config import load_config
     from flexpack.training.loop import train
 
-    base = [f'data.root="{root}"', f'runtime.out_dir="{out}"', "runtime.progress=false", "data.max_tokens=60",
-            "checkpoint.every=0", "runtime.tensorboard=false"]
-    return train(load_config(CONFIGS / "tiny_cpu.toml", base + list(overrides)))
+    return train(tiny_config(root, out, "runtime.tensorboard=false", *overrides))  # every call sets accum_steps
 
 
 @pytest.mark.usefixtures("one_thread")

@@ -15,10 +15,12 @@ from flexpack.data.encode import encode_dataset  # noqa: E402
 from flexpack.data.synthetic import make_synthetic_dataset  # noqa: E402
 from flexpack.training import checkpoint  # noqa: E402
 from flexpack.training.build import build_model  # noqa: E402
-from flexpack.training.config import DataConfig, load_config  # noqa: E402
+from flexpack.training.config import DataConfig  # noqa: E402
 from flexpack.training.loop import train  # noqa: E402
 from flexpack.training.holdout import split_episodes  # noqa: E402
 from flexpack.training.validation import Validator  # noqa: E402
+
+from helpers import tiny_config  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -49,10 +51,7 @@ def dataset(tmp_path_factory) -> Path:
 
 
 def _cfg(root, out, *more):
-    return load_config(CONFIGS / "tiny_cpu.toml", [
-        f'data.root="{root}"', f'runtime.out_dir="{out}"', "runtime.progress=false", "optim.accum_steps=1",
-        "data.max_tokens=60", "checkpoint.every=0", "schedule.steps=4", "data.val_episodes=[1, 4]",
-        "runtime.eval_every=2", *more])
+    return tiny_config(root, out, "schedule.steps=4", "data.val_episodes=[1, 4]", "runtime.eval_every=2", *more)
 
 
 def test_validation_loss_is_logged_held_out_and_reproducible(dataset, tmp_path):
