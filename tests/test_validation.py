@@ -11,8 +11,6 @@ import torch
 
 pytest.importorskip("lerobot")
 
-from flexpack.data.encode import encode_dataset  # noqa: E402
-from flexpack.data.synthetic import make_synthetic_dataset  # noqa: E402
 from flexpack.training import checkpoint  # noqa: E402
 from flexpack.training.build import build_model  # noqa: E402
 from flexpack.training.config import DataConfig  # noqa: E402
@@ -43,11 +41,9 @@ def test_split_is_deterministic_disjoint_and_checked():
         DataConfig(val_fraction=1.0)
 
 
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> Path:
-    root = make_synthetic_dataset(tmp_path_factory.mktemp("val") / "ds", lengths=[25, 21, 17, 13, 9, 9], seed=4)
-    encode_dataset(root, progress=False)
-    return root
+@pytest.fixture
+def dataset(tiny_dataset) -> Path:
+    return tiny_dataset  # the session's dataset: six episodes (only read here)
 
 
 def _cfg(root, out, *more):
