@@ -33,6 +33,7 @@ def test_plan_fits_whole_steps_into_short_runs():
     assert (warm, pw, active) == (1, 1, 1)
     assert note == ("LINGBOT_PROFILE=5: the run has 3 step(s) left, fewer than 2 warm-up + 1 profiler warm-up + 5; "
                     "profiling 1 step(s) after 1 + 1 warm-up")
+    assert plan(5, 2, 3, "runtime.profile_steps")[3].startswith("runtime.profile_steps=5: the run has 3 step(s) left")
     assert plan(2, 2, 5)[:3] == (2, 1, 2)
     assert plan(4, 0, 2)[:3] == (0, 1, 1)
     assert plan(4, 3, 1)[:3] == (0, 0, 1)  # one step left: profile it, no warm-up
@@ -136,6 +137,8 @@ def test_the_variable_wins_over_runtime_profile_steps_with_a_line(monkeypatch, c
     p = StepProfiler.for_training(cfg, 0, **kw)
     assert (p.enabled, p.steps, p.warmup, p.peak_tflops) == (True, 3, 1, 50.0)
     assert capsys.readouterr().err == ""  # the config alone: nothing to say
+    short = StepProfiler.for_training(cfg, 0, **{**kw, "steps_left": 2})
+    assert short.note.startswith("runtime.profile_steps=3: the run has 2 step(s) left")  # names where n came from
     monkeypatch.setenv("LINGBOT_PROFILE", "5")
     monkeypatch.setenv("LINGBOT_PROFILE_WARMUP", "1")  # the same as the key: no line for it
     p = StepProfiler.for_training(cfg, 0, **kw)

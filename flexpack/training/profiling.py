@@ -72,19 +72,20 @@ def resolve(name: str, key: str, configured: int, rank: int = 0) -> int:
     return value
 
 
-def plan(steps: int, warmup: int, steps_left: int | None) -> tuple[int, int, int, str | None]:
+def plan(steps: int, warmup: int, steps_left: int | None, source: str = ENV) -> tuple[int, int, int, str | None]:
     """(warm-up steps, profiler warm-up steps, profiled steps, note) fitting ``steps_left``.
 
-    Whole steps only: profiled steps are cut first down to one, then the warm-ups."""
+    Whole steps only: profiled steps are cut first down to one, then the warm-ups. The note names
+    ``source``, where ``steps`` came from (the variable or the config key)."""
     if steps_left is None or steps_left >= warmup + 1 + steps:
         return warmup, 1, steps, None
     if steps_left <= 0:
-        return 0, 0, 0, f"{ENV}={steps}: the run has no steps left to profile"
+        return 0, 0, 0, f"{source}={steps}: the run has no steps left to profile"
     active = max(1, min(steps, steps_left - warmup - 1))
     rest = steps_left - active
     prof_warm = min(1, rest)
     warm = min(warmup, rest - prof_warm)
-    note = (f"{ENV}={steps}: the run has {steps_left} step(s) left, fewer than {warmup} warm-up + 1 profiler "
+    note = (f"{source}={steps}: the run has {steps_left} step(s) left, fewer than {warmup} warm-up + 1 profiler "
             f"warm-up + {steps}; profiling {active} step(s) after {warm} + {prof_warm} warm-up")
     return warm, prof_warm, active, note
 
@@ -122,13 +123,14 @@ class StepProfiler:
         tokens_per_frame, copies: computed tokens of a micro-batch = frames × tokens_per_frame × copies.
         flops: useful FLOPs of one micro-batch (for MFU on CUDA); None: no MFU.
         peak_tflops: the bf16 peak MFU is measured against (``runtime.peak_tflops``); None: measured.
+        source: where ``steps`` came from, for the note of a run too short for the window.
         device: where the step runs (CUDA: device time and peak memory; else CPU op time and RSS).
     """
 
     def __init__(self, out_dir: str | os.PathLike, rank: int = 0, steps: int | None = None, warmup: int | None = None,
                  *, steps_left: int | None = None, first_step: int = 0, tokens_per_frame: int = 1, copies: int = 1,
                  flops: Callable[[Any], float] | None = None, device: torch.device | str | None = None,
-                 peak_tflops: float | None = None) -> None:
+                 peak_tflops: float | None = None, source: str = ENV) -> None:
         self.steps = _env_int(ENV, 0) if steps is None else steps
         self.warmup = (_env_int(ENV_WARMUP, 2) if self.steps else 0) if warmup is None else warmup  # read only when profiling
         self.dir, self.rank = Path(out_dir) / "profile", rank
@@ -147,7 +149,7 @@ class StepProfiler:
         self.device = torch.device(device) if device is not None else torch.device(
             "cuda" if torch.cuda.is_available() else "cpu")
         self.cuda = self.device.type == "cuda"
-        warm, prof_warm, active, self.note = plan(self.steps, self.warmup, steps_left)
+        warm, prof_warm, active, self.note = plan(self.steps, self.warmup, steps_left, source)
         if active == 0:
             self._print_note()
             return
@@ -182,10 +184,11 @@ class StepProfiler:
 
         rt = cfg.runtime
         steps = resolve(ENV, "runtime.profile_steps", rt.profile_steps, rank)
+        source = ENV if os.environ.get(ENV, "").strip() else "runtime.profile_steps"
         warmup = resolve(ENV_WARMUP, "runtime.profile_warmup", rt.profile_warmup, rank) if steps else 0
         return cls(rt.out_dir, rank, steps, warmup, steps_left=steps_left, first_step=first_step,
                    tokens_per_frame=tokens_per_frame, copies=copies, flops=flops, device=device,
-                   peak_tflops=rt.peak_tflops)
+                   peak_tflops=rt.peak_tflops, source=source)
 
     @property
     def enabled(self) -> bool:
