@@ -1,4 +1,5 @@
-# The README's two commands: `make demo` and `make test`. Both create/update .venv first.
+# The README's two commands: `make demo` and `make test` (and `make test-slow`, the rest of the tests).
+# All create/update .venv first.
 PYTHON ?= python3.12
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -6,7 +7,7 @@ STAMP  := $(VENV)/.installed-stamp
 OUT    ?= out
 export HF_HUB_OFFLINE := 1
 
-.PHONY: demo test install clean
+.PHONY: demo test test-slow install clean
 
 install: $(STAMP)
 
@@ -47,9 +48,14 @@ demo: $(STAMP)
 	@$(BIN)/flexpack plot $(OUT)/demo-run
 	@$(BIN)/python -m flexpack.demo $(OUT) --bin $(BIN)
 
-# CPU test suite (GPU tests skip themselves without CUDA; slow ones run too, within ~15 min).
+# The fast CPU tests, 3-4 min on 2 cores (GPU tests skip themselves without CUDA). Tests marked
+# `slow` (over ~30 s each: several processes, whole runs, compilation) are left to `make test-slow`.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m "not slow"
+
+# The slow CPU tests alone (about 4 min on 2 cores with a warm compile cache); CI runs them after `make test`.
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m slow
 
 clean:
 	rm -rf $(VENV) $(OUT) .pytest_cache .hypothesis

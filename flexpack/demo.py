@@ -108,7 +108,7 @@ def summary(out: str | Path, *, run: str | Path | None = None, data: str | Path 
         f"  {fp} export {_rel(run)} {_rel(out / 'demo-export')}          # diffusers folder, model card, LeRobot-style policy",
         f"  {fp} stats --frames-file data/episode_frames_ref.txt --mode pack --max-tokens 65536 --world-size 8"
         "   # packing at Wan2.2-5B scale",
-        "  README.md, 'Train on your data': the same steps on a LeRobot dataset with the real Wan2.2 VAE.",
+        "  docs/USAGE.md, 'Train on your data': the same steps on a LeRobot dataset with the real Wan2.2 VAE.",
     ]
     return "\n".join(lines)
 

@@ -1,4 +1,5 @@
-"""Helpers shared by the command-line and fault tests (imported as ``helpers``: pytest puts tests/ on the path)."""
+"""Helpers shared by the test modules (imported as ``helpers``: pytest puts tests/ on the path): the
+tiny training config of short runs, and running the command line and watching a run's steps."""
 
 from __future__ import annotations
 
@@ -6,8 +7,32 @@ import json
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 from flexpack.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny_cpu.toml"
+
+
+def tiny_sets(root: Path | str, out: Path | str, *extra: str) -> list[str]:
+    """``--set`` values for a short, quiet run of configs/tiny_cpu.toml on the dataset ``root`` into the run
+    folder ``out``: no progress bar, one micro-step per step, 60-token packs (12 latent frames), a checkpoint
+    only at the end; then ``extra``, where a later value of a key wins over an earlier one."""
+    return [f'data.root="{root}"', f'runtime.out_dir="{out}"', "runtime.progress=false", "optim.accum_steps=1",
+            "data.max_tokens=60", "checkpoint.every=0", *extra]
+
+
+def tiny_config(root: Path | str, out: Path | str, *extra: str) -> Any:
+    """The :class:`~flexpack.training.config.TrainConfig` of :func:`tiny_sets`."""
+    from flexpack.training.config import load_config
+
+    return load_config(TINY, tiny_sets(root, out, *extra))
+
+
+def set_args(sets: list[str]) -> list[str]:
+    """``--set`` values as command-line arguments: ``["--set", s1, "--set", s2, ...]``."""
+    return [arg for s in sets for arg in ("--set", s)]
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str]:

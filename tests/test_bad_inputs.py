@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from flexpack.cli import main
-from helpers import run_cli
+from helpers import run_cli, set_args, tiny_sets
 from flexpack.training.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,9 +26,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def train_args(root: Path | str, out: Path, *sets: str) -> list[str]:
-    base = [f'data.root="{root}"', f'runtime.out_dir="{out}"', "runtime.progress=false", "schedule.steps=2",
-            "optim.accum_steps=1", "checkpoint.every=0"]
-    return ["train", str(TINY), *[a for s in base + list(sets) for a in ("--set", s)]]
+    # the config file's 100-token packs, not tiny_sets' 60
+    return ["train", str(TINY), *set_args(tiny_sets(root, out, "data.max_tokens=100", "schedule.steps=2", *sets))]
 
 
 def one_error_line(err: str, command: str) -> str:

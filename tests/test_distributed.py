@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 
+@pytest.mark.slow  # two torchrun ranks training: ~11 s
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in")
 def test_fsdp2_two_cpu_ranks_train_in_lockstep_and_checkpoint_loads_unsharded(tmp_path):
     if not TORCHRUN.exists() and shutil.which("torchrun") is None:

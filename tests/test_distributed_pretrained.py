@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 
+@pytest.mark.slow  # two torchrun ranks training: ~11 s
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in")
 def test_fsdp2_pretrained_start_ema_and_validation(tmp_path):
     torchrun = str(TORCHRUN) if TORCHRUN.exists() else shutil.which("torchrun")

@@ -40,6 +40,7 @@ def _encode(root: Path, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=cwd)
 
 
+@pytest.mark.slow  # two torchrun ranks: 15-20 s of the fast suite's ~4 min on 2 cores
 def test_two_ranks_split_the_episodes_and_match_one_process(tmp_path):
     one = make_synthetic_dataset(tmp_path / "one", lengths=[13, 9, 21, 17, 9], seed=3)
     two = tmp_path / "two"

@@ -13,8 +13,6 @@ pytest.importorskip("lerobot")
 
 from flexpack.attention.flex import FlexAttnFunc  # noqa: E402
 from flexpack.cli import main as cli_main  # noqa: E402
-from flexpack.data.encode import encode_dataset  # noqa: E402
-from flexpack.data.synthetic import make_synthetic_dataset  # noqa: E402
 from flexpack.models.wan_convert import rename  # noqa: E402
 from flexpack.packing.collate import PackCollate  # noqa: E402
 from flexpack.training import checkpoint  # noqa: E402
@@ -23,18 +21,15 @@ from flexpack.training.config import load_config  # noqa: E402
 from flexpack.training.export import export_run, load_export  # noqa: E402
 from flexpack.training.loop import train  # noqa: E402
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+from helpers import tiny_config  # noqa: E402
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained(tiny_dataset, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("export")
-    root = make_synthetic_dataset(tmp / "ds", lengths=[21, 17, 13], seed=7)
-    encode_dataset(root, progress=False)
-    cfg = load_config(CONFIGS / "tiny_cpu.toml", [
-        f'data.root="{root}"', f'runtime.out_dir="{tmp / "run"}"', "runtime.progress=false", "schedule.steps=3",
-        "optim.accum_steps=1", "data.max_tokens=60", "checkpoint.every=0", "optim.ema_decay=0.5"])
+    cfg = tiny_config(tiny_dataset, tmp / "run", "schedule.steps=3", "optim.ema_decay=0.5")
     train(cfg)
     return cfg, tmp
 

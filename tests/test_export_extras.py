@@ -20,20 +20,18 @@ from flexpack.data.actions import ActionNormalizer  # noqa: E402
 from flexpack.data.episodes import EpisodeSource  # noqa: E402
 from flexpack.training import checkpoint  # noqa: E402
 from flexpack.training.build import build_model  # noqa: E402
-from flexpack.training.config import load_config  # noqa: E402
 from flexpack.training.export_extras import push_to_hub  # noqa: E402
 from flexpack.training.loop import train  # noqa: E402
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+from helpers import tiny_config  # noqa: E402
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
 def exported(tiny_dataset, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("extras")
-    cfg = load_config(CONFIGS / "tiny_cpu.toml", [
-        f'data.root="{tiny_dataset}"', f'runtime.out_dir="{tmp / "run"}"', "runtime.progress=false",
-        "schedule.steps=2", "optim.accum_steps=1", "data.max_tokens=60", "checkpoint.every=0"])
+    cfg = tiny_config(tiny_dataset, tmp / "run", "schedule.steps=2")
     train(cfg)
     samples = tmp / "run" / "samples" / "step_00000002"  # what a sampling run leaves
     samples.mkdir(parents=True)

@@ -23,7 +23,7 @@ from flexpack.training.config import load_config  # noqa: E402
 from flexpack.training.faults import NonFiniteError  # noqa: E402
 from flexpack.training.loop import train  # noqa: E402
 from flexpack.training.runfolder import LOCK, RunLock, cut_metrics  # noqa: E402
-from helpers import logged_steps, wait_for_steps  # noqa: E402
+from helpers import logged_steps, tiny_sets, wait_for_steps  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "tiny_cpu.toml"
@@ -31,8 +31,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _sets(root: Path, out: Path, *extra: str) -> list[str]:
-    return [f'data.root="{root}"', f'runtime.out_dir="{out}"', "runtime.progress=false", "optim.accum_steps=1",
-            "data.max_tokens=60", "checkpoint.every=0", "schedule.warmup_steps=2", *extra]
+    return tiny_sets(root, out, "schedule.warmup_steps=2", *extra)
 
 
 def config(root: Path, out: Path, *extra: str):

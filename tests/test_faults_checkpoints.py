@@ -21,7 +21,7 @@ import torch
 pytest.importorskip("lerobot")
 
 from flexpack.cli import main  # noqa: E402
-from helpers import run_cli, wait_for_steps  # noqa: E402
+from helpers import run_cli, set_args, tiny_sets, wait_for_steps  # noqa: E402
 from flexpack.training import checkpoint, manifest  # noqa: E402
 from flexpack.training.safeload import SafePlanner, UnsafeCheckpointError, read_metadata_file  # noqa: E402
 
@@ -31,9 +31,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _sets(root: Path, out: Path, *extra: str) -> list[str]:
-    base = [f'data.root="{root}"', f'runtime.out_dir="{out}"', "runtime.progress=false", "schedule.steps=4",
-            "optim.accum_steps=1", "checkpoint.every=2", "data.max_tokens=60", "schedule.warmup_steps=2", *extra]
-    return [a for s in base for a in ("--set", s)]
+    return set_args(tiny_sets(root, out, "schedule.steps=4", "checkpoint.every=2", "schedule.warmup_steps=2", *extra))
 
 
 

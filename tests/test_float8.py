@@ -131,20 +131,17 @@ def test_float8_matmuls_on_gpu_close_to_bf16(mode):
 
 def test_checkpoints_switch_float8_on_and_off_on_resume(one_thread, monkeypatch, tiny_dataset, tmp_path):
     """float8 is a runtime choice: a checkpoint saved with it on resumes with it off, and back."""
-    from pathlib import Path
-
     from flexpack.training import checkpoint
-    from flexpack.training.config import load_config
     from flexpack.training.loop import train
+
+    from helpers import tiny_config
 
     monkeypatch.setattr(float8, "MIN_DIM", 16)
     monkeypatch.setattr(float8, "check", lambda mode, device: None)  # CPU: emulated float8
-    configs = Path(__file__).resolve().parents[1] / "configs"
 
-    def cfg(out, steps, mode):
-        return load_config(configs / "tiny_cpu.toml", [
-            f'data.root="{tiny_dataset}"', f'runtime.out_dir="{out}"', "runtime.progress=false", "data.max_tokens=60",
-            "checkpoint.every=0", "runtime.tensorboard=false", f"schedule.steps={steps}", f"runtime.float8='{mode}'"])
+    def cfg(out, steps, mode):  # two micro-steps per step, as configs/tiny_cpu.toml has it
+        return tiny_config(tiny_dataset, out, "optim.accum_steps=2", "runtime.tensorboard=false", f"schedule.steps={steps}",
+                           f"runtime.float8='{mode}'")
 
     plain = train(cfg(tmp_path / "plain", 2, "off"))
     on = train(cfg(tmp_path / "on", 2, "rowwise"))

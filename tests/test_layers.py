@@ -122,3 +122,14 @@ def test_only_the_training_loop_imports_sampling():
     users = {str(p.relative_to(ROOT)) for w in ("packing", "attention", "models", "data", "training")
              for p in wing_files(w) if any(m.startswith("flexpack.sampling") for m in imported_modules(p))}
     assert users <= {"training/loop.py"}, sorted(users)
+
+
+def test_objective_and_noise_import_nothing_from_the_harness():
+    """Their own wing: the loss and the noise know the batch and layout, never config, loop or checkpoints
+    (found by name, so that they keep this rule wherever a move puts them inside training/)."""
+    files = [p for p in wing_files("training") if p.stem in ("objective", "noise")]
+    assert sorted(p.stem for p in files) == ["noise", "objective"]
+    own = {".".join(p.relative_to(ROOT.parent).with_suffix("").parts) for p in files}
+    bad = {f"{p.relative_to(ROOT)}: {m}" for p in files for m in imported_modules(p)
+           if m.startswith("flexpack.training") and not any(m == o or m.startswith(o + ".") for o in own)}
+    assert not bad, sorted(bad)

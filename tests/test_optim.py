@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -13,7 +11,7 @@ from flexpack.training.config import load_config
 from flexpack.training.ema import EMA, make_ema
 from flexpack.training.optim import build_optimizer, describe, param_groups
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+from helpers import tiny_config
 
 
 def _model():
@@ -84,20 +82,12 @@ def test_ema_update_formula_and_state_roundtrip():
 
 
 @pytest.mark.usefixtures("one_thread")
-def test_ema_is_checkpointed_and_resumes_exactly(tmp_path):
-    pytest.importorskip("lerobot")
-    from flexpack.data.encode import encode_dataset
-    from flexpack.data.synthetic import make_synthetic_dataset
+def test_ema_is_checkpointed_and_resumes_exactly(tiny_dataset, tmp_path):
     from flexpack.training.loop import train
 
-    root = make_synthetic_dataset(tmp_path / "ds", lengths=[21, 17, 13, 9], seed=2)
-    encode_dataset(root, progress=False)
-
     def cfg(out):
-        return load_config(CONFIGS / "tiny_cpu.toml", [
-            f'data.root="{root}"', f'runtime.out_dir="{tmp_path / out}"', "runtime.progress=false",
-            "optim.accum_steps=1", "data.max_tokens=60", "checkpoint.every=0", "schedule.steps=4",
-            "optim.ema_decay=0.5", "optim.weight_decay=0.1", "schedule.rewarmup_steps=0"])
+        return tiny_config(tiny_dataset, tmp_path / out, "schedule.steps=4", "optim.ema_decay=0.5",
+                           "optim.weight_decay=0.1", "schedule.rewarmup_steps=0")
 
     train(cfg("full"))
     train(cfg("split"), stop_after=2)

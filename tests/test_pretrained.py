@@ -11,8 +11,6 @@ diffusers = pytest.importorskip("diffusers")
 pytest.importorskip("lerobot")
 
 from flexpack.attention.flex import FlexAttnFunc  # noqa: E402
-from flexpack.data.encode import encode_dataset  # noqa: E402
-from flexpack.data.synthetic import make_synthetic_dataset  # noqa: E402
 from flexpack.training.build import build_model  # noqa: E402
 from flexpack.training.config import load_config  # noqa: E402
 from flexpack.training.loop import train  # noqa: E402
@@ -80,9 +78,8 @@ def test_pretrained_safetensors_file_and_contradicting_overrides(tmp_path):
         cfg_for(tmp_path / "nope")
 
 
-def test_training_starts_from_the_pretrained_weights(tmp_path):
-    root = make_synthetic_dataset(tmp_path / "ds", lengths=[17, 13, 9], seed=3)
-    encode_dataset(root, progress=False)
+def test_training_starts_from_the_pretrained_weights(tiny_dataset, tmp_path):
+    root = tiny_dataset
     tiny_diffusers(seed=4).save_pretrained(tmp_path / "t")
     cfg = cfg_for(tmp_path / "t", "schedule.steps=2", "data.max_tokens=60", root=str(root), out=str(tmp_path / "run"))
     start = build_model(cfg).state_dict()

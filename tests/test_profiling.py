@@ -18,6 +18,8 @@ from torch.autograd.profiler_util import FunctionEvent
 from flexpack.training import profile_summary as ps
 from flexpack.training.profiling import StepProfiler, plan
 
+from helpers import tiny_config  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
 KEYS = {"step", "micro_step", "phase", "tokens", "valid_tokens", "episodes", "fwd_s", "bwd_s", "fwd_bwd_s",
@@ -31,6 +33,7 @@ def test_plan_fits_whole_steps_into_short_runs():
     assert (warm, pw, active) == (1, 1, 1)
     assert note == ("LINGBOT_PROFILE=5: the run has 3 step(s) left, fewer than 2 warm-up + 1 profiler warm-up + 5; "
                     "profiling 1 step(s) after 1 + 1 warm-up")
+    assert plan(5, 2, 3, "runtime.profile_steps")[3].startswith("runtime.profile_steps=5: the run has 3 step(s) left")
     assert plan(2, 2, 5)[:3] == (2, 1, 2)
     assert plan(4, 0, 2)[:3] == (0, 1, 1)
     assert plan(4, 3, 1)[:3] == (0, 0, 1)  # one step left: profile it, no warm-up
@@ -38,24 +41,15 @@ def test_plan_fits_whole_steps_into_short_runs():
 
 
 # ---------------------------------------------------------------------------- the train loop (CPU)
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> Path:
-    pytest.importorskip("lerobot")
-    from flexpack.data.encode import encode_dataset
-    from flexpack.data.synthetic import make_synthetic_dataset
-
-    root = make_synthetic_dataset(tmp_path_factory.mktemp("prof") / "ds", lengths=[37, 29, 21, 17, 13, 9], seed=1)
-    encode_dataset(root, progress=False)
-    return root
+@pytest.fixture
+def dataset(tiny_dataset) -> Path:
+    return tiny_dataset  # the session's dataset (only read here)
 
 
 def _train(root: Path, out: Path, *overrides: str):
-    from flexpack.training.config import load_config
     from flexpack.training.loop import train
 
-    base = [f'data.root="{root}"', f'runtime.out_dir="{out}"', "runtime.progress=false", "data.max_tokens=60",
-            "checkpoint.every=0", "runtime.tensorboard=false"]
-    return train(load_config(CONFIGS / "tiny_cpu.toml", base + list(overrides)))
+    return train(tiny_config(root, out, "runtime.tensorboard=false", *overrides))  # every call sets accum_steps
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -117,6 +111,45 @@ def test_short_run_says_so_and_profiles_what_there_is(dataset, tmp_path, monkeyp
     assert s["ranges"]["forward"]["count"] == 1 and s["ranges"]["optimizer"]["count"] == 1
     lines = [json.loads(x) for x in (prof / "steps_rank0.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2, 3]
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_runtime_profile_steps_profiles_without_the_variable(dataset, tmp_path, monkeypatch):
+    monkeypatch.delenv("LINGBOT_PROFILE", raising=False)
+    monkeypatch.delenv("LINGBOT_PROFILE_WARMUP", raising=False)
+    _train(dataset, tmp_path / "run", "schedule.steps=2", "optim.accum_steps=1", "runtime.profile_steps=1",
+           "runtime.profile_warmup=0")
+    prof = tmp_path / "run" / "profile"
+    s = json.loads((prof / "summary_rank0.json").read_text())
+    assert s["profiled_steps"] == [2] and s["warmup_steps"] == 1 and s["note"] is None  # 0 + the profiler's own
+    lines = [json.loads(x) for x in (prof / "steps_rank0.jsonl").read_text().splitlines()]
+    assert [(x["step"], x["phase"]) for x in lines] == [(1, "warmup"), (2, "profiled")]
+
+
+def test_the_variable_wins_over_runtime_profile_steps_with_a_line(monkeypatch, capsys):
+    from flexpack.training.config import load_config
+
+    cfg = load_config(CONFIGS / "tiny_cpu.toml", ["runtime.profile_steps=3", "runtime.profile_warmup=1",
+                                                  "runtime.peak_tflops=50"])
+    kw = {"steps_left": 100, "first_step": 0, "tokens_per_frame": 5, "device": torch.device("cpu")}
+    monkeypatch.delenv("LINGBOT_PROFILE", raising=False)
+    monkeypatch.delenv("LINGBOT_PROFILE_WARMUP", raising=False)
+    p = StepProfiler.for_training(cfg, 0, **kw)
+    assert (p.enabled, p.steps, p.warmup, p.peak_tflops) == (True, 3, 1, 50.0)
+    assert capsys.readouterr().err == ""  # the config alone: nothing to say
+    short = StepProfiler.for_training(cfg, 0, **{**kw, "steps_left": 2})
+    assert short.note.startswith("runtime.profile_steps=3: the run has 2 step(s) left")  # names where n came from
+    monkeypatch.setenv("LINGBOT_PROFILE", "5")
+    monkeypatch.setenv("LINGBOT_PROFILE_WARMUP", "1")  # the same as the key: no line for it
+    p = StepProfiler.for_training(cfg, 0, **kw)
+    assert (p.steps, p.warmup) == (5, 1)
+    assert capsys.readouterr().err == "LINGBOT_PROFILE=5 overrides runtime.profile_steps = 3\n"
+    assert StepProfiler.for_training(cfg, 1, **kw).steps == 5 and capsys.readouterr().err == ""  # rank 0 speaks
+    monkeypatch.setenv("LINGBOT_PROFILE", "0")  # the variable switches a configured profile off
+    assert not StepProfiler.for_training(cfg, 0, **kw).enabled
+    assert "LINGBOT_PROFILE=0 overrides runtime.profile_steps = 3" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="runtime.profile_steps must be >= 0, got -1"):
+        load_config(CONFIGS / "tiny_cpu.toml", ["runtime.profile_steps=-1"])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only machine")
@@ -222,10 +255,9 @@ def test_cuda_kernels_are_classified_by_name_launching_op_and_forward_link():
     assert sum(ps.shares(seconds).values()) == pytest.approx(1.0)
 
 
-def test_cuda_summary_mfu_from_useful_flops_over_the_peak(monkeypatch):
-    monkeypatch.setenv("LINGBOT_PEAK_TFLOPS", "100")
+def test_cuda_summary_mfu_from_useful_flops_over_the_peak():
     fake = SimpleNamespace(cuda=True, device=torch.device("cuda", 0), warmup=1, prof_warmup=1, active=1, first_step=10,
-                           note=None, _step_times=[9.0, 9.0, 2.0], flops=lambda b: 0.0)
+                           note=None, _step_times=[9.0, 9.0, 2.0], flops=lambda b: 0.0, peak_tflops=100.0)
     lines = [{"phase": "profiled", "tokens": 1000, "valid_tokens": 800, "useful_flops": 5e13}]
     s = StepProfiler.summarize(fake, _cuda_window(), lines)
     assert s["time_base"] == "cuda kernels" and s["profiled_steps"] == [13]
@@ -259,10 +291,10 @@ def test_profile_on_cuda_counts_kernel_time_and_mfu(tmp_path, monkeypatch):
 
     monkeypatch.setenv("LINGBOT_PROFILE", "2")
     monkeypatch.setenv("LINGBOT_PROFILE_WARMUP", "1")
-    monkeypatch.setenv("LINGBOT_PEAK_TFLOPS", "100")  # an MFU on any GPU
     cfg = load_config(CONFIGS / "tiny_cpu.toml", [
         f'runtime.out_dir="{tmp_path / "run"}"', "runtime.progress=false", "data.max_tokens=60", "checkpoint.every=0",
         "runtime.tensorboard=false", "schedule.steps=4", "runtime.device='auto'", "optim.accum_steps=1",
+        "runtime.peak_tflops=100",  # an MFU on any GPU
         "model.overrides={in_channels=48, text_dim=64, action_channels=6, attn_backend='auto'}"])
     train(cfg, data=synthetic_data(cfg, text_len=4))
     prof = tmp_path / "run" / "profile"

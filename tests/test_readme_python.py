@@ -31,3 +31,15 @@ def test_readme_python_example_runs_as_written(index, tiny_dataset, tmp_path, mo
         batch, tokens = namespace["batch"], namespace["tokens"]
         assert tuple(batch.latent.shape) == (1, 48, 20, 2, 2)
         assert tokens.doc.shape[0] == 20 * (1 + 4)
+    if "out" in namespace:  # the attention line: each episode's tokens attend only to their own episode
+        import torch
+        import torch.nn.functional as F
+
+        q, k, v, out, doc = namespace["q"], namespace["k"], namespace["v"], namespace["out"], namespace["tokens"].doc
+        assert out.shape == q.shape
+        episodes = sorted(set(doc.tolist()) - {-1})
+        assert len(episodes) >= 1
+        for e in episodes:
+            own = doc == e
+            alone = F.scaled_dot_product_attention(q[:, :, own], k[:, :, own], v[:, :, own])
+            torch.testing.assert_close(out[:, :, own], alone)

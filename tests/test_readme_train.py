@@ -1,6 +1,6 @@
-"""README "Train on your data": every command of its tested block, run at tiny scale.
+"""docs/USAGE.md "Train on your data": every command of its tested block, run at tiny scale.
 
-The block is read from README.md (after the ``<!-- train-on-your-data -->`` marker) and run as
+The block is read from docs/USAGE.md (after the ``<!-- train-on-your-data -->`` marker) and run as
 written, with only these substitutions: the model and run folders point into a temporary
 directory holding tiny random models in the Wan2.2-TI2V-5B-Diffusers layout (``vae/``,
 ``transformer/``, ``text_encoder/``, ``tokenizer/``), ``cuda`` becomes ``cpu``, 8 ranks per node
@@ -35,7 +35,7 @@ MARKER = "<!-- train-on-your-data -->"
 
 
 def readme_block() -> list[str]:
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "USAGE.md").read_text()
     block = text[text.index(MARKER):].split("```bash\n", 1)[1].split("```", 1)[0]
     return [line for line in block.splitlines() if line.strip() and not line.lstrip().startswith("#")]
 

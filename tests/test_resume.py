@@ -16,6 +16,8 @@ import torch
 
 from flexpack.packing.sampler import LengthBucketBatchSampler, TokenBudgetBatchSampler
 
+from helpers import tiny_config
+
 LENGTHS = [10, 8, 6, 5, 4, 3, 7, 9, 2, 2, 11]
 
 
@@ -98,11 +100,7 @@ TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 
 def _cfg(root: Path, out: Path, *extra: str):
-    from flexpack.training.config import load_config
-
-    return load_config(ROOT / "configs" / "tiny_cpu.toml", [
-        f'data.root="{root}"', f'runtime.out_dir="{out}"', "runtime.progress=false", "optim.accum_steps=1",
-        "data.max_tokens=60", "checkpoint.every=0", "schedule.warmup_steps=2", "schedule.rewarmup_steps=0", *extra])
+    return tiny_config(root, out, "schedule.warmup_steps=2", "schedule.rewarmup_steps=0", *extra)
 
 
 def _remaining(root: Path, run: Path, world: int) -> int:

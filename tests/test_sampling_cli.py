@@ -15,15 +15,15 @@ from flexpack.cli import main  # noqa: E402
 from flexpack.training.config import load_config  # noqa: E402
 from flexpack.training.loop import train  # noqa: E402
 
+from helpers import tiny_sets  # noqa: E402
+
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 pytestmark = pytest.mark.usefixtures("one_thread")
 KEYS = ("action_mse", "action_mse_raw", "latent_mse")
 
 
 def _sets(root, out, *more):
-    return [f'data.root="{root}"', f'runtime.out_dir="{out}"', "runtime.progress=false", "optim.accum_steps=1",
-            "data.max_tokens=60", "checkpoint.every=0", "data.val_episodes=[0, 2]", "runtime.tensorboard=false",
-            *more]
+    return tiny_sets(root, out, "data.val_episodes=[0, 2]", "runtime.tensorboard=false", *more)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from flexpack.training import tracking
 from flexpack.training.config import load_config
 from flexpack.training.plot import plot_metrics, read_metrics
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+from helpers import TINY, set_args, tiny_sets
 
 
 def _scalars_from_tb(folder: Path) -> dict[str, list[tuple[int, float]]]:
@@ -101,17 +101,9 @@ def test_missing_wandb_is_one_line_before_any_work(monkeypatch):
 
 
 @pytest.mark.usefixtures("one_thread")
-def test_train_logs_to_tensorboard_prints_outputs_and_plots(tmp_path, capsys):
-    pytest.importorskip("lerobot")
-    from flexpack.data.encode import encode_dataset
-    from flexpack.data.synthetic import make_synthetic_dataset
-
-    root = make_synthetic_dataset(tmp_path / "ds", lengths=[21, 17, 13, 9], seed=2)
-    encode_dataset(root, progress=False)
+def test_train_logs_to_tensorboard_prints_outputs_and_plots(tiny_dataset, tmp_path, capsys):
     out = tmp_path / "run"
-    args = ["train", str(CONFIGS / "tiny_cpu.toml"), "--set", f'data.root="{root}"', "--set", f'runtime.out_dir="{out}"',
-            "--set", "schedule.steps=3", "--set", "runtime.progress=false", "--set", "checkpoint.every=0",
-            "--set", "data.max_tokens=60", "--set", "optim.accum_steps=1"]
+    args = ["train", str(TINY), *set_args(tiny_sets(tiny_dataset, out, "schedule.steps=3"))]
     assert cli_main(args) == 0
     printed = capsys.readouterr().out
     for line in (f"run folder   {out}", f"metrics      {out / 'metrics.jsonl'}", f"tensorboard  {out / 'tb'}",

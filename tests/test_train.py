@@ -15,11 +15,11 @@ from flexpack.training import checkpoint  # noqa: E402
 from flexpack.cli import main as cli_main  # noqa: E402
 from flexpack.packing.collate import PackCollate, PadCollate  # noqa: E402
 from flexpack.training.config import ScheduleConfig, load_config  # noqa: E402
-from flexpack.data.encode import encode_dataset  # noqa: E402
-from flexpack.data.synthetic import make_synthetic_dataset  # noqa: E402
 from flexpack.models import WanVA, wan_config  # noqa: E402
 from flexpack.training.profiling import StepProfiler  # noqa: E402
 from flexpack.training.loop import accumulate, lr_at, train  # noqa: E402
+
+from helpers import tiny_config  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 VIDEO_FRAMES = [37, 29, 21, 17, 13, 9]  # latent frames 10, 8, 6, 5, 4, 3
@@ -28,17 +28,12 @@ VIDEO_FRAMES = [37, 29, 21, 17, 13, 9]  # latent frames 10, 8, 6, 5, 4, 3
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> Path:
-    root = make_synthetic_dataset(tmp_path_factory.mktemp("train") / "ds", lengths=VIDEO_FRAMES, seed=1)
-    encode_dataset(root, progress=False)
-    return root
+@pytest.fixture
+def dataset(tiny_dataset) -> Path:
+    return tiny_dataset  # the session's dataset: VIDEO_FRAMES, seed 1 (tests that change it copy it)
 
 
-def config(root: Path, out: Path, *overrides: str):
-    base = [f'data.root="{root}"', f'runtime.out_dir="{out}"', "runtime.progress=false", "optim.accum_steps=1",
-            "data.max_tokens=60", "checkpoint.every=0"]
-    return load_config(CONFIGS / "tiny_cpu.toml", base + list(overrides))
+config = tiny_config
 
 
 def test_lr_schedule_warmup_cosine_constant_and_rewarmup():

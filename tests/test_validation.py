@@ -11,14 +11,14 @@ import torch
 
 pytest.importorskip("lerobot")
 
-from flexpack.data.encode import encode_dataset  # noqa: E402
-from flexpack.data.synthetic import make_synthetic_dataset  # noqa: E402
 from flexpack.training import checkpoint  # noqa: E402
 from flexpack.training.build import build_model  # noqa: E402
-from flexpack.training.config import DataConfig, load_config  # noqa: E402
+from flexpack.training.config import DataConfig  # noqa: E402
 from flexpack.training.loop import train  # noqa: E402
 from flexpack.training.holdout import split_episodes  # noqa: E402
 from flexpack.training.validation import Validator  # noqa: E402
+
+from helpers import tiny_config  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -41,18 +41,13 @@ def test_split_is_deterministic_disjoint_and_checked():
         DataConfig(val_fraction=1.0)
 
 
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> Path:
-    root = make_synthetic_dataset(tmp_path_factory.mktemp("val") / "ds", lengths=[25, 21, 17, 13, 9, 9], seed=4)
-    encode_dataset(root, progress=False)
-    return root
+@pytest.fixture
+def dataset(tiny_dataset) -> Path:
+    return tiny_dataset  # the session's dataset: six episodes (only read here)
 
 
 def _cfg(root, out, *more):
-    return load_config(CONFIGS / "tiny_cpu.toml", [
-        f'data.root="{root}"', f'runtime.out_dir="{out}"', "runtime.progress=false", "optim.accum_steps=1",
-        "data.max_tokens=60", "checkpoint.every=0", "schedule.steps=4", "data.val_episodes=[1, 4]",
-        "runtime.eval_every=2", *more])
+    return tiny_config(root, out, "schedule.steps=4", "data.val_episodes=[1, 4]", "runtime.eval_every=2", *more)
 
 
 def test_validation_loss_is_logged_held_out_and_reproducible(dataset, tmp_path):

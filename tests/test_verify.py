@@ -102,15 +102,9 @@ def test_noise_does_not_depend_on_batching():
     assert not torch.equal(packed.inputs.latent[0, :, :3], alone.inputs.latent[0])
 
 
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> Path:
-    pytest.importorskip("lerobot")
-    from flexpack.data.encode import encode_dataset
-    from flexpack.data.synthetic import make_synthetic_dataset
-
-    root = make_synthetic_dataset(tmp_path_factory.mktemp("verify") / "ds", lengths=[33, 21, 13, 9], seed=2)
-    encode_dataset(root, progress=False)
-    return root
+@pytest.fixture
+def dataset(tiny_dataset) -> Path:
+    return tiny_dataset  # the session's dataset (only read here)
 
 
 def test_cli_and_script_exit_status(dataset, capsys, monkeypatch):

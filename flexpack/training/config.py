@@ -232,7 +232,9 @@ class RuntimeConfig:
     # keep; below 1 the partitioner recomputes the cheapest ops (by FLOPs) in the backward instead
     activation_memory_budget: float = 1.0
     float8: str = "off"  # "tensorwise" / "rowwise": float8 matmuls in the blocks (flexpack.training.float8; torchao)
-    peak_tflops: float | None = None  # bf16 peak for `mfu` in metrics.jsonl; None: measured at start (CUDA)
+    peak_tflops: float | None = None  # bf16 peak for `mfu` (metrics.jsonl, profile); None: measured at start (CUDA)
+    profile_steps: int = 0  # steps profiled by torch.profiler into RUN/profile/; 0 = off; LINGBOT_PROFILE wins if set
+    profile_warmup: int = 2  # steps run before the profiled ones (compilation); LINGBOT_PROFILE_WARMUP wins if set
     seed: int = 0  # seed of the model init and the noise draws
     log_every: int = 1  # optimizer steps between metrics.jsonl lines
     progress: bool = True  # show a progress bar on rank 0
@@ -254,7 +256,7 @@ class RuntimeConfig:
     def __post_init__(self) -> None:
         if self.eval_every < 0:
             raise ValueError(f"runtime.eval_every must be >= 0, got {self.eval_every!r}")
-        for name in ("sample_every", "sample_horizon", "sample_plots"):
+        for name in ("sample_every", "sample_horizon", "sample_plots", "profile_steps", "profile_warmup"):
             if getattr(self, name) < 0:
                 raise ValueError(f"runtime.{name} must be >= 0, got {getattr(self, name)!r}")
         for name in ("sample_steps", "sample_episodes", "sample_cuts"):

@@ -12,16 +12,16 @@ Self-attention under a chunk-causal or teacher-forcing mask attends fewer pairs 
 the count here is the document mask's, so MFU for those masks is an upper bound.
 
 MFU = useful FLOPs / (seconds × peak). The peak is what an 8192³ bf16 matmul reaches on the GPU
-itself, measured once per process (:func:`measured_bf16_peak`; 755–795 TFLOP/s on the H200, where
-the datasheet's dense bf16 rate, :data:`DATASHEET_BF16_FLOPS`, is 989), overridable with
-``LINGBOT_PEAK_TFLOPS`` or ``runtime.peak_tflops``. ``benchmarks/train_step.py``, metrics.jsonl's
-``mfu`` and the profile summary all count this way, through :func:`batch_flops` fed by the run
-plan's token geometry (:mod:`flexpack.training.plan`: copies, video and action tokens per frame).
+itself, measured once per process (:func:`measured_bf16_peak`; 755–795 TFLOP/s on the H200, whose
+datasheet gives 989 dense), unless ``runtime.peak_tflops`` sets it: that key is the only override, so
+metrics.jsonl's ``mfu`` and the profile summary divide by the same figure.
+``benchmarks/train_step.py``, metrics.jsonl's ``mfu`` and the profile summary all count useful FLOPs
+through :func:`batch_flops`, fed by the run plan's token geometry (:mod:`flexpack.training.plan`:
+copies, video and action tokens per frame).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -30,16 +30,6 @@ import torch
 from flexpack.models.wan_config import WanVAConfig
 from flexpack.packing.geometry import TokenGeometry
 from flexpack.packing.layout import SequenceLayout, TokenLayout
-
-# NVIDIA datasheets, dense bf16 tensor-core FLOP/s (the "with sparsity" figures are 2x these).
-H200_BF16_DENSE_FLOPS = 989e12  # H200 SXM (and H100 SXM: same tensor cores and clocks)
-DATASHEET_BF16_FLOPS: dict[str, float] = {
-    "H200": H200_BF16_DENSE_FLOPS,
-    "H100 80GB HBM3": 989e12,  # H100 SXM5
-    "H100 PCIe": 756e12,
-    "A100": 312e12,
-}
-ENV_PEAK = "LINGBOT_PEAK_TFLOPS"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,19 +159,10 @@ def measured_bf16_peak(device: torch.device | str, n: int = 8192, reps: int = 10
 
 
 def peak_flops(device: torch.device | str | None = None, tflops: float | None = None) -> float | None:
-    """Dense bf16 peak FLOP/s of ``device``: ``tflops`` (``runtime.peak_tflops``) or
-    ``LINGBOT_PEAK_TFLOPS`` if set, else :func:`measured_bf16_peak` on CUDA; ``None`` on CPU (no MFU)."""
+    """Dense bf16 peak FLOP/s of ``device``: ``tflops`` (``runtime.peak_tflops``) if set, else
+    :func:`measured_bf16_peak` on CUDA; ``None`` on CPU (no MFU)."""
     if tflops:
         return float(tflops) * 1e12
-    text = os.environ.get(ENV_PEAK, "").strip()
-    if text:
-        try:
-            value = float(text)
-        except ValueError:
-            value = -1.0
-        if not value > 0:
-            raise ValueError(f"{ENV_PEAK} must be a positive number of TFLOP/s, got {text!r}")
-        return value * 1e12
     device = torch.device(device) if device is not None else None
     if device is None or device.type != "cuda" or not torch.cuda.is_available():
         return None

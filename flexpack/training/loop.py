@@ -20,7 +20,7 @@ Order of one optimizer step (nanoGPT's): lr → checkpoint → micro-steps → c
 - One step (:func:`~flexpack.training.step.train_step`) queues its work without waiting for the GPU;
   on CUDA in pack mode each block is compiled once for all layers (``runtime.compile``). The host
   reads device values at logged steps only (loss, grad norm, throughput: :mod:`flexpack.training.metrics`).
-- ``LINGBOT_PROFILE=n`` profiles n steps (:mod:`flexpack.training.profiling`); metrics also go to
+- ``runtime.profile_steps = n`` profiles n steps (:mod:`flexpack.training.profiling`); metrics also go to
   TensorBoard / W&B (:mod:`flexpack.training.tracking`).
 """
 

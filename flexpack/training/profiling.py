@@ -1,7 +1,7 @@
-"""Step profiling switched on by the environment: ``LINGBOT_PROFILE=n``.
+"""Step profiling: ``runtime.profile_steps = n`` (or the environment variable ``LINGBOT_PROFILE=n``).
 
 With ``n > 0`` the train loop profiles ``n`` whole optimizer steps with ``torch.profiler`` after
-``LINGBOT_PROFILE_WARMUP`` (default 2) steps of warm-up (compilation, allocator growth) plus one
+``runtime.profile_warmup`` (default 2) steps of warm-up (compilation, allocator growth) plus one
 profiler warm-up step, and writes to ``RUN/profile/``:
 
     steps_rank{r}.jsonl   one line per micro-step of the warm-up and profiled steps: step, micro_step,
@@ -17,8 +17,13 @@ profiler warm-up step, and writes to ``RUN/profile/``:
 
 If the run has fewer steps left than warm-up + n, one line says so and what there is is profiled
 (at least one whole step). On a machine without a GPU the profiler's GPU probe is kept quiet.
-``0`` or unset: off (every hook is a no-op). Files are written atomically. Token counts, copies and
-useful FLOPs come from the run's plan (:meth:`StepProfiler.for_training`, :mod:`flexpack.training.plan`).
+``0``: off (every hook is a no-op). Files are written atomically. Token counts, copies and useful
+FLOPs come from the run's plan (:meth:`StepProfiler.for_training`, :mod:`flexpack.training.plan`).
+
+The variables ``LINGBOT_PROFILE`` and ``LINGBOT_PROFILE_WARMUP`` stay for runs started without
+touching the config: where one is set it wins over its config key, and rank 0 prints one line
+saying so (:func:`resolve`). The peak behind MFU is ``runtime.peak_tflops`` (measured at the start
+when unset), the same figure as ``metrics.jsonl``'s ``mfu``.
 """
 
 from __future__ import annotations
@@ -56,19 +61,32 @@ def _env_int(name: str, default: int) -> int:
     return value
 
 
-def plan(steps: int, warmup: int, steps_left: int | None) -> tuple[int, int, int, str | None]:
+def resolve(name: str, key: str, configured: int, rank: int = 0) -> int:
+    """The value of config key ``key`` (``configured``) unless environment variable ``name`` is set:
+    then the variable wins (a job script's one-off override of the config), with a line on rank 0
+    when the two differ."""
+    if not os.environ.get(name, "").strip():
+        return configured
+    value = _env_int(name, 0)
+    if value != configured and rank == 0:
+        print(f"{name}={value} overrides {key} = {configured}", file=sys.stderr, flush=True)
+    return value
+
+
+def plan(steps: int, warmup: int, steps_left: int | None, source: str = ENV) -> tuple[int, int, int, str | None]:
     """(warm-up steps, profiler warm-up steps, profiled steps, note) fitting ``steps_left``.
 
-    Whole steps only: profiled steps are cut first down to one, then the warm-ups."""
+    Whole steps only: profiled steps are cut first down to one, then the warm-ups. The note names
+    ``source``, where ``steps`` came from (the variable or the config key)."""
     if steps_left is None or steps_left >= warmup + 1 + steps:
         return warmup, 1, steps, None
     if steps_left <= 0:
-        return 0, 0, 0, f"{ENV}={steps}: the run has no steps left to profile"
+        return 0, 0, 0, f"{source}={steps}: the run has no steps left to profile"
     active = max(1, min(steps, steps_left - warmup - 1))
     rest = steps_left - active
     prof_warm = min(1, rest)
     warm = min(warmup, rest - prof_warm)
-    note = (f"{ENV}={steps}: the run has {steps_left} step(s) left, fewer than {warmup} warm-up + 1 profiler "
+    note = (f"{source}={steps}: the run has {steps_left} step(s) left, fewer than {warmup} warm-up + 1 profiler "
             f"warm-up + {steps}; profiling {active} step(s) after {warm} + {prof_warm} warm-up")
     return warm, prof_warm, active, note
 
@@ -105,16 +123,20 @@ class StepProfiler:
         first_step: the run's step count before the first hooked step (steps are logged 1-based after it).
         tokens_per_frame, copies: computed tokens of a micro-batch = frames × tokens_per_frame × copies.
         flops: useful FLOPs of one micro-batch (for MFU on CUDA); None: no MFU.
+        peak_tflops: the bf16 peak MFU is measured against (``runtime.peak_tflops``); None: measured.
+        source: where ``steps`` came from, for the note of a run too short for the window.
         device: where the step runs (CUDA: device time and peak memory; else CPU op time and RSS).
     """
 
     def __init__(self, out_dir: str | os.PathLike, rank: int = 0, steps: int | None = None, warmup: int | None = None,
                  *, steps_left: int | None = None, first_step: int = 0, tokens_per_frame: int = 1, copies: int = 1,
-                 flops: Callable[[Any], float] | None = None, device: torch.device | str | None = None) -> None:
+                 flops: Callable[[Any], float] | None = None, device: torch.device | str | None = None,
+                 peak_tflops: float | None = None, source: str = ENV) -> None:
         self.steps = _env_int(ENV, 0) if steps is None else steps
         self.warmup = (_env_int(ENV_WARMUP, 2) if self.steps else 0) if warmup is None else warmup  # read only when profiling
         self.dir, self.rank = Path(out_dir) / "profile", rank
         self.first_step, self.tpf, self.copies, self.flops = first_step, tokens_per_frame, copies, flops
+        self.peak_tflops = peak_tflops
         self.written: list[Path] = []
         self.note: str | None = None
         self._prof: profile | None = None
@@ -128,7 +150,7 @@ class StepProfiler:
         self.device = torch.device(device) if device is not None else torch.device(
             "cuda" if torch.cuda.is_available() else "cpu")
         self.cuda = self.device.type == "cuda"
-        warm, prof_warm, active, self.note = plan(self.steps, self.warmup, steps_left)
+        warm, prof_warm, active, self.note = plan(self.steps, self.warmup, steps_left, source)
         if active == 0:
             self._print_note()
             return
@@ -148,8 +170,9 @@ class StepProfiler:
     @classmethod
     def for_training(cls, cfg: Any, rank: int, *, steps_left: int, first_step: int, plan: Any,
                      device: torch.device) -> "StepProfiler":
-        """The profiler of :func:`flexpack.training.loop.train`: token counts, copies and FLOPs from
-        the run's plan (:class:`~flexpack.training.plan.Plan`: its model config and token geometry)."""
+        """The profiler of :func:`flexpack.training.loop.train`: steps, warm-up and the peak from the config
+        (``LINGBOT_PROFILE`` / ``LINGBOT_PROFILE_WARMUP`` win where set); token counts, copies and FLOPs
+        from the run's plan (:class:`~flexpack.training.plan.Plan`: its model config and token geometry)."""
         from flexpack.training.flops import batch_flops
 
         model, geometry = plan.model, plan.geometry
@@ -157,8 +180,13 @@ class StepProfiler:
         def flops(batch: Any) -> float:
             return batch_flops(model, geometry, batch.layout)
 
-        return cls(cfg.runtime.out_dir, rank, steps_left=steps_left, first_step=first_step,
-                   tokens_per_frame=geometry.tokens_per_frame, copies=geometry.copies, flops=flops, device=device)
+        rt = cfg.runtime
+        steps = resolve(ENV, "runtime.profile_steps", rt.profile_steps, rank)
+        source = ENV if os.environ.get(ENV, "").strip() else "runtime.profile_steps"
+        warmup = resolve(ENV_WARMUP, "runtime.profile_warmup", rt.profile_warmup, rank) if steps else 0
+        return cls(rt.out_dir, rank, steps, warmup, steps_left=steps_left, first_step=first_step,
+                   tokens_per_frame=geometry.tokens_per_frame, copies=geometry.copies, flops=flops, device=device,
+                   peak_tflops=rt.peak_tflops, source=source)
 
     @property
     def enabled(self) -> bool:
@@ -311,7 +339,7 @@ class StepProfiler:
         tokens = sum(x["tokens"] for x in profiled)
         valid = sum(x["valid_tokens"] for x in profiled)
         flops = sum(x["useful_flops"] or 0.0 for x in profiled) if self.flops is not None else None
-        peak = peak_flops(self.device) if self.cuda else None
+        peak = peak_flops(self.device, self.peak_tflops) if self.cuda else None
         mfu = flops / (wall * peak) if (self.cuda and peak and flops and wall > 0) else None
         return {
             "time_base": "cuda kernels" if self.cuda else "cpu ops",
