@@ -131,7 +131,12 @@ def test_the_variable_wins_over_runtime_profile_steps_with_a_line(monkeypatch, c
 
     cfg = load_config(CONFIGS / "tiny_cpu.toml", ["runtime.profile_steps=3", "runtime.profile_warmup=1",
                                                   "runtime.peak_tflops=50"])
-    kw = {"steps_left": 100, "first_step": 0, "tokens_per_frame": 5, "device": torch.device("cpu")}
+    from types import SimpleNamespace
+
+    from flexpack.packing.geometry import TokenGeometry
+
+    plan = SimpleNamespace(model=cfg.model.wan_config(), geometry=TokenGeometry(video_tokens=1, action_tokens=4))
+    kw = {"steps_left": 100, "first_step": 0, "plan": plan, "device": torch.device("cpu")}
     monkeypatch.delenv("LINGBOT_PROFILE", raising=False)
     monkeypatch.delenv("LINGBOT_PROFILE_WARMUP", raising=False)
     p = StepProfiler.for_training(cfg, 0, **kw)
