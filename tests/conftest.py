@@ -4,6 +4,7 @@ import shutil
 import tempfile
 
 import pytest
+import torch
 
 # Tests never reach a hub: datasets are built locally, models are small and random.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -49,3 +50,20 @@ def tiny_dataset(tmp_path_factory):
 def train_dataset(tiny_dataset):
     """The same dataset under the name the fault and resume tests use; tests that damage it copy it first."""
     return tiny_dataset
+
+
+VAE_MEAN, VAE_STD = [0.1, 0.2, -0.1, 0.0], [1.5, 2.0, 0.5, 1.0]  # per latent channel, as the Wan VAE config stores them
+
+
+@pytest.fixture(scope="session")
+def tiny_vae(tmp_path_factory):
+    """A tiny random diffusers AutoencoderKLWan saved to disk: (path, model)."""
+    diffusers = pytest.importorskip("diffusers", reason="diffusers (dev extra) is needed for the wan-vae encoder")
+    torch.manual_seed(0)
+    vae = diffusers.AutoencoderKLWan(
+        base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+        temperal_downsample=[False, True, True], latents_mean=VAE_MEAN, latents_std=VAE_STD,
+    )
+    path = tmp_path_factory.mktemp("vae") / "tiny-wan-vae"
+    vae.save_pretrained(path)
+    return path, vae.eval()

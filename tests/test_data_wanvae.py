@@ -16,19 +16,7 @@ from flexpack.data.episodes import EpisodeSource  # noqa: E402
 from flexpack.data.synthetic import make_synthetic_dataset  # noqa: E402
 
 LENGTHS = [9, 14]  # F = 3, 4; episode 1 drops its last video frame
-MEAN, STD = [0.1, 0.2, -0.1, 0.0], [1.5, 2.0, 0.5, 1.0]
-
-
-@pytest.fixture(scope="module")
-def tiny_vae(tmp_path_factory):
-    torch.manual_seed(0)
-    vae = diffusers.AutoencoderKLWan(
-        base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
-        temperal_downsample=[False, True, True], latents_mean=MEAN, latents_std=STD,
-    )
-    path = tmp_path_factory.mktemp("vae") / "tiny-wan-vae"
-    vae.save_pretrained(path)
-    return path, vae.eval()
+from conftest import VAE_MEAN as MEAN, VAE_STD as STD  # noqa: E402  (the tiny_vae fixture's)
 
 
 def test_wan_vae_encoder_writes_normalized_posterior_mode(tiny_vae, tmp_path, capsys):
@@ -100,18 +88,3 @@ def test_bf16_tiling_and_slicing_keep_the_latents(tiny_vae, tmp_path):
     assert calls and zt.shape == one_by_one[0].shape and torch.isfinite(zt).all()  # 64 px frames went in 32 px tiles
     with pytest.raises(ValueError, match="--tile-size 24"):
         WanVAEEncoder(str(path), tiling=True, tile_size=24)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_bf16_encode_on_cuda_matches_fp32_on_cpu(tiny_vae):
-    from flexpack.data.encoders import WanVAEEncoder
-
-    path, _ = tiny_vae
-    video = torch.randint(0, 256, (9, 3, 64, 64), generator=torch.Generator().manual_seed(5), dtype=torch.uint8)
-    ref = WanVAEEncoder(str(path)).encode(video)
-    for tiling in (False, True):
-        z = WanVAEEncoder(str(path), device="cuda", dtype=torch.bfloat16, tiling=tiling, tile_size=32).encode(video)
-        assert z.device.type == "cpu" and z.shape == ref.shape and torch.isfinite(z).all()
-        if not tiling:
-            assert (z - ref).abs().max() / ref.abs().max() < 0.05
