@@ -19,8 +19,8 @@ marks padding. ``episode_index`` maps slots back to dataset indices.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
-from typing import Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import Sequence, TypeVar
 
 import torch
 from torch import Tensor
@@ -30,9 +30,34 @@ VIDEO, ACTION = 0, 1
 NOISY, CLEAN = 0, 1
 
 
-def _tensor_fields_to(obj, device: torch.device | str):
-    changes = {f.name: getattr(obj, f.name).to(device) for f in fields(obj) if isinstance(getattr(obj, f.name), Tensor)}
-    return replace(obj, **changes)
+_L = TypeVar("_L", "SequenceLayout", "TokenLayout")
+
+
+def to_device(t: Tensor, device: torch.device | str) -> Tensor:
+    """``t`` on ``device``; host to CUDA goes through page-locked memory with ``non_blocking=True``,
+    so the host queues the copy and goes on (a pageable or blocking copy waits for the GPU to reach
+    it, one stall per tensor). The source must not change afterwards: layouts never do."""
+    device = torch.device(device)
+    if device.type == "cuda" and t.device.type == "cpu":
+        return (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)
+    return t.to(device)
+
+
+def _moved(obj: _L, device: torch.device | str) -> _L:
+    """``obj`` with its tensor fields on ``device``, keeping (or becoming) the host copy of a device layout.
+
+    The host copy is what host-side code reads (token expansion, segment counts, episode runs):
+    reading the device tensors back would wait for the GPU every step. ``host`` is not an init
+    field, so ``dataclasses.replace`` (a changed layout) drops it rather than keep a stale copy."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return obj.on_host()
+    on_cpu = next(getattr(obj, f.name) for f in fields(obj) if isinstance(getattr(obj, f.name), Tensor)).device.type == "cpu"
+    host = obj if on_cpu else obj.host
+    changes = {f.name: to_device(getattr(obj, f.name), device) for f in fields(obj) if isinstance(getattr(obj, f.name), Tensor)}
+    out = replace(obj, **changes)
+    object.__setattr__(out, "host", host)
+    return out
 
 
 @dataclass(frozen=True, eq=False)
@@ -49,6 +74,7 @@ class SequenceLayout:
         episode_index:  (E,) int64 — dataset index of each episode (``-1`` where unknown).
         text_len:       (E,) int64 — valid text tokens per episode (0 where there is no text).
         mode:           ``"pad"``, ``"pack"`` or ``"tokens"`` (:meth:`from_lengths`).
+        host:           on a device layout, the CPU layout it was copied from (:meth:`on_host`).
     """
 
     frame_doc: Tensor
@@ -59,6 +85,7 @@ class SequenceLayout:
     episode_index: Tensor
     text_len: Tensor
     mode: str
+    host: "SequenceLayout | None" = field(default=None, init=False, repr=False)
 
     # ------------------------------------------------------------------ construction
     @staticmethod
@@ -166,7 +193,23 @@ class SequenceLayout:
         return (self.mode, self.num_rows, self.frames_per_row)
 
     def to(self, device: torch.device | str) -> "SequenceLayout":
-        return _tensor_fields_to(self, device)
+        """The layout on ``device`` (see :func:`to_device`); a device layout keeps its host copy,
+        and ``to("cpu")`` gives that copy back without reading the device."""
+        return _moved(self, device)
+
+    def pin_memory(self) -> "SequenceLayout":
+        """This (CPU) layout in page-locked memory: :meth:`to` a CUDA device then copies without
+        blocking and without staging each tensor first."""
+        return replace(self, **{f.name: getattr(self, f.name).pin_memory() for f in fields(self)
+                                if isinstance(getattr(self, f.name), Tensor)})
+
+    def on_host(self) -> "SequenceLayout":
+        """This layout with CPU tensors: itself, the host copy it was moved from, or (a device
+        layout built on the device) a copy read back, which waits for the GPU."""
+        if self.frame_doc.device.type == "cpu":
+            return self
+        return self.host if self.host is not None else replace(self, **{
+            f.name: getattr(self, f.name).cpu() for f in fields(self) if isinstance(getattr(self, f.name), Tensor)})
 
     # ------------------------------------------------------------------ expansion
     def tokens(
@@ -215,6 +258,7 @@ class TokenLayout:
         frames: the :class:`SequenceLayout` it was expanded from.
         runs:   host-side ``(episode slot or -1, frames)`` of every run in token order (rows one
                 after another); lets masks bound their segment counts without a device sync.
+        host:   on a device layout, the CPU layout it was copied from (:meth:`on_host`).
     """
 
     doc: Tensor
@@ -233,6 +277,7 @@ class TokenLayout:
     action_tokens: int
     copies: int
     runs: tuple[tuple[int, int], ...] = ()
+    host: "TokenLayout | None" = field(default=None, init=False, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -253,12 +298,30 @@ class TokenLayout:
         return (self.num_tokens, self.video_tokens, self.action_tokens, self.copies) + self.frames.signature()
 
     def to(self, device: torch.device | str) -> "TokenLayout":
-        out = _tensor_fields_to(self, device)
-        return replace(out, frames=self.frames.to(device))
+        """The layout on ``device``, its frames too; keeps the host copy as :meth:`SequenceLayout.to`."""
+        out = _moved(self, device)
+        if out.frames.frame_doc.device != out.doc.device:
+            host = out.host
+            out = replace(out, frames=self.frames.to(device))
+            object.__setattr__(out, "host", host)
+        return out
+
+    def on_host(self) -> "TokenLayout":
+        """This layout with CPU tensors (see :meth:`SequenceLayout.on_host`)."""
+        if self.doc.device.type == "cpu":
+            return self
+        if self.host is not None:
+            return self.host
+        out = replace(self, frames=self.frames.on_host(), **{
+            f.name: getattr(self, f.name).cpu() for f in fields(self) if isinstance(getattr(self, f.name), Tensor)})
+        return out
 
 
 def _expand(layout: SequenceLayout, nv: int, na: int, copies: int, grid_hw: tuple[int, int]) -> TokenLayout:
-    fd = layout.frame_doc.cpu()
+    """The token layout, computed on the host from the layout's CPU copy (run lengths, scatters and
+    ``runs`` need host values; a device layout brings its host copy) and moved to the layout's device."""
+    host = layout.on_host()
+    fd = host.frame_doc
     R, Fr = fd.shape
     tpf = nv + na
     dev_out = layout.frame_doc.device
@@ -286,7 +349,7 @@ def _expand(layout: SequenceLayout, nv: int, na: int, copies: int, grid_hw: tupl
     copy = torch.empty(T, dtype=torch.int64)
     hpos = torch.zeros(T, dtype=torch.int64)
     wpos = torch.zeros(T, dtype=torch.int64)
-    fp = layout.frame_pos.cpu()
+    fp = host.frame_pos
     for index, k, is_action in ((video_index, nv, False), (action_index, na, True)):
         if k == 0:
             continue
@@ -299,15 +362,19 @@ def _expand(layout: SequenceLayout, nv: int, na: int, copies: int, grid_hw: tupl
             j = torch.arange(nv).expand(copies, R, Fr, nv).reshape(-1)
             hpos[flat] = j // grid_hw[1]
             wpos[flat] = j % grid_hw[1]
-    starts = (layout.episode_row.cpu() * Fr + layout.episode_start.cpu()) * tpf * copies
-    lens = layout.episode_frames.cpu() * tpf * copies
+    starts = (host.episode_row * Fr + host.episode_start) * tpf * copies
+    lens = host.episode_frames * tpf * copies
     first = new_run.nonzero()  # (runs, 2) row, frame of every run's first frame, in token order
     runs = tuple(zip(fd[first[:, 0], first[:, 1]].tolist(), n[first[:, 0], first[:, 1]].tolist()))
     out = TokenLayout(
         doc, frame, stream, copy, hpos, wpos, video_index, action_index, starts, lens,
-        layout.text_len.cpu(), layout.to("cpu"), nv, na, copies, runs,
+        host.text_len, host, nv, na, copies, runs,
     )
-    return out.to(dev_out) if dev_out.type != "cpu" else out
+    if dev_out.type == "cpu":
+        return out
+    moved = replace(_moved(out, dev_out), frames=layout)  # the frames the caller holds, not a second copy
+    object.__setattr__(moved, "host", out)
+    return moved
 
 
 def cu_seqlens_from_position_ids(position_ids: Tensor, valid_tokens: int | None = None) -> Tensor:
