@@ -53,7 +53,7 @@ def _moved(obj: _L, device: torch.device | str) -> _L:
     if device.type == "cpu":
         return obj.on_host()
     on_cpu = next(getattr(obj, f.name) for f in fields(obj) if isinstance(getattr(obj, f.name), Tensor)).device.type == "cpu"
-    host = obj if on_cpu else obj.host
+    host = obj.host if obj.host is not None else (obj if on_cpu else None)
     changes = {f.name: to_device(getattr(obj, f.name), device) for f in fields(obj) if isinstance(getattr(obj, f.name), Tensor)}
     out = replace(obj, **changes)
     object.__setattr__(out, "host", host)
@@ -206,10 +206,11 @@ class SequenceLayout:
     def on_host(self) -> "SequenceLayout":
         """This layout with CPU tensors: itself, the host copy it was moved from, or (a device
         layout built on the device) a copy read back, which waits for the GPU."""
+        if self.host is not None:
+            return self.host
         if self.frame_doc.device.type == "cpu":
             return self
-        return self.host if self.host is not None else replace(self, **{
-            f.name: getattr(self, f.name).cpu() for f in fields(self) if isinstance(getattr(self, f.name), Tensor)})
+        return replace(self, **{f.name: getattr(self, f.name).cpu() for f in fields(self) if isinstance(getattr(self, f.name), Tensor)})
 
     # ------------------------------------------------------------------ expansion
     def tokens(
@@ -308,13 +309,12 @@ class TokenLayout:
 
     def on_host(self) -> "TokenLayout":
         """This layout with CPU tensors (see :meth:`SequenceLayout.on_host`)."""
-        if self.doc.device.type == "cpu":
-            return self
         if self.host is not None:
             return self.host
-        out = replace(self, frames=self.frames.on_host(), **{
+        if self.doc.device.type == "cpu":
+            return self
+        return replace(self, frames=self.frames.on_host(), **{
             f.name: getattr(self, f.name).cpu() for f in fields(self) if isinstance(getattr(self, f.name), Tensor)})
-        return out
 
 
 def _expand(layout: SequenceLayout, nv: int, na: int, copies: int, grid_hw: tuple[int, int]) -> TokenLayout:
