@@ -146,3 +146,29 @@ def test_host_side_values_of_a_device_layout_come_from_its_host_copy():
     _Watched.reads = []
     replace(device).tokens(video_tokens=1, action_tokens=2)
     assert _Watched.reads  # frame_doc read back to find the runs
+
+
+@pytest.mark.parametrize("mask", ["document", "teacher_forcing"])
+def test_forward_and_backward_run_on_the_meta_device(one_thread, mask):
+    """A step's micro-batches, forward and backward, with the model and the batches on the meta
+    device: its tensors have shapes but no values, so any host read of a device value (a layout
+    read back, a mask check, an ``.item()``) raises instead of silently waiting for a GPU."""
+    from flexpack.training.build import build_model
+    from flexpack.training.config import TrainConfig, from_dict
+    from flexpack.training.memory_data import synthetic_data
+
+    model = {"preset": "tiny", "overrides": {"num_layers": 2, "attn_backend": "dense"}}
+    if mask == "teacher_forcing":
+        model.update(mask="teacher_forcing", chunk_size=2)
+    cfg = from_dict(TrainConfig, {"data": {"mode": "pack", "max_tokens": 256, "action_steps": 4}, "model": model,
+                                  "objective": {"teacher_forcing": mask == "teacher_forcing", "chunk_size": 2},
+                                  "optim": {"accum_steps": 2}})
+    data = synthetic_data(cfg, hw=(4, 4), text_len=8)
+    batches = [data.collate([data.dataset[i] for i in idx]) for idx in list(data.sampler)[:2]]
+    assert all(b.layout.num_episodes > 1 and b.text is not None and b.action is not None for b in batches)
+    meta = torch.device("meta")
+    with meta:
+        net = build_model(cfg)
+    out = step_mod.accumulate(net, batches, cfg, step=0, device=meta, extra_model_kwargs={"text_slots": data.text_slots})
+    assert out.device == meta and out.shape == (3,)
+    assert all(p.grad is not None and p.grad.device == meta for p in net.parameters())  # backward reached every weight
