@@ -22,7 +22,7 @@ pytest.importorskip("lerobot")
 from flexpack.attention.flex import PreparedMask  # noqa: E402
 from flexpack.attention.masks import make_mask  # noqa: E402
 from flexpack.packing.collate import Batch, PackCollate  # noqa: E402
-from flexpack.packing.layout import SequenceLayout  # noqa: E402
+from flexpack.packing.layout import SequenceLayout, with_host  # noqa: E402
 from flexpack.training import step as step_mod  # noqa: E402
 from flexpack.training.config import load_config  # noqa: E402
 from flexpack.training.loop import train  # noqa: E402
@@ -64,9 +64,7 @@ def _watched(t):
 def _on_device(layout, frames=None):
     """``layout`` as a GPU copy of it would be: marked tensors, the CPU layout as its host copy."""
     tensors = {f.name: _watched(getattr(layout, f.name)) for f in fields(layout) if isinstance(getattr(layout, f.name), torch.Tensor)}
-    out = replace(layout, **tensors, **({"frames": frames} if frames is not None else {}))
-    object.__setattr__(out, "host", layout.on_host())
-    return out
+    return with_host(replace(layout, **tensors, **({"frames": frames} if frames is not None else {})), layout.on_host())
 
 
 def _simulate_device(monkeypatch) -> None:
@@ -135,8 +133,12 @@ def test_host_side_values_of_a_device_layout_come_from_its_host_copy():
     runs = PreparedMask("document", tl, make_mask(tl, "document"), 27, 27, builder=None).runs()
     assert _Watched.reads == []
     assert tl.runs == ((0, 5), (1, 4), (-1, 3)) and runs == [(0, 15), (15, 12)]
-    stale = replace(tl)  # a changed layout drops its host copy rather than keep a stale one
-    assert stale.host is None
+    assert replace(tl).on_host() is tl.on_host()  # the same tensors: the host copy holds
+    from torch.distributed.utils import _apply_to_tensors  # what FSDP2 maps over a module's inputs
+
+    mapped = _apply_to_tensors(lambda t: t.to(t.device), tl)
+    assert mapped is not tl and mapped.on_host() is tl.on_host() and mapped.frames.on_host() is device.on_host()
+    stale = replace(tl, doc_start=tl.doc_start + 0, text_len=tl.text_len + 0)  # changed: no stale host values
     assert PreparedMask("document", stale, make_mask(stale, "document"), 27, 27, builder=None).runs() == runs
     assert {n for _, n in _Watched.reads} == {"tolist"}  # doc_start / doc_len read back
     _Watched.reads = []
@@ -144,7 +146,7 @@ def test_host_side_values_of_a_device_layout_come_from_its_host_copy():
         make_mask(stale, "text", text_tokens=1)
     assert _Watched.reads
     _Watched.reads = []
-    replace(device).tokens(video_tokens=1, action_tokens=2)
+    replace(device, frame_doc=device.frame_doc + 0).tokens(video_tokens=1, action_tokens=2)
     assert _Watched.reads  # frame_doc read back to find the runs
 
 

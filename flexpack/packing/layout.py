@@ -19,8 +19,9 @@ marks padding. ``episode_index`` maps slots back to dataset indices.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field, fields, replace
-from typing import Sequence, TypeVar
+from typing import Any, Sequence, TypeVar
 
 import torch
 from torch import Tensor
@@ -43,21 +44,68 @@ def to_device(t: Tensor, device: torch.device | str) -> Tensor:
     return t.to(device)
 
 
-def _moved(obj: _L, device: torch.device | str) -> _L:
-    """``obj`` with its tensor fields on ``device``, keeping (or becoming) the host copy of a device layout.
+def _tensors(obj: Any) -> list[Tensor]:
+    return [getattr(obj, f.name) for f in fields(obj) if isinstance(getattr(obj, f.name), Tensor)]
 
-    The host copy is what host-side code reads (token expansion, segment counts, episode runs):
-    reading the device tensors back would wait for the GPU every step. ``host`` is not an init
-    field, so ``dataclasses.replace`` (a changed layout) drops it rather than keep a stale copy."""
+
+class HostCopy:
+    """The CPU layout a device layout was copied from, what host-side code reads instead of the
+    device tensors (token expansion, segment counts, episode runs, text checks): reading those
+    back would wait for the GPU every step.
+
+    It answers only for the very tensors it was copied to (held as weak references): a layout
+    changed by ``dataclasses.replace`` gets no stale values, while a tree map that leaves the
+    tensors as they are (FSDP2 moving a module's inputs to its device) keeps it. Neither a
+    dataclass nor a tensor, so such maps carry it along untouched; not pickled."""
+
+    __slots__ = ("layout", "_refs")
+
+    def __init__(self, layout: Any, device_tensors: Sequence[Tensor]) -> None:
+        self.layout, self._refs = layout, tuple(weakref.ref(t) for t in device_tensors)
+
+    def of(self, obj: Any) -> Any:
+        """The host layout if ``obj`` holds the tensors this copy was made for, else None."""
+        tensors = _tensors(obj)
+        if len(tensors) == len(self._refs) and all(r() is t for r, t in zip(self._refs, tensors)):
+            return self.layout
+        return None
+
+    def __reduce__(self) -> tuple:
+        return (_no_host, ())
+
+
+def _no_host() -> None:
+    return None
+
+
+def with_host(device_layout: _L, host_layout: _L) -> _L:
+    """``device_layout`` carrying ``host_layout`` (its CPU copy, same values) for :meth:`on_host`."""
+    return replace(device_layout, host=HostCopy(host_layout, _tensors(device_layout)))
+
+
+def _on_host(obj: Any) -> Any:
+    """``obj``'s CPU layout: its valid host copy, itself (CPU tensors), or a copy read back (waits for the GPU)."""
+    host = obj.host.of(obj) if obj.host is not None else None
+    if host is not None:
+        return host
+    first = _tensors(obj)[0]
+    if first.device.type == "cpu":
+        return obj if obj.host is None else replace(obj, host=None)
+    extra = {"frames": obj.frames.on_host()} if isinstance(obj, TokenLayout) else {}
+    return replace(obj, host=None, **extra, **{f.name: getattr(obj, f.name).cpu() for f in fields(obj)
+                                               if isinstance(getattr(obj, f.name), Tensor)})
+
+
+def _moved(obj: _L, device: torch.device | str) -> _L:
+    """``obj`` with its tensor fields on ``device`` (and a :class:`HostCopy` of its CPU layout), or
+    its CPU layout for ``device = "cpu"`` (read back only if it has no host copy)."""
     device = torch.device(device)
+    host = _on_host(obj) if device.type == "cpu" or obj.host is not None or _tensors(obj)[0].device.type == "cpu" else None
     if device.type == "cpu":
-        return obj.on_host()
-    on_cpu = next(getattr(obj, f.name) for f in fields(obj) if isinstance(getattr(obj, f.name), Tensor)).device.type == "cpu"
-    host = obj.host if obj.host is not None else (obj if on_cpu else None)
-    changes = {f.name: to_device(getattr(obj, f.name), device) for f in fields(obj) if isinstance(getattr(obj, f.name), Tensor)}
-    out = replace(obj, **changes)
-    object.__setattr__(out, "host", host)
-    return out
+        return host
+    out = replace(obj, host=None, **{f.name: to_device(getattr(obj, f.name), device) for f in fields(obj)
+                                     if isinstance(getattr(obj, f.name), Tensor)})
+    return with_host(out, host) if host is not None else out
 
 
 @dataclass(frozen=True, eq=False)
@@ -74,7 +122,7 @@ class SequenceLayout:
         episode_index:  (E,) int64 — dataset index of each episode (``-1`` where unknown).
         text_len:       (E,) int64 — valid text tokens per episode (0 where there is no text).
         mode:           ``"pad"``, ``"pack"`` or ``"tokens"`` (:meth:`from_lengths`).
-        host:           on a device layout, the CPU layout it was copied from (:meth:`on_host`).
+        host:           on a device layout, the :class:`HostCopy` it was copied from (read it with :meth:`on_host`).
     """
 
     frame_doc: Tensor
@@ -85,7 +133,7 @@ class SequenceLayout:
     episode_index: Tensor
     text_len: Tensor
     mode: str
-    host: "SequenceLayout | None" = field(default=None, init=False, repr=False)
+    host: HostCopy | None = field(default=None, repr=False, compare=False)
 
     # ------------------------------------------------------------------ construction
     @staticmethod
@@ -205,12 +253,9 @@ class SequenceLayout:
 
     def on_host(self) -> "SequenceLayout":
         """This layout with CPU tensors: itself, the host copy it was moved from, or (a device
-        layout built on the device) a copy read back, which waits for the GPU."""
-        if self.host is not None:
-            return self.host
-        if self.frame_doc.device.type == "cpu":
-            return self
-        return replace(self, **{f.name: getattr(self, f.name).cpu() for f in fields(self) if isinstance(getattr(self, f.name), Tensor)})
+        layout without one, e.g. built on the device or changed there) a copy read back, which
+        waits for the GPU."""
+        return _on_host(self)
 
     # ------------------------------------------------------------------ expansion
     def tokens(
@@ -259,7 +304,7 @@ class TokenLayout:
         frames: the :class:`SequenceLayout` it was expanded from.
         runs:   host-side ``(episode slot or -1, frames)`` of every run in token order (rows one
                 after another); lets masks bound their segment counts without a device sync.
-        host:   on a device layout, the CPU layout it was copied from (:meth:`on_host`).
+        host:   on a device layout, the :class:`HostCopy` it was copied from (read it with :meth:`on_host`).
     """
 
     doc: Tensor
@@ -278,7 +323,7 @@ class TokenLayout:
     action_tokens: int
     copies: int
     runs: tuple[tuple[int, int], ...] = ()
-    host: "TokenLayout | None" = field(default=None, init=False, repr=False)
+    host: HostCopy | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
@@ -301,20 +346,13 @@ class TokenLayout:
     def to(self, device: torch.device | str) -> "TokenLayout":
         """The layout on ``device``, its frames too; keeps the host copy as :meth:`SequenceLayout.to`."""
         out = _moved(self, device)
-        if out.frames.frame_doc.device != out.doc.device:
-            host = out.host
-            out = replace(out, frames=self.frames.to(device))
-            object.__setattr__(out, "host", host)
-        return out
+        if out.frames.frame_doc.device == out.doc.device:
+            return out
+        return replace(out, frames=out.frames.to(device))  # same tensors: the host copy still holds
 
     def on_host(self) -> "TokenLayout":
         """This layout with CPU tensors (see :meth:`SequenceLayout.on_host`)."""
-        if self.host is not None:
-            return self.host
-        if self.doc.device.type == "cpu":
-            return self
-        return replace(self, frames=self.frames.on_host(), **{
-            f.name: getattr(self, f.name).cpu() for f in fields(self) if isinstance(getattr(self, f.name), Tensor)})
+        return _on_host(self)
 
 
 def _expand(layout: SequenceLayout, nv: int, na: int, copies: int, grid_hw: tuple[int, int]) -> TokenLayout:
@@ -372,9 +410,7 @@ def _expand(layout: SequenceLayout, nv: int, na: int, copies: int, grid_hw: tupl
     )
     if dev_out.type == "cpu":
         return out
-    moved = replace(_moved(out, dev_out), frames=layout)  # the frames the caller holds, not a second copy
-    object.__setattr__(moved, "host", out)
-    return moved
+    return replace(_moved(out, dev_out), frames=layout)  # the frames the caller holds, not a second copy
 
 
 def cu_seqlens_from_position_ids(position_ids: Tensor, valid_tokens: int | None = None) -> Tensor:
