@@ -22,7 +22,8 @@ pytest.importorskip("lerobot")
 from flexpack.attention.flex import PreparedMask  # noqa: E402
 from flexpack.attention.masks import make_mask  # noqa: E402
 from flexpack.packing.collate import Batch, PackCollate  # noqa: E402
-from flexpack.packing.layout import SequenceLayout, with_host  # noqa: E402
+from flexpack.packing.layout import SequenceLayout  # noqa: E402
+from flexpack.packing.transfer import with_host  # noqa: E402
 from flexpack.training import step as step_mod  # noqa: E402
 from flexpack.training.config import load_config  # noqa: E402
 from flexpack.training.loop import train  # noqa: E402

@@ -22,7 +22,8 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from .layout import SequenceLayout, hf_packing_kwargs, to_device
+from .layout import SequenceLayout, hf_packing_kwargs
+from .transfer import to_device
 
 Item = Mapping[str, Any]
 

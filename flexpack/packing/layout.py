@@ -19,93 +19,17 @@ marks padding. ``episode_index`` maps slots back to dataset indices.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Sequence, TypeVar
+from typing import Sequence
 
 import torch
 from torch import Tensor
 
+from .transfer import HostCopy, moved, on_host
+
 PAD = -1
 VIDEO, ACTION = 0, 1
 NOISY, CLEAN = 0, 1
-
-
-_L = TypeVar("_L", "SequenceLayout", "TokenLayout")
-
-
-def to_device(t: Tensor, device: torch.device | str) -> Tensor:
-    """``t`` on ``device``; host to CUDA goes through page-locked memory with ``non_blocking=True``,
-    so the host queues the copy and goes on (a pageable or blocking copy waits for the GPU to reach
-    it, one stall per tensor). The source must not change afterwards: layouts never do."""
-    device = torch.device(device)
-    if device.type == "cuda" and t.device.type == "cpu":
-        return (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)
-    return t.to(device)
-
-
-def _tensors(obj: Any) -> list[Tensor]:
-    return [getattr(obj, f.name) for f in fields(obj) if isinstance(getattr(obj, f.name), Tensor)]
-
-
-class HostCopy:
-    """The CPU layout a device layout was copied from, what host-side code reads instead of the
-    device tensors (token expansion, segment counts, episode runs, text checks): reading those
-    back would wait for the GPU every step.
-
-    It answers only for the very tensors it was copied to (held as weak references): a layout
-    changed by ``dataclasses.replace`` gets no stale values, while a tree map that leaves the
-    tensors as they are (FSDP2 moving a module's inputs to its device) keeps it. Neither a
-    dataclass nor a tensor, so such maps carry it along untouched; not pickled."""
-
-    __slots__ = ("layout", "_refs")
-
-    def __init__(self, layout: Any, device_tensors: Sequence[Tensor]) -> None:
-        self.layout, self._refs = layout, tuple(weakref.ref(t) for t in device_tensors)
-
-    def of(self, obj: Any) -> Any:
-        """The host layout if ``obj`` holds the tensors this copy was made for, else None."""
-        tensors = _tensors(obj)
-        if len(tensors) == len(self._refs) and all(r() is t for r, t in zip(self._refs, tensors)):
-            return self.layout
-        return None
-
-    def __reduce__(self) -> tuple:
-        return (_no_host, ())
-
-
-def _no_host() -> None:
-    return None
-
-
-def with_host(device_layout: _L, host_layout: _L) -> _L:
-    """``device_layout`` carrying ``host_layout`` (its CPU copy, same values) for :meth:`on_host`."""
-    return replace(device_layout, host=HostCopy(host_layout, _tensors(device_layout)))
-
-
-def _on_host(obj: Any) -> Any:
-    """``obj``'s CPU layout: its valid host copy, itself (CPU tensors), or a copy read back (waits for the GPU)."""
-    host = obj.host.of(obj) if obj.host is not None else None
-    if host is not None:
-        return host
-    first = _tensors(obj)[0]
-    if first.device.type == "cpu":
-        return obj if obj.host is None else replace(obj, host=None)
-    extra = {"frames": obj.frames.on_host()} if isinstance(obj, TokenLayout) else {}
-    return replace(obj, host=None, **extra, **{f.name: getattr(obj, f.name).cpu() for f in fields(obj)
-                                               if isinstance(getattr(obj, f.name), Tensor)})
-
-
-def _moved(obj: _L, device: torch.device | str) -> _L:
-    """``obj`` with its tensor fields on ``device`` (and a :class:`HostCopy` of its CPU layout), or
-    its CPU layout for ``device = "cpu"`` (read back only if it has no host copy)."""
-    device = torch.device(device)
-    host = _on_host(obj) if device.type == "cpu" or obj.host is not None or _tensors(obj)[0].device.type == "cpu" else None
-    if device.type == "cpu":
-        return host
-    out = replace(obj, host=None, **{f.name: to_device(getattr(obj, f.name), device) for f in fields(obj)
-                                     if isinstance(getattr(obj, f.name), Tensor)})
-    return with_host(out, host) if host is not None else out
 
 
 @dataclass(frozen=True, eq=False)
@@ -243,7 +167,7 @@ class SequenceLayout:
     def to(self, device: torch.device | str) -> "SequenceLayout":
         """The layout on ``device`` (see :func:`to_device`); a device layout keeps its host copy,
         and ``to("cpu")`` gives that copy back without reading the device."""
-        return _moved(self, device)
+        return moved(self, device)
 
     def pin_memory(self) -> "SequenceLayout":
         """This (CPU) layout in page-locked memory: :meth:`to` a CUDA device then copies without
@@ -255,7 +179,7 @@ class SequenceLayout:
         """This layout with CPU tensors: itself, the host copy it was moved from, or (a device
         layout without one, e.g. built on the device or changed there) a copy read back, which
         waits for the GPU."""
-        return _on_host(self)
+        return on_host(self)
 
     # ------------------------------------------------------------------ expansion
     def tokens(
@@ -345,14 +269,14 @@ class TokenLayout:
 
     def to(self, device: torch.device | str) -> "TokenLayout":
         """The layout on ``device``, its frames too; keeps the host copy as :meth:`SequenceLayout.to`."""
-        out = _moved(self, device)
+        out = moved(self, device)
         if out.frames.frame_doc.device == out.doc.device:
             return out
         return replace(out, frames=out.frames.to(device))  # same tensors: the host copy still holds
 
     def on_host(self) -> "TokenLayout":
         """This layout with CPU tensors (see :meth:`SequenceLayout.on_host`)."""
-        return _on_host(self)
+        return on_host(self)
 
 
 def _expand(layout: SequenceLayout, nv: int, na: int, copies: int, grid_hw: tuple[int, int]) -> TokenLayout:
@@ -410,7 +334,7 @@ def _expand(layout: SequenceLayout, nv: int, na: int, copies: int, grid_hw: tupl
     )
     if dev_out.type == "cpu":
         return out
-    return replace(_moved(out, dev_out), frames=layout)  # the frames the caller holds, not a second copy
+    return replace(moved(out, dev_out), frames=layout)  # the frames the caller holds, not a second copy
 
 
 def cu_seqlens_from_position_ids(position_ids: Tensor, valid_tokens: int | None = None) -> Tensor:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from flexpack.packing.layout import to_device
+from flexpack.packing.transfer import to_device
 from flexpack.training.objective import FlowMatchingConfig, FlowSample, make_flow_sample
 
 
