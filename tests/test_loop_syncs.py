@@ -135,6 +135,7 @@ def test_host_side_values_of_a_device_layout_come_from_its_host_copy():
     assert _Watched.reads == []
     assert tl.runs == ((0, 5), (1, 4), (-1, 3)) and runs == [(0, 15), (15, 12)]
     assert replace(tl).on_host() is tl.on_host()  # the same tensors: the host copy holds
+    assert replace(device, mode="pad").on_host().mode == "pad"  # changed: not the host copy's "pack"
     from torch.distributed.utils import _apply_to_tensors  # what FSDP2 maps over a module's inputs
 
     mapped = _apply_to_tensors(lambda t: t.to(t.device), tl)

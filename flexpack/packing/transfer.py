@@ -35,8 +35,8 @@ def _tensors(obj: Any) -> list[Tensor]:
 class HostCopy:
     """The CPU layout a device layout was copied from (a layout's ``host`` field).
 
-    It answers only for the very tensors it was copied to (held as weak references): a layout
-    changed by ``dataclasses.replace`` gets no stale values, while a tree map that leaves the
+    It answers only for the very tensors it was copied to (held as weak references) and the same
+    plain fields: a layout changed by ``dataclasses.replace`` gets no stale values, while a tree map that leaves the
     tensors as they are (FSDP2 moving a module's inputs to its device) keeps it. Neither a
     dataclass nor a tensor, so such maps carry it along untouched; not pickled."""
 
@@ -46,11 +46,13 @@ class HostCopy:
         self.layout, self._refs = layout, tuple(weakref.ref(t) for t in device_tensors)
 
     def of(self, obj: Any) -> Any:
-        """The host layout if ``obj`` holds the tensors this copy was made for, else None."""
+        """The host layout if ``obj`` holds the tensors this copy was made for (and the same plain
+        values: mode, token counts, runs), else None."""
         tensors = _tensors(obj)
-        if len(tensors) == len(self._refs) and all(r() is t for r, t in zip(self._refs, tensors)):
-            return self.layout
-        return None
+        if len(tensors) != len(self._refs) or any(r() is not t for r, t in zip(self._refs, tensors)):
+            return None
+        plain = [f.name for f in fields(obj) if f.name not in ("host", "frames") and not isinstance(getattr(obj, f.name), Tensor)]
+        return self.layout if all(getattr(obj, n) == getattr(self.layout, n) for n in plain) else None
 
     def __reduce__(self) -> tuple:
         return (_no_host, ())
