@@ -68,9 +68,9 @@ class Batch:
         return self.layout.text_len
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
-        """The batch on ``device``. The layout and the packing keys always copy without blocking
-        from page-locked memory (:func:`~flexpack.packing.layout.to_device`) and the layout keeps
-        its host copy, which host-side code reads instead of the device tensors."""
+        """The batch on ``device``. To a GPU the layout and the packing keys always copy without
+        blocking, from page-locked memory (:func:`~flexpack.packing.transfer.to_device`), and the
+        layout keeps its host copy, which host-side code reads instead of the device tensors."""
         moved = {
             f.name: getattr(self, f.name).to(device, non_blocking=non_blocking)
             for f in fields(self)
