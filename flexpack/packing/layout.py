@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from .transfer import HostCopy, moved, on_host
+from .transfer import HostCopy, moved, on_host, to_device  # noqa: F401  (to_device: for the attention wing, which imports layout only)
 
 PAD = -1
 VIDEO, ACTION = 0, 1
