@@ -7,7 +7,9 @@ After warm-up (compiles, graph captures) more steps run under
 ``torch.cuda.set_sync_debug_mode("error")``, where any host-device synchronization raises with the
 Python stack of the line that asked for it; a reintroduced ``.item()``, ``.cpu()``, blocking copy,
 ``nonzero`` or boolean-mask index on that path fails here. None is unavoidable: the step's device
-results are read at logged steps only (``tests/test_loop_syncs.py``).
+results are read at logged steps only (``tests/test_loop_syncs.py``). One is by design: with
+``optim.skip_nonfinite`` (or several ranks) the host must know before the optimizer step whether the
+step is finite, which is one read per step, counted exactly below.
 
 Run on a GPU machine: ``pytest -q -m gpu tests/test_step_syncs_gpu.py``.
 """
@@ -25,7 +27,7 @@ from flexpack.training.config import TrainConfig, from_dict
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-def config(mask: str, backend: str, device: str = "cuda") -> TrainConfig:
+def config(mask: str, backend: str, device: str = "cuda", skip_nonfinite: bool = False) -> TrainConfig:
     # head dim 128 (256 / 2 heads): the FLASH (FA4) backend runs where it is installed
     model = {"preset": "tiny", "overrides": {"num_layers": 2, "dim": 256, "num_heads": 2, "ffn_dim": 512,
                                              "attn_backend": backend}}
@@ -36,7 +38,7 @@ def config(mask: str, backend: str, device: str = "cuda") -> TrainConfig:
         "data": {"mode": "pack", "max_tokens": 1024, "action_steps": 4},  # 128 frames of 4 video + 4 action tokens
         "model": model,
         "objective": {"teacher_forcing": teacher, "chunk_size": 2},
-        "optim": {"lr": 1e-4, "grad_clip": 1.0, "accum_steps": 2},
+        "optim": {"lr": 1e-4, "grad_clip": 1.0, "accum_steps": 2, "skip_nonfinite": skip_nonfinite},
         "runtime": {"device": device, "dtype": "bfloat16" if device == "cuda" else "float32",
                     "compile": device == "cuda", "progress": False},
     })
@@ -72,7 +74,7 @@ def run_steps(cfg: TrainConfig, device: torch.device, *, warmup: int, checked: i
     loader = torch.utils.data.DataLoader(data.dataset, batch_sampler=data.sampler, collate_fn=data.collate,
                                          pin_memory=device.type == "cuda")
     kw, accum = {"text_slots": data.text_slots}, cfg.optim.accum_steps
-    guard = faults.StepGuard(faults.GracefulStop(), skip_nonfinite=False)
+    guard = faults.StepGuard(faults.GracefulStop(), skip_nonfinite=cfg.optim.skip_nonfinite)
     sums, graphs = [], {}
 
     def steps(first: int, n: int) -> None:
@@ -143,3 +145,28 @@ def test_one_episode_packs_have_no_host_syncs_after_warmup(no_syncs):
     assert out["graphs"]["after"] == out["graphs"]["before"]
     assert set(out["episodes"]) == {1}
     assert len(out["losses"]) == 6 and all(0.0 < x < 100.0 for x in out["losses"]), out["losses"]
+
+
+def test_skip_nonfinite_waits_exactly_once_per_step():
+    """``optim.skip_nonfinite``: the step guard reads the (reduced) finite/signal flags once per step,
+    before the optimizer step may update the weights; nothing else waits."""
+    import contextlib
+    import warnings
+
+    caught: list = []
+
+    @contextlib.contextmanager
+    def count():
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                yield
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        caught.extend(str(w.message) for w in seen if "synchroniz" in str(w.message).lower())
+
+    torch.manual_seed(0)
+    out = run_steps(config("document", "flex", skip_nonfinite=True), torch.device("cuda"), warmup=3, checked=3, check=count)
+    assert len(caught) == 3, caught  # one per checked step
+    assert all(0.0 < x < 100.0 for x in out["losses"]), out["losses"]
