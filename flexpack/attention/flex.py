@@ -36,7 +36,7 @@ from torch.autograd.profiler import record_function
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from flexpack.attention.blockmask import BlockMaskBuilder, compile_fresh
-from flexpack.packing.layout import SequenceLayout, TokenLayout
+from flexpack.packing.layout import SequenceLayout, TokenLayout, to_device
 from flexpack.attention.masks import MASK_KINDS, MaskMod, dense_mask, make_mask, next_pow2
 
 BACKENDS = ("auto", "dense", "flex", "flex-flash", "sdpa-loop", "varlen")
@@ -166,7 +166,8 @@ class PreparedMask:
     def runs(self) -> list[tuple[int, int]]:
         """Episode token runs ``(start, length)`` (document / valid masks)."""
         if "runs" not in self._cache:
-            starts, lens = self.layout.doc_start.tolist(), self.layout.doc_len.tolist()
+            host = self.layout.on_host()  # host values without reading the device tensors back
+            starts, lens = host.doc_start.tolist(), host.doc_len.tolist()
             self._cache["runs"] = [(s, n) for s, n in zip(starts, lens) if n > 0]
         return self._cache["runs"]
 
@@ -445,7 +446,7 @@ def _varlen(q: Tensor, k: Tensor, v: Tensor, prep: PreparedMask) -> Tensor:
         for s, n in prep.runs():
             bounds |= {s, s + n}
         b = sorted(bounds)
-        cu = torch.tensor(b, dtype=torch.int32, device=q.device)
+        cu = to_device(torch.tensor(b, dtype=torch.int32), q.device)  # pinned, without blocking
         prep._cache["cu"] = (cu, max(y - x for x, y in zip(b[:-1], b[1:])))
     cu, mx = prep._cache["cu"]
     # (1, H, T, D) -> (T, H, D)

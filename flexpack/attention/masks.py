@@ -204,8 +204,9 @@ def text_mask(layout: TokenLayout, text_tokens: int, text_slots: int | None = No
     E = layout.text_len.numel()
     if text_slots is not None and text_slots < E:
         raise ValueError(f"text_slots={text_slots} is fewer than the layout's {E} episodes")
-    if E and int(layout.text_len.max()) > text_tokens:
-        raise ValueError(f"text_len {layout.text_len.tolist()} exceeds text_tokens={text_tokens}")
+    host_len = layout.on_host().text_len  # the host copy: checking the device tensor would wait for the GPU
+    if E and int(host_len.max()) > text_tokens:
+        raise ValueError(f"text_len {host_len.tolist()} exceeds text_tokens={text_tokens}")
     doc = layout.doc
     tdoc = layout.text_doc(text_tokens).to(doc.device)
     if text_slots is not None and text_slots > E:

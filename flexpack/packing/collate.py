@@ -26,6 +26,7 @@ from torch import Tensor
 
 from .geometry import frame_budget
 from .layout import SequenceLayout, hf_packing_kwargs
+from .transfer import to_device
 
 Item = Mapping[str, Any]
 
@@ -70,20 +71,24 @@ class Batch:
         return self.layout.text_len
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
+        """The batch on ``device``. To a GPU the layout and the packing keys always copy without
+        blocking, from page-locked memory (:func:`~flexpack.packing.transfer.to_device`), and the
+        layout keeps its host copy, which host-side code reads instead of the device tensors."""
         moved = {
             f.name: getattr(self, f.name).to(device, non_blocking=non_blocking)
             for f in fields(self)
             if isinstance(getattr(self, f.name), Tensor)
         }
-        extras = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in self.extras.items()}
+        extras = {k: to_device(v, device) if isinstance(v, Tensor) else v for k, v in self.extras.items()}
         return replace(self, layout=self.layout.to(device), extras=extras, **moved)
 
     def pin_memory(self) -> "Batch":
-        """The data tensors in page-locked memory (``DataLoader(pin_memory=True)`` calls this), so
-        ``to(device, non_blocking=True)`` copies without blocking the host; the layout stays as is
-        (its tensors are small and also read on the host)."""
+        """The batch in page-locked memory (``DataLoader(pin_memory=True)`` calls this, in its pinning
+        thread), so ``to(device, non_blocking=True)`` copies without blocking the host. The layout
+        is pinned too: it is copied every step, and pinned tensors read on the host as any other."""
         pinned = {f.name: getattr(self, f.name).pin_memory() for f in fields(self) if isinstance(getattr(self, f.name), Tensor)}
-        return replace(self, **pinned)
+        extras = {k: v.pin_memory() if isinstance(v, Tensor) else v for k, v in self.extras.items()}
+        return replace(self, layout=self.layout.pin_memory(), extras=extras, **pinned)
 
 
 def _name(item: Item, i: int) -> str:

@@ -19,20 +19,17 @@ marks padding. ``episode_index`` maps slots back to dataset indices.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Sequence
 
 import torch
 from torch import Tensor
 
+from .transfer import HostCopy, moved, on_host, to_device  # noqa: F401  (to_device: for the attention wing, which imports layout only)
+
 PAD = -1
 VIDEO, ACTION = 0, 1
 NOISY, CLEAN = 0, 1
-
-
-def _tensor_fields_to(obj, device: torch.device | str):
-    changes = {f.name: getattr(obj, f.name).to(device) for f in fields(obj) if isinstance(getattr(obj, f.name), Tensor)}
-    return replace(obj, **changes)
 
 
 @dataclass(frozen=True, eq=False)
@@ -52,6 +49,7 @@ class SequenceLayout:
                         ``episode_index`` it keys the episode's noise (one draw per item).
         text_len:       (E,) int64 — valid text tokens per episode (0 where there is no text).
         mode:           ``"pad"``, ``"pack"`` or ``"tokens"`` (:meth:`from_lengths`).
+        host:           on a device layout, the :class:`HostCopy` it was copied from (read it with :meth:`on_host`).
     """
 
     frame_doc: Tensor
@@ -63,6 +61,7 @@ class SequenceLayout:
     episode_segment: Tensor
     text_len: Tensor
     mode: str
+    host: HostCopy | None = field(default=None, repr=False, compare=False)
 
     # ------------------------------------------------------------------ construction
     @staticmethod
@@ -174,7 +173,21 @@ class SequenceLayout:
         return (self.mode, self.num_rows, self.frames_per_row)
 
     def to(self, device: torch.device | str) -> "SequenceLayout":
-        return _tensor_fields_to(self, device)
+        """The layout on ``device`` (see :func:`to_device`); a device layout keeps its host copy,
+        and ``to("cpu")`` gives that copy back without reading the device."""
+        return moved(self, device)
+
+    def pin_memory(self) -> "SequenceLayout":
+        """This (CPU) layout in page-locked memory: :meth:`to` a CUDA device then copies without
+        blocking and without staging each tensor first."""
+        return replace(self, **{f.name: getattr(self, f.name).pin_memory() for f in fields(self)
+                                if isinstance(getattr(self, f.name), Tensor)})
+
+    def on_host(self) -> "SequenceLayout":
+        """This layout with CPU tensors: itself, the host copy it was moved from, or (a device
+        layout without one, e.g. built on the device or changed there) a copy read back, which
+        waits for the GPU."""
+        return on_host(self)
 
     # ------------------------------------------------------------------ expansion
     def tokens(
@@ -223,6 +236,7 @@ class TokenLayout:
         frames: the :class:`SequenceLayout` it was expanded from.
         runs:   host-side ``(episode slot or -1, frames)`` of every run in token order (rows one
                 after another); lets masks bound their segment counts without a device sync.
+        host:   on a device layout, the :class:`HostCopy` it was copied from (read it with :meth:`on_host`).
     """
 
     doc: Tensor
@@ -241,6 +255,7 @@ class TokenLayout:
     action_tokens: int
     copies: int
     runs: tuple[tuple[int, int], ...] = ()
+    host: HostCopy | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
@@ -261,12 +276,22 @@ class TokenLayout:
         return (self.num_tokens, self.video_tokens, self.action_tokens, self.copies) + self.frames.signature()
 
     def to(self, device: torch.device | str) -> "TokenLayout":
-        out = _tensor_fields_to(self, device)
-        return replace(out, frames=self.frames.to(device))
+        """The layout on ``device``, its frames too; keeps the host copy as :meth:`SequenceLayout.to`."""
+        out = moved(self, device)
+        if out.frames.frame_doc.device == out.doc.device:
+            return out
+        return replace(out, frames=out.frames.to(device))  # same tensors: the host copy still holds
+
+    def on_host(self) -> "TokenLayout":
+        """This layout with CPU tensors (see :meth:`SequenceLayout.on_host`)."""
+        return on_host(self)
 
 
 def _expand(layout: SequenceLayout, nv: int, na: int, copies: int, grid_hw: tuple[int, int]) -> TokenLayout:
-    fd = layout.frame_doc.cpu()
+    """The token layout, computed on the host from the layout's CPU copy (run lengths, scatters and
+    ``runs`` need host values; a device layout brings its host copy) and moved to the layout's device."""
+    host = layout.on_host()
+    fd = host.frame_doc
     R, Fr = fd.shape
     tpf = nv + na
     dev_out = layout.frame_doc.device
@@ -294,7 +319,7 @@ def _expand(layout: SequenceLayout, nv: int, na: int, copies: int, grid_hw: tupl
     copy = torch.empty(T, dtype=torch.int64)
     hpos = torch.zeros(T, dtype=torch.int64)
     wpos = torch.zeros(T, dtype=torch.int64)
-    fp = layout.frame_pos.cpu()
+    fp = host.frame_pos
     for index, k, is_action in ((video_index, nv, False), (action_index, na, True)):
         if k == 0:
             continue
@@ -307,15 +332,17 @@ def _expand(layout: SequenceLayout, nv: int, na: int, copies: int, grid_hw: tupl
             j = torch.arange(nv).expand(copies, R, Fr, nv).reshape(-1)
             hpos[flat] = j // grid_hw[1]
             wpos[flat] = j % grid_hw[1]
-    starts = (layout.episode_row.cpu() * Fr + layout.episode_start.cpu()) * tpf * copies
-    lens = layout.episode_frames.cpu() * tpf * copies
+    starts = (host.episode_row * Fr + host.episode_start) * tpf * copies
+    lens = host.episode_frames * tpf * copies
     first = new_run.nonzero()  # (runs, 2) row, frame of every run's first frame, in token order
     runs = tuple(zip(fd[first[:, 0], first[:, 1]].tolist(), n[first[:, 0], first[:, 1]].tolist()))
     out = TokenLayout(
         doc, frame, stream, copy, hpos, wpos, video_index, action_index, starts, lens,
-        layout.text_len.cpu(), layout.to("cpu"), nv, na, copies, runs,
+        host.text_len, host, nv, na, copies, runs,
     )
-    return out.to(dev_out) if dev_out.type != "cpu" else out
+    if dev_out.type == "cpu":
+        return out
+    return replace(moved(out, dev_out), frames=layout)  # the frames the caller holds, not a second copy
 
 
 def cu_seqlens_from_position_ids(position_ids: Tensor, valid_tokens: int | None = None) -> Tensor:

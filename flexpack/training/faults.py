@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from flexpack.packing.collate import Batch
+from flexpack.packing.transfer import to_device
 from flexpack.training.parallel import world
 
 
@@ -67,7 +68,7 @@ def any_rank_failed(error: BaseException | None) -> bool:
     if world()[1] == 1:
         return error is not None
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    flag = torch.tensor([0.0 if error is None else 1.0], device=device)
+    flag = to_device(torch.tensor([0.0 if error is None else 1.0]), device)  # pinned: the read below is the one wait
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
 
@@ -154,8 +155,10 @@ def check_step(norm: torch.Tensor, sums: torch.Tensor, stop: GracefulStop) -> tu
     """(non-finite loss or grad norm on any rank, signal number asked on any rank or 0), one host
     read per optimizer step; every rank gets the same answer, so all stop or skip together."""
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a DTensor under FSDP
-    local = torch.tensor([0.0 if bool(torch.isfinite(sums).all()) else 1.0, float(stop.signum or 0)])
-    flags = torch.cat([(~torch.isfinite(norm.detach().float())).float().reshape(1), local.to(norm.device)])
+    # flags computed where the values are and the signal copied without blocking: one wait, the read below
+    bad_loss = (~torch.isfinite(sums.detach().float())).any().float().reshape(1).to(norm.device)
+    signum = to_device(torch.tensor([float(stop.signum or 0)]), norm.device)
+    flags = torch.cat([(~torch.isfinite(norm.detach().float())).float().reshape(1), bad_loss, signum])
     if world()[1] > 1:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     bad_norm, bad_loss, signum = flags.tolist()

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from flexpack.packing.transfer import to_device
 from flexpack.training.objective import FlowMatchingConfig, FlowSample, make_flow_sample
 
 
@@ -50,7 +51,7 @@ def episode_flow_sample(batch: Any, cfg: FlowMatchingConfig, seeds: Sequence[int
     dev = x.device
     # six 32-bit keys per episode (σ, two latent uniforms, two action uniforms, spare), one row per slot
     keys = np.stack([np.random.SeedSequence(int(s)).generate_state(6, np.uint32) for s in seeds]) if E else np.zeros((0, 6))
-    keys_E6 = torch.from_numpy(keys.astype(np.int64)).to(dev, non_blocking=True)
+    keys_E6 = to_device(torch.from_numpy(keys.astype(np.int64)), dev)  # pinned: a pageable copy may block
     doc = lay.frame_doc.to(dev)  # (R, Fr), -1 = padding
     valid = doc >= 0
     k_RF6 = keys_E6[doc.clamp(min=0)] if E else torch.zeros((*doc.shape, 6), dtype=torch.int64, device=dev)

@@ -3,10 +3,12 @@
 :func:`accumulate` runs the step's micro-batches forward and backward; :func:`train_step` adds
 clipping and the optimizer update (AdamW from :func:`flexpack.training.optim.build_optimizer`).
 The model is called with the run plan's forward options (:class:`~flexpack.training.plan.ForwardOptions`:
-mask, chunk size, text slots). Nothing here waits for the GPU: loss counts come from the
-host-side layout, noise is drawn on the device (:mod:`flexpack.training.noise`), loss parts and
-the gradient norm stay device tensors until the caller logs them, so the host can queue the next
-step while the GPU runs this one.
+mask, chunk size, text slots). Nothing here waits for the GPU: loss counts come from the host-side
+layout, the batch and its layout go to the device from pinned memory without blocking and host-side
+code reads the layout's host copy (:mod:`flexpack.packing.transfer`), noise is drawn on the device
+(:mod:`flexpack.training.noise`), loss parts and the gradient norm stay device tensors until the
+caller logs them, so the host can queue the next step while the GPU runs this one
+(``tests/test_step_syncs_gpu.py`` checks it on CUDA, ``tests/test_loop_syncs.py`` on CPU).
 """
 
 from __future__ import annotations
