@@ -173,6 +173,6 @@ def test_forward_and_backward_run_on_the_meta_device(one_thread, mask):
     meta = torch.device("meta")
     with meta:
         net = build_model(cfg)
-    out = step_mod.accumulate(net, batches, cfg, step=0, device=meta, extra_model_kwargs={"text_slots": data.text_slots})
+    out = step_mod.accumulate(net, batches, cfg, step=0, device=meta, forward=data.forward)
     assert out.device == meta and out.shape == (3,)
     assert all(p.grad is not None and p.grad.device == meta for p in net.parameters())  # backward reached every weight

@@ -17,7 +17,6 @@ Run on a GPU machine: ``pytest -q -m gpu tests/test_step_syncs_gpu.py``.
 from __future__ import annotations
 
 import itertools
-from dataclasses import replace
 
 import pytest
 import torch
@@ -52,20 +51,20 @@ def run_steps(cfg: TrainConfig, device: torch.device, *, warmup: int, checked: i
     import contextlib
 
     from flexpack.training import faults
-    from flexpack.training.build import _Collate, batching, build_model
+    from flexpack.training.build import build_model
     from flexpack.training.loop import lr_at
     from flexpack.training.memory_data import RandomEpisodes, synthetic_data
     from flexpack.training.optim import build_optimizer
     from flexpack.training.parallel import compiled_graphs, parallelize
+    from flexpack.training.plan import plan_for
     from flexpack.training.step import train_step
 
     data = synthetic_data(cfg, hw=(4, 4), text_len=8)
     if lengths is not None:
-        sampler, collate = batching(cfg, lengths, data.tokens_per_frame)
-        m = cfg.model.wan_config()
+        m = data.model
         dataset = RandomEpisodes(lengths, channels=m.in_channels, hw=(4, 4), action_channels=m.action_channels,
                                  action_steps=cfg.data.action_steps, text_len=8, text_dim=m.text_dim)
-        data = replace(data, dataset=dataset, sampler=sampler, collate=_Collate(collate, actions=True))
+        data = plan_for(dataset, cfg, model=m)
     with device:
         model = build_model(cfg)
     model = parallelize(model, device=device, compile=cfg.runtime.compile is True)
@@ -73,7 +72,7 @@ def run_steps(cfg: TrainConfig, device: torch.device, *, warmup: int, checked: i
     start = [p.detach().clone() for p in model.parameters()]
     loader = torch.utils.data.DataLoader(data.dataset, batch_sampler=data.sampler, collate_fn=data.collate,
                                          pin_memory=device.type == "cuda")
-    kw, accum = {"text_slots": data.text_slots}, cfg.optim.accum_steps
+    accum = cfg.optim.accum_steps
     guard = faults.StepGuard(faults.GracefulStop(), skip_nonfinite=cfg.optim.skip_nonfinite)
     sums, graphs = [], {}
 
@@ -83,7 +82,7 @@ def run_steps(cfg: TrainConfig, device: torch.device, *, warmup: int, checked: i
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, cfg.optim.lr, cfg.schedule)
             batches = list(itertools.islice(micro, accum))
-            out, _ = train_step(model, opt, batches, cfg, step=step, device=device, extra_model_kwargs=kw, guard=guard)
+            out, _ = train_step(model, opt, batches, cfg, step=step, device=device, forward=data.forward, guard=guard)
             sums.append(out)
 
     steps(0, warmup)

@@ -268,6 +268,7 @@ class StepProfiler:
 
     def _counts(self, batch: Any) -> dict[str, Any]:
         lay = batch.layout
+        lay = lay.on_host() if hasattr(lay, "on_host") else lay  # the CPU copy it was moved from: no GPU wait
         return {"tokens": lay.frame_doc.numel() * self.tpf * self.copies,
                 "valid_tokens": int(lay.episode_frames.sum()) * self.tpf * self.copies,
                 "episodes": int(lay.episode_frames.numel()),
