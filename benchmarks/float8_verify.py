@@ -29,7 +29,7 @@ from flexpack.attention.flex import FlexAttnFunc  # noqa: E402
 from flexpack.models import WanVA, wan_config  # noqa: E402
 from flexpack.packing.collate import PackCollate  # noqa: E402
 from flexpack.training import float8  # noqa: E402
-from flexpack.training.objective import FlowMatchingConfig  # noqa: E402
+from flexpack.training.flow.objective import FlowMatchingConfig  # noqa: E402
 from flexpack.training.parallel import parallelize  # noqa: E402
 from flexpack.training.verify import VerifyReport, verify_batch  # noqa: E402
 

@@ -18,7 +18,8 @@ from dataclasses import replace
 
 import torch
 
-from flexpack.training import checkpoint, loop
+from flexpack.training import loop
+from flexpack.training.runstate import checkpoint
 from flexpack.training.plan import plan_for
 
 

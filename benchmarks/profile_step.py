@@ -11,7 +11,7 @@ micro-step. The schedule is exactly warm-up + 1 + steps long, so the window ends
 
 Shape (GPU run): two 128x128 cameras through a 16x VAE and 2x2 patches = 32 video tokens per latent
 frame (an 8 x 16 latent), 4 action steps, 36 tokens per frame, 512 umT5 text tokens (4096 wide) per
-episode, bf16 autocast, one GPU. MFU counts useful FLOPs (:mod:`flexpack.training.flops`) against the
+episode, bf16 autocast, one GPU. MFU counts useful FLOPs (:mod:`flexpack.training.observe.flops`) against the
 bf16 peak an 8192³ matmul reaches at the start (the run's ``runtime.peak_tflops`` unset; H200: 733–795).
 The run folder keeps ``profile/`` (trace, per-micro-step lines, summary), ``metrics.jsonl`` and
 ``tb/``; the final checkpoint is removed (it is not what is measured).
@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flexpack.packing.lengths import read_frames_file  # noqa: E402
 from flexpack.training.plan import plan_for  # noqa: E402
 from flexpack.training.config import load_config  # noqa: E402
-from flexpack.training.profile_summary import CATEGORIES  # noqa: E402
+from flexpack.training.observe.profile_summary import CATEGORIES  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

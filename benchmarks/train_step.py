@@ -6,7 +6,7 @@ collate, per-episode device noise) is timed on 65,536-token packs, against diffu
 ``WanTransformer3DModel`` of the same shape trained one episode per step (eager and
 ``torch.compile(dynamic=True)``) on the same episodes, and against flexpack's pad mode. Latents
 are synthetic (no lerobot), text is 512 tokens per episode, no actions; fp32 weights with bf16
-autocast everywhere. MFU counts useful FLOPs only (``flexpack.training.flops``: attention on
+autocast everywhere. MFU counts useful FLOPs only (``flexpack.training.observe.flops``: attention on
 unmasked pairs, forward + backward 3× the forward, no recompute) against an 8192³ bf16 matmul
 measured in the same run.
 
@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flexpack.packing.lengths import read_frames_file  # noqa: E402
 from flexpack.training.build import build_model  # noqa: E402
 from flexpack.training.config import from_dict, TrainConfig  # noqa: E402
-from flexpack.training.flops import batch_flops, measured_bf16_peak, useful_flops  # noqa: E402
+from flexpack.training.observe.flops import batch_flops, measured_bf16_peak, useful_flops  # noqa: E402
 from flexpack.training.parallel import compiled_graphs, parallelize  # noqa: E402
 from flexpack.training.optim import build_optimizer  # noqa: E402
 from flexpack.training.plan import geometry_for, parallel_options, plan_for  # noqa: E402

@@ -362,7 +362,7 @@ def test_every_subcommand_reports_user_errors_the_same_way(capsys, tmp_path, com
 def test_disk_full_during_a_checkpoint_is_one_line_and_keeps_the_last_checkpoint(capsys, tiny_dataset, tmp_path, monkeypatch):
     import errno
 
-    from flexpack.training import checkpoint
+    from flexpack.training.runstate import checkpoint
 
     real, calls = checkpoint.dcp.save, []
 

@@ -18,7 +18,7 @@ pytest.importorskip("lerobot")
 
 from flexpack.cli import main  # noqa: E402
 from helpers import run_cli, set_args, tiny_sets  # noqa: E402
-from flexpack.training import runfolder  # noqa: E402
+from flexpack.training.runstate import runfolder  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny_cpu.toml"
@@ -148,7 +148,7 @@ def test_profile_warmup_is_read_only_when_profiling(tmp_path):
     env = {**os.environ, "LINGBOT_PROFILE_WARMUP": "abc", "PYTHONPATH": str(ROOT)}
     ok = subprocess.run([sys.executable, "-c", "import flexpack.training.loop"], env=env, capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
-    from flexpack.training.profiling import StepProfiler
+    from flexpack.training.observe.profiling import StepProfiler
 
     os.environ["LINGBOT_PROFILE_WARMUP"] = "abc"
     try:

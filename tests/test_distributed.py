@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("lerobot")
 
-from flexpack.training import checkpoint  # noqa: E402
+from flexpack.training.runstate import checkpoint  # noqa: E402
 from flexpack.training.config import load_config, save_config  # noqa: E402
 from flexpack.data.encode import encode_dataset  # noqa: E402
 from flexpack.data.synthetic import make_synthetic_dataset  # noqa: E402

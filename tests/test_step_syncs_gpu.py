@@ -50,7 +50,7 @@ def run_steps(cfg: TrainConfig, device: torch.device, *, warmup: int, checked: i
     ``lengths``: the episodes' latent frames (default: several short episodes per pack)."""
     import contextlib
 
-    from flexpack.training import faults
+    from flexpack.training.runstate import faults
     from flexpack.training.build import build_model
     from flexpack.training.loop import lr_at
     from flexpack.training.memory_data import RandomEpisodes, synthetic_data

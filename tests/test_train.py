@@ -11,12 +11,12 @@ import torch
 
 pytest.importorskip("lerobot")
 
-from flexpack.training import checkpoint  # noqa: E402
+from flexpack.training.runstate import checkpoint  # noqa: E402
 from flexpack.cli import main as cli_main  # noqa: E402
 from flexpack.packing.collate import PackCollate, PadCollate  # noqa: E402
 from flexpack.training.config import ScheduleConfig, load_config  # noqa: E402
 from flexpack.models import WanVA, wan_config  # noqa: E402
-from flexpack.training.profiling import StepProfiler  # noqa: E402
+from flexpack.training.observe.profiling import StepProfiler  # noqa: E402
 from flexpack.training.loop import accumulate, lr_at, train  # noqa: E402
 
 from helpers import tiny_config  # noqa: E402

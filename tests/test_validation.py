@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("lerobot")
 
-from flexpack.training import checkpoint  # noqa: E402
+from flexpack.training.runstate import checkpoint  # noqa: E402
 from flexpack.training.build import build_model  # noqa: E402
 from flexpack.training.config import DataConfig  # noqa: E402
 from flexpack.training.loop import train  # noqa: E402

@@ -11,7 +11,7 @@ import torch
 
 from flexpack.packing.collate import PackCollate, PadCollate
 from flexpack.models import WanVA, wan_config
-from flexpack.training.objective import FlowMatchingConfig
+from flexpack.training.flow.objective import FlowMatchingConfig
 from flexpack.training.verify import verify_batch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,7 +89,7 @@ def test_dropped_doc_ids_fail(collate):
 
 def test_noise_does_not_depend_on_batching():
     """The same episode gets the same x_t packed with others, padded, or alone."""
-    from flexpack.training.noise import episode_flow_sample
+    from flexpack.training.flow.noise import episode_flow_sample
 
     its = items([5, 3])
     cfg = FlowMatchingConfig()
@@ -147,7 +147,7 @@ def test_synthetic_verify_reports_groups_and_passes_in_fp32_and_bf16(capsys, one
 
 
 def test_bad_backend_for_dtype_and_checkpoint_of_another_shape_are_one_line(capsys, tmp_path, one_thread):
-    from flexpack.training import checkpoint
+    from flexpack.training.runstate import checkpoint
 
     flash = "model.overrides={in_channels=48, text_dim=64, action_channels=6, attn_backend='flex-flash'}"
     rc, out, err = _verify(capsys, "--set", flash)

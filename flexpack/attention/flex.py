@@ -303,7 +303,7 @@ class FlexAttnFunc:
         mask: str = "document",
         **mask_kw,
     ) -> Tensor:
-        # a named range: profiles (flexpack.training.profile_summary) count what runs inside it,
+        # a named range: profiles (flexpack.training.observe.profile_summary) count what runs inside it,
         # and the backward of what it created, as attention
         with record_function("attention"):
             return self._call(q, k, v, layout_or_prepared, mask, **mask_kw)

@@ -76,7 +76,7 @@ def _config_file(path: Path) -> Path:
 def load_weights(cfg: Any, source: str | Path, *, ema: bool = False) -> tuple[nn.Module, dict[str, Any] | None, str]:
     """The config's model with the weights of a run / checkpoint / export folder; returns
     (model, the action statistics it was trained with or None, a label naming the weights)."""
-    from flexpack.training import checkpoint
+    from flexpack.training.runstate import checkpoint
     from flexpack.training.build import build_model
     from flexpack.training.checks import check_state_shapes
 

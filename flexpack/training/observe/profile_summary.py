@@ -11,7 +11,7 @@ classified into one of :data:`CATEGORIES`:
 
 A unit is classified by its kernel name, the chain of CPU ops around its launch (innermost first,
 up to the named ranges ``forward`` / ``backward`` / ``optimizer`` / ``block_mask`` / ``data`` /
-``attention`` of :mod:`flexpack.training.profiling` and ``FlexAttnFunc``), and, for a backward op, the
+``attention`` of :mod:`flexpack.training.observe.profiling` and ``FlexAttnFunc``), and, for a backward op, the
 chain of the forward op that created its autograd node (linked by sequence number), so the
 backward of attention counts as attention although it runs outside the ``attention`` range.
 First match wins: communication (NCCL/gloo kernels, c10d ops) → optimizer (``optimizer`` range,
