@@ -42,9 +42,9 @@ from flexpack.packing.lengths import read_frames_file  # noqa: E402
 from flexpack.sampling.pairs import cut_points, make_pair  # noqa: E402
 from flexpack.sampling.sampler import PackedSampler, SampleOptions, pack_text_slots  # noqa: E402
 from flexpack.training.build import build_model  # noqa: E402
-from flexpack.training.plan import geometry_for  # noqa: E402
 from flexpack.training.config import TrainConfig, from_dict  # noqa: E402
 from flexpack.training.parallel import BLOCK_GRAPHS, compiled_graphs, parallelize  # noqa: E402
+from flexpack.training.plan import geometry_for  # noqa: E402
 
 REF = Path(__file__).resolve().parents[1] / "data" / "episode_frames_ref.txt"
 

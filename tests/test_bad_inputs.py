@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from flexpack.cli import main
-from helpers import run_cli, set_args, tiny_sets
 from flexpack.training.config import load_config
+from helpers import run_cli, set_args, tiny_sets
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny_cpu.toml"

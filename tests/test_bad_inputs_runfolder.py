@@ -17,8 +17,8 @@ import pytest
 pytest.importorskip("lerobot")
 
 from flexpack.cli import main  # noqa: E402
-from helpers import run_cli, set_args, tiny_sets  # noqa: E402
 from flexpack.training.runstate import runfolder  # noqa: E402
+from helpers import run_cli, set_args, tiny_sets  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny_cpu.toml"
@@ -259,8 +259,8 @@ def test_int8_cache_and_missing_stats_are_problems_for_check_dataset_and_train(c
 
 
 def test_resume_on_another_dataset_names_data_root(capsys, tiny_dataset, run2, tmp_path):
-    from flexpack.data.synthetic import make_synthetic_dataset
     from flexpack.data.encode import encode_dataset
+    from flexpack.data.synthetic import make_synthetic_dataset
 
     other = make_synthetic_dataset(tmp_path / "other", lengths=[21, 17, 13], seed=2)
     encode_dataset(other, progress=False)

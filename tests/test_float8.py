@@ -131,9 +131,8 @@ def test_float8_matmuls_on_gpu_close_to_bf16(mode):
 
 def test_checkpoints_switch_float8_on_and_off_on_resume(one_thread, monkeypatch, tiny_dataset, tmp_path):
     """float8 is a runtime choice: a checkpoint saved with it on resumes with it off, and back."""
-    from flexpack.training.runstate import checkpoint
     from flexpack.training.loop import train
-
+    from flexpack.training.runstate import checkpoint
     from helpers import tiny_config
 
     monkeypatch.setattr(float8, "MIN_DIM", 16)

@@ -95,8 +95,15 @@ def test_no_import_cycles_between_modules():
 
 
 def test_top_level_reexports():
-    from flexpack import (FlexAttnFunc, LengthBucketBatchSampler, PackCollate, PadCollate, SequenceLayout,
-                          TokenBudgetBatchSampler, WanVA)
+    from flexpack import (
+        FlexAttnFunc,
+        LengthBucketBatchSampler,
+        PackCollate,
+        PadCollate,
+        SequenceLayout,
+        TokenBudgetBatchSampler,
+        WanVA,
+    )
 
     assert PackCollate is importlib.import_module("flexpack.packing.collate").PackCollate
     assert FlexAttnFunc is importlib.import_module("flexpack.attention.flex").FlexAttnFunc

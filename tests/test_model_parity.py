@@ -9,8 +9,8 @@ import torch
 
 from flexpack.attention.flex import FlexAttnFunc
 from flexpack.models import WanVA
-from flexpack.packing.layout import SequenceLayout
 from flexpack.models.wan_convert import config_from_diffusers, convert_state_dict, load_converted
+from flexpack.packing.layout import SequenceLayout
 
 diffusers = pytest.importorskip("diffusers")
 

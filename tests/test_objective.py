@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from flexpack.attention.flex import FlexAttnFunc
+from flexpack.models import WanVA, wan_config
 from flexpack.packing.collate import PackCollate, PadCollate
 from flexpack.packing.layout import SequenceLayout
-from flexpack.models import WanVA, wan_config
 from flexpack.training.flow.objective import (
     FlowMatchingConfig,
     flow_loss,

@@ -11,9 +11,9 @@ import torch
 from flexpack.packing.collate import PackCollate, PadCollate
 from flexpack.packing.geometry import TokenGeometry
 from flexpack.training.config import load_config
-from flexpack.training.observe.flops import batch_flops, useful_flops
-from flexpack.training.memory_data import synthetic_data
 from flexpack.training.flow.noise import episode_seed, noise_seeds
+from flexpack.training.memory_data import synthetic_data
+from flexpack.training.observe.flops import batch_flops, useful_flops
 from flexpack.training.plan import Plan, plan_for, run_text_slots
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"

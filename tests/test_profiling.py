@@ -17,7 +17,6 @@ from torch.autograd.profiler_util import FunctionEvent
 
 from flexpack.training.observe import profile_summary as ps
 from flexpack.training.observe.profiling import StepProfiler, plan
-
 from helpers import tiny_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -26,7 +26,6 @@ diffusers = pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
 from flexpack.data.synthetic import make_synthetic_dataset  # noqa: E402
-
 from hf_tiny import save_tiny_umt5, tiny_diffusers, tiny_tokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

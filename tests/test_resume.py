@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from flexpack.packing.sampler import LengthBucketBatchSampler, TokenBudgetBatchSampler
-
 from helpers import tiny_config
 
 LENGTHS = [10, 8, 6, 5, 4, 3, 7, 9, 2, 2, 11]
@@ -119,9 +118,9 @@ def _remaining(root: Path, run: Path, world: int) -> int:
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in")
 def test_sharded_checkpoints_resume_on_2_ranks_exactly_and_elastically_2_to_1_and_1_to_2(train_dataset, tmp_path):
-    from flexpack.training.runstate import checkpoint
     from flexpack.training.config import save_config
     from flexpack.training.loop import train
+    from flexpack.training.runstate import checkpoint
 
     if not TORCHRUN.exists() and shutil.which("torchrun") is None:
         pytest.skip("torchrun not found next to the interpreter or on PATH")

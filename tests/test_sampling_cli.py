@@ -14,7 +14,6 @@ pytest.importorskip("lerobot")
 from flexpack.cli import main  # noqa: E402
 from flexpack.training.config import load_config  # noqa: E402
 from flexpack.training.loop import train  # noqa: E402
-
 from helpers import tiny_sets  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"

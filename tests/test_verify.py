@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from flexpack.packing.collate import PackCollate, PadCollate
 from flexpack.models import WanVA, wan_config
+from flexpack.packing.collate import PackCollate, PadCollate
 from flexpack.training.flow.objective import FlowMatchingConfig
 from flexpack.training.verify import verify_batch
 

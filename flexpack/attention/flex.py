@@ -36,8 +36,8 @@ from torch.autograd.profiler import record_function
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from flexpack.attention.blockmask import BlockMaskBuilder, compile_fresh
-from flexpack.packing.layout import SequenceLayout, TokenLayout, to_device
 from flexpack.attention.masks import MASK_KINDS, MaskMod, dense_mask, make_mask, next_pow2
+from flexpack.packing.layout import SequenceLayout, TokenLayout, to_device
 
 BACKENDS = ("auto", "dense", "flex", "flex-flash", "sdpa-loop", "varlen")
 DOCUMENT_ONLY = ("sdpa-loop", "varlen")

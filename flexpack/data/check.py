@@ -18,9 +18,9 @@ import numpy as np
 from tqdm import tqdm
 
 from flexpack.data import cache
-from flexpack.errors import UserError, one_line
 from flexpack.data.episodes import EpisodeSource
 from flexpack.data.problems import DatasetProblemError, Problem, inspect_latent, inspect_text, resolve_cameras
+from flexpack.errors import UserError, one_line
 
 
 def _cameras(source: EpisodeSource, cameras: list[str] | None) -> tuple[list[str], list[Problem]]:

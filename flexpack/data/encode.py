@@ -23,12 +23,12 @@ from pathlib import Path
 from tqdm import tqdm
 
 from flexpack.data import action_stats, cache
-from flexpack.errors import UserError, one_line
 from flexpack.data.encoders import VideoEncoder, encode_cameras, make_video_encoder
 from flexpack.data.episodes import EpisodeSource
 from flexpack.data.lengths import used_video_frames
 from flexpack.data.problems import inspect_latent, inspect_text, resolve_cameras
 from flexpack.data.text import TextEncoder, encode_texts, make_text_encoder
+from flexpack.errors import UserError, one_line
 
 
 @dataclass

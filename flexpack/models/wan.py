@@ -32,12 +32,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch import Tensor
 from einops import rearrange
+from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from ..packing.layout import SequenceLayout, TokenLayout
 from ..attention.masks import text_slots
+from ..packing.layout import SequenceLayout, TokenLayout
 from .rope import rope_cos_sin
 from .wan_blocks import MLP, TimeEmbed, WanBlock, layer_norm_fp32
 from .wan_config import WanVAConfig
@@ -92,7 +92,9 @@ class WanVA(nn.Module):
         self.action_head_modulation = nn.Parameter(torch.randn(2, D) / D**0.5) if Ca else None
         self.action_head_proj = nn.Linear(D, Ca) if Ca else None
         if attn is None:
-            from ..attention.flex import FlexAttnFunc  # imported late: attention may pull in compile machinery
+            from ..attention.flex import (
+                FlexAttnFunc,  # imported late: attention may pull in compile machinery
+            )
 
             attn = FlexAttnFunc(cfg.attn_backend)
         self.attn = attn

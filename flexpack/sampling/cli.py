@@ -19,7 +19,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from flexpack.sampling.evaluate import MODES, PairPlan, checkpoint_normalizer, dataset_for, evaluate, table
@@ -76,9 +75,9 @@ def _config_file(path: Path) -> Path:
 def load_weights(cfg: Any, source: str | Path, *, ema: bool = False) -> tuple[nn.Module, dict[str, Any] | None, str]:
     """The config's model with the weights of a run / checkpoint / export folder; returns
     (model, the action statistics it was trained with or None, a label naming the weights)."""
-    from flexpack.training.runstate import checkpoint
     from flexpack.training.build import build_model
     from flexpack.training.checks import check_state_shapes
+    from flexpack.training.runstate import checkpoint
 
     path = Path(source)
     if not path.exists():

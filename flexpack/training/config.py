@@ -10,8 +10,8 @@ falling back to a plain string), e.g. ``schedule.steps=40`` or ``model.overrides
 from __future__ import annotations
 
 import dataclasses
-import math
 import json
+import math
 import os
 import re
 import tomllib

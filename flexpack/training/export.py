@@ -112,7 +112,8 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike, *, ema: bool = Fa
     """Export ``run``'s newest intact checkpoint into ``out`` (see the module docstring); returns ``out``.
     ``overrides`` (``--set``) apply to the checkpoint's own config."""
     from flexpack.training.config import save_config
-    from flexpack.training.export_io import load_checkpoint as _load, ordinary_modes, pick_checkpoint, remove_stale
+    from flexpack.training.export_io import load_checkpoint as _load
+    from flexpack.training.export_io import ordinary_modes, pick_checkpoint, remove_stale
 
     run, out = Path(run), Path(out)
     _check_out(out)

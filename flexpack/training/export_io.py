@@ -52,9 +52,9 @@ def load_checkpoint(found: Path, run: Path, ema: bool, overrides: Sequence[str])
     """The checkpoint's config (its own config.json, else the run's first) with ``overrides``, and a
     single-process model (and EMA) with its weights; returns (config, model, ema or None, train_state)."""
     from flexpack.models import WanVA
-    from flexpack.training.runstate import checkpoint
     from flexpack.training.config import load_config
     from flexpack.training.ema import EMA
+    from flexpack.training.runstate import checkpoint
 
     source = found / "config.json" if (found / "config.json").is_file() else run / "config.json"
     if not source.is_file():

@@ -44,17 +44,17 @@ from tqdm import tqdm
 from flexpack.packing.collate import Batch
 from flexpack.sampling.hook import make_sample_hook
 from flexpack.training import float8
-from flexpack.training.observe import tracking
-from flexpack.training.runstate import checkpoint, faults, resume, runfolder
 from flexpack.training.build import build_data, build_model, materialize
 from flexpack.training.checks import positive_int, preflight
 from flexpack.training.config import ScheduleConfig, TrainConfig, load_config
 from flexpack.training.ema import make_ema
+from flexpack.training.observe import tracking
 from flexpack.training.observe.metrics import StepMeter
+from flexpack.training.observe.profiling import StepProfiler
 from flexpack.training.optim import build_optimizer
 from flexpack.training.parallel import parallelize, world
 from flexpack.training.plan import Plan, parallel_options, use_compile  # noqa: F401  (use_compile: public here too)
-from flexpack.training.observe.profiling import StepProfiler
+from flexpack.training.runstate import checkpoint, faults, resume, runfolder
 from flexpack.training.step import accumulate, train_step  # noqa: F401  (accumulate: public here too)
 from flexpack.training.validation import make_validator
 

@@ -25,9 +25,9 @@ from flexpack.training import float8
 from flexpack.training.config import TrainConfig
 from flexpack.training.flow.noise import episode_flow_sample, noise_seeds
 from flexpack.training.flow.objective import flow_loss, loss_counts
+from flexpack.training.observe.profiling import NO_PROFILER, StepProfiler
 from flexpack.training.parallel import is_sharded, world
 from flexpack.training.plan import ForwardOptions, forward_options
-from flexpack.training.observe.profiling import NO_PROFILER, StepProfiler
 
 
 def accumulate(model: nn.Module, batches: Sequence[Batch], cfg: TrainConfig, *, step: int, device: torch.device,

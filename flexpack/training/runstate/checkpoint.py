@@ -52,10 +52,10 @@ from torch.distributed.checkpoint.state_dict import (
 
 from flexpack.atomic import atomic_path
 from flexpack.errors import UserError
-from flexpack.training.runstate import manifest
 from flexpack.training.checks import check_state_shapes
-from flexpack.training.runstate.manifest import MANIFEST, problem  # noqa: F401  (public here too)
 from flexpack.training.parallel import world
+from flexpack.training.runstate import manifest
+from flexpack.training.runstate.manifest import MANIFEST, problem  # noqa: F401  (public here too)
 from flexpack.training.runstate.safeload import UnsafeCheckpointError, load_state, read_metadata_file
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
