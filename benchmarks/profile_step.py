@@ -98,7 +98,8 @@ def main() -> None:
     total = warmup + 1 + steps
     cfg = load_config(ROOT / "configs" / "wan5b_pack.toml", overrides + [
         f"runtime.out_dir='{out}'", f"schedule.steps={total}", "schedule.warmup_steps=1", "checkpoint.every=0",
-        "runtime.log_every=1", "runtime.tensorboard=false", "runtime.activation_checkpointing=false", f"optim.accum_steps={args.accum}",
+        "runtime.log_every=1", "runtime.tensorboard=false", "runtime.activation_checkpointing=false",
+        f"optim.accum_steps={args.accum}",
         "data.num_workers=2" if cuda else "data.num_workers=0"] + (["runtime.compile=false"] if args.eager else []))
     m = cfg.model.wan_config()
     dataset = RandomEpisodes(lengths, channels=m.in_channels, hw=hw, action_channels=m.action_channels,
@@ -117,7 +118,8 @@ def main() -> None:
     prof = [x for x in lines if x["phase"] == "profiled"]
     name = torch.cuda.get_device_name() if cuda else "cpu"
     print(f"{m.num_layers} layers of {cfg.model.preset}, {cfg.data.max_tokens} tokens per pack, {tpf} tokens per frame, "
-          f"{args.mask} mask, {'eager' if args.eager else 'runtime.compile=' + str(cfg.runtime.compile)}, {name}; time base: {s['time_base']}")
+          f"{args.mask} mask, {'eager' if args.eager else 'runtime.compile=' + str(cfg.runtime.compile)}, {name}; "
+          f"time base: {s['time_base']}")
     print("| " + " | ".join(CATEGORIES) + " | MFU | tokens/s | fwd s | bwd s |")
     print("|" + "---|" * (len(CATEGORIES) + 4))
     mfu = "—" if s["mfu"] is None else f"{100 * s['mfu']:.1f} %"

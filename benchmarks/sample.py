@@ -136,7 +136,8 @@ def run_set(args, lengths: list[int], device: torch.device) -> dict:
         tokens += s.tokens
     loop_tps = tokens / t_loop
     return {"packed_tokens_per_s": packed_tps, "loop_tokens_per_s": loop_tps, "packed_vs_loop": packed_tps / loop_tps,
-            "recompiles_after_warmup": recompiles, "block_recompiles_after_warmup": block_recompiles, "pairs": len(specs), "episodes": len(lengths),
+            "recompiles_after_warmup": recompiles, "block_recompiles_after_warmup": block_recompiles,
+            "pairs": len(specs), "episodes": len(lengths),
             "frames": [min(lengths), max(lengths)], "packed_model_calls": packed.forwards, "packed_s": t_packed,
             "packed_runs": args.repeats, "loop_pairs_timed": len(sub), "loop_s": t_loop, "steps": args.steps,
             "horizon": args.horizon,

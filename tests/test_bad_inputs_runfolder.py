@@ -205,7 +205,8 @@ def test_export_reads_the_checkpoints_own_config_and_statistics(capsys, tiny_dat
     norm = json.loads((tmp_path / "out" / "normalization.json").read_text())
     ts = json.loads((run / "checkpoints" / "step_00000002" / "train_state.json").read_text())
     assert norm["low"] == ts["extra"]["action_normalizer"]["low"]
-    code, err = run_cli(capsys, "export", str(run), str(tmp_path / "out2"), "--set", "data.action_steps=2", "--set", "data.stride=4")
+    code, err = run_cli(capsys, "export", str(run), str(tmp_path / "out2"), "--set", "data.action_steps=2",
+                        "--set", "data.stride=4")
     assert code == 0 and json.loads((tmp_path / "out2" / "normalization.json").read_text())["action_steps"] == 2
     mask = os.umask(0)
     os.umask(mask)

@@ -200,7 +200,8 @@ def test_damaged_newest_checkpoint_is_reported_and_the_one_before_used(train_dat
     # nothing usable left: refused (never a silent restart from scratch over the run's checkpoints)
     for p in (out / "checkpoints").glob("step_*/manifest.json"):
         p.unlink()
-    with pytest.raises(ValueError, match=r"checkpoints: no usable checkpoint, all 2 are damaged \(newest: .*step_00000005: not a complete checkpoint"):
+    damaged = r"checkpoints: no usable checkpoint, all 2 are damaged \(newest: .*step_00000005: not a complete checkpoint"
+    with pytest.raises(ValueError, match=damaged):
         train(config(train_dataset, out, "schedule.steps=6"))
     assert logged_steps(out) == [1, 2, 3, 4, 5]
 

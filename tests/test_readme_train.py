@@ -73,7 +73,8 @@ def test_readme_block_runs_end_to_end(tmp_path):
         line = line.replace("/models/Wan2.2-TI2V-5B-Diffusers", str(wan)).replace("/shared/runs/aloha", str(run))
         line = line.replace("cuda", "cpu")
         if line.startswith("torchrun --nnodes"):  # two 1-rank nodes on localhost, resuming the first run to step 3
-            line = line.replace("--nproc_per_node 8", "--nproc_per_node 1").replace("$MASTER_ADDR:29500", f"127.0.0.1:{_free_port()}")
+            line = line.replace("--nproc_per_node 8", "--nproc_per_node 1")
+            line = line.replace("$MASTER_ADDR:29500", f"127.0.0.1:{_free_port()}")
             line += f" {tiny} --set schedule.steps=3"
             line = f"(NODE_RANK=0; {line}) & p0=$!; (NODE_RANK=1; {line}) & p1=$!; wait $p0; wait $p1"
         elif line.startswith("torchrun"):

@@ -71,7 +71,8 @@ def test_selective_is_a_config_value():
     from flexpack.training.config import load_config
 
     assert load_config(overrides=["runtime.activation_checkpointing='selective'"]).runtime.activation_checkpointing == "selective"
-    with pytest.raises(ValueError, match="runtime.activation_checkpointing must be true, false, a block count >= 0 or 'selective', got 'some'"):
+    want = "runtime.activation_checkpointing must be true, false, a block count >= 0 or 'selective', got 'some'"
+    with pytest.raises(ValueError, match=want):
         load_config(overrides=["runtime.activation_checkpointing='some'"])
 
 

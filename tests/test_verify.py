@@ -98,7 +98,8 @@ def test_noise_does_not_depend_on_batching():
     alone = episode_flow_sample(PackCollate(3)([its[1]]), cfg, [22])
     assert torch.equal(packed.inputs.latent[0, :, 5:8], alone.inputs.latent[0])
     assert torch.equal(padded.inputs.latent[1, :, :3], alone.inputs.latent[0])
-    assert torch.equal(packed.sigma[0, 5:8], alone.sigma[0]) and torch.equal(packed.inputs.action[0, :, 5:8], alone.inputs.action[0])
+    assert torch.equal(packed.sigma[0, 5:8], alone.sigma[0])
+    assert torch.equal(packed.inputs.action[0, :, 5:8], alone.inputs.action[0])
     assert not torch.equal(packed.inputs.latent[0, :, :3], alone.inputs.latent[0])
 
 

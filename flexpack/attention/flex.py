@@ -11,8 +11,9 @@ Backends (all return zeros, never NaN, for query rows that may attend nothing, e
 * ``"sdpa-loop"``: one SDPA call per episode (document / valid masks only).
 * ``"varlen"``: ``torch.nn.attention.varlen.varlen_attn`` over episode runs (CUDA; document masks).
 * ``"auto"``: CUDA -> ``AUTO_CUDA`` (measured in ``benchmarks/attention.py``; falls back to
-  ``"flex"`` without FA4; a single-episode document mask uses one SDPA call); CPU -> ``"dense"``, except forward-only calls on long sequences
-  (``T >= CPU_FLEX_MIN_TOKENS``), which use compiled flex to avoid the T x T mask.
+  ``"flex"`` without FA4; a single-episode document mask uses one SDPA call); CPU -> ``"dense"``, except
+  forward-only calls on long sequences (``T >= CPU_FLEX_MIN_TOKENS``), which use compiled flex to avoid the
+  T x T mask.
 
 Compilation: one compiled FlexAttention per (kernel options, shape), ``dynamic=False``, each with
 its own dynamo cache; a new shape compiles once, new layouts of the same shape do not (block-mask contents and the mask's closure
@@ -413,7 +414,8 @@ def _frames_to_tokens(layout: SequenceLayout, q_len: int, mask: str) -> TokenLay
     a video or an action token. Teacher forcing also needs the copies, which frames do not say."""
     frames = layout.frame_doc.numel()
     if mask == "teacher_forcing" or q_len <= 0 or q_len % frames:
-        got = f"a SequenceLayout of {frames} frames for q of {q_len} tokens" + (" and mask='teacher_forcing'" if mask == "teacher_forcing" else "")
+        got = f"a SequenceLayout of {frames} frames for q of {q_len} tokens"
+        got += " and mask='teacher_forcing'" if mask == "teacher_forcing" else ""
         raise TypeError(_NEEDS_TOKENS.format(what=f"got {got}"))
     return layout.tokens(video_tokens=q_len // frames)
 

@@ -45,7 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="override a config value (repeatable)")
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--episodes", type=_int_list, default=None, metavar="LIST",
-                       help="dataset episode indices, e.g. 0,3,7 (default: the held-out episodes if the config has any, else all)")
+                       help="dataset episode indices, e.g. 0,3,7 "
+                            "(default: the held-out episodes if the config has any, else all)")
     which.add_argument("--val", action="store_true", help="the config's held-out episodes (data.val_fraction / val_episodes)")
     parser.add_argument("--mode", choices=MODES, default="forecast", help="open-loop forecast or autoregressive rollout")
     parser.add_argument("--steps", type=int, default=10, help="solver steps from noise to data (default 10)")

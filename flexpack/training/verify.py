@@ -207,9 +207,8 @@ def verify_config(cfg: Any, *, micro_batches: int = 2, checkpoint_dir: str | Non
     data = build_data(cfg, model=m) if data is None else data
     model, compiled = training_model(cfg, device, m)
     if checkpoint_dir:
-        from flexpack.training.export_io import (
-            pick_checkpoint,  # says which one and why a newer one was skipped
-        )
+        # pick_checkpoint says which one and why a newer one was skipped
+        from flexpack.training.export_io import pick_checkpoint
 
         found = pick_checkpoint(Path(checkpoint_dir), "verify")
         state = checkpoint.load(found, model, restore_rng=False)  # a checkpoint of another shape: one line

@@ -17,8 +17,9 @@ backward of attention counts as attention although it runs outside the ``attenti
 First match wins: communication (NCCL/gloo kernels, c10d ops) → optimizer (``optimizer`` range,
 ``Optimizer.step``/``zero_grad``) → other (``data`` and ``block_mask`` ranges: loading and mask
 builds are overhead, not model compute) → attention (the ``attention`` range, SDPA/flash/flex
-ops and kernels, inductor templates that are no matmul, text cross-attention included) → gemm (cuBLAS/CUTLASS/nvjet/Triton mm kernels,
-``aten::mm``-like ops) → elementwise (pointwise/reduction/norm/copy/cast kernels and ops) → other.
+ops and kernels, inductor templates that are no matmul, text cross-attention included) → gemm
+(cuBLAS/CUTLASS/nvjet/Triton mm kernels, ``aten::mm``-like ops) → elementwise
+(pointwise/reduction/norm/copy/cast kernels and ops) → other.
 """
 
 from __future__ import annotations

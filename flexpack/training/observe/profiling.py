@@ -361,4 +361,5 @@ class StepProfiler:
         }
 
 
-NO_PROFILER = StepProfiler("", steps=0, warmup=0)  # reads no environment at import  # every hook a no-op (callers without a profiler)
+# every hook a no-op (callers without a profiler); reads no environment at import
+NO_PROFILER = StepProfiler("", steps=0, warmup=0)
