@@ -48,9 +48,11 @@ demo: $(STAMP)
 	@$(BIN)/flexpack plot $(OUT)/demo-run
 	@$(BIN)/python -m flexpack.demo $(OUT) --bin $(BIN)
 
-# The fast CPU tests, 3-4 min on 2 cores (GPU tests skip themselves without CUDA). Tests marked
-# `slow` (over ~30 s each: several processes, whole runs, compilation) are left to `make test-slow`.
+# Lint (ruff, pyproject's [tool.ruff] rules), then the fast CPU tests, 3-4 min on 2 cores (GPU tests skip
+# themselves without CUDA). Tests marked `slow` (over ~30 s each: several processes, whole runs, compilation)
+# are left to `make test-slow`.
 test: $(STAMP)
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -m "not slow"
 
 # The slow CPU tests alone (about 4 min on 2 cores with a warm compile cache); CI runs them after `make test`.

@@ -41,8 +41,8 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from flexpack.attention.flex import AUTO_CUDA, FlexAttnFunc, compile_count, compiled_flex_attention, has_flash  # noqa: E402
 from flexpack.attention.blockmask import unmasked_pairs  # noqa: E402
+from flexpack.attention.flex import AUTO_CUDA, FlexAttnFunc, compile_count, compiled_flex_attention, has_flash  # noqa: E402
 from flexpack.packing.layout import SequenceLayout, TokenLayout  # noqa: E402
 
 H, D, TPF = 24, 128, 36
@@ -154,7 +154,7 @@ def methods_document(lay: TokenLayout, runs: int, flash: bool) -> tuple[dict, di
     bounds = sorted({0, n_tok} | {s for s, _ in runs_} | {s + n for s, n in runs_})  # episodes only
     cu = torch.tensor(bounds, dtype=torch.int32, device=DEV)
     mx = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
-    res["varlen"] = fwd_fb(lambda: varlen_attn(qt, kt, vt, cu, cu, mx, mx), (qt, kt, vt), runs)
+    res["varlen"] = fwd_fb(lambda qt=qt, kt=kt, vt=vt: varlen_attn(qt, kt, vt, cu, cu, mx, mx), (qt, kt, vt), runs)
     del qt, kt, vt
 
     L = max(n for _, n in runs_)
@@ -165,7 +165,7 @@ def methods_document(lay: TokenLayout, runs: int, flash: bool) -> tuple[dict, di
             dst[i, :, :n] = src.detach()[0, :, s:s + n]
     pb = [x.requires_grad_(True) for x in pb]
     kpm = (torch.arange(L, device=DEV)[None, :] < torch.tensor([n for _, n in runs_], device=DEV)[:, None])[:, None, None, :]
-    res["padded_sdpa"] = fwd_fb(lambda: F.scaled_dot_product_attention(*pb, attn_mask=kpm), tuple(pb), runs)
+    res["padded_sdpa"] = fwd_fb(lambda pb=pb: F.scaled_dot_product_attention(*pb, attn_mask=kpm), tuple(pb), runs)
     del pb
 
     variants = (("ours_triton", "flex", True), ("ours_flash", "flex-flash", True), ("ours_flash_keys", "flex-flash", False),
@@ -178,7 +178,8 @@ def methods_document(lay: TokenLayout, runs: int, flash: bool) -> tuple[dict, di
         try:
             res[name] = fwd_fb(lambda: attn(q, k, v, prep), (q, k, v), runs)
             err = (attn(q, k, v, prep)[:, :, :n_tok].float() - ref.float()).abs().max().item()
-            print(f"  {name}: max |out - sdpa loop| = {err:.4f}; pad rows zero: {bool(attn(q, k, v, prep)[:, :, n_tok:].eq(0).all())}")
+            pad_zero = bool(attn(q, k, v, prep)[:, :, n_tok:].eq(0).all())
+            print(f"  {name}: max |out - sdpa loop| = {err:.4f}; pad rows zero: {pad_zero}")
         except Exception as e:  # noqa: BLE001 - record and carry on (e.g. FLASH constraints)
             res[name] = (float("nan"), float("nan"))
             print(f"  {name} failed: {type(e).__name__}: {str(e)[:300]}")
@@ -204,7 +205,8 @@ def teacher_forcing(lay: TokenLayout, chunk: int, runs: int, flash: bool) -> dic
     mod = prep.mask_mod
     create_block_mask(mod, 1, 1, T, T, device=DEV, _compile=True)
     out["tf_create_block_mask_ms"] = wall(lambda: create_block_mask(mod, 1, 1, T, T, device=DEV, _compile=True), 5)
-    variants = (("triton", "flex", True), ("triton_keys", "flex", False), ("flash", "flex-flash", True), ("flash_keys", "flex-flash", False))
+    variants = (("triton", "flex", True), ("triton_keys", "flex", False), ("flash", "flex-flash", True),
+                ("flash_keys", "flex-flash", False))
     for name, backend, ranges in variants:
         if backend == "flex-flash" and not flash:
             continue
@@ -232,7 +234,8 @@ def fa4_causal_reference(lay: TokenLayout, runs: int) -> dict:
     cu = torch.tensor(bounds, dtype=torch.int32, device=DEV)
     mx = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
     n_tok = bounds[-1] - bounds[0]
-    qt, kt, vt = (x[0].transpose(0, 1)[bounds[0]:bounds[-1]].contiguous().requires_grad_(True) for x in qkv(lay.num_tokens, seed=3))
+    qt, kt, vt = (x[0].transpose(0, 1)[bounds[0]:bounds[-1]].contiguous().requires_grad_(True)
+                  for x in qkv(lay.num_tokens, seed=3))
     pairs = sum((b - a) * (b - a + 1) // 2 for a, b in zip(bounds[:-1], bounds[1:]))
     cu = cu - bounds[0]
 
@@ -281,7 +284,8 @@ def recompile_count(frames: list[int], cap: int, steps: int, backend: str, rng: 
         out = attn(q, k, v, attn.prepare(lay, "document"))
         torch.autograd.grad(out.sum(), (q, k, v))
         counts.append(compile_count())
-    return {"compiles_warmup": counts[0], "compiles_end": counts[-1], "recompiles_after_warmup": counts[-1] - counts[0], "steps": steps}
+    return {"compiles_warmup": counts[0], "compiles_end": counts[-1], "recompiles_after_warmup": counts[-1] - counts[0],
+            "steps": steps}
 
 
 def main() -> None:
@@ -317,7 +321,8 @@ def main() -> None:
         tmp.replace(args.out)
         print(f"[{time.time() - t0:6.1f} s] {note}; wrote {args.out}")
 
-    hdr = f"{'eps':>3} {'tokens':>7} {'method':<16} {'fwd ms':>8} {'fwd TF/s':>8} {'f+b ms':>8} {'f+b TF/s':>8} {'vs loop f+b':>11}"
+    hdr = (f"{'eps':>3} {'tokens':>7} {'method':<16} {'fwd ms':>8} {'fwd TF/s':>8} {'f+b ms':>8} {'f+b TF/s':>8} "
+           f"{'vs loop f+b':>11}")
     draws = {n: draw_pack(rng, frames, n, cap) for n in packs}
     tf_lens = draw_pack(rng, frames, 4, cap // 2)
 
@@ -334,10 +339,12 @@ def main() -> None:
                           "fb_tflops": tflops(pairs, fb, True), "fb_ratio_vs_loop": res["sdpa_loop"][1] / fb,
                           "fwd_ratio_vs_loop": res["sdpa_loop"][0] / f}
             r = rows[name]
-            print(f"{n:>3} {sum(lens) * TPF:>7} {name:<16} {f:8.2f} {r['fwd_tflops']:8.0f} {fb:8.2f} {r['fb_tflops']:8.0f} {r['fb_ratio_vs_loop']:11.2f}")
+            print(f"{n:>3} {sum(lens) * TPF:>7} {name:<16} {f:8.2f} {r['fwd_tflops']:8.0f} {fb:8.2f} "
+                  f"{r['fb_tflops']:8.0f} {r['fb_ratio_vs_loop']:11.2f}")
         print(f"    block mask build: ours {builds['blockmask_ms']:.3f} ms (GPU {builds['blockmask_gpu_ms']:.3f}),"
               f" create_block_mask(_compile=True) {builds['create_block_mask_ms']:.2f} ms;"
-              f" paired ratio vs loop: f+b {builds.get('fb_ratio_paired', float('nan')):.3f}, fwd {builds.get('fwd_ratio_paired', float('nan')):.3f}")
+              f" paired ratio vs loop: f+b {builds.get('fb_ratio_paired', float('nan')):.3f}, "
+              f"fwd {builds.get('fwd_ratio_paired', float('nan')):.3f}")
         result["packs"][str(n)] = {"frames": lens, "tokens": sum(lens) * TPF, "budget_tokens": lay.num_tokens,
                                    "pairs": pairs, "methods": rows, **builds}
         if n == 8:
@@ -355,7 +362,8 @@ def main() -> None:
     doc_pack(order[0])
     lay_tf = SequenceLayout.from_rows([tf_lens], cap // 2).tokens(32, 4, copies=2).to(DEV)
     tf = teacher_forcing(lay_tf, args.chunk_size, runs, flash)
-    tf.update({"frames": tf_lens, "tokens": sum(tf_lens) * TPF * 2, "budget_tokens": lay_tf.num_tokens, "chunk_size": args.chunk_size})
+    tf.update({"frames": tf_lens, "tokens": sum(tf_lens) * TPF * 2, "budget_tokens": lay_tf.num_tokens,
+               "chunk_size": args.chunk_size})
     result["teacher_forcing"] = tf
     # the rate of what FlexAttnFunc("auto") runs for this mask (AUTO_CUDA), range masks on
     auto_name = "flash" if flash and AUTO_CUDA["teacher_forcing"] == "flex-flash" else "triton"

@@ -45,7 +45,8 @@ def cases(frames: list[int], cap: int, rng: random.Random) -> list[tuple[str, ob
         out.append((f"document_{n}", lay, "document", {}))
     out.append(("chunk_causal_8", out[-1][1], "chunk_causal", {"chunk_size": 4}))
     for n in (2, 4, 6):
-        lay = SequenceLayout.from_rows([draw_pack(rng, frames, n, cap // 2)], cap // 2).tokens(TPF_VIDEO, TPF_ACTION, copies=2).to("cuda")
+        half = SequenceLayout.from_rows([draw_pack(rng, frames, n, cap // 2)], cap // 2)
+        lay = half.tokens(TPF_VIDEO, TPF_ACTION, copies=2).to("cuda")
         out.append((f"teacher_forcing_{n}", lay, "teacher_forcing", {"chunk_size": 4}))
     # drawn last: the earlier cases keep the packs of earlier measurements
     lens = draw_pack(rng, frames, 8, cap)  # cross-attention: 512 text keys per slot, some of them padding
@@ -63,7 +64,8 @@ def profile_build(attn: FlexAttnFunc, lay, kind: str, kw: dict, n: int = 10) -> 
             attn.prepare(lay, kind, **kw)
         torch.cuda.synchronize()
     events = prof.key_averages()
-    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch"))
+    launch_keys = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
+    launches = sum(e.count for e in events if e.key in launch_keys)
     gpu_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
     return launches / n, gpu_us / 1e3 / n
 

@@ -117,14 +117,18 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             mem = f"{row['peak_mem_gb']:.1f} GB" if row["peak_mem_gb"] is not None else "-"
             print(f"{h}x{w} {dtype:<9} tiling={tiling!s:<5} cameras={cams} slicing={slicing!s:<5} "
-                  f"{row['frames_per_s']:8.1f} frames/s  ({row['median_s'] * 1000:.0f} ms per {row['frames']} frames, peak {mem})",
+                  f"{row['frames_per_s']:8.1f} frames/s  "
+                  f"({row['median_s'] * 1000:.0f} ms per {row['frames']} frames, peak {mem})",
                   flush=True)
             del enc
             if cuda:
                 torch.cuda.empty_cache()
     for h, w in sizes:
-        f32 = next(r for r in rows if (r["height"], r["width"], r["dtype"], r["tiling"], r["cameras"]) == (h, w, "float32", False, 1))
-        b16 = next(r for r in rows if (r["height"], r["width"], r["dtype"], r["tiling"], r["cameras"]) == (h, w, "bfloat16", False, 1))
+        def key(r: dict) -> tuple:
+            return r["height"], r["width"], r["dtype"], r["tiling"], r["cameras"]
+
+        f32 = next(r for r in rows if key(r) == (h, w, "float32", False, 1))
+        b16 = next(r for r in rows if key(r) == (h, w, "bfloat16", False, 1))
         print(f"{h}x{w}: bf16 / fp32 = {b16['frames_per_s'] / f32['frames_per_s']:.2f}x")
     result = {
         "benchmark": "encode", "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,

@@ -13,8 +13,8 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from flexpack.attention.flex import FlexAttnFunc
-from flexpack.packing.layout import SequenceLayout
 from flexpack.attention.masks import dense_mask, make_mask
+from flexpack.packing.layout import SequenceLayout
 
 
 def ref(q, k, v, mask):

@@ -29,15 +29,16 @@ from flexpack.attention.flex import FlexAttnFunc  # noqa: E402
 from flexpack.models import WanVA, wan_config  # noqa: E402
 from flexpack.packing.collate import PackCollate  # noqa: E402
 from flexpack.training import float8  # noqa: E402
-from flexpack.training.objective import FlowMatchingConfig  # noqa: E402
+from flexpack.training.flow.objective import FlowMatchingConfig  # noqa: E402
 from flexpack.training.parallel import parallelize  # noqa: E402
 from flexpack.training.verify import VerifyReport, verify_batch  # noqa: E402
 
 
 def items(lens: list[int], C: int, H: int, W: int, L: int, Dt: int, device: torch.device) -> list[dict]:
     g = torch.Generator().manual_seed(0)
-    return [{"latent": torch.randn(C, F, H, W, generator=g).to(device), "text": (torch.randn(L, Dt, generator=g) * 0.1).to(device),
-             "episode_index": i} for i, F in enumerate(lens)]
+    return [{"latent": torch.randn(C, F, H, W, generator=g).to(device),
+             "text": (torch.randn(L, Dt, generator=g) * 0.1).to(device), "episode_index": i}
+            for i, F in enumerate(lens)]
 
 
 def main() -> None:
@@ -77,7 +78,8 @@ def main() -> None:
         res["float8_layers"] = len(float8.converted(model))
         out["modes"][mode] = res
         print(f"[verify float8={mode}] packed vs alone max rel err {res['packed']['max_err']:.2e} "
-              f"(video {res['packed']['video_err']:.2e}, loss {res['packed']['loss_err']:.2e}, grad {res['packed']['grad_err']:.2e}); "
+              f"(video {res['packed']['video_err']:.2e}, loss {res['packed']['loss_err']:.2e}, "
+              f"grad {res['packed']['grad_err']:.2e}); "
               f"with packing dropped {res['drop_packing']['max_err']:.2e}", flush=True)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(out, indent=1))

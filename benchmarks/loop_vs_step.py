@@ -18,8 +18,9 @@ from dataclasses import replace
 
 import torch
 
-from flexpack.training import checkpoint, loop
+from flexpack.training import loop
 from flexpack.training.plan import plan_for
+from flexpack.training.runstate import checkpoint
 
 
 def run_loop(args, name: str, lengths: list[int], items, device: torch.device, cfg, peak: float) -> dict:

@@ -11,7 +11,7 @@ micro-step. The schedule is exactly warm-up + 1 + steps long, so the window ends
 
 Shape (GPU run): two 128x128 cameras through a 16x VAE and 2x2 patches = 32 video tokens per latent
 frame (an 8 x 16 latent), 4 action steps, 36 tokens per frame, 512 umT5 text tokens (4096 wide) per
-episode, bf16 autocast, one GPU. MFU counts useful FLOPs (:mod:`flexpack.training.flops`) against the
+episode, bf16 autocast, one GPU. MFU counts useful FLOPs (:mod:`flexpack.training.observe.flops`) against the
 bf16 peak an 8192³ matmul reaches at the start (the run's ``runtime.peak_tflops`` unset; H200: 733–795).
 The run folder keeps ``profile/`` (trace, per-micro-step lines, summary), ``metrics.jsonl`` and
 ``tb/``; the final checkpoint is removed (it is not what is measured).
@@ -31,9 +31,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flexpack.packing.lengths import read_frames_file  # noqa: E402
-from flexpack.training.plan import plan_for  # noqa: E402
 from flexpack.training.config import load_config  # noqa: E402
-from flexpack.training.profile_summary import CATEGORIES  # noqa: E402
+from flexpack.training.observe.profile_summary import CATEGORIES  # noqa: E402
+from flexpack.training.plan import plan_for  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -98,7 +98,8 @@ def main() -> None:
     total = warmup + 1 + steps
     cfg = load_config(ROOT / "configs" / "wan5b_pack.toml", overrides + [
         f"runtime.out_dir='{out}'", f"schedule.steps={total}", "schedule.warmup_steps=1", "checkpoint.every=0",
-        "runtime.log_every=1", "runtime.tensorboard=false", "runtime.activation_checkpointing=false", f"optim.accum_steps={args.accum}",
+        "runtime.log_every=1", "runtime.tensorboard=false", "runtime.activation_checkpointing=false",
+        f"optim.accum_steps={args.accum}",
         "data.num_workers=2" if cuda else "data.num_workers=0"] + (["runtime.compile=false"] if args.eager else []))
     m = cfg.model.wan_config()
     dataset = RandomEpisodes(lengths, channels=m.in_channels, hw=hw, action_channels=m.action_channels,
@@ -117,7 +118,8 @@ def main() -> None:
     prof = [x for x in lines if x["phase"] == "profiled"]
     name = torch.cuda.get_device_name() if cuda else "cpu"
     print(f"{m.num_layers} layers of {cfg.model.preset}, {cfg.data.max_tokens} tokens per pack, {tpf} tokens per frame, "
-          f"{args.mask} mask, {'eager' if args.eager else 'runtime.compile=' + str(cfg.runtime.compile)}, {name}; time base: {s['time_base']}")
+          f"{args.mask} mask, {'eager' if args.eager else 'runtime.compile=' + str(cfg.runtime.compile)}, {name}; "
+          f"time base: {s['time_base']}")
     print("| " + " | ".join(CATEGORIES) + " | MFU | tokens/s | fwd s | bwd s |")
     print("|" + "---|" * (len(CATEGORIES) + 4))
     mfu = "—" if s["mfu"] is None else f"{100 * s['mfu']:.1f} %"

@@ -42,9 +42,9 @@ from flexpack.packing.lengths import read_frames_file  # noqa: E402
 from flexpack.sampling.pairs import cut_points, make_pair  # noqa: E402
 from flexpack.sampling.sampler import PackedSampler, SampleOptions, pack_text_slots  # noqa: E402
 from flexpack.training.build import build_model  # noqa: E402
-from flexpack.training.plan import geometry_for  # noqa: E402
 from flexpack.training.config import TrainConfig, from_dict  # noqa: E402
 from flexpack.training.parallel import BLOCK_GRAPHS, compiled_graphs, parallelize  # noqa: E402
+from flexpack.training.plan import geometry_for  # noqa: E402
 
 REF = Path(__file__).resolve().parents[1] / "data" / "episode_frames_ref.txt"
 
@@ -136,7 +136,8 @@ def run_set(args, lengths: list[int], device: torch.device) -> dict:
         tokens += s.tokens
     loop_tps = tokens / t_loop
     return {"packed_tokens_per_s": packed_tps, "loop_tokens_per_s": loop_tps, "packed_vs_loop": packed_tps / loop_tps,
-            "recompiles_after_warmup": recompiles, "block_recompiles_after_warmup": block_recompiles, "pairs": len(specs), "episodes": len(lengths),
+            "recompiles_after_warmup": recompiles, "block_recompiles_after_warmup": block_recompiles,
+            "pairs": len(specs), "episodes": len(lengths),
             "frames": [min(lengths), max(lengths)], "packed_model_calls": packed.forwards, "packed_s": t_packed,
             "packed_runs": args.repeats, "loop_pairs_timed": len(sub), "loop_s": t_loop, "steps": args.steps,
             "horizon": args.horizon,

@@ -6,7 +6,7 @@ collate, per-episode device noise) is timed on 65,536-token packs, against diffu
 ``WanTransformer3DModel`` of the same shape trained one episode per step (eager and
 ``torch.compile(dynamic=True)``) on the same episodes, and against flexpack's pad mode. Latents
 are synthetic (no lerobot), text is 512 tokens per episode, no actions; fp32 weights with bf16
-autocast everywhere. MFU counts useful FLOPs only (``flexpack.training.flops``: attention on
+autocast everywhere. MFU counts useful FLOPs only (``flexpack.training.observe.flops``: attention on
 unmasked pairs, forward + backward 3× the forward, no recompute) against an 8192³ bf16 matmul
 measured in the same run.
 
@@ -45,10 +45,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flexpack.packing.lengths import read_frames_file  # noqa: E402
 from flexpack.training.build import build_model  # noqa: E402
-from flexpack.training.config import from_dict, TrainConfig  # noqa: E402
-from flexpack.training.flops import batch_flops, measured_bf16_peak, useful_flops  # noqa: E402
-from flexpack.training.parallel import compiled_graphs, parallelize  # noqa: E402
+from flexpack.training.config import TrainConfig, from_dict  # noqa: E402
+from flexpack.training.observe.flops import batch_flops, measured_bf16_peak, useful_flops  # noqa: E402
 from flexpack.training.optim import build_optimizer  # noqa: E402
+from flexpack.training.parallel import compiled_graphs, parallelize  # noqa: E402
 from flexpack.training.plan import geometry_for, parallel_options, plan_for  # noqa: E402
 from flexpack.training.step import train_step  # noqa: E402
 
@@ -179,7 +179,8 @@ def run_flexpack(args, name: str, lengths: list[int], batches: list[list[int]], 
     flops = [batch_flops(m, geometry, b.layout) for b in timed]
     out = _medians(times, host, tokens, flops, peak)
     out.update(peak_mem_gb=_peak_gb(device), recompiles_after_warmup=compiled_graphs() - graphs_after_warmup,
-               host_syncs_per_step=syncs, float8=cfg.runtime.float8, activation_checkpointing=cfg.runtime.activation_checkpointing,
+               host_syncs_per_step=syncs, float8=cfg.runtime.float8,
+               activation_checkpointing=cfg.runtime.activation_checkpointing,
                losses=losses, finite=all(np.isfinite(losses)), computed_tokens_per_step=made[0].layout.frame_doc.numel() * tpf)
     if args.profile and mode == "pack" and device.type == "cuda":
         out["kernel_split"] = profile_split(lambda: train_step(model, opt, [made[warm]], cfg, step=0, device=device,
@@ -418,7 +419,8 @@ def main() -> None:
             print(f"[{set_name}] {v}: " + (r.get("error") or
                   f"{r['tokens_per_s']:.0f} tok/s, step {r['step_s']*1e3:.0f} ms, mfu {r.get('mfu') or 0:.3f}, "
                   f"host {r.get('host_ms_per_step') or 0:.0f} ms, syncs {r.get('host_syncs_per_step')}, "
-                  f"peak {r.get('peak_mem_gb') or 0:.1f} GB, recompiles {r.get('recompiles_after_warmup')}, wall {r['wall_s']:.0f} s"),
+                  f"peak {r.get('peak_mem_gb') or 0:.1f} GB, recompiles {r.get('recompiles_after_warmup')}, "
+                  f"wall {r['wall_s']:.0f} s"),
                   flush=True)
             if args.layers > 8:  # compiled code may hold the last model: at 30 layers two would not fit
                 torch._dynamo.reset()
@@ -447,7 +449,8 @@ def _summarize(res: dict) -> None:
     compiled = max((tok(v) or 0.0 for v in ("diffusers-compiled", "diffusers-regional")), default=0.0) or None
     res.update(pack_tokens_per_s=pack.get("tokens_per_s"), diffusers_compiled_tokens_per_s=compiled,
                diffusers_eager_tokens_per_s=tok("diffusers-eager"), pad_tokens_per_s=tok("pad-eager"),
-               mfu_pack=pack.get("mfu"),  # useful FLOPs over the measured bf16 peak: the bf16-equivalent MFU peak_mem_gb_pack=pack.get("peak_mem_gb"),
+               mfu_pack=pack.get("mfu"),  # useful FLOPs over the measured bf16 peak: the bf16-equivalent MFU
+               peak_mem_gb_pack=pack.get("peak_mem_gb"),
                recompiles_after_warmup=pack.get("recompiles_after_warmup"), host_ms_per_step=pack.get("host_ms_per_step"))
     if pack.get("tokens_per_s") and compiled:
         res["pack_vs_diffusers_compiled"] = pack["tokens_per_s"] / compiled

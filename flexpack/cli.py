@@ -22,8 +22,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "check-dataset": ("flexpack.data.check", "list every problem of a dataset and its latent cache"),
     "train": ("flexpack.training.loop", "train a WanVA on a LeRobot dataset from a TOML/JSON config (torchrun for FSDP2)"),
     "verify": ("flexpack.training.verify", "check packed == per-episode outputs, loss and gradients; exit 1 on mismatch"),
-    "plot": ("flexpack.training.plot", "write a PNG of a run's loss curves and throughput from its metrics.jsonl"),
-    "sample": ("flexpack.sampling.cli", "sample episodes of a trained run (forecast or rollout) and score them against baselines"),
+    "plot": ("flexpack.training.observe.plot", "write a PNG of a run's loss curves and throughput from its metrics.jsonl"),
+    "sample": ("flexpack.sampling.cli",
+               "sample episodes of a trained run (forecast or rollout) and score them against baselines"),
     "export": ("flexpack.training.export", "write a run's newest checkpoint as a diffusers folder plus action stream"),
     "config": ("flexpack.cli_config", "print the resolved training config, its defaults as TOML, or docs/CONFIG.md"),
 }

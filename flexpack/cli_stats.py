@@ -35,7 +35,8 @@ from flexpack.packing.stats import summary, table, write_plot
 def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--frames-file", metavar="FILE", help="video frame counts, one per line")
-    src.add_argument("--dataset", metavar="ROOT", help="LeRobot dataset folder or repo id in lerobot's cache (lengths from its metadata)")
+    src.add_argument("--dataset", metavar="ROOT",
+                     help="LeRobot dataset folder or repo id in lerobot's cache (lengths from its metadata)")
     p.add_argument("--mode", choices=("pad", "pack"), required=True, help="bucket+pad or token-budget packing")
     p.add_argument("--batch-size", type=int, default=4, help="pad mode: episodes per batch (default 4)")
     p.add_argument("--pool-factor", type=int, default=50, help="pad mode: batches per sorted pool (default 50)")
@@ -131,7 +132,10 @@ def _geometry(args: argparse.Namespace) -> None:
 
 def _cli_words(message: str) -> str:
     """The sampler's keyword names as this command's flags."""
-    return message.replace("pass crop=True", "pass --crop").replace("max_tokens=", "--max-tokens ").replace("raise max_tokens", "raise --max-tokens")
+    for word, flag in (("pass crop=True", "pass --crop"), ("max_tokens=", "--max-tokens "),
+                       ("raise max_tokens", "raise --max-tokens")):
+        message = message.replace(word, flag)
+    return message
 
 
 def run(args: argparse.Namespace) -> int:

@@ -51,7 +51,7 @@ def _action_mse(metrics: Path) -> str:
 
 def outputs(out: Path, run: Path, data: Path) -> list[tuple[str, str]]:
     """(label, where) for every demo output that exists."""
-    from flexpack.training import checkpoint
+    from flexpack.training.runstate import checkpoint
 
     rows: list[tuple[str, str]] = []
     if data.is_dir():

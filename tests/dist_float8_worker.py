@@ -15,8 +15,8 @@ from flexpack.attention.flex import FlexAttnFunc  # noqa: E402
 from flexpack.models import WanVA, wan_config  # noqa: E402
 from flexpack.packing.collate import PackCollate  # noqa: E402
 from flexpack.training import float8  # noqa: E402
-from flexpack.training.noise import episode_flow_sample  # noqa: E402
-from flexpack.training.objective import FlowMatchingConfig, flow_loss  # noqa: E402
+from flexpack.training.flow.noise import episode_flow_sample  # noqa: E402
+from flexpack.training.flow.objective import FlowMatchingConfig, flow_loss  # noqa: E402
 from flexpack.training.parallel import parallelize  # noqa: E402
 
 out = Path(sys.argv[1])

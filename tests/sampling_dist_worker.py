@@ -11,11 +11,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from test_sampling import TPF, _cfg, _items, _pairs, SPECS_DIST  # noqa: E402
-
 from flexpack.sampling.sampler import PackedSampler, SampleOptions  # noqa: E402
 from flexpack.training.build import build_model  # noqa: E402
 from flexpack.training.parallel import parallelize  # noqa: E402
+from test_sampling import SPECS_DIST, TPF, _cfg, _items, _pairs  # noqa: E402
 
 
 def main(out: str) -> None:

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from flexpack.attention.flex import FlexAttnFunc, compile_count, has_flash
-from flexpack.packing.layout import SequenceLayout
 from flexpack.attention.masks import dense_mask, make_mask
+from flexpack.packing.layout import SequenceLayout
 
 H, D = 2, 16
 KINDS = ("document", "valid", "chunk_causal", "teacher_forcing", "text")

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from flexpack.cli import main
-from helpers import run_cli, set_args, tiny_sets
 from flexpack.training.config import load_config
+from helpers import run_cli, set_args, tiny_sets
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny_cpu.toml"
@@ -57,7 +57,8 @@ def one_error_line(err: str, command: str) -> str:
     ("model.overrides.attn_backend='x'", "model.overrides.attn_backend must be one of ('auto', 'dense', 'flex', "),
     ("checkpoint.keep=0", "--set checkpoint.keep=0: checkpoint.every must be >= 0 and checkpoint.keep >= 1"),
     ("data.action_steps=3", "--set data.action_steps=3: data.action_steps = 3 must divide data.stride = 4"),
-    ("runtime.device='banana'", "--set runtime.device='banana': runtime.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got 'banana'"),
+    ("runtime.device='banana'",
+     "--set runtime.device='banana': runtime.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got 'banana'"),
     ("runtime.device='cuda:x'", "runtime.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got 'cuda:x'"),
     ("runtime.out_dir=''", "runtime.out_dir is empty"),
     ("runtime.activation_memory_budget=2", "runtime.activation_memory_budget must be between 0 and 1"),
@@ -170,7 +171,8 @@ def test_missing_dataset(capsys, tmp_path):
     ("data.max_tokens=20", "episode 0 has 10 latent frames = 50 tokens (5 per frame) > data.max_tokens = 20 "
                            "(4 item(s) too long); raise data.max_tokens to at least 50 or set data.crop = true"),
     ("model.overrides.action_channels=2", "the dataset has 6 action columns but the model has "
-                                          "model.overrides.action_channels = 2; raise model.overrides.action_channels to at least 6"),
+                                          "model.overrides.action_channels = 2; "
+                                          "raise model.overrides.action_channels to at least 6"),
     ("model.overrides.in_channels=16", "do not fit the model (in_channels=16"),
     ("data.max_tokens=3", "data.max_tokens = 3 is less than one latent frame (5 tokens"),
     ("runtime.activation_memory_budget=0.5", "runtime.activation_memory_budget = 0.5 applies to compiled blocks, which "
@@ -362,7 +364,7 @@ def test_every_subcommand_reports_user_errors_the_same_way(capsys, tmp_path, com
 def test_disk_full_during_a_checkpoint_is_one_line_and_keeps_the_last_checkpoint(capsys, tiny_dataset, tmp_path, monkeypatch):
     import errno
 
-    from flexpack.training import checkpoint
+    from flexpack.training.runstate import checkpoint
 
     real, calls = checkpoint.dcp.save, []
 

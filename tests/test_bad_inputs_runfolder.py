@@ -17,8 +17,8 @@ import pytest
 pytest.importorskip("lerobot")
 
 from flexpack.cli import main  # noqa: E402
+from flexpack.training.runstate import runfolder  # noqa: E402
 from helpers import run_cli, set_args, tiny_sets  # noqa: E402
-from flexpack.training import runfolder  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny_cpu.toml"
@@ -148,7 +148,7 @@ def test_profile_warmup_is_read_only_when_profiling(tmp_path):
     env = {**os.environ, "LINGBOT_PROFILE_WARMUP": "abc", "PYTHONPATH": str(ROOT)}
     ok = subprocess.run([sys.executable, "-c", "import flexpack.training.loop"], env=env, capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
-    from flexpack.training.profiling import StepProfiler
+    from flexpack.training.observe.profiling import StepProfiler
 
     os.environ["LINGBOT_PROFILE_WARMUP"] = "abc"
     try:
@@ -205,7 +205,8 @@ def test_export_reads_the_checkpoints_own_config_and_statistics(capsys, tiny_dat
     norm = json.loads((tmp_path / "out" / "normalization.json").read_text())
     ts = json.loads((run / "checkpoints" / "step_00000002" / "train_state.json").read_text())
     assert norm["low"] == ts["extra"]["action_normalizer"]["low"]
-    code, err = run_cli(capsys, "export", str(run), str(tmp_path / "out2"), "--set", "data.action_steps=2", "--set", "data.stride=4")
+    code, err = run_cli(capsys, "export", str(run), str(tmp_path / "out2"), "--set", "data.action_steps=2",
+                        "--set", "data.stride=4")
     assert code == 0 and json.loads((tmp_path / "out2" / "normalization.json").read_text())["action_steps"] == 2
     mask = os.umask(0)
     os.umask(mask)
@@ -259,8 +260,8 @@ def test_int8_cache_and_missing_stats_are_problems_for_check_dataset_and_train(c
 
 
 def test_resume_on_another_dataset_names_data_root(capsys, tiny_dataset, run2, tmp_path):
-    from flexpack.data.synthetic import make_synthetic_dataset
     from flexpack.data.encode import encode_dataset
+    from flexpack.data.synthetic import make_synthetic_dataset
 
     other = make_synthetic_dataset(tmp_path / "other", lengths=[21, 17, 13], seed=2)
     encode_dataset(other, progress=False)

@@ -9,9 +9,22 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import and_masks, create_block_mask
 
-from flexpack.attention.blockmask import BlockMaskBuilder, _ordered, block_structure, fast_block_mask, range_mask_mod
+from flexpack.attention.blockmask import (
+    BlockMaskBuilder,
+    _ordered,
+    block_structure,
+    fast_block_mask,
+    range_mask_mod,
+)
+from flexpack.attention.masks import (
+    all_of,
+    dense_mask,
+    document_mask,
+    make_mask,
+    teacher_forcing_mask,
+    valid_frame_mask,
+)
 from flexpack.packing.layout import SequenceLayout, TokenLayout
-from flexpack.attention.masks import all_of, dense_mask, document_mask, make_mask, teacher_forcing_mask, valid_frame_mask
 
 KINDS = ("document", "valid", "chunk_causal", "teacher_forcing", "text")
 
@@ -108,8 +121,8 @@ def test_fixed_segment_bounds_depend_on_the_shape_alone() -> None:
 def test_host_segment_bounds_cover_the_real_counts(kind: str) -> None:
     """The bounds computed on the host (no sync) are >= the real segment counts, tight, and the
     prepared block mask built on them equals create_block_mask's."""
-    from flexpack.attention.flex import FlexAttnFunc
     from flexpack.attention.blockmask import _num_segments
+    from flexpack.attention.flex import FlexAttnFunc
 
     attn = FlexAttnFunc("flex", compile_block_mask=False)
     rng = random.Random(200 + KINDS.index(kind))

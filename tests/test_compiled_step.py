@@ -7,8 +7,8 @@ import torch
 from flexpack.attention.flex import FlexAttnFunc
 from flexpack.models import WanVA, wan_config
 from flexpack.packing.collate import PackCollate
-from flexpack.training.noise import episode_flow_sample
-from flexpack.training.objective import FlowMatchingConfig, flow_loss
+from flexpack.training.flow.noise import episode_flow_sample
+from flexpack.training.flow.objective import FlowMatchingConfig, flow_loss
 from flexpack.training.parallel import BLOCK_GRAPHS, parallelize
 from flexpack.training.verify import verify_batch
 

@@ -43,7 +43,7 @@ def test_step_frames_pins_the_alignment():
 
 
 def test_align_actions_places_columns_and_masks_absent_steps():
-    T, D = 7, 2  # 7 video frames -> F = 2; frames 5 and 6 have no latent frame
+    T = 7  # 7 video frames -> F = 2; frames 5 and 6 have no latent frame
     actions = np.stack([np.arange(T), 100 + np.arange(T)], 1).astype(np.float32)
     act, mask = align_actions(actions, frames=2, action_steps=4, stride=4, action_dim=5, channels=np.array([3, 1]))
     assert act.shape == mask.shape == (5, 2, 4) and act.dtype == torch.float32 and mask.dtype == torch.bool

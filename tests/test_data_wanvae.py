@@ -9,6 +9,8 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 pytest.importorskip("lerobot")
 diffusers = pytest.importorskip("diffusers", reason="diffusers (dev extra) is needed for the wan-vae encoder")
 
+from conftest import VAE_MEAN as MEAN  # noqa: E402  (the tiny_vae fixture's statistics)
+from conftest import VAE_STD as STD  # noqa: E402
 from flexpack.cli import main  # noqa: E402
 from flexpack.data import LatentEpisodeDataset, cache, dataset_latent_frames  # noqa: E402
 from flexpack.data.encode import encode_dataset  # noqa: E402
@@ -16,7 +18,6 @@ from flexpack.data.episodes import EpisodeSource  # noqa: E402
 from flexpack.data.synthetic import make_synthetic_dataset  # noqa: E402
 
 LENGTHS = [9, 14]  # F = 3, 4; episode 1 drops its last video frame
-from conftest import VAE_MEAN as MEAN, VAE_STD as STD  # noqa: E402  (the tiny_vae fixture's)
 
 
 def test_wan_vae_encoder_writes_normalized_posterior_mode(tiny_vae, tmp_path, capsys):

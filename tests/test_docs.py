@@ -51,5 +51,7 @@ def test_the_readme_commands_are_the_makefile_targets():
         body = make.split(f"\n{target}:", 1)[1].split("\n\n", 1)[0]
         if marker:
             assert marker in body, (target, body)
+        if target == "test":  # lint first: `make test` fails on a ruff finding before any test runs
+            assert 0 <= body.find("ruff check .") < body.find("pytest"), body
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert ci.index("make test") < ci.index("make test-slow")  # CI runs the fast tests first, then the slow ones

@@ -18,11 +18,10 @@ from flexpack.cli import main as cli_main  # noqa: E402
 from flexpack.data import action_stats  # noqa: E402
 from flexpack.data.actions import ActionNormalizer  # noqa: E402
 from flexpack.data.episodes import EpisodeSource  # noqa: E402
-from flexpack.training import checkpoint  # noqa: E402
 from flexpack.training.build import build_model  # noqa: E402
 from flexpack.training.export_extras import push_to_hub  # noqa: E402
 from flexpack.training.loop import train  # noqa: E402
-
+from flexpack.training.runstate import checkpoint  # noqa: E402
 from helpers import tiny_config  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -49,7 +48,8 @@ def test_model_card_names_base_data_steps_config_losses_and_samples(exported):
     assert "| base model | none (random init, preset 'tiny') |" in card
     assert f"`{cfg.data.root}` (6 episodes, {sum(EpisodeSource(cfg.data.root).video_frames)} frames" in card
     assert "| steps | 2 of 2 (pack mode, 60 tokens per micro-batch" in card
-    assert "- `action_mse`: 0.125" in card and "- `episodes`: 3" in card and "note" not in card.split("## Sample")[1].split("##")[0]
+    assert "- `action_mse`: 0.125" in card and "- `episodes`: 3" in card
+    assert "note" not in card.split("## Sample")[1].split("##")[0]
     assert '"max_tokens": 60' in card  # the training config
 
 
@@ -105,7 +105,8 @@ def test_push_to_hub_uploads_the_whole_folder(exported, tmp_path, monkeypatch):
     api = LocalFolderApi(tmp_path / "hub")
     assert push_to_hub(tmp / "out", "lab/policy", private=True, api=api) == f"{tmp_path / 'hub' / 'lab' / 'policy'}@local"
     assert api.calls[0] == ("create_repo", "lab/policy", "model", True, True)
-    sent = sorted(str(p.relative_to(tmp_path / "hub" / "lab" / "policy")) for p in (tmp_path / "hub" / "lab" / "policy").rglob("*"))
+    hub_repo = tmp_path / "hub" / "lab" / "policy"
+    sent = sorted(str(p.relative_to(hub_repo)) for p in hub_repo.rglob("*"))
     assert sent == sorted(str(p.relative_to(tmp / "out")) for p in (tmp / "out").rglob("*"))
     # the CLI flag goes through huggingface_hub's HfApi (replaced here: no network)
     import huggingface_hub

@@ -17,12 +17,12 @@ import torch
 pytest.importorskip("lerobot")
 
 from flexpack.cli import main as cli_main  # noqa: E402
-from flexpack.training import checkpoint  # noqa: E402
 from flexpack.training import step as step_module  # noqa: E402
 from flexpack.training.config import load_config  # noqa: E402
-from flexpack.training.faults import NonFiniteError  # noqa: E402
 from flexpack.training.loop import train  # noqa: E402
-from flexpack.training.runfolder import LOCK, RunLock, cut_metrics  # noqa: E402
+from flexpack.training.runstate import checkpoint  # noqa: E402
+from flexpack.training.runstate.faults import NonFiniteError  # noqa: E402
+from flexpack.training.runstate.runfolder import LOCK, RunLock, cut_metrics  # noqa: E402
 from helpers import logged_steps, tiny_sets, wait_for_steps  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -200,7 +200,8 @@ def test_damaged_newest_checkpoint_is_reported_and_the_one_before_used(train_dat
     # nothing usable left: refused (never a silent restart from scratch over the run's checkpoints)
     for p in (out / "checkpoints").glob("step_*/manifest.json"):
         p.unlink()
-    with pytest.raises(ValueError, match=r"checkpoints: no usable checkpoint, all 2 are damaged \(newest: .*step_00000005: not a complete checkpoint"):
+    damaged = r"checkpoints: no usable checkpoint, all 2 are damaged \(newest: .*step_00000005: not a complete checkpoint"
+    with pytest.raises(ValueError, match=damaged):
         train(config(train_dataset, out, "schedule.steps=6"))
     assert logged_steps(out) == [1, 2, 3, 4, 5]
 
@@ -248,7 +249,7 @@ def test_resume_with_another_epoch_order_or_model_shape_is_one_line_naming_the_v
 
 
 def test_graceful_stop_records_the_first_signal_and_a_second_ctrl_c_interrupts_at_once():
-    from flexpack.training.faults import GracefulStop, Interrupted
+    from flexpack.training.runstate.faults import GracefulStop, Interrupted
 
     previous = signal.getsignal(signal.SIGTERM)
     with GracefulStop() as stop:
@@ -264,7 +265,7 @@ def test_graceful_stop_records_the_first_signal_and_a_second_ctrl_c_interrupts_a
 
 def test_checkpoint_carries_the_action_statistics_and_loads_into_a_plain_model_for_verify(train_dataset, tmp_path, capfd):
     from flexpack.data import LatentEpisodeDataset
-    from flexpack.training import resume
+    from flexpack.training.runstate import resume
     from flexpack.training.verify import verify_config
 
     out = tmp_path / "run"

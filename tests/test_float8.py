@@ -16,8 +16,8 @@ from flexpack.errors import UserError  # noqa: E402
 from flexpack.models import WanVA, wan_config  # noqa: E402
 from flexpack.packing.collate import PackCollate  # noqa: E402
 from flexpack.training import float8  # noqa: E402
-from flexpack.training.noise import episode_flow_sample  # noqa: E402
-from flexpack.training.objective import FlowMatchingConfig, flow_loss  # noqa: E402
+from flexpack.training.flow.noise import episode_flow_sample  # noqa: E402
+from flexpack.training.flow.objective import FlowMatchingConfig, flow_loss  # noqa: E402
 from flexpack.training.parallel import parallelize  # noqa: E402
 
 BLOCK_LAYERS = ["self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o", "cross_attn.q", "cross_attn.o", "ffn.fc1", "ffn.fc2"]
@@ -131,9 +131,8 @@ def test_float8_matmuls_on_gpu_close_to_bf16(mode):
 
 def test_checkpoints_switch_float8_on_and_off_on_resume(one_thread, monkeypatch, tiny_dataset, tmp_path):
     """float8 is a runtime choice: a checkpoint saved with it on resumes with it off, and back."""
-    from flexpack.training import checkpoint
     from flexpack.training.loop import train
-
+    from flexpack.training.runstate import checkpoint
     from helpers import tiny_config
 
     monkeypatch.setattr(float8, "MIN_DIM", 16)

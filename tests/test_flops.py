@@ -11,7 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from flexpack.models import WanVA, wan_config
 from flexpack.packing.layout import SequenceLayout
-from flexpack.training.flops import flops_breakdown, peak_flops, useful_flops
+from flexpack.training.observe.flops import flops_breakdown, peak_flops, useful_flops
 
 
 def test_linear_flops_equal_the_flop_counter_of_a_forward():

@@ -95,8 +95,15 @@ def test_no_import_cycles_between_modules():
 
 
 def test_top_level_reexports():
-    from flexpack import (FlexAttnFunc, LengthBucketBatchSampler, PackCollate, PadCollate, SequenceLayout,
-                          TokenBudgetBatchSampler, WanVA)
+    from flexpack import (
+        FlexAttnFunc,
+        LengthBucketBatchSampler,
+        PackCollate,
+        PadCollate,
+        SequenceLayout,
+        TokenBudgetBatchSampler,
+        WanVA,
+    )
 
     assert PackCollate is importlib.import_module("flexpack.packing.collate").PackCollate
     assert FlexAttnFunc is importlib.import_module("flexpack.attention.flex").FlexAttnFunc
@@ -107,14 +114,17 @@ def test_top_level_reexports():
         flexpack.nope  # noqa: B018
 
 
-SAMPLING_MAY_IMPORT_FROM_TRAINING = {"objective", "noise", "build", "checkpoint", "export", "resume", "checks", "config",
-                                     "holdout", "parallel", "plan"}
+SAMPLING_MAY_IMPORT_FROM_TRAINING = {"flow.objective", "flow.noise", "build", "runstate.checkpoint", "export",
+                                     "runstate.resume", "checks", "config", "holdout", "parallel", "plan"}
 
 
 def test_sampling_imports_only_the_training_parts_it_needs():
+    def allowed(rel: str) -> bool:  # a module, a name in it, or the sub-package holding it (`from ..runstate import x`)
+        return any(rel == a or rel.startswith(a + ".") or a.startswith(rel + ".")
+                   for a in SAMPLING_MAY_IMPORT_FROM_TRAINING)
+
     bad = {f"{p.relative_to(ROOT)}: {m}" for p in wing_files("sampling") for m in imported_modules(p)
-           if m.startswith("flexpack.training.")
-           and m.split(".")[2] not in SAMPLING_MAY_IMPORT_FROM_TRAINING}
+           if m.startswith("flexpack.training.") and not allowed(m.removeprefix("flexpack.training."))}
     assert not bad, sorted(bad)
 
 
@@ -124,12 +134,69 @@ def test_only_the_training_loop_imports_sampling():
     assert users <= {"training/loop.py"}, sorted(users)
 
 
-def test_objective_and_noise_import_nothing_from_the_harness():
-    """Their own wing: the loss and the noise know the batch and layout, never config, loop or checkpoints
-    (found by name, so that they keep this rule wherever a move puts them inside training/)."""
-    files = [p for p in wing_files("training") if p.stem in ("objective", "noise")]
-    assert sorted(p.stem for p in files) == ["noise", "objective"]
-    own = {".".join(p.relative_to(ROOT.parent).with_suffix("").parts) for p in files}
-    bad = {f"{p.relative_to(ROOT)}: {m}" for p in files for m in imported_modules(p)
-           if m.startswith("flexpack.training") and not any(m == o or m.startswith(o + ".") for o in own)}
+# What each sub-package of training/ may import from the rest of training/ (besides itself): the strongest rule
+# that the code keeps. flow/ is its own wing (the loss and the noise know the batch and the layout, never the
+# config, the loop or checkpoints); observe/ reads the config and measures, it never drives a step or holds
+# run state; runstate/ persists and restores a run from the config, the shape checks and the rank, and knows
+# nothing of meters, the objective or the drivers (loop, step, build, plan, validation, verify).
+TRAINING_SUBPACKAGE_MAY_IMPORT = {
+    "flow": set(),
+    "observe": {"config"},
+    "runstate": {"config", "checks", "parallel"},
+}
+
+
+def training_violations(sub: str) -> set[str]:
+    """``file: module`` for every import of a ``sub`` file that reaches into training/ outside its rule."""
+    allowed = {f"flexpack.training.{a}" for a in {sub} | TRAINING_SUBPACKAGE_MAY_IMPORT[sub]}
+    return {f"{p.relative_to(ROOT)}: {m}" for p in wing_files(f"training/{sub}") for m in imported_modules(p)
+            if m.startswith("flexpack.training.") and not any(m == a or m.startswith(a + ".") for a in allowed)}
+
+
+def flow_outside_violations() -> set[str]:
+    return {f"{p.relative_to(ROOT)}: {m}" for p in wing_files("training/flow") for m in imported_modules(p)
+            if m.split(".")[1:2] and m.split(".")[1] in ("data", "models", "sampling", "cli", "cli_stats")}
+
+
+def test_flow_imports_nothing_of_the_harness():
+    """The objective and the noise: nothing of training/ outside flow/, nor data, models or sampling."""
+    assert {p.stem for p in wing_files("training/flow")} >= {"objective", "noise"}
+    bad = training_violations("flow") | flow_outside_violations()
     assert not bad, sorted(bad)
+
+
+def test_observe_imports_only_config_from_training():
+    """Observability never imports the drivers (loop, step, build, plan), run state or the objective."""
+    bad = training_violations("observe")
+    assert not bad, sorted(bad)
+
+
+def test_runstate_imports_only_config_checks_parallel_from_training():
+    """Run state never imports observe/, flow/ or the drivers (loop, step, build, plan, validation)."""
+    bad = training_violations("runstate")
+    assert not bad, sorted(bad)
+
+
+def test_every_training_subpackage_has_a_rule_and_a_one_line_init():
+    """A new sub-package needs its rule here; an ``__init__`` is its rule in one docstring line, no re-exports
+    (a re-export would let callers reach a module without naming its sub-package)."""
+    inits = sorted((ROOT / "training").glob("*/__init__.py"))
+    assert {p.parent.name for p in inits} == set(TRAINING_SUBPACKAGE_MAY_IMPORT)
+    for init in inits:
+        text = init.read_text(encoding="utf-8")
+        body = ast.parse(text).body
+        assert len(text.splitlines()) == 1 and len(body) == 1, init
+        assert isinstance(body[0], ast.Expr) and isinstance(body[0].value.value, str), init
+
+
+@pytest.mark.parametrize("sub", sorted(TRAINING_SUBPACKAGE_MAY_IMPORT))
+def test_training_subpackage_rules_catch_a_forbidden_import(sub):
+    """Each rule fails on a lazy import of the loop (allowed by none) placed in its sub-package."""
+    probe = ROOT / "training" / sub / "_probe_for_test.py"
+    probe.write_text("def f():\n    from flexpack.training import loop\n    import flexpack.data.cache\n")
+    try:
+        assert training_violations(sub) == {f"training/{sub}/_probe_for_test.py: flexpack.training.loop"}
+        if sub == "flow":
+            assert flow_outside_violations() == {"training/flow/_probe_for_test.py: flexpack.data.cache"}
+    finally:
+        probe.unlink()

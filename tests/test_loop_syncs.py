@@ -64,7 +64,8 @@ def _watched(t):
 
 def _on_device(layout, frames=None):
     """``layout`` as a GPU copy of it would be: marked tensors, the CPU layout as its host copy."""
-    tensors = {f.name: _watched(getattr(layout, f.name)) for f in fields(layout) if isinstance(getattr(layout, f.name), torch.Tensor)}
+    tensors = {f.name: _watched(getattr(layout, f.name)) for f in fields(layout)
+               if isinstance(getattr(layout, f.name), torch.Tensor)}
     return with_host(replace(layout, **tensors, **({"frames": frames} if frames is not None else {})), layout.on_host())
 
 
@@ -74,7 +75,8 @@ def _simulate_device(monkeypatch) -> None:
 
     def to(self, device, non_blocking=False):
         moved = batch_to(self, device, non_blocking)
-        data = {f.name: _watched(getattr(moved, f.name)) for f in fields(moved) if isinstance(getattr(moved, f.name), torch.Tensor)}
+        data = {f.name: _watched(getattr(moved, f.name)) for f in fields(moved)
+                if isinstance(getattr(moved, f.name), torch.Tensor)}
         return replace(moved, layout=_on_device(moved.layout), extras={k: _watched(v) for k, v in moved.extras.items()}, **data)
 
     def device_tokens(self, *a, **k):
@@ -114,7 +116,8 @@ def test_the_step_never_reads_its_batch_or_layouts_back(one_thread, monkeypatch,
     """From the batch's copy to the device to the optimizer step — noise, token layout, masks, model,
     loss — nothing reads a device value back: host-side quantities come from the host layout."""
     _simulate_device(monkeypatch)
-    over = ["model.mask=\"teacher_forcing\"", "model.chunk_size=2", "objective.teacher_forcing=true"] if mask != "document" else []
+    over = (["model.mask=\"teacher_forcing\"", "model.chunk_size=2", "objective.teacher_forcing=true"]
+            if mask != "document" else [])
     result = _train_watched(monkeypatch, tiny_dataset, tmp_path, over)
     assert len(result.metrics) == 3
     late = [(s, name) for s, name in _Watched.reads if s not in (3, 6, 7)]

@@ -8,7 +8,6 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import and_masks, or_masks
 
-from flexpack.packing.layout import SequenceLayout, TokenLayout
 from flexpack.attention.masks import (
     chunk_causal_mask,
     dense_mask,
@@ -18,6 +17,7 @@ from flexpack.attention.masks import (
     text_mask,
     valid_frame_mask,
 )
+from flexpack.packing.layout import SequenceLayout, TokenLayout
 
 
 def grid(mod, tq: int, tk: int | None = None) -> list[list[int]]:

@@ -9,8 +9,8 @@ import torch
 
 from flexpack.attention.flex import FlexAttnFunc
 from flexpack.models import WanVA
-from flexpack.packing.layout import SequenceLayout
 from flexpack.models.wan_convert import config_from_diffusers, convert_state_dict, load_converted
+from flexpack.packing.layout import SequenceLayout
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -67,7 +67,7 @@ def test_model_forward_matches_diffusers_per_frame_timesteps():
     m = reference(kw)
     ours = WanVA.from_diffusers(m, attn=FlexAttnFunc("dense")).eval()
     x, _, txt = inputs(shape, L)
-    B, (C, Fn, H, W) = 2, shape
+    B, (_, Fn, H, W) = 2, shape
     t_BF = torch.tensor([[10.0, 500.0, 990.0], [0.0, 0.0, 250.0]])
     tokens_per_frame = (H // 2) * (W // 2)
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from flexpack.attention.flex import FlexAttnFunc
+from flexpack.models import WanVA, wan_config
 from flexpack.packing.collate import PackCollate, PadCollate
 from flexpack.packing.layout import SequenceLayout
-from flexpack.models import WanVA, wan_config
-from flexpack.training.objective import (
+from flexpack.training.flow.objective import (
     FlowMatchingConfig,
     flow_loss,
     loss_counts,

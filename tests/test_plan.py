@@ -11,9 +11,9 @@ import torch
 from flexpack.packing.collate import PackCollate, PadCollate
 from flexpack.packing.geometry import TokenGeometry
 from flexpack.training.config import load_config
-from flexpack.training.flops import batch_flops, useful_flops
+from flexpack.training.flow.noise import episode_seed, noise_seeds
 from flexpack.training.memory_data import synthetic_data
-from flexpack.training.noise import episode_seed, noise_seeds
+from flexpack.training.observe.flops import batch_flops, useful_flops
 from flexpack.training.plan import Plan, plan_for, run_text_slots
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -32,8 +32,8 @@ TEACHER_FORCING = ("objective.teacher_forcing=true", "model.mask='teacher_forcin
 def test_teacher_forcing_flops_agree_between_meter_profiler_and_benchmark(tmp_path, monkeypatch):
     """Under teacher forcing the model computes two copies of every frame: the step meter (metrics.jsonl's
     ``mfu``), the profiler and the benchmarks' count all take the copies from the plan's geometry."""
-    from flexpack.training import metrics
-    from flexpack.training.profiling import StepProfiler
+    from flexpack.training.observe import metrics
+    from flexpack.training.observe.profiling import StepProfiler
 
     monkeypatch.delenv("LINGBOT_PROFILE", raising=False)
     cfg = _cfg(tmp_path, *TEACHER_FORCING, "runtime.peak_tflops=1")

@@ -14,7 +14,6 @@ from flexpack.attention.flex import FlexAttnFunc  # noqa: E402
 from flexpack.training.build import build_model  # noqa: E402
 from flexpack.training.config import load_config  # noqa: E402
 from flexpack.training.loop import train  # noqa: E402
-
 from hf_tiny import tiny_diffusers  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"

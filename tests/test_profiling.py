@@ -15,9 +15,8 @@ import torch
 from torch.autograd import DeviceType
 from torch.autograd.profiler_util import FunctionEvent
 
-from flexpack.training import profile_summary as ps
-from flexpack.training.profiling import StepProfiler, plan
-
+from flexpack.training.observe import profile_summary as ps
+from flexpack.training.observe.profiling import StepProfiler, plan
 from helpers import tiny_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -159,7 +158,7 @@ def test_the_variable_wins_over_runtime_profile_steps_with_a_line(monkeypatch, c
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only machine")
 def test_no_gpu_probe_error_on_a_cpu_only_machine(tmp_path):
-    code = ("from flexpack.training.profiling import StepProfiler\n"
+    code = ("from flexpack.training.observe.profiling import StepProfiler\n"
             "import torch\n"
             f"with StepProfiler({str(tmp_path)!r}, steps=1, warmup=0, steps_left=2) as p:\n"
             "    for _ in range(2):\n"

@@ -26,7 +26,6 @@ diffusers = pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
 from flexpack.data.synthetic import make_synthetic_dataset  # noqa: E402
-
 from hf_tiny import save_tiny_umt5, tiny_diffusers, tiny_tokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,7 +73,8 @@ def test_readme_block_runs_end_to_end(tmp_path):
         line = line.replace("/models/Wan2.2-TI2V-5B-Diffusers", str(wan)).replace("/shared/runs/aloha", str(run))
         line = line.replace("cuda", "cpu")
         if line.startswith("torchrun --nnodes"):  # two 1-rank nodes on localhost, resuming the first run to step 3
-            line = line.replace("--nproc_per_node 8", "--nproc_per_node 1").replace("$MASTER_ADDR:29500", f"127.0.0.1:{_free_port()}")
+            line = line.replace("--nproc_per_node 8", "--nproc_per_node 1")
+            line = line.replace("$MASTER_ADDR:29500", f"127.0.0.1:{_free_port()}")
             line += f" {tiny} --set schedule.steps=3"
             line = f"(NODE_RANK=0; {line}) & p0=$!; (NODE_RANK=1; {line}) & p1=$!; wait $p0; wait $p1"
         elif line.startswith("torchrun"):

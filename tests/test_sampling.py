@@ -12,7 +12,7 @@ import torch
 from flexpack.packing.collate import PackCollate
 from flexpack.packing.layout import SequenceLayout
 from flexpack.sampling.metrics import Metrics, denormalize, normalize
-from flexpack.sampling.pairs import Pair, cut_points, make_pair
+from flexpack.sampling.pairs import cut_points, make_pair
 from flexpack.sampling.sampler import PackedSampler, SampleOptions, context_chunk
 from flexpack.sampling.schedule import model_calls, sigma_grid, solve
 from flexpack.training.build import build_model

@@ -14,7 +14,6 @@ pytest.importorskip("lerobot")
 from flexpack.cli import main  # noqa: E402
 from flexpack.training.config import load_config  # noqa: E402
 from flexpack.training.loop import train  # noqa: E402
-
 from helpers import tiny_sets  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -171,7 +170,7 @@ def test_sample_every_writes_samples_and_resume_gives_the_same_numbers(tiny_data
         (s, pytest.approx(a[s]["sample/action_mse"], rel=1e-6)) for s in (2, 4)]
     assert [e.step for e in acc.Scalars("val/loss")] == [2, 4]  # validation reaches TensorBoard beside it
     assert [e.step for e in acc.Images("sample/episode_000000/actions")] == [2, 4]
-    from flexpack.training import tracking
+    from flexpack.training.observe import tracking
 
     shown = tracking.outputs(straight, straight / "checkpoints" / "step_00000004", cfg_b)
     assert f"samples      {straight / 'samples'}" in shown and f"flexpack sample {straight} --checkpoint" in shown
@@ -275,7 +274,7 @@ def test_in_training_sampling_equals_the_cli_on_the_final_checkpoint(tiny_datase
         assert rec[f"sample/{k}"] == pytest.approx(cli[k], rel=1e-5) == hook[k]
     assert cli["pair_list"] == hook["pair_list"]
     # the trained weights were put back after sampling with the EMA: the checkpoint (saved after) differs from it
-    from flexpack.training import checkpoint
+    from flexpack.training.runstate import checkpoint
 
     found = checkpoint.latest(run / "checkpoints")
     weights, averages = checkpoint.read_tensors(found, "model"), checkpoint.read_ema(found)

@@ -11,10 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_sampling import SPECS_DIST, TPF, _cfg, _items, _pairs
-
 from flexpack.sampling.sampler import PackedSampler, SampleOptions
 from flexpack.training.build import build_model
+from test_sampling import SPECS_DIST, TPF, _cfg, _items, _pairs
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).with_name("torchrun")

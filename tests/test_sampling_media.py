@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from flexpack.training import tracking
 from flexpack.training.config import load_config
+from flexpack.training.observe import tracking
 
 
 def _png(path: Path, h: int, w: int, seed: int = 0) -> tuple[Path, np.ndarray]:

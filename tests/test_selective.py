@@ -11,8 +11,8 @@ from flexpack.attention.flex import FlexAttnFunc
 from flexpack.models import WanVA, wan_config
 from flexpack.packing.collate import PackCollate
 from flexpack.training import selective
-from flexpack.training.noise import episode_flow_sample
-from flexpack.training.objective import FlowMatchingConfig, flow_loss
+from flexpack.training.flow.noise import episode_flow_sample
+from flexpack.training.flow.objective import FlowMatchingConfig, flow_loss
 from flexpack.training.parallel import parallelize
 
 
@@ -71,7 +71,8 @@ def test_selective_is_a_config_value():
     from flexpack.training.config import load_config
 
     assert load_config(overrides=["runtime.activation_checkpointing='selective'"]).runtime.activation_checkpointing == "selective"
-    with pytest.raises(ValueError, match="runtime.activation_checkpointing must be true, false, a block count >= 0 or 'selective', got 'some'"):
+    want = "runtime.activation_checkpointing must be true, false, a block count >= 0 or 'selective', got 'some'"
+    with pytest.raises(ValueError, match=want):
         load_config(overrides=["runtime.activation_checkpointing='some'"])
 
 

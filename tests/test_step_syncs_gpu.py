@@ -50,13 +50,13 @@ def run_steps(cfg: TrainConfig, device: torch.device, *, warmup: int, checked: i
     ``lengths``: the episodes' latent frames (default: several short episodes per pack)."""
     import contextlib
 
-    from flexpack.training import faults
     from flexpack.training.build import build_model
     from flexpack.training.loop import lr_at
     from flexpack.training.memory_data import RandomEpisodes, synthetic_data
     from flexpack.training.optim import build_optimizer
     from flexpack.training.parallel import compiled_graphs, parallelize
     from flexpack.training.plan import plan_for
+    from flexpack.training.runstate import faults
     from flexpack.training.step import train_step
 
     data = synthetic_data(cfg, hw=(4, 4), text_len=8)

@@ -16,7 +16,6 @@ from flexpack.data.encode import encode_dataset  # noqa: E402
 from flexpack.data.episodes import EpisodeSource  # noqa: E402
 from flexpack.data.synthetic import make_synthetic_dataset  # noqa: E402
 from flexpack.data.text import make_text_encoder  # noqa: E402
-
 from hf_tiny import save_tiny_umt5, tiny_tokenizer  # noqa: E402
 
 

@@ -11,14 +11,13 @@ import torch
 
 pytest.importorskip("lerobot")
 
-from flexpack.training import checkpoint  # noqa: E402
 from flexpack.cli import main as cli_main  # noqa: E402
+from flexpack.models import WanVA, wan_config  # noqa: E402
 from flexpack.packing.collate import PackCollate, PadCollate  # noqa: E402
 from flexpack.training.config import ScheduleConfig, load_config  # noqa: E402
-from flexpack.models import WanVA, wan_config  # noqa: E402
-from flexpack.training.profiling import StepProfiler  # noqa: E402
 from flexpack.training.loop import accumulate, lr_at, train  # noqa: E402
-
+from flexpack.training.observe.profiling import StepProfiler  # noqa: E402
+from flexpack.training.runstate import checkpoint  # noqa: E402
 from helpers import tiny_config  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -112,7 +111,8 @@ def test_resume_mid_epoch_gives_the_same_batches_losses_and_rewarmed_lr(dataset,
     second = train(cfg)
     assert (first.step, second.start_step, second.step) == (3, 3, 6)
     assert first.episodes + second.episodes == full.episodes
-    assert json.loads((tmp_path / "b" / "checkpoints" / "step_00000006" / "train_state.json").read_text())["sampler"]["epoch"] >= 1
+    state = json.loads((tmp_path / "b" / "checkpoints" / "step_00000006" / "train_state.json").read_text())
+    assert state["sampler"]["epoch"] >= 1
     # model, optimizer and noise resume exactly: the same losses as the uninterrupted run
     assert first.losses + second.losses == pytest.approx(full.losses, rel=1e-5)
     # with re-warmup the LR restarts at 0.25x the schedule and reaches it after 2 steps

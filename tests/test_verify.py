@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from flexpack.packing.collate import PackCollate, PadCollate
 from flexpack.models import WanVA, wan_config
-from flexpack.training.objective import FlowMatchingConfig
+from flexpack.packing.collate import PackCollate, PadCollate
+from flexpack.training.flow.objective import FlowMatchingConfig
 from flexpack.training.verify import verify_batch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,7 +89,7 @@ def test_dropped_doc_ids_fail(collate):
 
 def test_noise_does_not_depend_on_batching():
     """The same episode gets the same x_t packed with others, padded, or alone."""
-    from flexpack.training.noise import episode_flow_sample
+    from flexpack.training.flow.noise import episode_flow_sample
 
     its = items([5, 3])
     cfg = FlowMatchingConfig()
@@ -98,7 +98,8 @@ def test_noise_does_not_depend_on_batching():
     alone = episode_flow_sample(PackCollate(3)([its[1]]), cfg, [22])
     assert torch.equal(packed.inputs.latent[0, :, 5:8], alone.inputs.latent[0])
     assert torch.equal(padded.inputs.latent[1, :, :3], alone.inputs.latent[0])
-    assert torch.equal(packed.sigma[0, 5:8], alone.sigma[0]) and torch.equal(packed.inputs.action[0, :, 5:8], alone.inputs.action[0])
+    assert torch.equal(packed.sigma[0, 5:8], alone.sigma[0])
+    assert torch.equal(packed.inputs.action[0, :, 5:8], alone.inputs.action[0])
     assert not torch.equal(packed.inputs.latent[0, :, :3], alone.inputs.latent[0])
 
 
@@ -147,7 +148,7 @@ def test_synthetic_verify_reports_groups_and_passes_in_fp32_and_bf16(capsys, one
 
 
 def test_bad_backend_for_dtype_and_checkpoint_of_another_shape_are_one_line(capsys, tmp_path, one_thread):
-    from flexpack.training import checkpoint
+    from flexpack.training.runstate import checkpoint
 
     flash = "model.overrides={in_channels=48, text_dim=64, action_channels=6, attn_backend='flex-flash'}"
     rc, out, err = _verify(capsys, "--set", flash)

@@ -1,1 +1,3 @@
-"""The attention layer any model can use: mask_mods, block masks, ``FlexAttnFunc``; imports only the layout types from ``flexpack.packing``."""
+"""The attention layer any model can use: mask_mods, block masks, ``FlexAttnFunc``.
+
+Imports only the layout types from ``flexpack.packing``."""

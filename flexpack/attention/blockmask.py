@@ -308,7 +308,9 @@ def _closure_split(fn: Callable) -> tuple[list[Tensor], tuple] | None:
     return tensors, tuple(scalars)
 
 
-def _graph_inputs(mask_mod: Callable, q_keys: tuple[Tensor, ...], kv_keys: tuple[Tensor, ...]) -> tuple[list[Tensor], tuple[int, ...], tuple] | None:
+def _graph_inputs(
+    mask_mod: Callable, q_keys: tuple[Tensor, ...], kv_keys: tuple[Tensor, ...]
+) -> tuple[list[Tensor], tuple[int, ...], tuple] | None:
     """The distinct tensors a build reads (closure, q and kv keys), the pattern that maps the
     positions of ``closure + q_keys + kv_keys`` onto them (the same tensor often plays several
     roles), and the closure's scalar values; ``None`` when the closure cannot be re-bound."""
@@ -329,7 +331,8 @@ def _graph_inputs(mask_mod: Callable, q_keys: tuple[Tensor, ...], kv_keys: tuple
 def _rebind(fn: Callable, tensors: list[Tensor]) -> Callable:
     """A copy of ``fn`` whose closure tensors are ``tensors`` (in cell order), scalars kept."""
     it = iter(tensors)
-    cells = tuple(types.CellType(next(it) if isinstance(c.cell_contents, Tensor) else c.cell_contents) for c in fn.__closure__ or ())
+    cells = tuple(types.CellType(next(it) if isinstance(c.cell_contents, Tensor) else c.cell_contents)
+                  for c in fn.__closure__ or ())
     return types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, cells)
 
 
@@ -434,7 +437,9 @@ class BlockMaskBuilder:
             self._compiled[key] = _structure
             return _structure(mask_mod, *args)
 
-    def _graph(self, gkey: tuple, key: tuple, mask_mod: Callable, args: tuple, unique: list[Tensor], pattern: tuple[int, ...]) -> _CapturedBuild | None:
+    def _graph(
+        self, gkey: tuple, key: tuple, mask_mod: Callable, args: tuple, unique: list[Tensor], pattern: tuple[int, ...]
+    ) -> _CapturedBuild | None:
         """The CUDA graph of ``gkey`` (compile key, closure scalars, device), captured on first use;
         ``None`` after an eager fallback or a failed capture."""
         if gkey not in self._graphs:
@@ -445,7 +450,8 @@ class BlockMaskBuilder:
                     graph = _CapturedBuild(self._compiled[key], mask_mod, args, unique, pattern)
                 except RuntimeError as e:
                     msg = " ".join(str(e).split())[:300]
-                    warnings.warn(f"capturing the block-mask build as a CUDA graph failed ({msg}); launching the compiled build instead")
+                    warnings.warn(f"capturing the block-mask build as a CUDA graph failed ({msg}); "
+                                  "launching the compiled build instead")
             self._graphs[gkey] = graph
         return self._graphs[gkey]
 

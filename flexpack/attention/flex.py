@@ -11,8 +11,9 @@ Backends (all return zeros, never NaN, for query rows that may attend nothing, e
 * ``"sdpa-loop"``: one SDPA call per episode (document / valid masks only).
 * ``"varlen"``: ``torch.nn.attention.varlen.varlen_attn`` over episode runs (CUDA; document masks).
 * ``"auto"``: CUDA -> ``AUTO_CUDA`` (measured in ``benchmarks/attention.py``; falls back to
-  ``"flex"`` without FA4; a single-episode document mask uses one SDPA call); CPU -> ``"dense"``, except forward-only calls on long sequences
-  (``T >= CPU_FLEX_MIN_TOKENS``), which use compiled flex to avoid the T x T mask.
+  ``"flex"`` without FA4; a single-episode document mask uses one SDPA call); CPU -> ``"dense"``, except
+  forward-only calls on long sequences (``T >= CPU_FLEX_MIN_TOKENS``), which use compiled flex to avoid the
+  T x T mask.
 
 Compilation: one compiled FlexAttention per (kernel options, shape), ``dynamic=False``, each with
 its own dynamo cache; a new shape compiles once, new layouts of the same shape do not (block-mask contents and the mask's closure
@@ -36,8 +37,8 @@ from torch.autograd.profiler import record_function
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from flexpack.attention.blockmask import BlockMaskBuilder, compile_fresh
-from flexpack.packing.layout import SequenceLayout, TokenLayout, to_device
 from flexpack.attention.masks import MASK_KINDS, MaskMod, dense_mask, make_mask, next_pow2
+from flexpack.packing.layout import SequenceLayout, TokenLayout, to_device
 
 BACKENDS = ("auto", "dense", "flex", "flex-flash", "sdpa-loop", "varlen")
 DOCUMENT_ONLY = ("sdpa-loop", "varlen")
@@ -303,7 +304,7 @@ class FlexAttnFunc:
         mask: str = "document",
         **mask_kw,
     ) -> Tensor:
-        # a named range: profiles (flexpack.training.profile_summary) count what runs inside it,
+        # a named range: profiles (flexpack.training.observe.profile_summary) count what runs inside it,
         # and the backward of what it created, as attention
         with record_function("attention"):
             return self._call(q, k, v, layout_or_prepared, mask, **mask_kw)
@@ -413,7 +414,8 @@ def _frames_to_tokens(layout: SequenceLayout, q_len: int, mask: str) -> TokenLay
     a video or an action token. Teacher forcing also needs the copies, which frames do not say."""
     frames = layout.frame_doc.numel()
     if mask == "teacher_forcing" or q_len <= 0 or q_len % frames:
-        got = f"a SequenceLayout of {frames} frames for q of {q_len} tokens" + (" and mask='teacher_forcing'" if mask == "teacher_forcing" else "")
+        got = f"a SequenceLayout of {frames} frames for q of {q_len} tokens"
+        got += " and mask='teacher_forcing'" if mask == "teacher_forcing" else ""
         raise TypeError(_NEEDS_TOKENS.format(what=f"got {got}"))
     return layout.tokens(video_tokens=q_len // frames)
 

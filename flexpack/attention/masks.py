@@ -140,7 +140,8 @@ def chunk_causal_mask(layout: TokenLayout, chunk_size: int) -> MaskMod:
         same = (doc[q_idx] == doc[kv_idx]) & (doc[q_idx] >= 0)
         return same & (chunk[kv_idx] <= chunk[q_idx])
 
-    return _tag(chunk_causal, f"chunk_causal_{chunk_size}", (doc, chunk), (doc, chunk), chunk_causal_mask.__doc__, runs=1, segments=seg)
+    return _tag(chunk_causal, f"chunk_causal_{chunk_size}", (doc, chunk), (doc, chunk), chunk_causal_mask.__doc__,
+                runs=1, segments=seg)
 
 
 def teacher_forcing_mask(layout: TokenLayout, chunk_size: int, window: int | None = None) -> MaskMod:
@@ -173,7 +174,8 @@ def teacher_forcing_mask(layout: TokenLayout, chunk_size: int, window: int | Non
         return ok
 
     name = f"teacher_forcing_{chunk_size}" + ("" if window is None else f"_w{window}")
-    return _tag(teacher_forcing, name, (doc, copy, chunk), (doc, copy, chunk), teacher_forcing_mask.__doc__, runs=layout.copies, segments=seg)
+    return _tag(teacher_forcing, name, (doc, copy, chunk), (doc, copy, chunk), teacher_forcing_mask.__doc__,
+                runs=layout.copies, segments=seg)
 
 
 def next_pow2(n: int) -> int:
@@ -285,7 +287,8 @@ def make_mask(
 def dense_mask(mask_mod: MaskMod, q_len: int, kv_len: int, device: torch.device | str | None = None) -> Tensor:
     """(q_len, kv_len) bool: the mask evaluated on the full index grid (the reference)."""
     if device is None:  # the device of the tensors the closure reads (keys, or range bounds)
-        keys = getattr(mask_mod, "q_keys", ()) or [c.cell_contents for c in mask_mod.__closure__ or () if isinstance(c.cell_contents, Tensor)]
+        keys = getattr(mask_mod, "q_keys", ()) or [c.cell_contents for c in mask_mod.__closure__ or ()
+                                                     if isinstance(c.cell_contents, Tensor)]
         device = keys[0].device if keys else "cpu"
     q = torch.arange(q_len, device=device)[:, None]
     kv = torch.arange(kv_len, device=device)[None, :]

@@ -18,9 +18,9 @@ import numpy as np
 from tqdm import tqdm
 
 from flexpack.data import cache
-from flexpack.errors import UserError, one_line
 from flexpack.data.episodes import EpisodeSource
 from flexpack.data.problems import DatasetProblemError, Problem, inspect_latent, inspect_text, resolve_cameras
+from flexpack.errors import UserError, one_line
 
 
 def _cameras(source: EpisodeSource, cameras: list[str] | None) -> tuple[list[str], list[Problem]]:
@@ -70,7 +70,8 @@ def check_dataset(
     for task_index, task in source.tasks().items():
         if task_index not in users:
             continue
-        found, _, _ = inspect_text(cache.text_path(out_dir, task_index), episode=users[task_index][0], task=task, task_index=task_index)
+        found, _, _ = inspect_text(cache.text_path(out_dir, task_index), episode=users[task_index][0], task=task,
+                                   task_index=task_index)
         for p in found:
             problems.append(Problem(p.kind, p.episode, p.file, f"{p.message} (task used by episodes {users[task_index]})"))
 
@@ -105,8 +106,9 @@ def check_dataset(
     other = {s: eps for s, eps in encoded.items() if s != stride}
     if other:  # one line saying why every episode's frame count is off, before the per-episode lines
         said = ", ".join(f"stride {s} ({len(eps)} episode(s), e.g. {eps[0]})" for s, eps in sorted(other.items()))
+        common = max(other, key=lambda s: len(other[s]))
         problems.insert(0, Problem("frames", None, out_dir, f"the cache was encoded with {said}, checked with "
-                                                            f"stride {stride}; pass --stride {max(other, key=lambda s: len(other[s]))} "
+                                                            f"stride {stride}; pass --stride {common} "
                                                             "or re-encode the cache"))
     return problems, source
 
@@ -165,6 +167,7 @@ def run(args: argparse.Namespace) -> int:
         episodes = {p.episode for p in problems if p.episode is not None}
         print(f"{len(problems)} problem(s) in {len(episodes)} episode(s) of {len(source.episodes)}")
         return 1
-    print(f"ok: {len(source.episodes)} episodes, {len(source.tasks())} tasks, cameras {source.video_keys if not args.cameras else args.cameras}, "
+    print(f"ok: {len(source.episodes)} episodes, {len(source.tasks())} tasks, "
+          f"cameras {source.video_keys if not args.cameras else args.cameras}, "
           f"latents {args.latents_dir or cache.default_latents_dir(source.root)}")
     return 0

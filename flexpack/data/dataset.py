@@ -170,7 +170,8 @@ class LatentEpisodeDataset(torch.utils.data.Dataset):
         raise_first(problems)
         bad = int((~np.isfinite(actions_TD)).sum())
         if bad:
-            raise_first([Problem("nonfinite", episode, self.source.data_file(episode), f"{self.action_key!r} has {bad} NaN/Inf values")])
+            raise_first([Problem("nonfinite", episode, self.source.data_file(episode),
+                                 f"{self.action_key!r} has {bad} NaN/Inf values")])
         if seg is None:  # a whole episode speaks the task of its first frame
             task_index = int(self.source.column(episode, "task_index")[0])
         else:

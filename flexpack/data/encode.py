@@ -23,12 +23,12 @@ from pathlib import Path
 from tqdm import tqdm
 
 from flexpack.data import action_stats, cache
-from flexpack.errors import UserError, one_line
 from flexpack.data.encoders import VideoEncoder, encode_cameras, make_video_encoder
 from flexpack.data.episodes import EpisodeSource
 from flexpack.data.lengths import used_video_frames
 from flexpack.data.problems import inspect_latent, inspect_text, resolve_cameras
 from flexpack.data.text import TextEncoder, encode_texts, make_text_encoder
+from flexpack.errors import UserError, one_line
 
 
 @dataclass
@@ -132,7 +132,8 @@ def encode_dataset(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dataset", type=Path, required=True, help="LeRobot dataset folder, or a repo id (org/name) in lerobot's cache (HF_LEROBOT_HOME)")
+    parser.add_argument("--dataset", type=Path, required=True,
+                        help="LeRobot dataset folder, or a repo id (org/name) in lerobot's cache (HF_LEROBOT_HOME)")
     parser.add_argument("--encoder", default="pool", help="'pool' (stand-in) or 'wan-vae:PATH' (local diffusers folder)")
     parser.add_argument("--cameras", nargs="+", default=None, help="camera keys or short names, in width order (default: all)")
     parser.add_argument("--text-encoder", default="hash",
@@ -142,10 +143,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--text-max-len", type=int, default=512, help="tokens per task text (Wan: 512)")
     parser.add_argument("--latents-dir", type=Path, default=None, help="cache folder (default DATASET/latents)")
     parser.add_argument("--video-backend", default="pyav", help="lerobot video backend (pyav or torchcodec)")
-    parser.add_argument("--device", default="cpu", help="device for the wan-vae encoder (under torchrun 'cuda' = cuda:LOCAL_RANK)")
+    parser.add_argument("--device", default="cpu",
+                        help="device for the wan-vae encoder (under torchrun 'cuda' = cuda:LOCAL_RANK)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                         help="wan-vae weights and activations (bfloat16: about half the memory and time on a GPU)")
-    parser.add_argument("--tiling", action="store_true", help="wan-vae: encode frames over --tile-size px in spatial tiles (memory)")
+    parser.add_argument("--tiling", action="store_true",
+                        help="wan-vae: encode frames over --tile-size px in spatial tiles (memory)")
     parser.add_argument("--tile-size", type=int, default=256, help="wan-vae --tiling: tile edge in pixels (default 256)")
     parser.add_argument("--slicing", action="store_true", help="wan-vae: one camera at a time through the VAE (memory)")
     parser.add_argument("--no-progress", action="store_true")

@@ -138,7 +138,8 @@ def inspect_latent(
         problems.append(p("unreadable", f"file holds episode {head.episode_index}, expected {episode}"))
     missing = [c for c in cameras if c not in head.cameras]
     if missing or head.cameras != cameras:
-        problems.append(p("camera", f"camera(s) {missing or cameras} missing: file holds cameras {head.cameras}, expected {cameras}"))
+        problems.append(p("camera", f"camera(s) {missing or cameras} missing: file holds cameras {head.cameras}, "
+                                    f"expected {cameras}"))
     stated = (head.channels, head.frames, head.height, head.width)
     if len(head.shape) != 4 or tuple(head.shape) != stated:
         problems.append(p("shape", f"latent tensor has shape {head.shape}, its header says (C, F, H, W) = {stated}"))
@@ -174,15 +175,18 @@ def inspect_text(
         return Problem(kind, episode, path, msg)
 
     if not path.is_file():
-        return [p("missing", f"text embedding of task {task_index} ({task!r}) does not exist (run `flexpack encode`)")], None, None
+        msg = f"text embedding of task {task_index} ({task!r}) does not exist (run `flexpack encode`)"
+        return [p("missing", msg)], None, None
     try:
         head = cache.read_text_header(path)
     except ValueError as exc:
         return [p("unreadable", str(exc))], None, None
     if head.task != task or head.task_index != task_index:
-        return [p("unreadable", f"file holds task {head.task_index} {head.task!r}, expected {task_index} {task!r} (stale cache?)")], None, head
+        msg = f"file holds task {head.task_index} {head.task!r}, expected {task_index} {task!r} (stale cache?)"
+        return [p("unreadable", msg)], None, head
     if len(head.shape) != 2 or not 0 <= head.text_len <= head.shape[0]:
-        return [p("shape", f"text tensor has shape {head.shape} and text_len {head.text_len}; expected (L, Dt), text_len <= L")], None, head
+        msg = f"text tensor has shape {head.shape} and text_len {head.text_len}; expected (L, Dt), text_len <= L"
+        return [p("shape", msg)], None, head
     if not load:
         return [], None, head
     try:

@@ -190,7 +190,8 @@ def make_synthetic_dataset(
                 else:
                     action = np.sin(freq * t + offset).astype(np.float32)
                 frame = {cam: _frame(t, ep, c, size) for c, cam in enumerate(cams)}
-                frame.update({"action": action, "observation.state": np.cos(freq * t + offset).astype(np.float32), "task": frame_tasks[t]})
+                frame.update({"action": action, "observation.state": np.cos(freq * t + offset).astype(np.float32),
+                              "task": frame_tasks[t]})
                 ds.add_frame(frame)
             ds.save_episode(parallel_encoding=False)  # no fork from a threaded process
         ds.finalize()

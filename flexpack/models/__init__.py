@@ -1,4 +1,6 @@
-"""Models: the Wan-style video-action DiT (:class:`WanVA`), its config and presets, diffusers conversion; import the packing layout and the attention layer, never training."""
+"""Models: the Wan-style video-action DiT (:class:`WanVA`), its config and presets, diffusers conversion.
+
+Import the packing layout and the attention layer, never training."""
 
 from .wan import WanVA, WanVAOutput
 from .wan_config import PRESETS, WanVAConfig, wan_config

@@ -32,12 +32,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch import Tensor
 from einops import rearrange
+from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from ..packing.layout import SequenceLayout, TokenLayout
 from ..attention.masks import text_slots
+from ..packing.layout import SequenceLayout, TokenLayout
 from .rope import rope_cos_sin
 from .wan_blocks import MLP, TimeEmbed, WanBlock, layer_norm_fp32
 from .wan_config import WanVAConfig
@@ -92,7 +92,8 @@ class WanVA(nn.Module):
         self.action_head_modulation = nn.Parameter(torch.randn(2, D) / D**0.5) if Ca else None
         self.action_head_proj = nn.Linear(D, Ca) if Ca else None
         if attn is None:
-            from ..attention.flex import FlexAttnFunc  # imported late: attention may pull in compile machinery
+            # imported late: attention may pull in compile machinery
+            from ..attention.flex import FlexAttnFunc
 
             attn = FlexAttnFunc(cfg.attn_backend)
         self.attn = attn
@@ -146,7 +147,8 @@ class WanVA(nn.Module):
             act = action if action.ndim == 5 else action[None]
             if act.ndim != 5 or act.shape[:2] != (copies, R) or act.shape[2] != cfg.action_channels or act.shape[3] != Fr:
                 raise ValueError(
-                    f"batch.action must be ({copies},{R},{cfg.action_channels},{Fr},A) (copy dim optional), got {tuple(action.shape)}"
+                    f"batch.action must be ({copies},{R},{cfg.action_channels},{Fr},A) (copy dim optional), "
+                    f"got {tuple(action.shape)}"
                 )
             A = act.shape[4]
             acts = rearrange(act, "k r ca f a -> k r f a ca")
@@ -220,7 +222,8 @@ class WanVA(nn.Module):
         pt, ph, pw = self.config.patch_size
         if C != self.config.in_channels or Fn % pt or H % ph or W % pw:
             raise ValueError(
-                f"latent (C,F,H,W)={(C, Fn, H, W)} does not fit in_channels={self.config.in_channels}, patch={self.config.patch_size}"
+                f"latent (C,F,H,W)={(C, Fn, H, W)} does not fit in_channels={self.config.in_channels}, "
+                f"patch={self.config.patch_size}"
             )
         patches = rearrange(lat, "k r c (f pt) (h ph) (w pw) -> k r f (h w) (c pt ph pw)", pt=pt, ph=ph, pw=pw)
         return patches, (H // ph, W // pw)

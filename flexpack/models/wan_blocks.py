@@ -18,6 +18,7 @@ from torch import Tensor
 
 from .rope import apply_rope
 
+
 def layer_norm_fp32(x: Tensor, eps: float, weight: Tensor | None = None, bias: Tensor | None = None) -> Tensor:
     """LayerNorm in float32 (returns float32)."""
     w = weight.float() if weight is not None else None

@@ -1,9 +1,9 @@
 """Load diffusers-format Wan transformer weights into :class:`~flexpack.models.wan.WanVA`, and back.
 
 One name table serves both directions (:func:`rename`; :func:`to_diffusers_state_dict` and
-:func:`config_to_diffusers` for export). The mapping is by name and shape; every diffusers tensor must be used and every WanVA tensor
-except the action stream (which diffusers' video model does not have) must be filled, so a
-renamed or missing weight fails loudly instead of staying at its random init.
+:func:`config_to_diffusers` for export). The mapping is by name and shape; every diffusers tensor must
+be used and every WanVA tensor except the action stream (which diffusers' video model does not have)
+must be filled, so a renamed or missing weight fails loudly instead of staying at its random init.
 """
 
 from __future__ import annotations
@@ -68,7 +68,8 @@ def config_from_diffusers(cfg: Mapping[str, Any], **overrides: Any) -> WanVAConf
     """A :class:`WanVAConfig` from a diffusers ``WanTransformer3DModel`` config (dict or FrozenDict)."""
     if cfg.get("image_dim") is not None or cfg.get("added_kv_proj_dim") is not None:
         raise ValueError(
-            f"image conditioning (image_dim={cfg.get('image_dim')}, added_kv_proj_dim={cfg.get('added_kv_proj_dim')}) is not supported"
+            f"image conditioning (image_dim={cfg.get('image_dim')}, "
+            f"added_kv_proj_dim={cfg.get('added_kv_proj_dim')}) is not supported"
         )
     qk = cfg.get("qk_norm", "rms_norm_across_heads")
     if qk != "rms_norm_across_heads":

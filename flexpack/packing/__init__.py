@@ -1,1 +1,3 @@
-"""The packing core: samplers, bin packing, collates, the sequence layout and waste stats; imports nothing else of flexpack but ``flexpack.atomic``."""
+"""The packing core: samplers, bin packing, collates, the sequence layout and waste stats.
+
+Imports nothing else of flexpack but ``flexpack.atomic``."""

@@ -109,7 +109,8 @@ class SequenceLayout:
             if start < frames_per_row:  # padding tail restarts its positions
                 frame_pos[r, start:] = torch.arange(frames_per_row - start)
         E = slot
-        idx = torch.full((E,), -1, dtype=torch.int64) if episode_index is None else torch.as_tensor(list(episode_index), dtype=torch.int64)
+        idx = (torch.full((E,), -1, dtype=torch.int64) if episode_index is None
+               else torch.as_tensor(list(episode_index), dtype=torch.int64))
         tl = torch.zeros(E, dtype=torch.int64) if text_len is None else torch.as_tensor(list(text_len), dtype=torch.int64)
         seg = torch.full((E,), -1, dtype=torch.int64) if segment is None else torch.as_tensor(list(segment), dtype=torch.int64)
         if idx.shape != (E,) or tl.shape != (E,) or seg.shape != (E,):

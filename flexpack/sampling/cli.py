@@ -19,7 +19,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from flexpack.sampling.evaluate import MODES, PairPlan, checkpoint_normalizer, dataset_for, evaluate, table
@@ -46,7 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="override a config value (repeatable)")
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--episodes", type=_int_list, default=None, metavar="LIST",
-                       help="dataset episode indices, e.g. 0,3,7 (default: the held-out episodes if the config has any, else all)")
+                       help="dataset episode indices, e.g. 0,3,7 "
+                            "(default: the held-out episodes if the config has any, else all)")
     which.add_argument("--val", action="store_true", help="the config's held-out episodes (data.val_fraction / val_episodes)")
     parser.add_argument("--mode", choices=MODES, default="forecast", help="open-loop forecast or autoregressive rollout")
     parser.add_argument("--steps", type=int, default=10, help="solver steps from noise to data (default 10)")
@@ -76,9 +76,9 @@ def _config_file(path: Path) -> Path:
 def load_weights(cfg: Any, source: str | Path, *, ema: bool = False) -> tuple[nn.Module, dict[str, Any] | None, str]:
     """The config's model with the weights of a run / checkpoint / export folder; returns
     (model, the action statistics it was trained with or None, a label naming the weights)."""
-    from flexpack.training import checkpoint
     from flexpack.training.build import build_model
     from flexpack.training.checks import check_state_shapes
+    from flexpack.training.runstate import checkpoint
 
     path = Path(source)
     if not path.exists():

@@ -141,7 +141,7 @@ def build_pairs(cfg: Any, dataset: Any, plan: PairPlan, *, limit_pairs: int | No
 
 def checkpoint_normalizer(dataset: Any, saved: dict[str, Any] | None, where: str) -> dict[str, Any] | None:
     """The action statistics the weights were trained with; the dataset must normalize the same way."""
-    from flexpack.training.resume import normalizer_state
+    from flexpack.training.runstate.resume import normalizer_state
 
     mine = normalizer_state(dataset)
     if saved is None:

@@ -1,1 +1,3 @@
-"""The training harness around the model: config, build, train loop, objective, noise, parallelism, checkpoints, profiling (useful FLOPs, time categories), metrics to TensorBoard/W&B and plots, verify; may import every other wing."""
+"""The training harness around the model: config, build, train loop, step, parallelism, verify, export;
+sub-packages flow/ (objective, noise), observe/ (metrics, tracking, plots, profiling, useful FLOPs) and
+runstate/ (checkpoints, resume, run folders, faults). May import every other wing."""

@@ -121,7 +121,7 @@ def preflight(cfg: Any, stop_after: int | None = None) -> "torch.device":  # noq
     check_memory_ceiling(cfg, device)
     if world()[0] == 0:  # only rank 0 writes into the run folder (and one prober avoids mkdir/rmdir races)
         check_out_dir(cfg.runtime.out_dir)
-        from flexpack.training.runfolder import claim
+        from flexpack.training.runstate.runfolder import claim
 
         claim(cfg.runtime.out_dir, adopt=cfg.runtime.adopt_dir)  # flexpack's own folder, or refused
     return device

@@ -10,8 +10,8 @@ falling back to a plain string), e.g. ``schedule.steps=40`` or ``model.overrides
 from __future__ import annotations
 
 import dataclasses
-import math
 import json
+import math
 import os
 import re
 import tomllib
@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 from flexpack.atomic import atomic_path
 from flexpack.training.checks import check_device_string, check_finite
-from flexpack.training.objective import FlowMatchingConfig
+from flexpack.training.flow.objective import FlowMatchingConfig
 
 MODES = ("pack", "pad")
 DECAYS = ("cosine", "constant")
@@ -238,7 +238,7 @@ class RuntimeConfig:
     seed: int = 0  # seed of the model init and the noise draws
     log_every: int = 1  # optimizer steps between metrics.jsonl lines
     progress: bool = True  # show a progress bar on rank 0
-    tensorboard: bool = True  # event files under RUN/tb/ (flexpack.training.tracking)
+    tensorboard: bool = True  # event files under RUN/tb/ (flexpack.training.observe.tracking)
     wandb: bool = False  # also log to Weights & Biases (needs the wandb package; WANDB_MODE=offline works)
     wandb_project: str = "flexpack"  # W&B project of the run
     wandb_entity: str = ""  # "" = W&B's default entity (WANDB_ENTITY or the account's)

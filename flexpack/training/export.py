@@ -19,7 +19,7 @@ The config and the action statistics come from the checkpoint itself (``config.j
 ``train_state.json`` in its folder), so a run whose dataset moved still exports; the dataset is
 read only for a checkpoint that carries no statistics. A damaged newest checkpoint is reported
 and the one before it used; the step exported is printed. Files get ordinary permissions.
-The weights come from :func:`flexpack.training.checkpoint.load` into a single-process model built on
+The weights come from :func:`flexpack.training.runstate.checkpoint.load` into a single-process model built on
 the meta device (no random init), as ``flexpack verify --checkpoint`` loads them. Names and
 shapes go back through the table of :mod:`flexpack.models.wan_convert` (the one used to load
 diffusers checkpoints); :func:`load_export` reads a folder back into a :class:`WanVA`.
@@ -112,7 +112,8 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike, *, ema: bool = Fa
     """Export ``run``'s newest intact checkpoint into ``out`` (see the module docstring); returns ``out``.
     ``overrides`` (``--set``) apply to the checkpoint's own config."""
     from flexpack.training.config import save_config
-    from flexpack.training.export_io import load_checkpoint as _load, ordinary_modes, pick_checkpoint, remove_stale
+    from flexpack.training.export_io import load_checkpoint as _load
+    from flexpack.training.export_io import ordinary_modes, pick_checkpoint, remove_stale
 
     run, out = Path(run), Path(out)
     _check_out(out)

@@ -90,7 +90,8 @@ def model_card(*, run: Path, cfg: Any, step: int, norm: dict[str, Any], ema: boo
         f"{norm['formula']} |",
         f"| steps | {step} of {cfg.schedule.steps} ({cfg.data.mode} mode, "
         f"{cfg.data.max_tokens if cfg.data.mode == 'pack' else cfg.data.batch_size} "
-        f"{'tokens' if cfg.data.mode == 'pack' else 'episodes'} per micro-batch, {cfg.optim.accum_steps} micro-batches per step) |",
+        f"{'tokens' if cfg.data.mode == 'pack' else 'episodes'} per micro-batch, "
+        f"{cfg.optim.accum_steps} micro-batches per step) |",
         f"| weights | {'EMA (ema/) and ' if ema else ''}final, in diffusers' WanTransformer3DModel layout + the action stream |",
         "", "## Final losses", "",
     ]
@@ -125,7 +126,8 @@ def _features(meta: Any, cfg: Any) -> tuple[dict[str, Any], dict[str, Any]]:
             h, w, c = meta.features[key]["shape"]
             inputs[key] = {"type": "VISUAL", "shape": [int(c), int(h), int(w)]}
     if "observation.state" in meta.features:
-        inputs["observation.state"] = {"type": "STATE", "shape": [int(torch.Size(meta.features["observation.state"]["shape"]).numel())]}
+        state_size = int(torch.Size(meta.features["observation.state"]["shape"]).numel())
+        inputs["observation.state"] = {"type": "STATE", "shape": [state_size]}
     action = {"action": {"type": "ACTION", "shape": [int(torch.Size(meta.features["action"]["shape"]).numel())]}}
     return inputs, action
 

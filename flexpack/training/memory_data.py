@@ -1,6 +1,6 @@
 """In-memory episodes shaped like :class:`~flexpack.data.LatentEpisodeDataset`'s items, with the
-plan (sampler, collate, geometry: :mod:`flexpack.training.plan`) a config builds: ``flexpack verify --synthetic`` (and benchmarks) run the
-training configuration without a LeRobot dataset on disk.
+plan (sampler, collate, geometry: :mod:`flexpack.training.plan`) a config builds: ``flexpack verify
+--synthetic`` (and benchmarks) run the training configuration without a LeRobot dataset on disk.
 
 Each item is drawn from a generator seeded by its index (latent, text, actions), so a rank, a
 re-run and a per-episode pass all see the same episode.

@@ -43,7 +43,7 @@ class ForwardOptions:
         return {"mask": self.mask, "chunk_size": self.chunk_size, "text_slots": self.text_slots}
 
     def __call__(self, model: Any, sample: Any, layout: Any = None) -> Any:
-        """``model`` on a :class:`~flexpack.training.objective.FlowSample`'s inputs and timesteps
+        """``model`` on a :class:`~flexpack.training.flow.objective.FlowSample`'s inputs and timesteps
         (``layout``: default the batch's own)."""
         return model(sample.inputs, layout, **sample.model_kwargs(), **self.kwargs())
 

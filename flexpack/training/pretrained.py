@@ -63,7 +63,8 @@ def _check_headers(files: list[str]) -> None:
             with safe_open(fn, framework="pt") as f:
                 f.keys()
         except Exception as exc:  # SafetensorError is no ValueError; every failure here is the file's
-            raise ValueError(f"{fn}: not a readable safetensors file ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+            why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise ValueError(f"{fn}: not a readable safetensors file ({why})") from None
 
 
 def pretrained_config(path: str, base: WanVAConfig, overrides: Mapping[str, Any]) -> WanVAConfig:

@@ -6,7 +6,7 @@ The model is called with the run plan's forward options (:class:`~flexpack.train
 mask, chunk size, text slots). Nothing here waits for the GPU: loss counts come from the host-side
 layout, the batch and its layout go to the device from pinned memory without blocking and host-side
 code reads the layout's host copy (:mod:`flexpack.packing.transfer`), noise is drawn on the device
-(:mod:`flexpack.training.noise`), loss parts and the gradient norm stay device tensors until the
+(:mod:`flexpack.training.flow.noise`), loss parts and the gradient norm stay device tensors until the
 caller logs them, so the host can queue the next step while the GPU runs this one
 (``tests/test_step_syncs_gpu.py`` checks it on CUDA, ``tests/test_loop_syncs.py`` on CPU).
 """
@@ -23,11 +23,11 @@ from torch import nn
 from flexpack.packing.collate import Batch
 from flexpack.training import float8
 from flexpack.training.config import TrainConfig
-from flexpack.training.noise import episode_flow_sample, noise_seeds
-from flexpack.training.objective import flow_loss, loss_counts
+from flexpack.training.flow.noise import episode_flow_sample, noise_seeds
+from flexpack.training.flow.objective import flow_loss, loss_counts
+from flexpack.training.observe.profiling import NO_PROFILER, StepProfiler
 from flexpack.training.parallel import is_sharded, world
 from flexpack.training.plan import ForwardOptions, forward_options
-from flexpack.training.profiling import NO_PROFILER, StepProfiler
 
 
 def accumulate(model: nn.Module, batches: Sequence[Batch], cfg: TrainConfig, *, step: int, device: torch.device,
@@ -70,7 +70,7 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, batches: Sequence[B
                prof: StepProfiler = NO_PROFILER,
                guard: Callable[[int, torch.Tensor, torch.Tensor, Sequence[Batch]], bool] | None = None,
                ema: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`accumulate` → clip → ``guard`` (:class:`~flexpack.training.faults.StepGuard`: may the
+    """:func:`accumulate` → clip → ``guard`` (:class:`~flexpack.training.runstate.faults.StepGuard`: may the
     weights change?) → optimizer step → EMA → zero grads; returns (loss parts, grad norm), both
     device tensors."""
     sums = accumulate(model, batches, cfg, step=step, device=device, forward=forward, prof=prof)

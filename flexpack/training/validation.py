@@ -31,9 +31,9 @@ from torch import nn
 
 from flexpack.packing.geometry import TokenGeometry
 from flexpack.training.build import build_data
+from flexpack.training.flow.noise import episode_flow_sample, noise_seeds
+from flexpack.training.flow.objective import flow_loss
 from flexpack.training.holdout import VAL_TAG
-from flexpack.training.noise import episode_flow_sample, noise_seeds
-from flexpack.training.objective import flow_loss
 from flexpack.training.parallel import is_sharded, world
 
 

@@ -8,7 +8,7 @@ For each micro-batch checked, the model (same weights) runs twice:
   pack shape, so that no episode length compiles a graph of its own).
 
 Both paths see identical x_t: σ and noise are drawn per episode from a generator seeded by the
-episode alone (:func:`flexpack.training.noise.episode_flow_sample`). Compared, per episode: the model's
+episode alone (:func:`flexpack.training.flow.noise.episode_flow_sample`). Compared, per episode: the model's
 video and action predictions, and the episode's loss; for the micro-batch: the total loss
 (batched ``FlowLoss.loss`` vs Σ ``accumulation_loss`` of the episodes alone) and the gradients,
 per parameter group (the embeddings, each block, the heads). Errors are ``max |a − b| / max |b|``;
@@ -43,10 +43,18 @@ from torch import nn
 
 from flexpack.errors import UserError
 from flexpack.packing.collate import Batch, PackCollate
-from flexpack.training.noise import episode_flow_sample, noise_seeds
-from flexpack.training.objective import FlowMatchingConfig, flow_loss, loss_counts
+from flexpack.training.flow.noise import episode_flow_sample, noise_seeds
+from flexpack.training.flow.objective import FlowMatchingConfig, flow_loss, loss_counts
 from flexpack.training.verify_report import (  # noqa: F401  (the report's names are verify's public API too)
-    TOL, TOLERANCES, EpisodeRow, Tolerance, VerifyReport, _compare_grads, _grads, _rel, param_group,
+    TOL,
+    TOLERANCES,
+    EpisodeRow,
+    Tolerance,
+    VerifyReport,
+    _compare_grads,
+    _grads,
+    _rel,
+    param_group,
 )
 
 
@@ -188,10 +196,10 @@ def verify_config(cfg: Any, *, micro_batches: int = 2, checkpoint_dir: str | Non
     work on each) with the model as training builds it. ``tol``: one max relative error for all
     quantities (default: :data:`TOLERANCES` of ``runtime.dtype``). ``data``: replaces what
     ``cfg.data`` describes (e.g. :func:`flexpack.training.memory_data.synthetic_data`)."""
-    from flexpack.training import checkpoint
     from flexpack.training.build import build_data
     from flexpack.training.checks import resolve_device
     from flexpack.training.parallel import is_sharded, world
+    from flexpack.training.runstate import checkpoint
 
     device = resolve_device(cfg.runtime.device)
     m = cfg.model.wan_config() if data is None else data.model  # resolved once: the plan holds it
@@ -199,7 +207,8 @@ def verify_config(cfg: Any, *, micro_batches: int = 2, checkpoint_dir: str | Non
     data = build_data(cfg, model=m) if data is None else data
     model, compiled = training_model(cfg, device, m)
     if checkpoint_dir:
-        from flexpack.training.export_io import pick_checkpoint  # says which one and why a newer one was skipped
+        # pick_checkpoint says which one and why a newer one was skipped
+        from flexpack.training.export_io import pick_checkpoint
 
         found = pick_checkpoint(Path(checkpoint_dir), "verify")
         state = checkpoint.load(found, model, restore_rng=False)  # a checkpoint of another shape: one line

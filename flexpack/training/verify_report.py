@@ -101,7 +101,8 @@ class VerifyReport:
 
     def table(self) -> str:
         lines = [self.setup] if self.setup else []
-        lines.append(f"{'episode':>8} {'frames':>6} {'video err':>10} {'action err':>10} {'loss batched':>13} {'loss alone':>11} {'loss err':>9}")
+        lines.append(f"{'episode':>8} {'frames':>6} {'video err':>10} {'action err':>10} {'loss batched':>13} "
+                     f"{'loss alone':>11} {'loss err':>9}")
         for r in self.rows:
             lines.append(f"{r.episode:>8} {r.frames:>6} {r.video_err:>10.2e} {r.action_err:>10.2e} "
                          f"{r.loss_batched:>13.6f} {r.loss_alone:>11.6f} {r.loss_err:>9.2e}")

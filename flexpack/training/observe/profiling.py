@@ -9,7 +9,7 @@ profiler warm-up step, and writes to ``RUN/profile/``:
                           fwd_bwd_s, peak_mem_bytes (device peak of the micro-step; process RSS peak on CPU)
     summary_rank{r}.json  shares of device time (CPU op time without a GPU) per category (attention,
                           gemm, elementwise, communication, optimizer, other; they sum to 1), MFU on CUDA
-                          (useful FLOPs of :mod:`flexpack.training.flops` over the bf16 peak; null
+                          (useful FLOPs of :mod:`flexpack.training.observe.flops` over the bf16 peak; null
                           elsewhere), tokens/s, named-range times, the kernel table of the last step
     trace_rank{r}.json    chrome trace (chrome://tracing or https://ui.perfetto.dev) with the ranges
                           ``data``, ``forward``, ``backward``, ``optimizer``, ``block_mask``, ``attention``
@@ -43,7 +43,7 @@ from torch.autograd.profiler import record_function
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from flexpack.atomic import atomic_path
-from flexpack.training import profile_summary as ps
+from flexpack.training.observe import profile_summary as ps
 
 ENV, ENV_WARMUP = "LINGBOT_PROFILE", "LINGBOT_PROFILE_WARMUP"
 
@@ -173,7 +173,7 @@ class StepProfiler:
         """The profiler of :func:`flexpack.training.loop.train`: steps, warm-up and the peak from the config
         (``LINGBOT_PROFILE`` / ``LINGBOT_PROFILE_WARMUP`` win where set); token counts, copies and FLOPs
         from the run's plan (:class:`~flexpack.training.plan.Plan`: its model config and token geometry)."""
-        from flexpack.training.flops import batch_flops
+        from flexpack.training.observe.flops import batch_flops
 
         model, geometry = plan.model, plan.geometry
 
@@ -327,7 +327,7 @@ class StepProfiler:
 
     def summarize(self, events: Any, lines: list[dict[str, Any]]) -> dict[str, Any]:
         """The summary of the profiled window from its events and micro-step lines."""
-        from flexpack.training.flops import peak_flops
+        from flexpack.training.observe.flops import peak_flops
 
         events = list(events)
         units = ps.extract_units(events, device_time=self.cuda)
@@ -361,4 +361,5 @@ class StepProfiler:
         }
 
 
-NO_PROFILER = StepProfiler("", steps=0, warmup=0)  # reads no environment at import  # every hook a no-op (callers without a profiler)
+# every hook a no-op (callers without a profiler); reads no environment at import
+NO_PROFILER = StepProfiler("", steps=0, warmup=0)

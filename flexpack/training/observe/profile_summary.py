@@ -11,14 +11,15 @@ classified into one of :data:`CATEGORIES`:
 
 A unit is classified by its kernel name, the chain of CPU ops around its launch (innermost first,
 up to the named ranges ``forward`` / ``backward`` / ``optimizer`` / ``block_mask`` / ``data`` /
-``attention`` of :mod:`flexpack.training.profiling` and ``FlexAttnFunc``), and, for a backward op, the
+``attention`` of :mod:`flexpack.training.observe.profiling` and ``FlexAttnFunc``), and, for a backward op, the
 chain of the forward op that created its autograd node (linked by sequence number), so the
 backward of attention counts as attention although it runs outside the ``attention`` range.
 First match wins: communication (NCCL/gloo kernels, c10d ops) → optimizer (``optimizer`` range,
 ``Optimizer.step``/``zero_grad``) → other (``data`` and ``block_mask`` ranges: loading and mask
 builds are overhead, not model compute) → attention (the ``attention`` range, SDPA/flash/flex
-ops and kernels, inductor templates that are no matmul, text cross-attention included) → gemm (cuBLAS/CUTLASS/nvjet/Triton mm kernels,
-``aten::mm``-like ops) → elementwise (pointwise/reduction/norm/copy/cast kernels and ops) → other.
+ops and kernels, inductor templates that are no matmul, text cross-attention included) → gemm
+(cuBLAS/CUTLASS/nvjet/Triton mm kernels, ``aten::mm``-like ops) → elementwise
+(pointwise/reduction/norm/copy/cast kernels and ops) → other.
 """
 
 from __future__ import annotations

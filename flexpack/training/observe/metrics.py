@@ -3,7 +3,7 @@
 Measured over the window of steps since the previous log, ending at a device synchronization, so
 no step waits for the GPU to be timed (timing each step would put a sync on every step). Tokens per
 frame, copies and useful FLOPs come from the run plan's token geometry (:mod:`flexpack.training.plan`,
-:func:`flexpack.training.flops.batch_flops`), the same count the profiler and benchmarks use.
+:func:`flexpack.training.observe.flops.batch_flops`), the same count the profiler and benchmarks use.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from flexpack.models.wan_config import WanVAConfig
 from flexpack.packing.geometry import TokenGeometry
 from flexpack.training.config import TrainConfig
-from flexpack.training.flops import batch_flops, peak_flops
+from flexpack.training.observe.flops import batch_flops, peak_flops
 
 
 class StepMeter:

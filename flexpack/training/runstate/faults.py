@@ -45,7 +45,9 @@ class Interrupted(Exception):
 class NonFiniteError(ValueError):
     """A step's loss or gradient norm is NaN/Inf (a user-facing stop: lr, data or clipping)."""
 
-    def __init__(self, step: int, loss: float, grad_norm: float, batches: Sequence[Batch], *, found_at: int | None = None) -> None:
+    def __init__(
+        self, step: int, loss: float, grad_norm: float, batches: Sequence[Batch], *, found_at: int | None = None
+    ) -> None:
         episodes = [b.layout.episode_index.tolist() for b in batches]
         rank = world()[0]
         when = ("stopped before the optimizer step" if found_at is None else

@@ -25,10 +25,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from flexpack.training import checkpoint
 from flexpack.training.config import TrainConfig
 from flexpack.training.parallel import world
-from flexpack.training.runfolder import config_changes
+from flexpack.training.runstate import checkpoint
+from flexpack.training.runstate.runfolder import config_changes
 
 # config keys that fix the order of an epoch (and so the sampler state's meaning), per data.mode
 ORDER_KEYS = {

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from flexpack.packing.transfer import to_device
-from flexpack.training.objective import FlowMatchingConfig, FlowSample, make_flow_sample
+from flexpack.training.flow.objective import FlowMatchingConfig, FlowSample, make_flow_sample
 
 
 def episode_seed(*parts: int) -> int:
