@@ -119,7 +119,8 @@ def paired_ratio(loop: Callable[[], object], ours: Callable[[], object], rounds:
 
 def qkv(T: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
     g = torch.Generator(device=DEV).manual_seed(seed)
-    return tuple(torch.randn(1, H, T, D, device=DEV, dtype=torch.bfloat16, generator=g).requires_grad_(True) for _ in range(3))
+    return tuple(torch.randn(1, H, T, D, device=DEV, dtype=torch.bfloat16, generator=g).requires_grad_(True)
+                 for _ in range(3))
 
 
 def methods_document(lay: TokenLayout, runs: int, flash: bool) -> tuple[dict, dict]:
@@ -150,7 +151,8 @@ def methods_document(lay: TokenLayout, runs: int, flash: bool) -> tuple[dict, di
 
     from torch.nn.attention.varlen import varlen_attn
 
-    qt, kt, vt = (x.detach()[0, :, :n_tok].transpose(0, 1).contiguous().requires_grad_(True) for x in (q, k, v))  # (T, H, D)
+    qt, kt, vt = (x.detach()[0, :, :n_tok].transpose(0, 1).contiguous().requires_grad_(True)  # (T, H, D)
+                  for x in (q, k, v))
     bounds = sorted({0, n_tok} | {s for s, _ in runs_} | {s + n for s, n in runs_})  # episodes only
     cu = torch.tensor(bounds, dtype=torch.int32, device=DEV)
     mx = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
@@ -164,12 +166,13 @@ def methods_document(lay: TokenLayout, runs: int, flash: bool) -> tuple[dict, di
         for dst, src in zip(pb, (q, k, v)):
             dst[i, :, :n] = src.detach()[0, :, s:s + n]
     pb = [x.requires_grad_(True) for x in pb]
-    kpm = (torch.arange(L, device=DEV)[None, :] < torch.tensor([n for _, n in runs_], device=DEV)[:, None])[:, None, None, :]
+    kpm = (torch.arange(L, device=DEV)[None, :]
+           < torch.tensor([n for _, n in runs_], device=DEV)[:, None])[:, None, None, :]
     res["padded_sdpa"] = fwd_fb(lambda pb=pb: F.scaled_dot_product_attention(*pb, attn_mask=kpm), tuple(pb), runs)
     del pb
 
-    variants = (("ours_triton", "flex", True), ("ours_flash", "flex-flash", True), ("ours_flash_keys", "flex-flash", False),
-                ("ours_auto", "auto", True))
+    variants = (("ours_triton", "flex", True), ("ours_flash", "flex-flash", True),
+                ("ours_flash_keys", "flex-flash", False), ("ours_auto", "auto", True))
     for name, backend, ranges in variants:
         if backend == "flex-flash" and not flash:
             continue
@@ -185,7 +188,8 @@ def methods_document(lay: TokenLayout, runs: int, flash: bool) -> tuple[dict, di
             print(f"  {name} failed: {type(e).__name__}: {str(e)[:300]}")
         if name == "ours_auto":
             g = torch.randn(1, H, T, D, device=DEV, dtype=torch.bfloat16)
-            builds["fb_ratio_paired"] = paired_ratio(loop_fb, lambda: torch.autograd.grad(attn(q, k, v, prep), (q, k, v), g))
+            builds["fb_ratio_paired"] = paired_ratio(
+                loop_fb, lambda: torch.autograd.grad(attn(q, k, v, prep), (q, k, v), g))
             builds["fwd_ratio_paired"] = paired_ratio(loop_out, lambda: attn(q, k, v, prep))
     attn = FlexAttnFunc("flex")
     builds["blockmask_ms"] = wall(lambda: attn.prepare(lay, "document"), 30)
@@ -240,7 +244,8 @@ def fa4_causal_reference(lay: TokenLayout, runs: int) -> dict:
     cu = cu - bounds[0]
 
     def run() -> torch.Tensor:
-        r = flash_attn_varlen_func(qt, kt, vt, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=mx, max_seqlen_k=mx, causal=True)
+        r = flash_attn_varlen_func(qt, kt, vt, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=mx, max_seqlen_k=mx,
+                                   causal=True)
         return r[0] if isinstance(r, tuple) else r
 
     try:
@@ -352,7 +357,8 @@ def main() -> None:
                            "fwd_ratio_vs_loop": rows["ours_auto"]["fwd_ratio_vs_loop"],
                            "fb_ratio_vs_loop_paired": builds["fb_ratio_paired"],
                            "fwd_ratio_vs_loop_paired": builds["fwd_ratio_paired"],
-                           "blockmask_ms": builds["blockmask_ms"], "create_block_mask_ms": builds["create_block_mask_ms"]})
+                           "blockmask_ms": builds["blockmask_ms"],
+                           "create_block_mask_ms": builds["create_block_mask_ms"]})
         if n == 4:
             result["fb_ratio_vs_loop_4"] = rows["ours_auto"]["fb_ratio_vs_loop"]
             result["fb_ratio_vs_loop_4_paired"] = builds["fb_ratio_paired"]

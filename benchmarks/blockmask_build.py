@@ -50,7 +50,8 @@ def cases(frames: list[int], cap: int, rng: random.Random) -> list[tuple[str, ob
         out.append((f"teacher_forcing_{n}", lay, "teacher_forcing", {"chunk_size": 4}))
     # drawn last: the earlier cases keep the packs of earlier measurements
     lens = draw_pack(rng, frames, 8, cap)  # cross-attention: 512 text keys per slot, some of them padding
-    lay = SequenceLayout.from_rows([lens], cap, text_len=[rng.randint(64, 512) for _ in lens]).tokens(TPF_VIDEO, TPF_ACTION)
+    lay = SequenceLayout.from_rows([lens], cap,
+                                   text_len=[rng.randint(64, 512) for _ in lens]).tokens(TPF_VIDEO, TPF_ACTION)
     out.append(("text_8", lay.to("cuda"), "text", {"text_tokens": 512, "text_slots": 8}))
     return out
 
@@ -84,7 +85,8 @@ def main() -> None:
     todo = cases(load_latent_frames(Path(args.frames_file)), args.cap_frames, rng)
     variants = {"graphs": FlexAttnFunc("flex"), "launches": FlexAttnFunc("flex", graph_block_mask=False)}
     # a shape that does not compile would be timed eagerly: fail instead
-    warnings.filterwarnings("error", message=r".*(building eagerly|capturing the block-mask build as a CUDA graph failed).*")
+    warnings.filterwarnings(
+        "error", message=r".*(building eagerly|capturing the block-mask build as a CUDA graph failed).*")
     for attn in variants.values():
         for _, lay, kind, kw in todo:  # compile (and capture) every signature first
             for _ in range(3):
@@ -109,18 +111,20 @@ def main() -> None:
             row = {"median_ms": statistics.median(ts), "p90_ms": ts[int(0.9 * (len(ts) - 1))], "min_ms": ts[0],
                    "max_ms": ts[-1], "launches": launches, "gpu_kernel_ms": gpu_ms}
             result["cases"][name][v] = row
-            print(f"{name:<20} {v:<9} median {row['median_ms']:.3f} ms  p90 {row['p90_ms']:.3f}  min {row['min_ms']:.3f}"
-                  f"  max {row['max_ms']:.3f}  launches {launches:.0f}  GPU {gpu_ms:.3f} ms")
+            print(f"{name:<20} {v:<9} median {row['median_ms']:.3f} ms  p90 {row['p90_ms']:.3f}"
+                  f"  min {row['min_ms']:.3f}  max {row['max_ms']:.3f}  launches {launches:.0f}  GPU {gpu_ms:.3f} ms")
         c = result["cases"][name]
         c["ratio_median_launches_over_graphs"] = c["launches"]["median_ms"] / c["graphs"]["median_ms"]
     result["worst"] = {}
     for v in variants:
         rows = {name: result["cases"][name][v] for name, *_ in todo}
-        result["worst"][v] = {key: {"case": max(rows, key=lambda n: rows[n][key]), "ms": max(r[key] for r in rows.values())}
+        result["worst"][v] = {key: {"case": max(rows, key=lambda n: rows[n][key]),
+                                    "ms": max(r[key] for r in rows.values())}
                               for key in ("median_ms", "p90_ms", "max_ms")}
         w = result["worst"][v]
-        print(f"worst ({v}): median {w['median_ms']['ms']:.3f} ms ({w['median_ms']['case']}), p90 {w['p90_ms']['ms']:.3f} ms "
-              f"({w['p90_ms']['case']}), slowest call {w['max_ms']['ms']:.3f} ms ({w['max_ms']['case']})")
+        print(f"worst ({v}): median {w['median_ms']['ms']:.3f} ms ({w['median_ms']['case']}), "
+              f"p90 {w['p90_ms']['ms']:.3f} ms ({w['p90_ms']['case']}), "
+              f"slowest call {w['max_ms']['ms']:.3f} ms ({w['max_ms']['case']})")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(args.out).with_suffix(".tmp")
     tmp.write_text(json.dumps(result, indent=1))

@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     frames = 5 if args.smoke else args.frames
     cases = [(h, w, dt, False, 1, False) for h, w in sizes for dt in ("float32", "bfloat16")]
     big = sizes[-1]
-    cases += [(*big, "bfloat16", True, 1, False), (*big, "bfloat16", False, 2, False), (*big, "bfloat16", False, 2, True)]
+    cases += [(*big, "bfloat16", True, 1, False), (*big, "bfloat16", False, 2, False),
+              (*big, "bfloat16", False, 2, True)]
     g = torch.Generator().manual_seed(0)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -44,7 +44,8 @@ def main() -> None:
     p.add_argument("--modes", default="off,tensorwise,rowwise")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--steps", type=int, default=150)
-    p.add_argument("--max-tokens", type=int, default=16384, help="tokens per pack (smaller than a real run: more steps fit)")
+    p.add_argument("--max-tokens", type=int, default=16384,
+                   help="tokens per pack (smaller than a real run: more steps fit)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--set", dest="lengths", default="short", choices=("ref", "short"))
     p.add_argument("--compile", action="store_true", help="compiled blocks (default eager: no compile time per mode; "
@@ -61,9 +62,10 @@ def main() -> None:
     lengths = length_sets(args.smoke)[args.lengths]
     items = Items(lengths, C, H, W, L, Dt)
     preset = "tiny" if args.smoke else "wan2.2-5b"
-    results = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__,
-               "date": time.strftime("%Y-%m-%d"), "layers": args.layers, "max_tokens": args.max_tokens, "lr": args.lr,
-               "set": args.lengths, "steps": args.steps, "compile": args.compile, "command": " ".join(sys.argv), "runs": {}}
+    results = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "layers": args.layers,
+               "max_tokens": args.max_tokens, "lr": args.lr, "set": args.lengths, "steps": args.steps,
+               "compile": args.compile, "command": " ".join(sys.argv), "runs": {}}
     save = checkpoint.Checkpointer.save
     checkpoint.Checkpointer.save = lambda self, *a, **k: None  # the curves are the output, not the weights
     for mode in args.modes.split(","):

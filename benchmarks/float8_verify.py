@@ -53,11 +53,13 @@ def main() -> None:
         float8.MIN_DIM = 16
         shape, dims, lens, backend = dict(num_layers=1), (4, 4, 4, 6, 32), [5, 3, 4], "dense"
     else:  # the 5B's widths, fewer layers; fp32 weights, bf16 autocast
-        shape, dims, lens, backend = dict(num_layers=args.layers, action_channels=0), (48, 8, 16, 512, 4096), [40, 25, 31], "auto"
+        shape, dims, lens, backend = (dict(num_layers=args.layers, action_channels=0), (48, 8, 16, 512, 4096),
+                                      [40, 25, 31], "auto")
     its = items(lens, *dims, device)
     collate = PackCollate(sum(lens))
-    out = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "date": time.strftime("%Y-%m-%d"),
-           "layers": shape["num_layers"], "frames": lens, "command": " ".join(sys.argv), "modes": {}}
+    out = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+           "date": time.strftime("%Y-%m-%d"), "layers": shape["num_layers"], "frames": lens,
+           "command": " ".join(sys.argv), "modes": {}}
     for mode in args.modes.split(","):
         torch.manual_seed(0)
         with device:

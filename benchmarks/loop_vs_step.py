@@ -41,7 +41,8 @@ def run_loop(args, name: str, lengths: list[int], items, device: torch.device, c
         checkpoint.Checkpointer.save = save
         shutil.rmtree(out, ignore_errors=True)
     rows = result.metrics[1:] or result.metrics
-    med = {k: statistics.median(r[k] for r in rows) for k in ("tokens_per_s", "step_s", "peak_mem_gb", "mfu") if k in rows[0]}
+    med = {k: statistics.median(r[k] for r in rows)
+           for k in ("tokens_per_s", "step_s", "peak_mem_gb", "mfu") if k in rows[0]}
     return {**med, "steps": steps, "log_every": log_every, "windows": [r["tokens_per_s"] for r in result.metrics],
             "losses": [r["loss"] for r in result.metrics], "float8": cfg.runtime.float8,
             "activation_checkpointing": cfg.runtime.activation_checkpointing}

@@ -85,8 +85,8 @@ def main() -> None:
         hw, text_len, text_dim, lengths = (2, 2), 16, 64, [3, 5, 8, 13, 21, 9, 4, 7] * 4
         steps, warmup = min(args.steps, 2), min(args.warmup, 1)
     else:
-        overrides = [f"model.overrides={{attn_backend='auto', num_layers={args.layers}}}", f"data.max_tokens={args.max_tokens}",
-                     f"runtime.dtype='{'bfloat16' if cuda else 'float32'}'"]
+        overrides = [f"model.overrides={{attn_backend='auto', num_layers={args.layers}}}",
+                     f"data.max_tokens={args.max_tokens}", f"runtime.dtype='{'bfloat16' if cuda else 'float32'}'"]
         hw, text_len, text_dim = (8, 16), 512, 4096  # two 8 x 8 camera latents side by side
         lengths = read_frames_file(args.frames_file)
         steps, warmup = args.steps, args.warmup
@@ -117,7 +117,8 @@ def main() -> None:
     lines = [json.loads(x) for x in (out / "profile" / "steps_rank0.jsonl").read_text().splitlines()]
     prof = [x for x in lines if x["phase"] == "profiled"]
     name = torch.cuda.get_device_name() if cuda else "cpu"
-    print(f"{m.num_layers} layers of {cfg.model.preset}, {cfg.data.max_tokens} tokens per pack, {tpf} tokens per frame, "
+    print(f"{m.num_layers} layers of {cfg.model.preset}, {cfg.data.max_tokens} tokens per pack, "
+          f"{tpf} tokens per frame, "
           f"{args.mask} mask, {'eager' if args.eager else 'runtime.compile=' + str(cfg.runtime.compile)}, {name}; "
           f"time base: {s['time_base']}")
     print("| " + " | ".join(CATEGORIES) + " | MFU | tokens/s | fwd s | bwd s |")

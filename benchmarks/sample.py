@@ -72,8 +72,8 @@ def make_items(lengths: list[int], C: int, H: int, W: int, Ca: int, L: int, Dt: 
     for i, F in enumerate(lengths):
         g = torch.Generator().manual_seed(1000 + i)
         out.append({"latent": torch.randn(C, F, H, W, generator=g), "action": torch.rand(Ca, F, 4, generator=g) * 2 - 1,
-                    "action_mask": torch.ones(Ca, F, 4, dtype=torch.bool), "text": torch.randn(L, Dt, generator=g) * 0.1,
-                    "text_len": L, "episode_index": i})
+                    "action_mask": torch.ones(Ca, F, 4, dtype=torch.bool),
+                    "text": torch.randn(L, Dt, generator=g) * 0.1, "text_len": L, "episode_index": i})
     return out
 
 
@@ -165,14 +165,16 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     results = json.loads(args.out.read_text()) if args.out.exists() else {}
     results.update(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                   date=time.strftime("%Y-%m-%d"), torch=torch.__version__, layers=args.layers, command=" ".join(sys.argv))
+                   date=time.strftime("%Y-%m-%d"), torch=torch.__version__, layers=args.layers,
+                   command=" ".join(sys.argv))
     sets = length_sets(args.tiny, args.episodes)
     for name in args.sets.split(","):
         r = results[name] = {**run_set(args, sets[name], device), "command": " ".join(sys.argv)}
         print(f"{name}: packed {r['packed_tokens_per_s']:.0f} tok/s, loop {r['loop_tokens_per_s']:.0f} tok/s, "
               f"x{r['packed_vs_loop']:.2f}, recompiles after warm-up {r['recompiles_after_warmup']}", flush=True)
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=2) + "\n")  # after every set: a cut-short run keeps what it measured
+        # after every set: a cut-short run keeps what it measured
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {args.out}")
 
 

@@ -1,4 +1,4 @@
-"""Whole training steps: flexpack's own step code in pack and pad mode vs diffusers one episode per step.
+r"""Whole training steps: flexpack's own step code in pack and pad mode vs diffusers one episode per step.
 
 What ``flexpack train`` runs for a step (model from a TrainConfig via ``build_model`` +
 ``parallelize``, ``train_step`` = ``accumulate`` + clip + fused AdamW, items through the real
@@ -13,7 +13,8 @@ measured in the same run.
     python benchmarks/train_step.py --out $OUT/train_step_h200.json                # both sets, all variants
     python benchmarks/train_step.py --sets short --variants pack-compiled,diffusers-compiled
     python benchmarks/train_step.py --smoke                                        # CPU, tiny shapes: API check
-    python benchmarks/train_step.py --variants pack-compiled,pack-float8-rowwise,pack-float8-tensorwise,diffusers-compiled
+    python benchmarks/train_step.py \
+        --variants pack-compiled,pack-float8-rowwise,pack-float8-tensorwise,diffusers-compiled
     python benchmarks/train_step.py --layers 30 --activation-checkpointing selective --variants pack-float8-rowwise
     python benchmarks/train_step.py --variants pack-compiled,loop-compiled         # flexpack train vs its bare step
 
@@ -83,7 +84,8 @@ def config(args: argparse.Namespace, mode: str, compile_: bool, float8: str = "o
     model = {"preset": "tiny", "overrides": {"num_layers": args.layers, "action_channels": 0}} if args.smoke else \
         {"preset": "wan2.2-5b", "overrides": {"num_layers": args.layers, "action_channels": 0}}
     return from_dict(TrainConfig, {
-        "data": {"mode": mode, "max_tokens": args.max_tokens, "batch_size": getattr(args, "pad_batch", 4), "pad_multiple": 8},
+        "data": {"mode": mode, "max_tokens": args.max_tokens, "batch_size": getattr(args, "pad_batch", 4),
+                 "pad_multiple": 8},
         "model": model,
         "optim": {"lr": 1e-5, "betas": [0.9, 0.95], "grad_clip": 1.0},
         "runtime": {"dtype": "bfloat16", "compile": compile_, "progress": False, "float8": float8,
@@ -140,7 +142,8 @@ def _peak_gb(device: torch.device) -> float | None:
 def _medians(times: list[float], host: list[float], tokens: list[int], flops: list[float], peak: float) -> dict:
     tok_s = [n / t for n, t in zip(tokens, times)]
     return {"step_s": statistics.median(times), "host_ms_per_step": 1e3 * statistics.median(host),
-            "tokens_per_s": statistics.median(tok_s), "mfu": statistics.median(f / t / peak for f, t in zip(flops, times)),
+            "tokens_per_s": statistics.median(tok_s),
+            "mfu": statistics.median(f / t / peak for f, t in zip(flops, times)),
             "steps": len(times), "tokens_per_step": statistics.median(tokens)}
 
 
@@ -181,7 +184,8 @@ def run_flexpack(args, name: str, lengths: list[int], batches: list[list[int]], 
     out.update(peak_mem_gb=_peak_gb(device), recompiles_after_warmup=compiled_graphs() - graphs_after_warmup,
                host_syncs_per_step=syncs, float8=cfg.runtime.float8,
                activation_checkpointing=cfg.runtime.activation_checkpointing,
-               losses=losses, finite=all(np.isfinite(losses)), computed_tokens_per_step=made[0].layout.frame_doc.numel() * tpf)
+               losses=losses, finite=all(np.isfinite(losses)),
+               computed_tokens_per_step=made[0].layout.frame_doc.numel() * tpf)
     if args.profile and mode == "pack" and device.type == "cuda":
         out["kernel_split"] = profile_split(lambda: train_step(model, opt, [made[warm]], cfg, step=0, device=device,
                                                                forward=extra), device)
@@ -242,7 +246,8 @@ def run_diffusers(args, lengths: list[int], batches: list[list[int]], items: Ite
             ffn_dim=cfg.ffn_dim, num_layers=cfg.num_layers, cross_attn_norm=cfg.cross_attn_norm,
             qk_norm="rms_norm_across_heads", eps=cfg.eps, rope_max_seq_len=1024)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), weight_decay=0.01, fused=device.type == "cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), weight_decay=0.01,
+                            fused=device.type == "cuda")
     fwd = model
     if compile_ == "whole":
         fwd = torch.compile(model, dynamic=True)
@@ -264,7 +269,8 @@ def run_diffusers(args, lengths: list[int], batches: list[list[int]], items: Ite
         sigma = torch.rand((), device=device)
         x_t = (1 - sigma) * x + sigma * noise
         with torch.autocast(device.type, torch.bfloat16):
-            pred = fwd(hidden_states=x_t, timestep=(sigma * 1000)[None], encoder_hidden_states=text, return_dict=False)[0]
+            pred = fwd(hidden_states=x_t, timestep=(sigma * 1000)[None], encoder_hidden_states=text,
+                       return_dict=False)[0]
         loss = (pred.float() - (noise - x)).square().mean()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
@@ -451,7 +457,8 @@ def _summarize(res: dict) -> None:
                diffusers_eager_tokens_per_s=tok("diffusers-eager"), pad_tokens_per_s=tok("pad-eager"),
                mfu_pack=pack.get("mfu"),  # useful FLOPs over the measured bf16 peak: the bf16-equivalent MFU
                peak_mem_gb_pack=pack.get("peak_mem_gb"),
-               recompiles_after_warmup=pack.get("recompiles_after_warmup"), host_ms_per_step=pack.get("host_ms_per_step"))
+               recompiles_after_warmup=pack.get("recompiles_after_warmup"),
+               host_ms_per_step=pack.get("host_ms_per_step"))
     if pack.get("tokens_per_s") and compiled:
         res["pack_vs_diffusers_compiled"] = pack["tokens_per_s"] / compiled
 
