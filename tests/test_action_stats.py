@@ -58,7 +58,8 @@ def test_pooled_statistics_equal_numpy_over_all_frames(lerobot_written, tmp_path
     np.testing.assert_allclose(a["std"], x.std(0), atol=1e-12)
     np.testing.assert_allclose(a["min"], x.min(0), atol=0)
     np.testing.assert_allclose(a["max"], x.max(0), atol=0)
-    np.testing.assert_allclose(stats["features"]["observation.state"]["q99"], np.quantile(x[:, ::-1], 0.99, axis=0), atol=1e-12)
+    np.testing.assert_allclose(stats["features"]["observation.state"]["q99"], np.quantile(x[:, ::-1], 0.99, axis=0),
+                               atol=1e-12)
     assert a["count"] == len(x)
 
     # written atomically beside the cache and read back unchanged; a stale file is recomputed
@@ -114,7 +115,8 @@ def test_dataset_encode_and_check_use_pooled_statistics(tiny_dataset, tmp_path, 
 
     assert main(["check-dataset", str(root)]) == 0
     out = capsys.readouterr().out
-    assert "normalization bounds (pooled statistics used" in out and "action[5]" in out and "observation.state[0]" in out
+    assert ("normalization bounds (pooled statistics used" in out and "action[5]" in out
+            and "observation.state[0]" in out)
     assert "missing or stale" not in out
     (root / "latents" / "stats.json").unlink()
     assert main(["check-dataset", str(root)]) == 0

@@ -53,7 +53,8 @@ def one_error_line(err: str, command: str) -> str:
     ("model.overrides.dimm=3", "--set model.overrides.dimm=3: model.overrides has unknown WanVAConfig fields ['dimm']"),
     ("model.overrides.dim=-5", "--set model.overrides.dim=-5: model.overrides.dim must be positive, got -5"),
     ("model.overrides.dim='x'", "--set model.overrides.dim='x': model.overrides.dim must be int, got 'x'"),
-    ("model.overrides.num_heads=5", "--set model.overrides.num_heads=5: model.overrides.dim=64 is not divisible by num_heads=5"),
+    ("model.overrides.num_heads=5",
+     "--set model.overrides.num_heads=5: model.overrides.dim=64 is not divisible by num_heads=5"),
     ("model.overrides.attn_backend='x'", "model.overrides.attn_backend must be one of ('auto', 'dense', 'flex', "),
     ("checkpoint.keep=0", "--set checkpoint.keep=0: checkpoint.every must be >= 0 and checkpoint.keep >= 1"),
     ("data.action_steps=3", "--set data.action_steps=3: data.action_steps = 3 must divide data.stride = 4"),
@@ -250,7 +251,8 @@ def trained_run(tiny_dataset, tmp_path_factory) -> Path:
 
 def test_checkpoint_of_another_model_shape_is_one_line(capsys, tiny_dataset, trained_run, tmp_path):
     shutil.copytree(trained_run, tmp_path / "run")
-    code, err = run_cli(capsys, *train_args(tiny_dataset, tmp_path / "run", "schedule.steps=3", "model.overrides.dim=32"))
+    code, err = run_cli(capsys, *train_args(tiny_dataset, tmp_path / "run", "schedule.steps=3",
+                                            "model.overrides.dim=32"))
     line = one_error_line(err, "train")
     assert code == 2 and len(err.strip().splitlines()) == 1
     ckpt = tmp_path / "run" / "checkpoints" / "step_00000001"
@@ -269,9 +271,10 @@ def test_verify_tol_must_be_positive(capsys, tmp_path, tol):
 
 
 def test_verify_checkpoint_that_is_not_one(capsys, tiny_dataset, tmp_path):
-    code, err = run_cli(capsys, "verify", str(TINY), "--set", f'data.root="{tiny_dataset}"', "--checkpoint", str(tmp_path))
-    assert code == 2 and f"{tmp_path}: no checkpoints/ folder; not a flexpack run folder (runtime.out_dir of a train run) " \
-        "nor a checkpoint folder" in one_error_line(err, "verify")
+    code, err = run_cli(capsys, "verify", str(TINY), "--set", f'data.root="{tiny_dataset}"',
+                        "--checkpoint", str(tmp_path))
+    assert code == 2 and f"{tmp_path}: no checkpoints/ folder; not a flexpack run folder " \
+        "(runtime.out_dir of a train run) nor a checkpoint folder" in one_error_line(err, "verify")
 
 
 # ------------------------------------------------------------------ bugs keep their traceback
@@ -308,7 +311,8 @@ def test_which_exceptions_are_user_errors():
     assert not is_user_error(raised(lambda: torch.optim.AdamW([], lr=1.0)))  # raised in torch
     assert not is_user_error(raised(lambda: {}["k"]))
     assert not is_user_error(ValueError("never raised"))
-    worker = ValueError('Caught ValueError in DataLoader worker process 0.\nOriginal Traceback (most recent call last):\n'
+    worker = ValueError('Caught ValueError in DataLoader worker process 0.\n'
+                        'Original Traceback (most recent call last):\n'
                         f'  File "{ROOT / "flexpack" / "data" / "dataset.py"}", line 1, in f\n'
                         'ValueError: episode 4: bad\n')
     assert is_user_error(worker) and one_line(worker) == "episode 4: bad"
@@ -317,7 +321,8 @@ def test_which_exceptions_are_user_errors():
 
 def test_subprocess_exit_status_and_stderr(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, "-m", "flexpack.cli", *train_args(tmp_path, tmp_path / "run", "optim.grad_clip=nan")],
+    r = subprocess.run([sys.executable, "-m", "flexpack.cli",
+                        *train_args(tmp_path, tmp_path / "run", "optim.grad_clip=nan")],
                        capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip() == ("flexpack train: error: --set optim.grad_clip=nan: optim.grad_clip must be a "
@@ -361,7 +366,8 @@ def test_every_subcommand_reports_user_errors_the_same_way(capsys, tmp_path, com
         main(["--debug", command, *[a.format(tmp=tmp_path) for a in argv]])
 
 
-def test_disk_full_during_a_checkpoint_is_one_line_and_keeps_the_last_checkpoint(capsys, tiny_dataset, tmp_path, monkeypatch):
+def test_disk_full_during_a_checkpoint_is_one_line_and_keeps_the_last_checkpoint(capsys, tiny_dataset, tmp_path,
+                                                                                 monkeypatch):
     import errno
 
     from flexpack.training.runstate import checkpoint

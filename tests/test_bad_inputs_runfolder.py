@@ -77,7 +77,8 @@ def test_a_run_of_an_earlier_version_without_marker_still_resumes_and_gets_marke
     assert code == 0 and steps == [1, 2, 3] and (run / runfolder.MARKER).is_file()
 
 
-def test_empty_and_missing_folders_are_adopted_and_a_file_named_checkpoints_is_refused_first(capsys, tiny_dataset, tmp_path):
+def test_empty_and_missing_folders_are_adopted_and_a_file_named_checkpoints_is_refused_first(capsys, tiny_dataset,
+                                                                                             tmp_path):
     (tmp_path / "empty").mkdir()
     assert run_cli(capsys, *_train(tiny_dataset, tmp_path / "empty"))[0] == 0
     bad = tmp_path / "bad"
@@ -139,14 +140,16 @@ def test_unreadable_config_files_are_one_line(capsys, tmp_path):
 
 def test_garbage_pretrained_weights_are_one_line_blamed_on_the_set(capsys, tiny_dataset, tmp_path):
     (tmp_path / "w.safetensors").write_bytes(os.urandom(3000))
-    code, err = run_cli(capsys, *_train(tiny_dataset, tmp_path / "run", f'model.pretrained="{tmp_path / "w.safetensors"}"'))
+    code, err = run_cli(capsys, *_train(tiny_dataset, tmp_path / "run",
+                                        f'model.pretrained="{tmp_path / "w.safetensors"}"'))
     line = _line(err, "train")
     assert code == 2 and "--set model.pretrained=" in line and "not a readable safetensors file" in line
 
 
 def test_profile_warmup_is_read_only_when_profiling(tmp_path):
     env = {**os.environ, "LINGBOT_PROFILE_WARMUP": "abc", "PYTHONPATH": str(ROOT)}
-    ok = subprocess.run([sys.executable, "-c", "import flexpack.training.loop"], env=env, capture_output=True, text=True)
+    ok = subprocess.run([sys.executable, "-c", "import flexpack.training.loop"], env=env, capture_output=True,
+                        text=True)
     assert ok.returncode == 0, ok.stderr
     from flexpack.training.observe.profiling import StepProfiler
 
@@ -161,7 +164,8 @@ def test_profile_warmup_is_read_only_when_profiling(tmp_path):
 
 # ------------------------------------------------------------------ names from data
 @pytest.mark.parametrize("key,tag", [("observation.images..", "_."), ("observation.images...", "_.."),
-                                     ("observation.images.a/../../x", "a_.._.._x"), ("observation.images.wrist", "wrist")])
+                                     ("observation.images.a/../../x", "a_.._.._x"),
+                                     ("observation.images.wrist", "wrist")])
 def test_camera_keys_make_names_inside_the_cache(tmp_path, key, tag):
     from flexpack.data.cache import camera_tag, latent_path
 

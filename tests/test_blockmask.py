@@ -246,7 +246,8 @@ def test_compiled_builder_on_gpu_matches_and_does_not_recompile() -> None:
     from flexpack.attention.flex import _COUNTER, FlexAttnFunc
 
     rng = random.Random(0)
-    refs = [int(x) for x in open("data/episode_frames_ref.txt").read().split("\n") if x.strip() and not x.startswith("#")]
+    refs = [int(x) for x in open("data/episode_frames_ref.txt").read().split("\n")
+            if x.strip() and not x.startswith("#")]
     builder = BlockMaskBuilder(compile=True, compile_backend=_COUNTER.backend)
     attn = FlexAttnFunc("flex")
     Fr = 2080

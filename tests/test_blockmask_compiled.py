@@ -140,7 +140,8 @@ def sweep_cases() -> list[tuple[str, SequenceLayout, str, dict, int]]:
     for budget in BUDGETS:
         frames = budget // (TPF_VIDEO + TPF_ACTION)
         for copies, kinds in ((1, (("document", {}), ("chunk_causal", {"chunk_size": 4}), ("text", {}))),
-                              (2, (("teacher_forcing", {"chunk_size": 4}), ("teacher_forcing", {"chunk_size": 4, "window": 2})))):
+                              (2, (("teacher_forcing", {"chunk_size": 4}),
+                                   ("teacher_forcing", {"chunk_size": 4, "window": 2})))):
             cap = frames // copies  # teacher forcing: the clean copy takes half the budget
             for lens in sampler_packs(cap):
                 sl = SequenceLayout.from_rows([lens], cap, text_len=[7 + i % 5 for i in range(len(lens))])

@@ -21,7 +21,8 @@ def items(lens, seed):
 
 
 DEVICES = [pytest.param("cpu", marks=pytest.mark.slow),
-           pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])]
+           pytest.param("cuda", marks=[pytest.mark.gpu,
+                                       pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -64,8 +65,9 @@ def test_compiled_blocks_keep_diffusers_parity(one_thread):
     """WanVA.from_diffusers with its blocks compiled still matches diffusers' WanTransformer3DModel."""
     diffusers = pytest.importorskip("diffusers")
     torch.manual_seed(0)
-    ref = diffusers.WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, num_layers=2,
-                                          freq_dim=16, in_channels=4, out_channels=3, text_dim=16, ffn_dim=40).eval()
+    ref = diffusers.WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,
+                                          num_layers=2, freq_dim=16, in_channels=4, out_channels=3, text_dim=16,
+                                          ffn_dim=40).eval()
     with torch.no_grad():
         for p in ref.parameters():
             p.add_(torch.randn_like(p) * 0.1)
@@ -73,7 +75,8 @@ def test_compiled_blocks_keep_diffusers_parity(one_thread):
     before = BLOCK_GRAPHS.n
     parallelize(ours, device=torch.device("cpu"), compile=True)
     g = torch.Generator().manual_seed(1)
-    latent, text, t = torch.randn(2, 4, 3, 4, 6, generator=g), torch.randn(2, 5, 16, generator=g), torch.tensor([3.0, 871.0])
+    latent, text, t = (torch.randn(2, 4, 3, 4, 6, generator=g), torch.randn(2, 5, 16, generator=g),
+                       torch.tensor([3.0, 871.0]))
     with torch.no_grad():
         want = ref(hidden_states=latent, timestep=t, encoder_hidden_states=text, return_dict=False)[0]
         got = ours.forward_video(latent, t, text)

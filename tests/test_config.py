@@ -63,9 +63,11 @@ def test_unknown_keys_are_rejected_naming_file_and_key(tmp_path, text, key):
     ('[model]\nmask = "teacher_forcing"\nchunk_size = 2\n', r"needs objective\.teacher_forcing = true"),
     ("[model]\nchunk_size = 2\n", r"model\.chunk_size=2 has no effect with model\.mask='document'"),
     ("[model]\noverrides = { activation_checkpointing = true }\n[runtime]\nactivation_checkpointing = true\n",
-     r"model\.overrides\.activation_checkpointing = True is not a model setting: set runtime\.activation_checkpointing"),
+     r"model\.overrides\.activation_checkpointing = True is not a model setting: "
+     r"set runtime\.activation_checkpointing"),
     ("[model]\noverrides = { activation_checkpointing = true }\n",
-     r"model\.overrides\.activation_checkpointing = True is not a model setting: set runtime\.activation_checkpointing"),
+     r"model\.overrides\.activation_checkpointing = True is not a model setting: "
+     r"set runtime\.activation_checkpointing"),
     ("[schedule]\nrewarmup_from = 1.5\n", r"rewarmup_from must be in \[0, 1\], got 1.5"),
 ])
 def test_bad_values_are_value_errors_naming_the_field(tmp_path, text, match):

@@ -65,7 +65,8 @@ def test_channel_map_checks():
 
 
 def test_normalizer_quantile_and_meanstd():
-    stats = {"q01": np.array([0.0, 5.0]), "q99": np.array([10.0, 5.0]), "mean": np.array([1.0, 1.0]), "std": np.array([2.0, 2.0])}
+    stats = {"q01": np.array([0.0, 5.0]), "q99": np.array([10.0, 5.0]),
+             "mean": np.array([1.0, 1.0]), "std": np.array([2.0, 2.0])}
     norm = ActionNormalizer.from_stats(stats, 2)
     x = np.array([[0.0, 5.0], [5.0, 7.0], [20.0, 1.0]])
     assert norm.mode == "quantile"
@@ -156,13 +157,15 @@ def test_core_imports_without_lerobot(tmp_path):
         loaded = [k for k, v in sys.modules.items() if k.split(".")[0] == "lerobot" and v is not None]
         assert not loaded, loaded
         from flexpack.data.lengths import dataset_latent_frames
-        import pathlib; root = pathlib.Path(sys.argv[1]); (root / "meta").mkdir(); (root / "meta" / "info.json").write_text("{}")
+        import pathlib; root = pathlib.Path(sys.argv[1]); (root / "meta").mkdir()
+        (root / "meta" / "info.json").write_text("{}")
         try:
             dataset_latent_frames(root)
         except ImportError:
             print("OK")
         """
     )
-    res = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    res = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.strip().endswith("OK")

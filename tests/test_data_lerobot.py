@@ -43,7 +43,8 @@ def test_lengths_from_metadata_equal_latent_files(one_cam, two_cam):
         assert dataset_latent_frames(root) == expected
         ds = LatentEpisodeDataset(root)
         assert ds.lengths() == expected and len(ds) == len(lengths)
-        headers = [cache.read_latent_header(cache.latent_path(root / "latents", ["observation.images." + c for c in cams], e))
+        headers = [cache.read_latent_header(cache.latent_path(root / "latents",
+                                                              ["observation.images." + c for c in cams], e))
                    for e in range(len(lengths))]
         assert [h.frames for h in headers] == expected
         assert [h.video_frames for h in headers] == lengths

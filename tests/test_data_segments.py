@@ -73,7 +73,8 @@ def parquet_tasks(root):
     """Per-frame task_index per episode and task strings, read with pandas (not the code under test)."""
     import pandas as pd
 
-    df = pd.read_parquet(sorted((root / "data").rglob("*.parquet")), columns=["episode_index", "frame_index", "task_index"])
+    df = pd.read_parquet(sorted((root / "data").rglob("*.parquet")),
+                         columns=["episode_index", "frame_index", "task_index"])
     tasks = pd.read_parquet(root / "meta" / "tasks.parquet")
     names = dict(zip(tasks["task_index"], tasks.index))
     per_ep = {int(e): g.sort_values("frame_index")["task_index"].to_numpy() for e, g in df.groupby("episode_index")}

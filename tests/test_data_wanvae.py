@@ -69,10 +69,12 @@ def test_bf16_tiling_and_slicing_keep_the_latents(tiny_vae, tmp_path):
     assert next(fp32.vae.parameters()).dtype == torch.float32
     one_by_one = [fp32.encode(v) for v in videos]
     # cameras of one size: one VAE batch, the same latents; slicing runs them one at a time, the same again
-    torch.testing.assert_close(encode_cameras(fp32, videos, ["a", "b"]), torch.cat(one_by_one, -1), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(encode_cameras(fp32, videos, ["a", "b"]), torch.cat(one_by_one, -1),
+                               rtol=1e-4, atol=1e-4)
     sliced = WanVAEEncoder(str(path), slicing=True)
     assert sliced.vae.use_slicing
-    torch.testing.assert_close(encode_cameras(sliced, videos, ["a", "b"]), torch.cat(one_by_one, -1), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(encode_cameras(sliced, videos, ["a", "b"]), torch.cat(one_by_one, -1),
+                               rtol=1e-4, atol=1e-4)
 
     bf16 = WanVAEEncoder(str(path), dtype=torch.bfloat16)
     assert next(bf16.vae.parameters()).dtype == torch.bfloat16  # loaded in bf16, not cast after

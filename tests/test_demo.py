@@ -18,7 +18,8 @@ def test_summary_lists_existing_outputs_only(tmp_path, monkeypatch):
     (out / "demo-data" / "latents" / "stats.json").write_text("{}")
     run = out / "demo-run"
     (run / "tb").mkdir(parents=True)
-    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 3.5}) + "\n" + json.dumps({"step": 40, "loss": 1.25})
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 3.5}) + "\n"
+                                       + json.dumps({"step": 40, "loss": 1.25})
                                        + '\n{"step": 41, "lo')  # a torn last line is skipped
     (run / "metrics.png").write_bytes(b"png")
     (out / "stats_pack.png").write_bytes(b"png")

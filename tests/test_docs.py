@@ -40,7 +40,8 @@ def test_architecture_names_only_layer_tests_that_exist():
     defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
     assert named, "docs/ARCHITECTURE.md no longer names the tests that keep the layer rules"
     for name in named:
-        assert any(d.startswith(name) for d in defined), f"docs/ARCHITECTURE.md names {name}, not in tests/test_layers.py"
+        assert any(d.startswith(name) for d in defined), \
+            f"docs/ARCHITECTURE.md names {name}, not in tests/test_layers.py"
 
 
 def test_the_readme_commands_are_the_makefile_targets():

@@ -36,7 +36,8 @@ def _torchrun() -> str:
 def _encode(root: Path, cwd: Path) -> subprocess.CompletedProcess:
     cmd = [_torchrun(), "--standalone", "--nproc_per_node", "2", "-m", "flexpack.cli", "encode", "--dataset", str(root),
            "--no-progress"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=cwd)
 
 
@@ -50,7 +51,8 @@ def test_two_ranks_split_the_episodes_and_match_one_process(tmp_path):
     proc = _encode(two, tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = sorted(line for line in proc.stdout.splitlines() if "encoded" in line)
-    assert lines[0].startswith("rank 0/2: encoded 3 episode(s)") and lines[1].startswith("rank 1/2: encoded 2 episode(s)")
+    assert (lines[0].startswith("rank 0/2: encoded 3 episode(s)")
+            and lines[1].startswith("rank 1/2: encoded 2 episode(s)"))
     tasks = len(EpisodeSource(two).tasks())
     assert f"wrote {tasks} task text(s)" in lines[0]  # rank 0 encodes every task text
     assert "rank 1/2: encoded 2 episode(s), skipped 0 already cached, wrote 0 task text(s)" in lines[1]
@@ -62,7 +64,8 @@ def test_two_ranks_split_the_episodes_and_match_one_process(tmp_path):
         assert torch.equal(cache.read_tensor(a, "latent"), cache.read_tensor(b, "latent"))
     texts = sorted(p.name for p in (one / "latents" / "text").iterdir())
     assert texts == sorted(p.name for p in (two / "latents" / "text").iterdir()) and texts
-    assert json.loads((two / "latents" / "stats.json").read_text()) == json.loads((one / "latents" / "stats.json").read_text())
+    assert (json.loads((two / "latents" / "stats.json").read_text())
+            == json.loads((one / "latents" / "stats.json").read_text()))
 
     # resumable: a lost file is encoded again by the rank that owns it, the rest are skipped
     cache.latent_path(two / "latents", cams, 3).unlink()

@@ -44,7 +44,8 @@ def test_model_card_names_base_data_steps_config_losses_and_samples(exported):
     card = (tmp / "out" / "README.md").read_text()
     assert card.startswith("---\nlibrary_name: flexpack\nlicense: apache-2.0\n")
     records = [json.loads(line) for line in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert f"- `loss`: {records[-1]['loss']:.5g}" in card and f"- `action_loss`: {records[-1]['action_loss']:.5g}" in card
+    assert (f"- `loss`: {records[-1]['loss']:.5g}" in card
+            and f"- `action_loss`: {records[-1]['action_loss']:.5g}" in card)
     assert "| base model | none (random init, preset 'tiny') |" in card
     assert f"`{cfg.data.root}` (6 episodes, {sum(EpisodeSource(cfg.data.root).video_frames)} frames" in card
     assert "| steps | 2 of 2 (pack mode, 60 tokens per micro-batch" in card
@@ -103,7 +104,8 @@ class LocalFolderApi:
 def test_push_to_hub_uploads_the_whole_folder(exported, tmp_path, monkeypatch):
     _, tmp = exported
     api = LocalFolderApi(tmp_path / "hub")
-    assert push_to_hub(tmp / "out", "lab/policy", private=True, api=api) == f"{tmp_path / 'hub' / 'lab' / 'policy'}@local"
+    assert (push_to_hub(tmp / "out", "lab/policy", private=True, api=api)
+            == f"{tmp_path / 'hub' / 'lab' / 'policy'}@local")
     assert api.calls[0] == ("create_repo", "lab/policy", "model", True, True)
     hub_repo = tmp_path / "hub" / "lab" / "policy"
     sent = sorted(str(p.relative_to(hub_repo)) for p in hub_repo.rglob("*"))
@@ -112,7 +114,8 @@ def test_push_to_hub_uploads_the_whole_folder(exported, tmp_path, monkeypatch):
     import huggingface_hub
 
     monkeypatch.setattr(huggingface_hub, "HfApi", lambda: api)
-    assert cli_main(["export", str(tmp / "run"), str(tmp_path / "again"), "--no-policy", "--push-to-hub", "lab/again"]) == 0
+    assert cli_main(["export", str(tmp / "run"), str(tmp_path / "again"), "--no-policy",
+                     "--push-to-hub", "lab/again"]) == 0
     assert (tmp_path / "hub" / "lab" / "again" / "README.md").is_file()
     assert not (tmp_path / "again" / "lerobot_policy").exists()
 
@@ -143,5 +146,6 @@ def test_missing_extras_are_one_line_naming_the_extra(exported, tmp_path, monkey
     assert "--push-to-hub needs huggingface_hub: pip install 'flexpack[hub]'" in capsys.readouterr().err
     monkeypatch.setitem(sys.modules, "diffusers", None)
     assert cli_main(["export", str(tmp / "run"), str(tmp_path / "b")]) == 2
-    assert "flexpack export: error: flexpack export needs diffusers: pip install 'flexpack[hf]'" in capsys.readouterr().err
+    assert ("flexpack export: error: flexpack export needs diffusers: pip install 'flexpack[hf]'"
+            in capsys.readouterr().err)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # nothing written
