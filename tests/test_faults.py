@@ -77,7 +77,8 @@ def test_sigterm_saves_the_step_exits_143_and_a_second_train_is_refused_meanwhil
     assert res.start_step == done[-1] and logged_steps(out) == list(range(1, done[-1] + 3))
 
 
-def test_kill_9_before_any_checkpoint_then_resume_drops_its_metrics_and_takes_over_the_lock(train_dataset, tmp_path, capfd):
+def test_kill_9_before_any_checkpoint_then_resume_drops_its_metrics_and_takes_over_the_lock(train_dataset, tmp_path,
+                                                                                            capfd):
     out = tmp_path / "run"
     proc = _spawn(train_dataset, out, "schedule.steps=500")  # checkpoint.every=0: none until the end
     try:
@@ -200,7 +201,8 @@ def test_damaged_newest_checkpoint_is_reported_and_the_one_before_used(train_dat
     # nothing usable left: refused (never a silent restart from scratch over the run's checkpoints)
     for p in (out / "checkpoints").glob("step_*/manifest.json"):
         p.unlink()
-    damaged = r"checkpoints: no usable checkpoint, all 2 are damaged \(newest: .*step_00000005: not a complete checkpoint"
+    damaged = (r"checkpoints: no usable checkpoint, all 2 are damaged \(newest: "
+               r".*step_00000005: not a complete checkpoint")
     with pytest.raises(ValueError, match=damaged):
         train(config(train_dataset, out, "schedule.steps=6"))
     assert logged_steps(out) == [1, 2, 3, 4, 5]
@@ -227,7 +229,8 @@ def test_config_json_stays_the_first_and_each_start_is_appended_to_the_history(t
     assert [h["start_step"] for h in history] == [0, 2] and history[0]["changed"] == {}
     assert history[1]["changed"] == {"optim.lr": [3e-3, 1e-3], "schedule.steps": [2, 3]}
     assert history[1]["config"]["schedule"]["steps"] == 3 and history[1]["world_size"] == 1
-    assert "resuming at step 2 with changed config: optim.lr 0.003 -> 0.001, schedule.steps 2 -> 3" in capfd.readouterr().err
+    assert ("resuming at step 2 with changed config: optim.lr 0.003 -> 0.001, schedule.steps 2 -> 3"
+            in capfd.readouterr().err)
 
 
 def test_resume_with_another_epoch_order_or_model_shape_is_one_line_naming_the_values(train_dataset, tmp_path):
@@ -263,7 +266,8 @@ def test_graceful_stop_records_the_first_signal_and_a_second_ctrl_c_interrupts_a
                                                  "RUN/checkpoints/step_00000007; run the same command again to resume")
 
 
-def test_checkpoint_carries_the_action_statistics_and_loads_into_a_plain_model_for_verify(train_dataset, tmp_path, capfd):
+def test_checkpoint_carries_the_action_statistics_and_loads_into_a_plain_model_for_verify(train_dataset, tmp_path,
+                                                                                          capfd):
     from flexpack.data import LatentEpisodeDataset
     from flexpack.training.runstate import resume
     from flexpack.training.verify import verify_config

@@ -112,7 +112,8 @@ def test_crafted_non_tensor_item_in_a_shard_runs_nothing(tmp_path):
     planner = SafePlanner()
     planner._source = "state"
     item = SimpleNamespace(dest_index=SimpleNamespace(fqn="optim.param_groups.0.lr"))
-    with pytest.raises(UnsafeCheckpointError, match=r"optim.param_groups.0.lr is not plain data.*nothing in it was run"):
+    with pytest.raises(UnsafeCheckpointError,
+                       match=r"optim.param_groups.0.lr is not plain data.*nothing in it was run"):
         planner.load_bytes(item, io.BytesIO(_torch_payload(marker)))
     assert not marker.exists()
 
@@ -128,7 +129,8 @@ def test_metadata_unpickler_reads_real_metadata_and_refuses_a_payload(run4, tmp_
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "metadata", "train_state", "manifest"])
-def test_damaged_newest_checkpoint_falls_back_loudly_for_every_kind_of_damage(capsys, tiny_dataset, run4, tmp_path, damage):
+def test_damaged_newest_checkpoint_falls_back_loudly_for_every_kind_of_damage(capsys, tiny_dataset, run4, tmp_path,
+                                                                              damage):
     run, old, new = _copy(run4, tmp_path)
     shard = new / "state" / "__0_0.distcp"
     if damage == "flip":  # same size, other bytes: only the checksum sees it
@@ -145,8 +147,8 @@ def test_damaged_newest_checkpoint_falls_back_loudly_for_every_kind_of_damage(ca
     why = checkpoint.problem(new)
     assert why is not None and str(new) in why
     assert checkpoint.latest(run / "checkpoints") == old
-    code, err = run_cli(capsys, "verify", str(TINY), "--set", f'data.root="{tiny_dataset}"', "--set", "data.max_tokens=60",
-                     "--checkpoint", str(run))
+    code, err = run_cli(capsys, "verify", str(TINY), "--set", f'data.root="{tiny_dataset}"',
+                        "--set", "data.max_tokens=60", "--checkpoint", str(run))
     assert f"verify: warning: {why}; using the checkpoint before it" in err
     assert f"verify: checkpoint {old} (step 2)" in err
     code, err = run_cli(capsys, "export", str(run), str(tmp_path / "exp"))
@@ -212,7 +214,8 @@ def test_kill_during_pruning_leaves_only_trash_which_the_next_start_removes(caps
               "checkpoint.shutil.rmtree = rmtree\n"
               "checkpoint.prune(sys.argv[1], 1)\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", script, str(run / "checkpoints")], env=env, capture_output=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", script, str(run / "checkpoints")], env=env, capture_output=True,
+                          timeout=120)
     assert proc.returncode == -signal.SIGKILL
     trash = run / "checkpoints" / ".trash-step_00000002"
     assert trash.is_dir() and not old.exists()  # never a half checkpoint under a checkpoint's name

@@ -20,7 +20,8 @@ from flexpack.training.flow.noise import episode_flow_sample  # noqa: E402
 from flexpack.training.flow.objective import FlowMatchingConfig, flow_loss  # noqa: E402
 from flexpack.training.parallel import parallelize  # noqa: E402
 
-BLOCK_LAYERS = ["self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o", "cross_attn.q", "cross_attn.o", "ffn.fc1", "ffn.fc2"]
+BLOCK_LAYERS = ["self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o", "cross_attn.q", "cross_attn.o",
+                "ffn.fc1", "ffn.fc2"]
 
 
 def test_filter_converts_the_5b_blocks_linears_but_not_text_kv_heads_or_embeddings():
@@ -58,7 +59,8 @@ def test_off_and_bad_modes():
 
 def test_check_says_what_is_missing(monkeypatch):
     float8.check("off", torch.device("cpu"))  # nothing needed
-    with pytest.raises(UserError, match=r"needs an NVIDIA GPU of compute capability 8.9 .*on cpu; set runtime.float8 = 'off'"):
+    with pytest.raises(UserError,
+                       match=r"needs an NVIDIA GPU of compute capability 8.9 .*on cpu; set runtime.float8 = 'off'"):
         float8.check("rowwise", torch.device("cpu"))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "A100")
@@ -125,7 +127,8 @@ def test_float8_matmuls_on_gpu_close_to_bf16(mode):
     out = []
     for m in (ref, f8):
         with torch.autocast("cuda", torch.bfloat16):
-            out.append(float(flow_loss(m(sample.inputs, **sample.model_kwargs(), text_slots=4), sample, batch, cfg).loss))
+            out.append(float(
+                flow_loss(m(sample.inputs, **sample.model_kwargs(), text_slots=4), sample, batch, cfg).loss))
     assert abs(out[1] - out[0]) < 0.03 * out[0]
 
 
@@ -139,8 +142,8 @@ def test_checkpoints_switch_float8_on_and_off_on_resume(one_thread, monkeypatch,
     monkeypatch.setattr(float8, "check", lambda mode, device: None)  # CPU: emulated float8
 
     def cfg(out, steps, mode):  # two micro-steps per step, as configs/tiny_cpu.toml has it
-        return tiny_config(tiny_dataset, out, "optim.accum_steps=2", "runtime.tensorboard=false", f"schedule.steps={steps}",
-                           f"runtime.float8='{mode}'")
+        return tiny_config(tiny_dataset, out, "optim.accum_steps=2", "runtime.tensorboard=false",
+                           f"schedule.steps={steps}", f"runtime.float8='{mode}'")
 
     plain = train(cfg(tmp_path / "plain", 2, "off"))
     on = train(cfg(tmp_path / "on", 2, "rowwise"))
@@ -177,7 +180,8 @@ def test_fsdp2_float8_all_gather_saves_plain_weights(tmp_path):
                           cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     r0 = torch.load(tmp_path / "rank0.pt", weights_only=False)
-    assert r0["all_gather"] and r0["weight_type"] == "DTensor" and r0["local_type"] == "WeightWithDynamicFloat8CastTensor"
+    assert (r0["all_gather"] and r0["weight_type"] == "DTensor"
+            and r0["local_type"] == "WeightWithDynamicFloat8CastTensor")
     plain = WanVA(wan_config("tiny", num_layers=2), attn=FlexAttnFunc("dense"))
     sd = plain.state_dict()
     assert set(sd) == set(r0["full"])

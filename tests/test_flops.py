@@ -20,7 +20,8 @@ def test_linear_flops_equal_the_flop_counter_of_a_forward():
     model = WanVA(cfg)
     F, H, W, L, A = 5, 4, 6, 3, 4  # 2x2 patches: 6 video tokens per latent frame
     lay = SequenceLayout.from_rows([[F]], F, text_len=[L], mode="pad")
-    batch = SimpleNamespace(latent=torch.randn(1, cfg.in_channels, F, H, W), action=torch.randn(1, cfg.action_channels, F, A),
+    batch = SimpleNamespace(latent=torch.randn(1, cfg.in_channels, F, H, W),
+                            action=torch.randn(1, cfg.action_channels, F, A),
                             text=torch.randn(1, L, cfg.text_dim), layout=lay)
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
         model(batch, timestep=torch.rand(1, F) * 1000)
@@ -42,7 +43,8 @@ def test_padding_and_layout_forms_agree():
     assert from_tokens == useful_flops(cfg, packed, video_tokens=32, action_tokens=4)
     assert from_tokens == useful_flops(cfg, frames, 512, video_tokens=32, action_tokens=4)
     # each episode alone: the sum (no cross-episode pairs, pad counts nothing)
-    assert from_tokens == pytest.approx(sum(useful_flops(cfg, [f], 512, video_tokens=32, action_tokens=4) for f in frames))
+    assert from_tokens == pytest.approx(sum(useful_flops(cfg, [f], 512, video_tokens=32, action_tokens=4)
+                                            for f in frames))
     # the block matmuls are 2 FLOPs per weight per token: 2 * N * (weights of q, k, v, o, FFN, cross q, o) per layer
     b = flops_breakdown(cfg, [100], 0, video_tokens=36)
     D, Fd, n = 3072, 14336, 3600

@@ -11,7 +11,8 @@ rows_strategy = st.lists(st.lists(st.integers(1, 9), min_size=0, max_size=4), mi
 
 
 @settings(max_examples=60, deadline=None)
-@given(rows=rows_strategy, extra=st.integers(0, 5), nv=st.integers(0, 4), na=st.integers(0, 3), copies=st.sampled_from([1, 2]))
+@given(rows=rows_strategy, extra=st.integers(0, 5), nv=st.integers(0, 4), na=st.integers(0, 3),
+       copies=st.sampled_from([1, 2]))
 def test_token_layout_invariants(rows, extra, nv, na, copies):
     if nv + na == 0:
         nv = 1

@@ -77,7 +77,8 @@ def _simulate_device(monkeypatch) -> None:
         moved = batch_to(self, device, non_blocking)
         data = {f.name: _watched(getattr(moved, f.name)) for f in fields(moved)
                 if isinstance(getattr(moved, f.name), torch.Tensor)}
-        return replace(moved, layout=_on_device(moved.layout), extras={k: _watched(v) for k, v in moved.extras.items()}, **data)
+        return replace(moved, layout=_on_device(moved.layout),
+                       extras={k: _watched(v) for k, v in moved.extras.items()}, **data)
 
     def device_tokens(self, *a, **k):
         out = tokens(self, *a, **k)  # computed on the host copy
@@ -99,8 +100,8 @@ def _train_watched(monkeypatch, tiny_dataset, tmp_path, overrides=()):
     _Watched.reads, _Watched.step = [], 0
     cfg = load_config(CONFIGS / "tiny_cpu.toml", [
         f'data.root="{tiny_dataset}"', f'runtime.out_dir="{tmp_path / "run"}"', "runtime.progress=false",
-        "data.max_tokens=60", "checkpoint.every=0", "runtime.tensorboard=false", "schedule.steps=7", "runtime.log_every=3",
-        *overrides])
+        "data.max_tokens=60", "checkpoint.every=0", "runtime.tensorboard=false", "schedule.steps=7",
+        "runtime.log_every=3", *overrides])
     return train(cfg)
 
 
@@ -129,7 +130,8 @@ def test_host_side_values_of_a_device_layout_come_from_its_host_copy():
     """Token expansion, the text mask's check and the episode runs of sdpa-loop / varlen read the
     host copy of a device layout; a layout without one (changed by ``replace``) is read back, and
     the check above sees that."""
-    batch = PackCollate(12)([{"latent": torch.zeros(2, n, 1, 1), "text": torch.zeros(3, 4), "text_len": 2} for n in (5, 4)])
+    batch = PackCollate(12)([{"latent": torch.zeros(2, n, 1, 1), "text": torch.zeros(3, 4), "text_len": 2}
+                             for n in (5, 4)])
     _Watched.reads, _Watched.step = [], 1
     device = _on_device(batch.layout)
     tl = _on_device(device.tokens(video_tokens=1, action_tokens=2), frames=device)

@@ -96,8 +96,8 @@ def test_teacher_forcing_packed_equals_per_episode():
     g = torch.Generator().manual_seed(0)
     sig = [torch.rand(n, generator=g) for n in lengths]
     packed = PackCollate(9)(items)
-    sp = make_flow_sample(packed, cfg, sigma=frame_grid(items, PackCollate(9), sig), noise=torch.zeros_like(packed.latent),
-                          action_noise=torch.zeros_like(packed.action))
+    sp = make_flow_sample(packed, cfg, sigma=frame_grid(items, PackCollate(9), sig),
+                          noise=torch.zeros_like(packed.latent), action_noise=torch.zeros_like(packed.action))
     assert sp.inputs.latent.shape[0] == 2 and torch.all(sp.timestep[1] == 0)
     with torch.no_grad():
         out = model(sp.inputs, **sp.model_kwargs(), mask="teacher_forcing", chunk_size=2)
@@ -231,7 +231,8 @@ def test_tiny_trains_on_cpu_in_seconds():
         opt.step()
         losses.append(loss.item())
     per_step = (time.perf_counter() - start) / len(losses)
-    print(f"tiny: {model.num_parameters()} params, {per_step * 1e3:.1f} ms/step, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    print(f"tiny: {model.num_parameters()} params, {per_step * 1e3:.1f} ms/step, "
+          f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
     assert losses[-1] < 0.7 * losses[0]
     assert per_step < 1.0
 

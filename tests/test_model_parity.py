@@ -17,8 +17,10 @@ diffusers = pytest.importorskip("diffusers")
 REL = 1e-5
 CONFIGS = [
     # (diffusers kwargs, latent (C, F, H, W), text length)
-    (dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, num_layers=2, freq_dim=16), (4, 3, 4, 6), 7),
-    (dict(patch_size=(2, 1, 2), num_attention_heads=3, attention_head_dim=16, num_layers=1, freq_dim=10), (4, 4, 3, 4), 5),
+    (dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, num_layers=2,
+          freq_dim=16), (4, 3, 4, 6), 7),
+    (dict(patch_size=(2, 1, 2), num_attention_heads=3, attention_head_dim=16, num_layers=1,
+          freq_dim=10), (4, 4, 3, 4), 5),
     (dict(patch_size=(1, 1, 1), num_attention_heads=4, attention_head_dim=8, num_layers=3, freq_dim=8,
           cross_attn_norm=False), (4, 2, 3, 2), 3),
 ]

@@ -52,7 +52,8 @@ def test_episode_noise_is_deterministic_and_seeded_per_episode():
 def test_cropping_an_episode_keeps_the_noise_of_its_frames():
     cfg = FlowMatchingConfig(chunk_size=2)
     full, crop = item(6), item(6)
-    crop = {**crop, "latent": crop["latent"][:, :4], "action": crop["action"][:, :4], "action_mask": crop["action_mask"][:, :4]}
+    crop = {**crop, "latent": crop["latent"][:, :4], "action": crop["action"][:, :4],
+            "action_mask": crop["action_mask"][:, :4]}
     a = episode_flow_sample(PackCollate(6)([full]), cfg, [5])
     b = episode_flow_sample(PackCollate(4)([crop]), cfg, [5])
     noise_a = a.target_latent + PackCollate(6)([full]).latent

@@ -123,7 +123,8 @@ def test_padding_and_unused_action_channels_change_neither_loss_nor_gradients():
     model = tiny()
     b = replace(batch, action=act)
     sample = make_flow_sample(b, cfg, torch.Generator().manual_seed(0))
-    assert not torch.equal(flow_loss(model(sample.inputs, **sample.model_kwargs()), sample, b, cfg).loss.detach(), results[0][0])
+    assert not torch.equal(flow_loss(model(sample.inputs, **sample.model_kwargs()), sample, b, cfg).loss.detach(),
+                           results[0][0])
 
 
 def _grid(collate, items, per_episode: list[torch.Tensor], key: str) -> torch.Tensor:

@@ -47,7 +47,8 @@ def test_decay_applies_only_to_the_decay_group(capsys):
     assert "blocks.*.modulation" in listed and "blocks.0." not in listed  # block indices folded
     build_optimizer(model, load_config(overrides=["optim.weight_decay=0"]).optim, log=True)
     total = sum(p.numel() for p in model.parameters())
-    assert capsys.readouterr().out == f"optim: AdamW, no weight decay ({n_decay + n_rest} tensors, {total:,} parameters)\n"
+    assert (capsys.readouterr().out
+            == f"optim: AdamW, no weight decay ({n_decay + n_rest} tensors, {total:,} parameters)\n")
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     for p in model.parameters():
         p.grad = torch.zeros_like(p)  # Adam's step is 0: only decoupled weight decay moves weights

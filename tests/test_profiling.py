@@ -274,7 +274,8 @@ def test_cuda_summary_mfu_from_useful_flops_over_the_peak():
 
 def test_profile_step_benchmark_smoke(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "profile_step.py"), "--smoke", "--out", str(tmp_path / "ps")],
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "profile_step.py"), "--smoke",
+                          "--out", str(tmp_path / "ps")],
                          capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "| attention | gemm | elementwise | communication | optimizer | other | MFU |" in out.stdout
