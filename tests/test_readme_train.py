@@ -61,9 +61,11 @@ def _free_port() -> int:
 @pytest.mark.slow
 def test_readme_block_runs_end_to_end(tmp_path):
     lines = readme_block()
-    assert any(line.startswith("torchrun --nnodes") for line in lines) and any("flexpack export" in line for line in lines)
+    assert (any(line.startswith("torchrun --nnodes") for line in lines)
+            and any("flexpack export" in line for line in lines))
     home = tmp_path / "lerobot-home"
-    make_synthetic_dataset(home / "lerobot" / "aloha_sim_insertion_human", lengths=[37, 29, 25, 21, 17, 13, 9, 9], seed=3)
+    make_synthetic_dataset(home / "lerobot" / "aloha_sim_insertion_human", lengths=[37, 29, 25, 21, 17, 13, 9, 9],
+                           seed=3)
     wan, run = tiny_wan(tmp_path / "wan"), tmp_path / "run"
     tiny = ("--set data.max_tokens=120 --set data.num_workers=0 --set runtime.progress=false --set checkpoint.every=0 "
             "--set schedule.warmup_steps=1 --set schedule.rewarmup_steps=0 --set runtime.eval_every=1")
@@ -82,7 +84,8 @@ def test_readme_block_runs_end_to_end(tmp_path):
         script.append(line)
     env = {**os.environ, "HF_LEROBOT_HOME": str(home), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run(["bash", "-c", "\n".join(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(["bash", "-c", "\n".join(script)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
     assert proc.returncode == 0, "\n".join(script) + "\n" + proc.stdout[-4000:] + proc.stderr[-8000:]
 
     data = home / "lerobot" / "aloha_sim_insertion_human"
@@ -96,5 +99,6 @@ def test_readme_block_runs_end_to_end(tmp_path):
     assert [r["step"] for r in recs if "val_loss" in r] == [1, 2, 3]
     exported = json.loads((run / "export" / "ema" / "config.json").read_text())
     assert (exported["in_channels"], exported["text_dim"], exported["num_layers"]) == (4, 16, 2)  # the pretrained shape
-    assert (run / "export" / "action_stream.safetensors").is_file() and (run / "export" / "normalization.json").is_file()
+    assert ((run / "export" / "action_stream.safetensors").is_file()
+            and (run / "export" / "normalization.json").is_file())
     assert re.search(r"exported .* -> ", proc.stdout)

@@ -143,7 +143,8 @@ def test_sharded_checkpoints_resume_on_2_ranks_exactly_and_elastically_2_to_1_an
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    got = {f.name.split(".")[0] + f.name.split(".")[1][-1]: json.loads(f.read_text()) for f in tmp_path.glob("*.rank*.json")}
+    got = {f.name.split(".")[0] + f.name.split(".")[1][-1]: json.loads(f.read_text())
+           for f in tmp_path.glob("*.rank*.json")}
 
     # 2 -> 2: the same episodes and losses as the uninterrupted run (model, optimizer, sampler, noise)
     for r in "01":
@@ -159,7 +160,8 @@ def test_sharded_checkpoints_resume_on_2_ranks_exactly_and_elastically_2_to_1_an
     flat = [e for b in after.episodes for e in b]
     assert r_c >= 1 and r_d >= 1
     assert after.start_step == 1 and before.isdisjoint(flat) and before | set(flat) == set(range(6))
-    assert json.loads((checkpoint.latest(tmp_path / "C" / "checkpoints") / "train_state.json").read_text())["world_size"] == 1
+    assert json.loads(
+        (checkpoint.latest(tmp_path / "C" / "checkpoints") / "train_state.json").read_text())["world_size"] == 1
 
     # 1 -> 2: the first rank's step, then the two new ranks, cover epoch 0 once
     history = [json.loads(line) for line in (tmp_path / "D" / "config_history.jsonl").read_text().splitlines()]

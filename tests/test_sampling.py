@@ -241,7 +241,8 @@ def test_metrics_and_baselines_against_numpy():
     assert out["action_l1_raw"] == pytest.approx(out["action_l1"] * 2)
 
     last = np.array([0.3, -0.4])[:, None, None]  # channel 0: the masked 0.4 is skipped
-    assert out["baselines"]["last"]["action_mse"] == pytest.approx(((last - true) ** 2 * np.ones_like(true))[msk].mean())
+    assert (out["baselines"]["last"]["action_mse"]
+            == pytest.approx(((last - true) ** 2 * np.ones_like(true))[msk].mean()))
     mean_n = normalize(norm, np.array(mean_raw))  # [-0.5, 0.25]
     np.testing.assert_allclose(mean_n, [-0.5, 0.25])
     assert out["baselines"]["mean"]["action_mse"] == pytest.approx(((mean_n[:, None, None] - true) ** 2)[msk].mean())

@@ -224,7 +224,8 @@ def test_sample_every_with_too_short_held_out_episodes_fails_before_training(tin
     run = tmp_path / "short"
     cfg = load_config(CONFIGS / "tiny_cpu.toml", _sets(tiny_dataset, run, "schedule.steps=2", "runtime.sample_every=1",
                                                          "data.val_episodes=[5]", "runtime.sample_horizon=4"))
-    with pytest.raises(ValueError, match=r"runtime.sample_every=1: no episode has room for a cut point.*sample_horizon"):
+    with pytest.raises(ValueError,
+                       match=r"runtime.sample_every=1: no episode has room for a cut point.*sample_horizon"):
         train(cfg)  # episode 5 has 3 latent frames: one context frame + 4 do not fit
     assert not (run / "checkpoints").exists()
 
@@ -265,8 +266,8 @@ def test_in_training_sampling_equals_the_cli_on_the_final_checkpoint(tiny_datase
             f"runtime.sample_ema={str(ema).lower()}"]
     train(load_config(CONFIGS / "tiny_cpu.toml", _sets(tiny_dataset, run, *more)))
     rec = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if "sample/action_mse" in x][-1]
-    code, _, err = _cli(capsys, run, "--checkpoint", run, "--val", "--out", tmp_path / "cli", "--steps", 2, "--plots", 0,
-                        "--cuts", 2, "--horizon", 2, *(["--ema"] if ema else []))
+    code, _, err = _cli(capsys, run, "--checkpoint", run, "--val", "--out", tmp_path / "cli", "--steps", 2,
+                        "--plots", 0, "--cuts", 2, "--horizon", 2, *(["--ema"] if ema else []))
     assert code == 0, err
     cli = json.loads((tmp_path / "cli" / "metrics.json").read_text())
     hook = json.loads((run / "samples" / "step_00000003" / "metrics.json").read_text())

@@ -50,7 +50,8 @@ def test_policy_saves_matmuls_and_attention_and_recomputes_the_rest():
     for op in (aten.mm.default, aten.addmm.default, aten._scaled_mm.default, torch.ops.higher_order.flex_attention,
                aten._scaled_dot_product_flash_attention_for_cpu.default):
         assert selective.policy(None, op) == CheckpointPolicy.MUST_SAVE, op
-    for op in (aten.add.Tensor, aten.mul.Tensor, aten.native_layer_norm.default, aten.gelu.default, aten._to_copy.default):
+    for op in (aten.add.Tensor, aten.mul.Tensor, aten.native_layer_norm.default, aten.gelu.default,
+               aten._to_copy.default):
         assert selective.policy(None, op) == CheckpointPolicy.PREFER_RECOMPUTE, op
 
 
@@ -60,7 +61,8 @@ def test_selective_eager_gives_the_same_gradients(one_thread, monkeypatch):
     policy = selective.policy
     monkeypatch.setattr(selective, "policy", lambda ctx, func, *a, **k: seen.append(func) or policy(ctx, func, *a, **k))
     _, l1, g1, model = _run("selective")
-    assert torch.ops.aten.mm.default in seen or torch.ops.aten.addmm.default in seen  # the policy ran on the blocks' ops
+    # the policy ran on the blocks' ops
+    assert torch.ops.aten.mm.default in seen or torch.ops.aten.addmm.default in seen
     assert all(type(b).__name__ == "CheckpointWrapper" for b in model.blocks)
     assert l1 == l0
     for a, b in zip(g1, g0):
@@ -70,7 +72,8 @@ def test_selective_eager_gives_the_same_gradients(one_thread, monkeypatch):
 def test_selective_is_a_config_value():
     from flexpack.training.config import load_config
 
-    assert load_config(overrides=["runtime.activation_checkpointing='selective'"]).runtime.activation_checkpointing == "selective"
+    assert (load_config(overrides=["runtime.activation_checkpointing='selective'"]).runtime.activation_checkpointing
+            == "selective")
     want = "runtime.activation_checkpointing must be true, false, a block count >= 0 or 'selective', got 'some'"
     with pytest.raises(ValueError, match=want):
         load_config(overrides=["runtime.activation_checkpointing='some'"])

@@ -24,8 +24,10 @@ def skip_calls() -> list[tuple[str, int, str, str | None]]:
     found = []
     for path in sorted(TESTS.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("skipif", "skip"):
-                found.append((path.name, node.lineno, node.func.attr, _reason(node, 1 if node.func.attr == "skipif" else 0)))
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ("skipif", "skip")):
+                found.append((path.name, node.lineno, node.func.attr,
+                              _reason(node, 1 if node.func.attr == "skipif" else 0)))
     return found
 
 
@@ -48,4 +50,5 @@ def test_cuda_skips_say_cuda():
                     why = _reason(node, 1) or ""
                     assert "CUDA" in why, f"{path.name}:{node.lineno}: {why!r}"
                     seen += 1
-    assert seen >= 6  # test_attention, test_blockmask (2), test_blockmask_compiled, test_compiled_step, test_profiling, ...
+    # test_attention, test_blockmask (2), test_blockmask_compiled, test_compiled_step, test_profiling, ...
+    assert seen >= 6

@@ -140,7 +140,8 @@ def test_one_episode_packs_have_no_host_syncs_after_warmup(no_syncs):
     blocks trace FlexAttention over the block mask instead."""
     torch.manual_seed(0)
     lengths = [100, 90, 120, 70, 110, 80, 128, 75, 95, 105, 85, 115]  # > 64 of the 128 frames: one per pack
-    out = run_steps(config("document", "auto"), torch.device("cuda"), warmup=3, checked=3, check=no_syncs, lengths=lengths)
+    out = run_steps(config("document", "auto"), torch.device("cuda"), warmup=3, checked=3, check=no_syncs,
+                    lengths=lengths)
     assert out["graphs"]["after"] == out["graphs"]["before"]
     assert set(out["episodes"]) == {1}
     assert len(out["losses"]) == 6 and all(0.0 < x < 100.0 for x in out["losses"]), out["losses"]
@@ -167,6 +168,7 @@ def test_skip_nonfinite_waits_exactly_once_per_step():
         caught.extend(str(w.message) for w in seen if "called a synchronizing" in str(w.message))
 
     torch.manual_seed(0)
-    out = run_steps(config("document", "flex", skip_nonfinite=True), torch.device("cuda"), warmup=3, checked=3, check=count)
+    out = run_steps(config("document", "flex", skip_nonfinite=True), torch.device("cuda"), warmup=3, checked=3,
+                    check=count)
     assert len(caught) == 3, caught  # one per checked step
     assert all(0.0 < x < 100.0 for x in out["losses"]), out["losses"]

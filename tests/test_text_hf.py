@@ -54,7 +54,8 @@ def test_umt5_encodes_the_tasks_masked_and_cached_in_bf16(dataset, tmp_path):
     assert n_long == n_short and torch.allclose(long[:n_short], short[:n_short], atol=1e-5)
     # rerunning skips everything; another max length re-encodes
     assert encode_dataset(dataset, text_encoder=f"umt5:{enc}", text_max_len=12, progress=False).texts_written == []
-    assert len(encode_dataset(dataset, text_encoder=f"umt5:{enc}", text_max_len=10, progress=False).texts_written) == len(tasks)
+    assert len(encode_dataset(dataset, text_encoder=f"umt5:{enc}", text_max_len=10,
+                              progress=False).texts_written) == len(tasks)
 
 
 def test_batches_equal_single_texts_and_pipeline_layout(tmp_path):

@@ -95,7 +95,8 @@ def test_missing_wandb_is_one_line_before_any_work(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # import fails as if not installed
     cfg = load_config(None, ["runtime.wandb=true", 'data.root="/nonexistent/data"'])
-    with pytest.raises(ValueError, match=r"^runtime.wandb = true needs the wandb package: pip install 'flexpack\[wandb\]'"):
+    with pytest.raises(ValueError,
+                       match=r"^runtime.wandb = true needs the wandb package: pip install 'flexpack\[wandb\]'"):
         train(cfg)
 
 
@@ -129,7 +130,8 @@ def test_plot_errors_are_one_line(tmp_path, capsys):
     assert cli_main(["plot", str(tmp_path / "missing")]) == 2
     assert capsys.readouterr().err.strip() == f"flexpack plot: error: {tmp_path / 'missing'} does not exist"
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match=r"empty/metrics.jsonl does not exist \(is .*empty a run folder of `flexpack train`"):
+    with pytest.raises(ValueError,
+                       match=r"empty/metrics.jsonl does not exist \(is .*empty a run folder of `flexpack train`"):
         read_metrics(tmp_path / "empty")
     bad = tmp_path / "metrics.jsonl"
     bad.write_text('{"step": 1, "loss": 1}\nnot json\n{"step": 2}\n')

@@ -51,7 +51,8 @@ def test_lr_schedule_warmup_cosine_constant_and_rewarmup():
 
 def test_cli_train_loss_decreases_and_logs(dataset, tmp_path):
     out = tmp_path / "run"
-    args = ["train", str(CONFIGS / "tiny_cpu.toml"), "--set", f'data.root="{dataset}"', "--set", f'runtime.out_dir="{out}"',
+    args = ["train", str(CONFIGS / "tiny_cpu.toml"), "--set", f'data.root="{dataset}"',
+            "--set", f'runtime.out_dir="{out}"',
             "--set", "schedule.steps=30", "--set", "optim.accum_steps=1", "--set", "runtime.progress=false",
             "--set", "checkpoint.every=10"]
     assert cli_main(args) == 0
@@ -116,7 +117,8 @@ def test_resume_mid_epoch_gives_the_same_batches_losses_and_rewarmed_lr(dataset,
     # model, optimizer and noise resume exactly: the same losses as the uninterrupted run
     assert first.losses + second.losses == pytest.approx(full.losses, rel=1e-5)
     # with re-warmup the LR restarts at 0.25x the schedule and reaches it after 2 steps
-    cfg = config(dataset, tmp_path / "c", "schedule.steps=6", "schedule.rewarmup_steps=2", "schedule.rewarmup_from=0.25")
+    cfg = config(dataset, tmp_path / "c", "schedule.steps=6", "schedule.rewarmup_steps=2",
+                 "schedule.rewarmup_from=0.25")
     train(cfg, stop_after=3)
     third = train(cfg)
     sched = [lr_at(s, cfg.optim.lr, cfg.schedule) for s in (3, 4, 5)]
@@ -161,7 +163,8 @@ def test_profiling_writes_trace_and_table_when_LINGBOT_PROFILE_2(dataset, tmp_pa
     monkeypatch.setenv("LINGBOT_PROFILE", "2")
     monkeypatch.setenv("LINGBOT_PROFILE_WARMUP", "1")
     train(config(dataset, tmp_path / "prof", "schedule.steps=5"))
-    trace, table = tmp_path / "prof" / "profile" / "trace_rank0.json", tmp_path / "prof" / "profile" / "top_ops_rank0.txt"
+    trace, table = (tmp_path / "prof" / "profile" / "trace_rank0.json",
+                    tmp_path / "prof" / "profile" / "top_ops_rank0.txt")
     events = json.loads(trace.read_text())["traceEvents"]
     assert sum(e.get("name", "").startswith("ProfilerStep#") for e in events) == 2  # exactly the n active steps
     assert "aten::" in table.read_text() and table.read_text().startswith("2 profiled step(s)")

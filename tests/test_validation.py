@@ -63,7 +63,8 @@ def test_validation_loss_is_logged_held_out_and_reproducible(dataset, tmp_path):
     # the final model evaluated afresh gives the logged number: fixed noise and timesteps per episode
     model = build_model(cfg)
     checkpoint.load(checkpoint.latest(tmp_path / "a" / "checkpoints"), model, restore_rng=False)
-    assert Validator(cfg, torch.device("cpu")).evaluate(model)["val_loss"] == pytest.approx(val[1]["val_loss"], rel=1e-6)
+    assert (Validator(cfg, torch.device("cpu")).evaluate(model)["val_loss"]
+            == pytest.approx(val[1]["val_loss"], rel=1e-6))
     # ... however the held-out items are batched, and whatever the run seed
     for other in (["data.mode='pad'", "data.batch_size=1"], ["runtime.seed=5"]):
         again = Validator(_cfg(dataset, tmp_path / "x", *other), torch.device("cpu")).evaluate(model)

@@ -67,8 +67,8 @@ def test_episodes_alone_in_the_pack_shape_equal_them_unpadded():
     report = verify_batch(model(), items([5, 3, 7, 2]), PackCollate(20), FlowMatchingConfig(), seed=4,
                           alone_collate=PackCollate(20))
     assert report.ok and report.max_err < 1e-5 and [r.frames for r in report.rows] == [5, 3, 7, 2]
-    bad = verify_batch(model(), items([5, 3, 7, 2]), PackCollate(20), FlowMatchingConfig(), alone_collate=PackCollate(20),
-                       drop_packing=True)
+    bad = verify_batch(model(), items([5, 3, 7, 2]), PackCollate(20), FlowMatchingConfig(),
+                       alone_collate=PackCollate(20), drop_packing=True)
     assert not bad.ok and min(r.video_err for r in bad.rows) > 1e-3
 
 
@@ -154,7 +154,8 @@ def test_bad_backend_for_dtype_and_checkpoint_of_another_shape_are_one_line(caps
     rc, out, err = _verify(capsys, "--set", flash)
     assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1
     assert "attn_backend = 'flex-flash' (FA4) takes bfloat16 inputs" in err and "runtime.dtype = 'float32'" in err
-    other = WanVA(wan_config("tiny", in_channels=48, text_dim=64, action_channels=6, dim=96, ffn_dim=96))  # tiny_cpu: dim 64
+    other = WanVA(wan_config("tiny", in_channels=48, text_dim=64, action_channels=6, dim=96,  # tiny_cpu: dim 64
+                             ffn_dim=96))
     checkpoint.save(tmp_path / "checkpoints", 3, other, None)
     rc, out, err = _verify(capsys, "--checkpoint", str(tmp_path))
     assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1 and err.startswith("flexpack verify: error: ")
@@ -192,13 +193,14 @@ def test_fsdp2_under_torchrun_passes_and_catches_dropped_packing(tmp_path):
     if torchrun is None:
         pytest.skip("torchrun not found next to the interpreter or on PATH")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [torchrun, "--nproc_per_node", "2", "-m", "flexpack.cli", "verify", TINY, "--synthetic", "--micro-batches", "1",
-           "--set", "runtime.dtype='bfloat16'"]
+    cmd = [torchrun, "--nproc_per_node", "2", "-m", "flexpack.cli", "verify", TINY, "--synthetic",
+           "--micro-batches", "1", "--set", "runtime.dtype='bfloat16'"]
     if torch.cuda.device_count() < 2:
         cmd += ["--set", "runtime.device='cpu'"]
     ok = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert ok.returncode == 0, ok.stdout + ok.stderr
-    assert "2 rank(s), FSDP2" in ok.stdout and "FSDP2 mixed precision" in ok.stdout and ok.stdout.count("OK: max rel err") == 1
+    assert ("2 rank(s), FSDP2" in ok.stdout and "FSDP2 mixed precision" in ok.stdout
+            and ok.stdout.count("OK: max rel err") == 1)
     bad = subprocess.run(cmd + ["--drop-packing"], capture_output=True, text=True, env=env, timeout=300)
     assert bad.returncode == 1 and "MISMATCH" in bad.stdout, bad.stdout + bad.stderr
 
