@@ -125,7 +125,8 @@ def _geometry(args: argparse.Namespace) -> None:
     if args.dataset is None:
         args.tokens_per_frame = 36  # the reference geometry: 32 video + 4 action tokens per latent frame
         return
-    args.tokens_per_frame, how = dataset_tokens_per_frame(args.dataset, patch=args.patch, action_steps=args.action_steps,
+    args.tokens_per_frame, how = dataset_tokens_per_frame(args.dataset, patch=args.patch,
+                                                          action_steps=args.action_steps,
                                                           latents_dir=args.latents_dir, cameras=args.cameras)
     print(how, file=sys.stderr)  # stdout stays the table or the JSON object
 

@@ -105,7 +105,8 @@ def summary(out: str | Path, *, run: str | Path | None = None, data: str | Path 
         f"  {fp} check-dataset {_rel(data)}          # problems, and what normalization clips per action dimension",
         f"  {fp} train configs/tiny_cpu.toml --set data.root={_rel(data)} --set runtime.out_dir={_rel(run)} "
         "--set data.val_fraction=0.25 --set schedule.steps=400   # resumes and trains on",
-        f"  {fp} export {_rel(run)} {_rel(out / 'demo-export')}          # diffusers folder, model card, LeRobot-style policy",
+        f"  {fp} export {_rel(run)} {_rel(out / 'demo-export')}"
+        "          # diffusers folder, model card, LeRobot-style policy",
         f"  {fp} stats --frames-file data/episode_frames_ref.txt --mode pack --max-tokens 65536 --world-size 8"
         "   # packing at Wan2.2-5B scale",
         "  docs/USAGE.md, 'Train on your data': the same steps on a LeRobot dataset with the real Wan2.2 VAE.",

@@ -118,7 +118,9 @@ def prefix_sum(x: Tensor, dim: int = -1) -> Tensor:
     return out.movedim(-1, dim)
 
 
-def _segments(keys: tuple[Tensor, ...], length: int, s_max: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _segments(
+    keys: tuple[Tensor, ...], length: int, s_max: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Segment id per token, a representative token per segment, each block's segment range,
     and each segment's first token (``length`` for ids beyond the real count)."""
     dev = keys[0].device
@@ -256,7 +258,8 @@ def _structure(
 ) -> tuple[Tensor, ...]:
     """All eight BlockMask index tensors, shaped (1, 1, ...), then ``2 * runs`` range bounds."""
     sq, rq, lq, hq, oq, first_q = _segments(q_keys, q_len, sq_max)
-    if len(q_keys) == len(kv_keys) and all(a is b for a, b in zip(q_keys, kv_keys)) and (q_len, sq_max) == (kv_len, sk_max):
+    if (len(q_keys) == len(kv_keys) and all(a is b for a, b in zip(q_keys, kv_keys))
+            and (q_len, sq_max) == (kv_len, sk_max)):
         rk, lk, hk, ok, first_k = rq, lq, hq, oq, first_q  # self-attention: one segmentation
     else:
         _, rk, lk, hk, ok, first_k = _segments(kv_keys, kv_len, sk_max)
@@ -347,7 +350,9 @@ class _CapturedBuild:
     those are part of the builder's key.
     """
 
-    def __init__(self, fn: Callable, mask_mod: Callable, args: tuple, unique: list[Tensor], pattern: tuple[int, ...]) -> None:
+    def __init__(
+        self, fn: Callable, mask_mod: Callable, args: tuple, unique: list[Tensor], pattern: tuple[int, ...]
+    ) -> None:
         q_keys, kv_keys, *rest = args
         self.pattern = pattern
         self.static = [t.clone() for t in unique]
@@ -433,7 +438,8 @@ class BlockMaskBuilder:
             # Seen on the H200 (torch 2.11): inductor codegen fails for the teacher-forcing
             # structure at some segment counts. The eager build gives the same block mask.
             msg = " ".join(str(e).split())[:400]
-            warnings.warn(f"compiling the block-mask builder failed ({type(e).__name__}: {msg}); building eagerly for this shape")
+            warnings.warn(f"compiling the block-mask builder failed ({type(e).__name__}: {msg}); "
+                          "building eagerly for this shape")
             self._compiled[key] = _structure
             return _structure(mask_mod, *args)
 

@@ -16,11 +16,11 @@ Backends (all return zeros, never NaN, for query rows that may attend nothing, e
   T x T mask.
 
 Compilation: one compiled FlexAttention per (kernel options, shape), ``dynamic=False``, each with
-its own dynamo cache; a new shape compiles once, new layouts of the same shape do not (block-mask contents and the mask's closure
-tensors are graph inputs). The block-mask builder compiles once per (mask kind, shape, power-of-two
-bucket of segment counts): a handful of graphs over a training run, each also captured once as a
-CUDA graph that later builds replay (captures are not compiles). :func:`compile_count` counts
-every graph compiled here.
+its own dynamo cache; a new shape compiles once, new layouts of the same shape do not (block-mask
+contents and the mask's closure tensors are graph inputs). The block-mask builder compiles once per
+(mask kind, shape, power-of-two bucket of segment counts): a handful of graphs over a training run,
+each also captured once as a CUDA graph that later builds replay (captures are not compiles).
+:func:`compile_count` counts every graph compiled here.
 """
 
 from __future__ import annotations
@@ -139,7 +139,8 @@ class PreparedMask:
     def block_mask(self) -> BlockMask:
         if "block" not in self._cache:
             with record_function("block_mask"):  # a named range in profiles (mask builds are overhead)
-                self._cache["block"] = self.builder(self.mask_mod, self.q_len, self.kv_len, max_segments=self.segment_bounds())
+                self._cache["block"] = self.builder(self.mask_mod, self.q_len, self.kv_len,
+                                                    max_segments=self.segment_bounds())
         return self._cache["block"]
 
     def segment_bounds(self) -> tuple[int, int]:
@@ -207,7 +208,8 @@ class FlexAttnFunc:
             raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
         self.backend = backend
         if graph_block_mask and compile_block_mask is False:
-            raise ValueError("graph_block_mask=True needs a compiled block-mask builder (compile_block_mask=False given)")
+            raise ValueError("graph_block_mask=True needs a compiled block-mask builder "
+                             "(compile_block_mask=False given)")
         self._compile_bm = compile_block_mask
         self._graph_bm = graph_block_mask
         self._range_masks = range_masks
@@ -238,8 +240,8 @@ class FlexAttnFunc:
         comp = device.type == "cuda" if self._compile_bm is None else self._compile_bm
         if comp not in self._builders:
             graphs = comp and self._graph_bm is not False
-            self._builders[comp] = BlockMaskBuilder(compile=comp, compile_backend=_COUNTER.backend, range_mods=self._range_masks,
-                                                    cuda_graphs=graphs)
+            self._builders[comp] = BlockMaskBuilder(compile=comp, compile_backend=_COUNTER.backend,
+                                                    range_mods=self._range_masks, cuda_graphs=graphs)
         return self._builders[comp]
 
     def prepare(
@@ -265,7 +267,8 @@ class FlexAttnFunc:
             raise TypeError(_NEEDS_TOKENS.format(what="prepare() got a SequenceLayout (frames)"))
         if device is not None and layout.doc.device != torch.device(device):
             layout = layout.to(device)
-        mod = make_mask(layout, mask, chunk_size=chunk_size, window=window, text_tokens=text_tokens, text_slots=text_slots)
+        mod = make_mask(layout, mask, chunk_size=chunk_size, window=window, text_tokens=text_tokens,
+                        text_slots=text_slots)
         kv_len, kv_segments = layout.num_tokens, None
         if mask == "text":
             slots = layout.text_len.numel() if text_slots is None else text_slots
@@ -319,9 +322,11 @@ class FlexAttnFunc:
         elif mask_kw or (mask != "document" and mask != prep.kind):
             raise ValueError(f"a PreparedMask ({prep.kind!r}) already fixes the mask; got mask={mask!r}, {mask_kw}")
         if q.dim() != 4 or q.shape[0] != 1 or k.shape != v.shape or k.shape[:2] != q.shape[:2]:
-            raise ValueError(f"expected q (1,H,Tq,D), k/v (1,H,Tk,D); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+            raise ValueError(f"expected q (1,H,Tq,D), k/v (1,H,Tk,D); got {tuple(q.shape)}, {tuple(k.shape)}, "
+                             f"{tuple(v.shape)}")
         if q.shape[2] != prep.q_len or k.shape[2] != prep.kv_len:
-            raise ValueError(f"mask {prep.kind!r} is for Tq={prep.q_len}, Tk={prep.kv_len}; got q {q.shape[2]}, k {k.shape[2]}")
+            raise ValueError(f"mask {prep.kind!r} is for Tq={prep.q_len}, Tk={prep.kv_len}; "
+                             f"got q {q.shape[2]}, k {k.shape[2]}")
         if q.device != prep.device:
             raise ValueError(f"q is on {q.device} but the mask on {prep.device}; pass device= to prepare()")
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
@@ -351,7 +356,8 @@ class FlexAttnFunc:
         block, traced = None, backend
         if backend in ("flex", "flex-flash"):
             if prep.device.type == "cpu" and grad:
-                raise ValueError("FlexAttention has no CPU backward; use backend='dense' (or 'auto') for training on CPU")
+                raise ValueError("FlexAttention has no CPU backward; "
+                                 "use backend='dense' (or 'auto') for training on CPU")
             block = prep.block_mask()
         elif backend == "dense":
             prep.dense()
@@ -376,8 +382,10 @@ class BoundAttention:
 
     backend: str
     prep: PreparedMask
-    block_mask: BlockMask | None = None  # built at bind time (flex, and every CUDA backend): an input of the traced call
-    traced_backend: str | None = None  # what a compiled region runs: the flex kernel over ``block_mask`` where there is one
+    # built at bind time (flex, and every CUDA backend): an input of the traced call
+    block_mask: BlockMask | None = None
+    # what a compiled region runs: the flex kernel over ``block_mask`` where there is one
+    traced_backend: str | None = None
     strict: bool = False  # flex-flash was asked for by name: float32 inputs are an error, not a move to Triton
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:

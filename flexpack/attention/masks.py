@@ -245,7 +245,8 @@ def all_of(*mask_mods: MaskMod) -> MaskMod:
     # the bound holds when at most one operand has more than one range
     bounds = [getattr(m, "runs", None) for m in mask_mods]
     runs = None if None in bounds or sum(b > 1 for b in bounds) > 1 else max(bounds)
-    return _tag(intersection, name, q_keys, kv_keys, "Intersection of: " + ", ".join(m.__name__ for m in mask_mods), runs)
+    return _tag(intersection, name, q_keys, kv_keys, "Intersection of: " + ", ".join(m.__name__ for m in mask_mods),
+                runs)
 
 
 MASK_KINDS = ("document", "valid", "chunk_causal", "teacher_forcing", "text")

@@ -129,7 +129,8 @@ def total_frames(source: Any) -> int:
 
 def current(stats: dict[str, Any] | None, source: Any) -> bool:
     """Whether stored statistics cover this dataset (its frame and episode counts)."""
-    return stats is not None and stats.get("frames") == total_frames(source) and stats.get("episodes") == len(source.episodes)
+    return (stats is not None and stats.get("frames") == total_frames(source)
+            and stats.get("episodes") == len(source.episodes))
 
 
 def pooled(source: Any, latents_dir: str | os.PathLike) -> dict[str, Any]:

@@ -110,7 +110,8 @@ def write_latent(
     if latent_CFHW.ndim != 4:
         raise ValueError(f"{path}: latent must be (C, F, H, W), got shape {tuple(latent_CFHW.shape)}")
     c, f, h, w = latent_CFHW.shape
-    header = LatentHeader(episode_index, f, c, h, w, float(fps), encoder, list(cameras), video_frames, stride, (c, f, h, w))
+    header = LatentHeader(episode_index, f, c, h, w, float(fps), encoder, list(cameras), video_frames, stride,
+                          (c, f, h, w))
     write_safetensors_atomic(path, {"latent": latent_CFHW.to(torch.bfloat16)}, header.to_metadata())
     return header
 

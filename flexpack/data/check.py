@@ -73,7 +73,8 @@ def check_dataset(
         found, _, _ = inspect_text(cache.text_path(out_dir, task_index), episode=users[task_index][0], task=task,
                                    task_index=task_index)
         for p in found:
-            problems.append(Problem(p.kind, p.episode, p.file, f"{p.message} (task used by episodes {users[task_index]})"))
+            problems.append(Problem(p.kind, p.episode, p.file,
+                                    f"{p.message} (task used by episodes {users[task_index]})"))
 
     rows = source.row_counts()
     reference: tuple[int, tuple[int, int, int]] | None = None  # (episode, (C, H, W)) of the first good latent
@@ -83,7 +84,8 @@ def check_dataset(
         path = cache.latent_path(out_dir, cams, ep)
         n_rows = rows.get(ep, 0)
         if n_rows == 0:
-            problems.append(Problem("shape", ep, source.data_file(ep), f"episode has no {action_key!r} rows in the data"))
+            problems.append(Problem("shape", ep, source.data_file(ep),
+                                    f"episode has no {action_key!r} rows in the data"))
         found, latent, head = inspect_latent(
             path, episode=ep, video_frames=frames_of[ep], cameras=cams, stride=stride,
             action_rows=n_rows or None,
@@ -102,7 +104,8 @@ def check_dataset(
             actions = source.column(ep, action_key).astype(np.float64)
             bad = int((~np.isfinite(actions)).sum())
             if bad:
-                problems.append(Problem("nonfinite", ep, source.data_file(ep), f"{action_key!r} has {bad} NaN/Inf values"))
+                problems.append(Problem("nonfinite", ep, source.data_file(ep),
+                                        f"{action_key!r} has {bad} NaN/Inf values"))
     other = {s: eps for s, eps in encoded.items() if s != stride}
     if other:  # one line saying why every episode's frame count is off, before the per-episode lines
         said = ", ".join(f"stride {s} ({len(eps)} episode(s), e.g. {eps[0]})" for s, eps in sorted(other.items()))

@@ -105,7 +105,8 @@ class LatentEpisodeDataset(torch.utils.data.Dataset):
         columns = int(np.prod(meta.features[action_key]["shape"]))
         self.channels = channel_map(columns, action_dim, action_channels)
         self.action_stats = action_stats
-        stats = action_stats_mod.feature_stats(self.source, self.latents_dir, action_key, action_stats) if normalize else None
+        stats = (action_stats_mod.feature_stats(self.source, self.latents_dir, action_key, action_stats)
+                 if normalize else None)
         self.normalizer = (
             ActionNormalizer.from_stats(stats, columns, action_key) if normalize else ActionNormalizer.identity(columns)
         )
@@ -151,7 +152,8 @@ class LatentEpisodeDataset(torch.utils.data.Dataset):
     def lengths(self) -> list[int]:
         """Latent frames F of every item, from metadata and (for segments) the per-frame
         task_index column; no latent is read."""
-        return [latent_frames(self._frames_of[ep], self.stride) if seg is None else seg.frames for ep, seg in self.items]
+        return [latent_frames(self._frames_of[ep], self.stride) if seg is None else seg.frames
+                for ep, seg in self.items]
 
     def latent_file(self, i: int) -> Path:
         return cache.latent_path(self.latents_dir, self.cameras, self.items[i][0])

@@ -51,7 +51,8 @@ def _encode_texts(source: EpisodeSource, txt: TextEncoder, out_dir: Path, report
         if problems or head.encoder != txt.name:
             todo_texts.append((task_index, task))
     bs = max(1, batch_size)
-    for i in tqdm(range(0, len(todo_texts), bs), desc=f"text {txt.name}", unit="batch", disable=not progress or not todo_texts):
+    for i in tqdm(range(0, len(todo_texts), bs), desc=f"text {txt.name}", unit="batch",
+                  disable=not progress or not todo_texts):
         chunk = todo_texts[i : i + bs]
         for (task_index, task), (emb, n) in zip(chunk, encode_texts(txt, [t for _, t in chunk], bs)):
             cache.write_text(cache.text_path(out_dir, task_index), emb, encoder=txt.name, task=task,
@@ -134,10 +135,13 @@ def encode_dataset(
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset", type=Path, required=True,
                         help="LeRobot dataset folder, or a repo id (org/name) in lerobot's cache (HF_LEROBOT_HOME)")
-    parser.add_argument("--encoder", default="pool", help="'pool' (stand-in) or 'wan-vae:PATH' (local diffusers folder)")
-    parser.add_argument("--cameras", nargs="+", default=None, help="camera keys or short names, in width order (default: all)")
+    parser.add_argument("--encoder", default="pool",
+                        help="'pool' (stand-in) or 'wan-vae:PATH' (local diffusers folder)")
+    parser.add_argument("--cameras", nargs="+", default=None,
+                        help="camera keys or short names, in width order (default: all)")
     parser.add_argument("--text-encoder", default="hash",
-                        help="'hash' / 'hash:DIMxLEN' (stand-in), 'umt5:PATH' (Wan's umT5) or 'hf:PATH' (a transformers encoder)")
+                        help="'hash' / 'hash:DIMxLEN' (stand-in), 'umt5:PATH' (Wan's umT5) "
+                             "or 'hf:PATH' (a transformers encoder)")
     parser.add_argument("--text-device", default="cpu", help="device for umt5/hf text encoders (e.g. cuda)")
     parser.add_argument("--text-batch-size", type=int, default=16, help="task strings per text-encoder batch")
     parser.add_argument("--text-max-len", type=int, default=512, help="tokens per task text (Wan: 512)")
@@ -149,7 +153,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="wan-vae weights and activations (bfloat16: about half the memory and time on a GPU)")
     parser.add_argument("--tiling", action="store_true",
                         help="wan-vae: encode frames over --tile-size px in spatial tiles (memory)")
-    parser.add_argument("--tile-size", type=int, default=256, help="wan-vae --tiling: tile edge in pixels (default 256)")
+    parser.add_argument("--tile-size", type=int, default=256,
+                        help="wan-vae --tiling: tile edge in pixels (default 256)")
     parser.add_argument("--slicing", action="store_true", help="wan-vae: one camera at a time through the VAE (memory)")
     parser.add_argument("--no-progress", action="store_true")
 

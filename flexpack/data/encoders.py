@@ -77,7 +77,8 @@ class WanVAEEncoder:
                                     "(as written by save_pretrained)")
         self.device, self.dtype = torch.device(device), dtype
         # loaded in the wanted dtype (no float32 copy cast afterwards, which diffusers warns about)
-        self.vae = AutoencoderKLWan.from_pretrained(path, local_files_only=True, torch_dtype=dtype).to(self.device).eval()
+        self.vae = (AutoencoderKLWan.from_pretrained(path, local_files_only=True, torch_dtype=dtype)
+                    .to(self.device).eval())
         if tiling:
             if tile_size < 32 or tile_size % 16:
                 raise ValueError(f"--tile-size {tile_size}: must be a multiple of 16 and >= 32 pixels")
@@ -125,8 +126,8 @@ def make_video_encoder(spec: str, device: str = "cpu", *, dtype: str = "float32"
     if spec == "pool":
         return PoolEncoder()
     if spec.startswith("wan-vae:") and len(spec) > len("wan-vae:"):
-        return WanVAEEncoder(spec[len("wan-vae:") :], device=device, dtype=DTYPES[dtype], tiling=tiling, slicing=slicing,
-                              tile_size=tile_size)
+        return WanVAEEncoder(spec[len("wan-vae:") :], device=device, dtype=DTYPES[dtype], tiling=tiling,
+                             slicing=slicing, tile_size=tile_size)
     raise ValueError(f"unknown encoder {spec!r}; use 'pool' or 'wan-vae:PATH'")
 
 

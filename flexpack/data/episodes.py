@@ -154,7 +154,8 @@ class EpisodeSource:
         if not path.is_file():
             raise FileNotFoundError(f"{path}: video of camera {camera!r} for episode {episode} does not exist")
         try:
-            video = decode_video_frames(path, (timestamps + offset).tolist(), 1e-4, self.video_backend, return_uint8=True)
+            video = decode_video_frames(path, (timestamps + offset).tolist(), 1e-4, self.video_backend,
+                                        return_uint8=True)
         except Exception as exc:  # pyav/torchcodec raise assorted types on a damaged file
             raise ValueError(f"{path}: cannot decode camera {camera!r} of episode {episode} "
                              f"({type(exc).__name__}: {exc})") from exc

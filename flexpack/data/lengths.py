@@ -39,7 +39,8 @@ def open_metadata(root: str | os.PathLike) -> Any:
     try:
         return LeRobotDatasetMetadata(f"local/{root.name}", root=root)
     except (ValueError, TypeError, KeyError) as exc:
-        raise ValueError(f"{info_file}: lerobot cannot read this dataset's metadata ({type(exc).__name__}: {exc})") from exc
+        raise ValueError(f"{info_file}: lerobot cannot read this dataset's metadata "
+                         f"({type(exc).__name__}: {exc})") from exc
 
 
 def episode_video_frames(meta: Any) -> list[int]:

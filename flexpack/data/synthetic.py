@@ -153,7 +153,8 @@ def make_synthetic_dataset(
         lengths = rng.integers(min_frames, max_frames + 1, size=episodes).tolist()
     cams = [f"observation.images.cam{c}" for c in range(cameras)]
     names = [f"a{j}" for j in range(action_dim)]
-    features = {cam: {"dtype": "video", "shape": (size, size, 3), "names": ["height", "width", "channels"]} for cam in cams}
+    features = {cam: {"dtype": "video", "shape": (size, size, 3), "names": ["height", "width", "channels"]}
+                for cam in cams}
     features["action"] = {"dtype": "float32", "shape": (action_dim,), "names": names}
     features["observation.state"] = {"dtype": "float32", "shape": (action_dim,), "names": names}
     root.parent.mkdir(parents=True, exist_ok=True)
@@ -186,7 +187,8 @@ def make_synthetic_dataset(
                 continue
             for t in range(int(n)):
                 if index_actions:
-                    action = np.array([t, ep] + [t + 1000 * k for k in range(2, action_dim)], dtype=np.float32)[:action_dim]
+                    action = np.array([t, ep] + [t + 1000 * k for k in range(2, action_dim)],
+                                      dtype=np.float32)[:action_dim]
                 else:
                     action = np.sin(freq * t + offset).astype(np.float32)
                 frame = {cam: _frame(t, ep, c, size) for c, cam in enumerate(cams)}

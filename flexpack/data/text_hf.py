@@ -24,7 +24,9 @@ from typing import Any
 
 import torch
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "spiece.model", "tokenizer.model", "vocab.txt", "vocab.json")
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "spiece.model", "tokenizer.model", "vocab.txt", "vocab.json"
+)
 
 
 def clean_prompt(text: str) -> str:

@@ -132,7 +132,8 @@ class WanVA(nn.Module):
             raise ValueError(f"model(batch, layout) needs temporal patch size 1, got patch_size={cfg.patch_size}")
         lat = batch.latent if batch.latent.ndim == 6 else batch.latent[None]
         if lat.ndim != 6:
-            raise ValueError(f"batch.latent must be (R,C,Fr,H,W) or (copies,R,C,Fr,H,W), got {tuple(batch.latent.shape)}")
+            raise ValueError("batch.latent must be (R,C,Fr,H,W) or (copies,R,C,Fr,H,W), "
+                             f"got {tuple(batch.latent.shape)}")
         copies, R, C, Fr, H, W = lat.shape
         if (R, Fr) != tuple(layout.frame_doc.shape):
             raise ValueError(f"batch.latent has (R, Fr)={(R, Fr)} but the layout has {tuple(layout.frame_doc.shape)}")
@@ -145,14 +146,16 @@ class WanVA(nn.Module):
             raise ValueError(f"batch.action {tuple(action.shape)} given but the model has action_channels=0")
         if self.action_embed is not None and action is not None:
             act = action if action.ndim == 5 else action[None]
-            if act.ndim != 5 or act.shape[:2] != (copies, R) or act.shape[2] != cfg.action_channels or act.shape[3] != Fr:
+            if (act.ndim != 5 or act.shape[:2] != (copies, R) or act.shape[2] != cfg.action_channels
+                    or act.shape[3] != Fr):
                 raise ValueError(
                     f"batch.action must be ({copies},{R},{cfg.action_channels},{Fr},A) (copy dim optional), "
                     f"got {tuple(action.shape)}"
                 )
             A = act.shape[4]
             acts = rearrange(act, "k r ca f a -> k r f a ca")
-            t_action = t_video if action_timestep is None else self._per_copy(action_timestep, (copies, R, Fr), "action_timestep")
+            t_action = (t_video if action_timestep is None
+                        else self._per_copy(action_timestep, (copies, R, Fr), "action_timestep"))
         patches, (h, w) = self._patchify(lat)
         tl = layout.tokens(video_tokens=h * w, action_tokens=A, copies=copies, grid_hw=(h, w))
         vid, act_out = self._run(patches, acts, tl, t_video, t_action, batch.text, mask, chunk_size, window, text_slots)
@@ -188,7 +191,9 @@ class WanVA(nn.Module):
         return from_diffusers(cls, model, attn=attn, **config_overrides)
 
     @classmethod
-    def from_diffusers_file(cls, path: str, config: Any = None, *, attn: Any = None, **config_overrides: Any) -> "WanVA":
+    def from_diffusers_file(
+        cls, path: str, config: Any = None, *, attn: Any = None, **config_overrides: Any
+    ) -> "WanVA":
         """Load a diffusers-format checkpoint: a ``.safetensors`` file (``config`` or a ``config.json``
         beside it gives the shape) or a folder with ``config.json`` and (sharded) weights.
 

@@ -67,7 +67,8 @@ PRESETS: dict[str, WanVAConfig] = {
     ),
     # Wan 2.2 TI2V-5B transformer shape; 30 action channels is a LingBot-style action vector width.
     "wan2.2-5b": WanVAConfig(
-        dim=3072, num_heads=24, ffn_dim=14336, num_layers=30, in_channels=48, action_channels=30, text_dim=4096, freq_dim=256
+        dim=3072, num_heads=24, ffn_dim=14336, num_layers=30, in_channels=48, action_channels=30, text_dim=4096,
+        freq_dim=256,
     ),
 }
 

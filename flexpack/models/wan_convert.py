@@ -44,7 +44,10 @@ _BLOCK = {  # inside ``blocks.{i}.``
     "scale_shift_table": "modulation",
     "norm2.weight": "cross_norm_weight", "norm2.bias": "cross_norm_bias",  # only with cross_attn_norm
 }
-_TABLES = {False: (_TOP_LEVEL, _BLOCK), True: ({v: k for k, v in _TOP_LEVEL.items()}, {v: k for k, v in _BLOCK.items()})}
+_TABLES = {
+    False: (_TOP_LEVEL, _BLOCK),
+    True: ({v: k for k, v in _TOP_LEVEL.items()}, {v: k for k, v in _BLOCK.items()}),
+}
 
 
 def _lookup(name: str, table: Mapping[str, str]) -> str | None:
@@ -115,7 +118,8 @@ def convert_state_dict(sd: Mapping[str, Tensor], cfg: WanVAConfig) -> dict[str, 
             continue
         out[conv[0]] = conv[1]
     if unused:
-        raise ValueError(f"diffusers weights with no WanVA counterpart: {unused[:8]}{' ...' if len(unused) > 8 else ''}")
+        raise ValueError("diffusers weights with no WanVA counterpart: "
+                         f"{unused[:8]}{' ...' if len(unused) > 8 else ''}")
     return out
 
 
@@ -254,7 +258,8 @@ def from_diffusers_file(
             raise ValueError(f"{path}: pass config= or put the diffusers config.json beside the weights")
         with open(cfg_path) as f:
             config = json.load(f)
-    cfg = replace(config, **overrides) if isinstance(config, WanVAConfig) else config_from_diffusers(config, **overrides)
+    cfg = (replace(config, **overrides) if isinstance(config, WanVAConfig)
+           else config_from_diffusers(config, **overrides))
     sd: dict[str, Tensor] = {}
     for fn in files:
         sd.update(load_file(fn))

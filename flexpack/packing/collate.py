@@ -86,7 +86,8 @@ class Batch:
         """The batch in page-locked memory (``DataLoader(pin_memory=True)`` calls this, in its pinning
         thread), so ``to(device, non_blocking=True)`` copies without blocking the host. The layout
         is pinned too: it is copied every step, and pinned tensors read on the host as any other."""
-        pinned = {f.name: getattr(self, f.name).pin_memory() for f in fields(self) if isinstance(getattr(self, f.name), Tensor)}
+        pinned = {f.name: getattr(self, f.name).pin_memory() for f in fields(self)
+                  if isinstance(getattr(self, f.name), Tensor)}
         extras = {k: v.pin_memory() if isinstance(v, Tensor) else v for k, v in self.extras.items()}
         return replace(self, layout=self.layout.pin_memory(), extras=extras, **pinned)
 
@@ -240,7 +241,8 @@ class PackCollate:
         if self.crop and len(items) == 1:
             frames = [min(frames[0], self.frame_budget)]
         if sum(frames) > self.frame_budget:
-            who = ", ".join(f"episode {it.get('episode_index', i)} ({f} frames)" for i, (it, f) in enumerate(zip(items, frames)))
+            who = ", ".join(f"episode {it.get('episode_index', i)} ({f} frames)"
+                            for i, (it, f) in enumerate(zip(items, frames)))
             raise ValueError(f"{sum(frames)} frames do not fit the frame budget {self.frame_budget}: {who}")
         latent, action, mask = _place(items, [list(range(len(items)))], self.frame_budget, has_action)
         text, text_len = _text(items) if has_text else (None, None)

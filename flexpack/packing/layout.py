@@ -97,7 +97,8 @@ class SequenceLayout:
                     raise ValueError(f"episode slot {slot} (row {r}) has non-positive length {n}")
                 if start + n > frames_per_row:
                     raise ValueError(
-                        f"row {r} holds {sum(int(x) for x in lengths)} frames, more than frames_per_row={frames_per_row}"
+                        f"row {r} holds {sum(int(x) for x in lengths)} frames, "
+                        f"more than frames_per_row={frames_per_row}"
                     )
                 frame_doc[r, start : start + n] = slot
                 frame_pos[r, start : start + n] = torch.arange(n)
@@ -111,8 +112,10 @@ class SequenceLayout:
         E = slot
         idx = (torch.full((E,), -1, dtype=torch.int64) if episode_index is None
                else torch.as_tensor(list(episode_index), dtype=torch.int64))
-        tl = torch.zeros(E, dtype=torch.int64) if text_len is None else torch.as_tensor(list(text_len), dtype=torch.int64)
-        seg = torch.full((E,), -1, dtype=torch.int64) if segment is None else torch.as_tensor(list(segment), dtype=torch.int64)
+        tl = (torch.zeros(E, dtype=torch.int64) if text_len is None
+              else torch.as_tensor(list(text_len), dtype=torch.int64))
+        seg = (torch.full((E,), -1, dtype=torch.int64) if segment is None
+               else torch.as_tensor(list(segment), dtype=torch.int64))
         if idx.shape != (E,) or tl.shape != (E,) or seg.shape != (E,):
             raise ValueError(f"episode_index, text_len and segment need {E} entries, got {tuple(idx.shape)}, "
                              f"{tuple(tl.shape)} and {tuple(seg.shape)}")
@@ -208,7 +211,8 @@ class SequenceLayout:
             grid_hw: the ``(h, w)`` patch grid; defaults to ``(1, video_tokens)``.
         """
         if video_tokens < 0 or action_tokens < 0 or video_tokens + action_tokens == 0:
-            raise ValueError(f"need video_tokens, action_tokens >= 0 with a positive sum, got {video_tokens}, {action_tokens}")
+            raise ValueError("need video_tokens, action_tokens >= 0 with a positive sum, "
+                             f"got {video_tokens}, {action_tokens}")
         if copies not in (1, 2):
             raise ValueError(f"copies must be 1 or 2, got {copies}")
         h, w = grid_hw if grid_hw is not None else (1, video_tokens)

@@ -51,7 +51,8 @@ class HostCopy:
         tensors = _tensors(obj)
         if len(tensors) != len(self._refs) or any(r() is not t for r, t in zip(self._refs, tensors)):
             return None
-        plain = [f.name for f in fields(obj) if f.name not in ("host", "frames") and not isinstance(getattr(obj, f.name), Tensor)]
+        plain = [f.name for f in fields(obj)
+                 if f.name not in ("host", "frames") and not isinstance(getattr(obj, f.name), Tensor)]
         return self.layout if all(getattr(obj, n) == getattr(self.layout, n) for n in plain) else None
 
     def __reduce__(self) -> tuple:

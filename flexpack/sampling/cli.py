@@ -47,8 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     which.add_argument("--episodes", type=_int_list, default=None, metavar="LIST",
                        help="dataset episode indices, e.g. 0,3,7 "
                             "(default: the held-out episodes if the config has any, else all)")
-    which.add_argument("--val", action="store_true", help="the config's held-out episodes (data.val_fraction / val_episodes)")
-    parser.add_argument("--mode", choices=MODES, default="forecast", help="open-loop forecast or autoregressive rollout")
+    which.add_argument("--val", action="store_true",
+                       help="the config's held-out episodes (data.val_fraction / val_episodes)")
+    parser.add_argument("--mode", choices=MODES, default="forecast",
+                        help="open-loop forecast or autoregressive rollout")
     parser.add_argument("--steps", type=int, default=10, help="solver steps from noise to data (default 10)")
     parser.add_argument("--solver", choices=SOLVERS, default="euler", help="euler (default) or heun (2nd order)")
     parser.add_argument("--cuts", type=int, default=4, help="cut points per episode in forecast mode (default 4)")
@@ -69,7 +71,8 @@ def _config_file(path: Path) -> Path:
         for name in ("flexpack_config.json", "config.json"):  # an export's config.json is the diffusers one
             if (path / name).is_file():
                 return path / name
-        raise FileNotFoundError(f"{path}: holds neither config.json (a run folder) nor flexpack_config.json (an export)")
+        raise FileNotFoundError(f"{path}: holds neither config.json (a run folder) "
+                                "nor flexpack_config.json (an export)")
     return path
 
 
@@ -100,11 +103,13 @@ def load_weights(cfg: Any, source: str | Path, *, ema: bool = False) -> tuple[nn
     if found is None and (path / "train_state.json").is_file():
         found = path
     if found is None:
-        raise ValueError(f"{path}: holds no checkpoint (expected a run folder, a checkpoint folder or an export folder)")
+        raise ValueError(f"{path}: holds no checkpoint "
+                         "(expected a run folder, a checkpoint folder or an export folder)")
     state = checkpoint.load(found, model, restore_rng=False)
     if ema:
         if not checkpoint.has_ema(found):
-            raise ValueError(f"{found}: --ema but the checkpoint holds no EMA weights (trained with optim.ema_decay = 0)")
+            raise ValueError(f"{found}: --ema but the checkpoint holds no EMA weights "
+                             "(trained with optim.ema_decay = 0)")
         model.load_state_dict(checkpoint.read_ema(found))
     return model, (state.get("extra") or {}).get("action_normalizer"), str(found)
 
@@ -146,7 +151,8 @@ def run(args: argparse.Namespace) -> int:
     normalizer = checkpoint_normalizer(dataset, saved, label)
     model.to(device)
     out = args.out or _default_out(Path(args.checkpoint), label, args.mode)
-    options = SampleOptions(steps=args.steps, solver=args.solver, dtype=cfg.runtime.dtype if device.type == "cuda" else "float32")
+    options = SampleOptions(steps=args.steps, solver=args.solver,
+                            dtype=cfg.runtime.dtype if device.type == "cuda" else "float32")
     metrics, files = evaluate(model, cfg, dataset, plan, options, device=device, normalizer=normalizer, out=out,
                               plots=args.plots)
     print(f"{label}: {metrics['mode']} of {len(metrics['episodes'])} episode(s), {metrics['pairs']} pair(s), "

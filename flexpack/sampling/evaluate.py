@@ -129,7 +129,8 @@ def build_pairs(cfg: Any, dataset: Any, plan: PairPlan, *, limit_pairs: int | No
     if cut_short and note:
         print(f"note: episodes {cut_short} are longer than a pack ({budget} latent frames at data.max_tokens = "
               f"{cfg.data.max_tokens}): "
-              f"{'rolled out' if plan.mode == 'rollout' else 'cut'} within their first {budget} frames", file=sys.stderr)
+              f"{'rolled out' if plan.mode == 'rollout' else 'cut'} within their first {budget} frames",
+              file=sys.stderr)
     if short and note:
         print(f"note: episodes {short} are too short for one context chunk ({chunk} latent frames) plus the "
               f"horizon ({horizon}); skipped", file=sys.stderr)
@@ -274,8 +275,9 @@ def evaluate(model: nn.Module, cfg: Any, dataset: Any, plan: PairPlan, options: 
     finally:
         model.train(was)
     metrics = score(pairs, dataset, normalizer)
-    metrics.update(episodes=sorted({p.episode for p in pairs}), steps=options.steps, solver=options.solver, seed=plan.seed,
-                   mode=plan.mode, horizon=plan.horizon or default_horizon(cfg), action_names=action_names(dataset),
+    metrics.update(episodes=sorted({p.episode for p in pairs}), steps=options.steps, solver=options.solver,
+                   seed=plan.seed, mode=plan.mode, horizon=plan.horizon or default_horizon(cfg),
+                   action_names=action_names(dataset),
                    pair_list=[[p.episode, p.cut, p.horizon] for p in pairs], model_calls=sampler.forwards)
     files: dict[str, Path] = {}
     if write and out is not None:

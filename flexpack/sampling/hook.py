@@ -2,13 +2,13 @@
 
 Every ``runtime.sample_every`` optimizer steps the model (the weights being trained, or with
 ``runtime.sample_ema`` their EMA) forecasts the first ``runtime.sample_episodes`` held-out episodes
-at ``runtime.sample_cuts`` cut points each with ``runtime.sample_steps`` Euler steps, from noise fixed per (episode, cut) pair
-(:mod:`flexpack.sampling.pairs`): the numbers are comparable across steps, across runs of the same
-config and across a resume. Files go to ``RUN/samples/step_NNNNNNNN/`` (the same as
-``flexpack sample``); ``sample/action_mse``, ``sample/latent_mse``, the baselines'
-``sample/last/action_mse`` ... are appended to ``metrics.jsonl`` and logged to TensorBoard / W&B
-with the plots. Under several ranks every rank samples its share of the packs (collective, like
-validation) and rank 0 writes.
+at ``runtime.sample_cuts`` cut points each with ``runtime.sample_steps`` Euler steps, from noise
+fixed per (episode, cut) pair (:mod:`flexpack.sampling.pairs`): the numbers are comparable across
+steps, across runs of the same config and across a resume. Files go to
+``RUN/samples/step_NNNNNNNN/`` (the same as ``flexpack sample``); ``sample/action_mse``,
+``sample/latent_mse``, the baselines' ``sample/last/action_mse`` ... are appended to
+``metrics.jsonl`` and logged to TensorBoard / W&B with the plots. Under several ranks every rank
+samples its share of the packs (collective, like validation) and rank 0 writes.
 """
 
 from __future__ import annotations

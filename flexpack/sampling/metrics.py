@@ -111,11 +111,14 @@ class Metrics:
     dataset's mean action per column in original units (None: the normalized midpoint 0).
     """
 
-    def __init__(self, normalizer: dict[str, Any] | None, channels: Sequence[int], mean_raw: Sequence[float] | None) -> None:
+    def __init__(
+        self, normalizer: dict[str, Any] | None, channels: Sequence[int], mean_raw: Sequence[float] | None
+    ) -> None:
         self.norm, self.channels = normalizer, np.asarray(list(channels), dtype=np.int64)
         self.columns = np.arange(len(self.channels))
         cols = len(self.channels)
-        self.mean_norm = np.zeros(cols) if mean_raw is None else normalize(normalizer, np.asarray(mean_raw, dtype=np.float64))
+        self.mean_norm = (np.zeros(cols) if mean_raw is None
+                          else normalize(normalizer, np.asarray(mean_raw, dtype=np.float64)))
         self.sums = {k: _Sums(cols) for k in KINDS}
         self.pairs = 0
 

@@ -251,6 +251,7 @@ def _gather(written: list, todo: list[tuple[Pair, int, int]], actions: bool) -> 
         v = flat[offs[i]:offs[i + 1]] / count[i].clamp(min=1)
         C, _, H, W = p.latent.shape
         lat = v[: C * n * H * W].view(C, n, H, W)
-        act = v[C * n * H * W:].view(p.action.shape[0], n, p.action.shape[2]) if actions and p.action is not None else None
+        act = (v[C * n * H * W:].view(p.action.shape[0], n, p.action.shape[2])
+               if actions and p.action is not None else None)
         out.append((i, lat, act))
     return out

@@ -166,7 +166,8 @@ def config_terms(cfg: Any) -> Iterator[None]:
                             f"model.overrides.action_channels = {m[2]}; raise model.overrides.action_channels "
                             f"to at least {m[1]}") from exc
         if "pass normalize=False" in text:
-            raise UserError(f"{cfg.data.root}: " + text.replace("pass normalize=False", "set data.normalize = false")) from exc
+            raise UserError(f"{cfg.data.root}: "
+                            + text.replace("pass normalize=False", "set data.normalize = false")) from exc
         raise
 
 

@@ -56,7 +56,8 @@ class DataConfig:
     action_steps: int = 4  # action steps per latent frame (must divide stride)
     stride: int = 4  # video frames per latent frame (the VAE's temporal stride)
     normalize: bool = True  # normalize actions with the dataset's action statistics
-    action_stats: str = "pooled"  # "pooled": exact quantiles over all frames (LATENTS/stats.json); "lerobot": meta/stats.json
+    # "pooled": exact quantiles over all frames (LATENTS/stats.json); "lerobot": meta/stats.json
+    action_stats: str = "pooled"
     segments: bool | str = "auto"  # items per annotated task run ("auto", true) or whole episodes (false)
     mode: str = "pack"  # "pack": token-budget packed micro-batches; "pad": padded batches of batch_size episodes
     max_tokens: int = 65536  # pack mode: token budget of one micro-batch
@@ -96,14 +97,16 @@ class ModelConfig:
     """
 
     preset: str = "tiny"  # WanVA preset: "tiny" or "wan2.2-5b"
-    overrides: dict[str, Any] = field(default_factory=dict)  # any WanVAConfig field but activation_checkpointing (a runtime key)
+    # any WanVAConfig field but activation_checkpointing (a runtime key)
+    overrides: dict[str, Any] = field(default_factory=dict)
     pretrained: str = ""  # "" = random init
     mask: str = "document"  # self-attention mask: "document", "chunk_causal" or "teacher_forcing"
     chunk_size: int | None = None  # latent frames per chunk of the chunk_causal / teacher_forcing masks
 
     def __post_init__(self) -> None:
         if "activation_checkpointing" in self.overrides:  # one setting, applied from outside the model
-            raise ValueError(f"model.overrides.activation_checkpointing = {self.overrides['activation_checkpointing']!r} "
+            raise ValueError("model.overrides.activation_checkpointing = "
+                             f"{self.overrides['activation_checkpointing']!r} "
                              "is not a model setting: set runtime.activation_checkpointing instead (true, a block "
                              "count or 'selective')")
         # resolved once, here: unknown preset or override fields raise at load time, and with
@@ -202,7 +205,8 @@ class ScheduleConfig:
         if self.rewarmup_mode not in REWARMUPS:
             raise ValueError(f"schedule.rewarmup_mode must be one of {REWARMUPS}, got {self.rewarmup_mode!r}")
         if self.warmup_steps < 0 or self.rewarmup_steps < 0:
-            raise ValueError(f"schedule.warmup_steps/rewarmup_steps must be >= 0, got {self.warmup_steps}, {self.rewarmup_steps}")
+            raise ValueError("schedule.warmup_steps/rewarmup_steps must be >= 0, "
+                             f"got {self.warmup_steps}, {self.rewarmup_steps}")
         for name in ("min_lr_ratio", "rewarmup_from"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"schedule.{name} must be in [0, 1], got {getattr(self, name)!r}")
@@ -222,7 +226,8 @@ class CheckpointConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class RuntimeConfig:
-    out_dir: str = "out/run"  # run folder: checkpoints/, metrics.jsonl, config.json (+ config_history.jsonl), tb/, profile/
+    # run folder: checkpoints/, metrics.jsonl, config.json (+ config_history.jsonl), tb/, profile/
+    out_dir: str = "out/run"
     adopt_dir: bool = False  # add the run to an out_dir holding other files (never changing them); train --force
     device: str = "auto"  # auto: cuda:LOCAL_RANK when available, else cpu
     dtype: str = "float32"  # bfloat16: FSDP mixed precision (params bf16, reduce fp32) or autocast
@@ -271,7 +276,7 @@ class RuntimeConfig:
         if self.compile not in (True, False, "auto"):
             raise ValueError(f"runtime.compile must be true, false or 'auto', got {self.compile!r}")
         if isinstance(self.activation_checkpointing, str) and self.activation_checkpointing != "selective":
-            raise ValueError(f"runtime.activation_checkpointing must be true, false, a block count >= 0 or 'selective', "
+            raise ValueError("runtime.activation_checkpointing must be true, false, a block count >= 0 or 'selective', "
                              f"got {self.activation_checkpointing!r}")
         from flexpack.training.float8 import check_mode
 
@@ -279,7 +284,8 @@ class RuntimeConfig:
         if isinstance(self.activation_checkpointing, int) and self.activation_checkpointing < 0:
             raise ValueError(f"runtime.activation_checkpointing must be true, false or a block count >= 0, "
                              f"got {self.activation_checkpointing!r}")
-        if not (isinstance(self.activation_memory_budget, (int, float)) and 0.0 <= self.activation_memory_budget <= 1.0):
+        if not (isinstance(self.activation_memory_budget, (int, float))
+                and 0.0 <= self.activation_memory_budget <= 1.0):
             raise ValueError(f"runtime.activation_memory_budget must be between 0 and 1 (1: save what the compiled "
                              f"blocks would), got {self.activation_memory_budget!r}")
         if self.compile is False:  # known at load time; "auto" is decided where the run starts (plan.parallel_options)
@@ -374,7 +380,8 @@ def from_dict(cls: type, data: dict[str, Any], where: str = "") -> Any:
     unknown = sorted(set(data) - known)
     if unknown:
         names = ", ".join(f"{where}{k}" for k in unknown)
-        raise ValueError(f"unknown config key(s) {names} (known in {where.rstrip('.') or 'the top level'}: {sorted(known)})")
+        raise ValueError(f"unknown config key(s) {names} "
+                         f"(known in {where.rstrip('.') or 'the top level'}: {sorted(known)})")
     kw = {}
     for name, value in data.items():
         tp = hints[name]

@@ -142,7 +142,8 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike, *, ema: bool = Fa
         write_weights(tmp, model.state_dict(), wcfg, action_steps=cfg.data.action_steps, dtype=dtype)
         if averaged is not None:
             (tmp / "ema").mkdir()
-            write_weights(tmp / "ema", averaged.full_state_dict(), wcfg, action_steps=cfg.data.action_steps, dtype=dtype)
+            write_weights(tmp / "ema", averaged.full_state_dict(), wcfg, action_steps=cfg.data.action_steps,
+                          dtype=dtype)
         (tmp / "normalization.json").write_text(json.dumps(norm, indent=2) + "\n")
         save_config(cfg, tmp / "flexpack_config.json")
         from flexpack.training.export_extras import write_extras
@@ -190,10 +191,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run", type=Path, help="run folder (runtime.out_dir of flexpack train)")
     parser.add_argument("out", type=Path, help="new or empty folder to write")
     parser.add_argument("--ema", action="store_true", help="also write the EMA weights (OUT/ema/, same layout)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="dtype of the exported weights")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="dtype of the exported weights")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a value of the checkpoint's config, e.g. --set data.root=DATASET (repeatable)")
-    parser.add_argument("--no-policy", action="store_true", help="skip the LeRobot-style policy folder (OUT/lerobot_policy)")
+    parser.add_argument("--no-policy", action="store_true",
+                        help="skip the LeRobot-style policy folder (OUT/lerobot_policy)")
     parser.add_argument("--push-to-hub", metavar="REPO", default=None,
                         help="upload OUT to this Hugging Face model repo (org/name) once written")
     parser.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")

@@ -92,13 +92,15 @@ def model_card(*, run: Path, cfg: Any, step: int, norm: dict[str, Any], ema: boo
         f"{cfg.data.max_tokens if cfg.data.mode == 'pack' else cfg.data.batch_size} "
         f"{'tokens' if cfg.data.mode == 'pack' else 'episodes'} per micro-batch, "
         f"{cfg.optim.accum_steps} micro-batches per step) |",
-        f"| weights | {'EMA (ema/) and ' if ema else ''}final, in diffusers' WanTransformer3DModel layout + the action stream |",
+        f"| weights | {'EMA (ema/) and ' if ema else ''}final, in diffusers' WanTransformer3DModel layout "
+        "+ the action stream |",
         "", "## Final losses", "",
     ]
     lines += [f"- `{k}`: {v:.5g}" for k, v in sorted(losses.items())] or ["- none logged"]
     lines += ["", "## Sample metrics", ""]
     if samples:
-        lines += [f"From `{sample_file.relative_to(run)}`:", ""] + [f"- `{k}`: {v:.5g}" for k, v in sorted(samples.items())]
+        lines += ([f"From `{sample_file.relative_to(run)}`:", ""]
+                  + [f"- `{k}`: {v:.5g}" for k, v in sorted(samples.items())])
     else:
         lines.append("- no sampling run was recorded")
     lines += [
@@ -137,7 +139,8 @@ def _stats_tensors(norm: dict[str, Any], pooled: dict[str, Any], keys: list[str]
     checkpoint's, the rest the pooled statistics."""
     out: dict[str, dict[str, torch.Tensor]] = {}
     for key in keys:
-        stats = {k: torch.tensor(v, dtype=torch.float32) for k, v in (pooled.get(key) or {}).items() if isinstance(v, list)}
+        stats = {k: torch.tensor(v, dtype=torch.float32) for k, v in (pooled.get(key) or {}).items()
+                 if isinstance(v, list)}
         out[key] = stats
     if norm["mode"] == "quantile":
         out.setdefault("action", {}).update(q01=torch.tensor(norm["low"]), q99=torch.tensor(norm["high"]))
@@ -172,7 +175,8 @@ def write_policy_folder(folder: Path, *, cfg: Any, wcfg: Any, state_dict: dict[s
     save_file({k: v.to(dtype).contiguous() for k, v in state_dict.items()}, str(folder / "model.safetensors"),
               metadata={"format": "pt", "flexpack": POLICY_TYPE})
 
-    features = {k: PolicyFeature(type=FeatureType(v["type"]), shape=tuple(v["shape"])) for k, v in {**inputs, **outputs}.items()}
+    features = {k: PolicyFeature(type=FeatureType(v["type"]), shape=tuple(v["shape"]))
+                for k, v in {**inputs, **outputs}.items()}
     norm_map = {FeatureType(k): NormalizationMode(v) for k, v in mapping.items()}
     stats = _stats_tensors(norm, pooled, [k for k in features if k in pooled or k == "action"])
     pre = NormalizerProcessorStep(features=features, norm_map=norm_map, stats=stats)
@@ -200,8 +204,9 @@ def push_to_hub(folder: str | Path, repo_id: str, *, private: bool = False, api:
 
 
 # -- the one call from export ---------------------------------------------------------------------
-def write_extras(out: Path, *, run: Path, cfg: Any, wcfg: Any, state_dict: dict[str, torch.Tensor], norm: dict[str, Any],
-                 step: int, ema: bool, dtype: torch.dtype = torch.float32, policy: bool = True) -> None:
+def write_extras(out: Path, *, run: Path, cfg: Any, wcfg: Any, state_dict: dict[str, torch.Tensor],
+                 norm: dict[str, Any], step: int, ema: bool, dtype: torch.dtype = torch.float32,
+                 policy: bool = True) -> None:
     """The model card and (``policy``) the LeRobot-style policy folder inside the export folder ``out``."""
     from flexpack.data import action_stats, cache
     from flexpack.data.episodes import EpisodeSource

@@ -48,7 +48,9 @@ def pick_checkpoint(run: Path, command: str) -> Path:
     return found
 
 
-def load_checkpoint(found: Path, run: Path, ema: bool, overrides: Sequence[str]) -> tuple[Any, Any, Any, dict[str, Any]]:
+def load_checkpoint(
+    found: Path, run: Path, ema: bool, overrides: Sequence[str]
+) -> tuple[Any, Any, Any, dict[str, Any]]:
     """The checkpoint's config (its own config.json, else the run's first) with ``overrides``, and a
     single-process model (and EMA) with its weights; returns (config, model, ema or None, train_state)."""
     from flexpack.models import WanVA

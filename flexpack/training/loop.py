@@ -150,7 +150,8 @@ def _train(cfg: TrainConfig, found: Path | None, stop: faults.GracefulStop, stop
     sampler_hook = make_sample_hook(cfg, device, normalizer=extra["action_normalizer"], rank=rank,
                                     dataset_normalizer=getattr(data.dataset, "normalizer", None))
 
-    guard, meter = faults.StepGuard(stop, o.skip_nonfinite), StepMeter(cfg, device, model=data.model, geometry=data.geometry)
+    guard, meter = (faults.StepGuard(stop, o.skip_nonfinite),
+                    StepMeter(cfg, device, model=data.model, geometry=data.geometry))
 
     def save() -> Path:
         guard.flush()  # never the weights of a non-finite step
@@ -158,7 +159,8 @@ def _train(cfg: TrainConfig, found: Path | None, stop: faults.GracefulStop, stop
 
     bar = tqdm(total=cfg.schedule.steps, initial=start, desc="train", unit="step",
                disable=rank != 0 or not cfg.runtime.progress)
-    with (StepProfiler.for_training(cfg, rank, steps_left=end - step, first_step=step, plan=data, device=device) as prof,
+    with (StepProfiler.for_training(cfg, rank, steps_left=end - step, first_step=step, plan=data,
+                                    device=device) as prof,
           tracking.MetricSinks(run, cfg, rank=rank, start_step=start) as sinks, _QuietGC() as gc_pause):
         while step < end and not signum:
             gc_pause.step(step)
@@ -281,7 +283,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", type=Path, help="TOML or JSON config (configs/tiny_cpu.toml, ...)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config value, e.g. --set schedule.steps=40 (repeatable)")
-    parser.add_argument("--stop-after", type=positive_int, default=None, help="stop (with a checkpoint) after this step")
+    parser.add_argument("--stop-after", type=positive_int, default=None,
+                        help="stop (with a checkpoint) after this step")
     parser.add_argument("--force", action="store_true",
                         help="train into an out_dir that holds other files (runtime.adopt_dir = true); none is changed")
 

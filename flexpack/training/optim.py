@@ -77,4 +77,5 @@ def build_optimizer(model: nn.Module, cfg: Any, *, log: bool = False, fused: boo
         print(describe(groups), flush=True)
     for g in groups:  # AdamW's groups hold parameters and hyperparameters only
         del g["names"], g["name"]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, fused=fused)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                             fused=fused)

@@ -83,8 +83,8 @@ def parallel_options(cfg: Any, device: Any) -> ParallelOptions:
 
     r, compiled = cfg.runtime, use_compile(cfg, device)
     check_memory_budget(r.activation_memory_budget, compiled, "runtime.activation_memory_budget",
-                        f", which runtime.compile = {r.compile!r} leaves off here ({device.type}, {cfg.data.mode} mode); "
-                        "set runtime.compile = true")
+                        f", which runtime.compile = {r.compile!r} leaves off here "
+                        f"({device.type}, {cfg.data.mode} mode); set runtime.compile = true")
     return ParallelOptions(compile=compiled, activation_checkpointing=r.activation_checkpointing,
                            memory_budget=r.activation_memory_budget, float8=r.float8,
                            param_dtype=torch.bfloat16 if r.dtype == "bfloat16" else None)

@@ -26,7 +26,8 @@ def save_list() -> set[Any]:
     """The ops whose outputs are kept for the backward."""
     ops: set[Any] = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default,
                      _aten._scaled_mm.default,  # float8 GEMMs (torchao)
-                     _aten.max.default, _aten.amax.default,  # float8 scale reductions: tiny outputs, full passes to redo
+                     # float8 scale reductions: tiny outputs, full passes to redo
+                     _aten.max.default, _aten.amax.default,
                      _aten._scaled_dot_product_efficient_attention.default,
                      _aten._scaled_dot_product_flash_attention.default,
                      _aten._scaled_dot_product_cudnn_attention.default,

@@ -37,7 +37,9 @@ from flexpack.training.holdout import VAL_TAG
 from flexpack.training.parallel import is_sharded, world
 
 
-def _micro_batches(lengths: Sequence[int], indices: Sequence[int], data_cfg: Any, geometry: TokenGeometry) -> list[list[int]]:
+def _micro_batches(
+    lengths: Sequence[int], indices: Sequence[int], data_cfg: Any, geometry: TokenGeometry
+) -> list[list[int]]:
     """This rank's items grouped like the training collate wants them: packed in order up to the
     plan's frame budget (pack mode) or ``batch_size`` at a time (pad mode)."""
     if data_cfg.mode == "pad":
@@ -93,7 +95,8 @@ class Validator:
             dist.all_reduce(sums)
         lat, act = float(sums[0] / sums[2].clamp(min=1)), float(sums[1] / sums[3].clamp(min=1))
         o = cfg.objective
-        return {"val_loss": o.latent_weight * lat + o.action_weight * act, "val_latent_loss": lat, "val_action_loss": act}
+        return {"val_loss": o.latent_weight * lat + o.action_weight * act, "val_latent_loss": lat,
+                "val_action_loss": act}
 
     def after_step(self, model: nn.Module, step: int) -> dict[str, Any] | None:
         """Every ``runtime.eval_every`` steps: evaluate (collective) and append to metrics.jsonl on rank 0."""

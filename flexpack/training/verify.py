@@ -166,8 +166,8 @@ def check_backend(cfg: Any, device: torch.device, model: Any = None) -> None:
         raise UserError(f"model.overrides.attn_backend = {backend!r} has no CPU backward (FlexAttention); on CPU use "
                         "attn_backend = 'dense' or 'auto'")
     if backend == "flex-flash" and not has_flash():
-        raise UserError("model.overrides.attn_backend = 'flex-flash' needs FA4 (flash_attn.cute), which is not installed "
-                        "here; install it or use attn_backend = 'flex'")
+        raise UserError("model.overrides.attn_backend = 'flex-flash' needs FA4 (flash_attn.cute), "
+                        "which is not installed here; install it or use attn_backend = 'flex'")
     if dtype == "bfloat16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise UserError(f"runtime.dtype = 'bfloat16' is not supported by {torch.cuda.get_device_name(device)}; "
                         "set runtime.dtype = 'float32'")
@@ -229,7 +229,8 @@ def verify_config(cfg: Any, *, micro_batches: int = 2, checkpoint_dir: str | Non
         items = data.collate.items([data.dataset[j] for j in indices])
         # compiled blocks: the episodes alone in the run's pack shape (one graph), as training would see them
         verify_batch(model, items, data.collate, cfg.objective, seed=cfg.runtime.seed, model_kwargs=kw,
-                     drop_packing=drop_packing, report=report, autocast=torch.bfloat16 if bf16 and not sharded else None,
+                     drop_packing=drop_packing, report=report,
+                     autocast=torch.bfloat16 if bf16 and not sharded else None,
                      alone_collate=data.collate if compiled else None)
     return report
 
@@ -239,7 +240,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config value (repeatable)")
     parser.add_argument("--checkpoint", default=None,
-                        help="weights: a checkpoint folder or a run folder (its newest checkpoint); default: fresh init")
+                        help="weights: a checkpoint folder or a run folder (its newest checkpoint); "
+                             "default: fresh init")
     parser.add_argument("--micro-batches", type=int, default=2, help="micro-batches of the sampler to check")
     parser.add_argument("--tol", type=float, default=None,
                         help="one max relative error for outputs, losses and gradients (default per runtime.dtype: "
@@ -250,7 +252,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="in-memory random episodes shaped for the model instead of data.root (no dataset needed)")
     parser.add_argument("--synthetic-hw", type=int, nargs=2, default=None, metavar=("H", "W"),
                         help="latent height and width of --synthetic episodes (default: one patch)")
-    parser.add_argument("--synthetic-text", type=int, default=16, metavar="L", help="text tokens per --synthetic episode")
+    parser.add_argument("--synthetic-text", type=int, default=16, metavar="L",
+                        help="text tokens per --synthetic episode")
 
 
 def run(args: argparse.Namespace) -> int:

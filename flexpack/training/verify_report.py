@@ -107,8 +107,8 @@ class VerifyReport:
             lines.append(f"{r.episode:>8} {r.frames:>6} {r.video_err:>10.2e} {r.action_err:>10.2e} "
                          f"{r.loss_batched:>13.6f} {r.loss_alone:>11.6f} {r.loss_err:>9.2e}")
         for i, (a, b, g) in enumerate(zip(self.loss_batched, self.loss_alone, self.grad_err)):
-            lines.append(f"micro-batch {i}: loss batched {a:.6f} vs accumulated alone {b:.6f} (rel diff {self.loss_rel[i]:.2e}); "
-                         f"max grad rel err {g:.2e}")
+            lines.append(f"micro-batch {i}: loss batched {a:.6f} vs accumulated alone {b:.6f} "
+                         f"(rel diff {self.loss_rel[i]:.2e}); max grad rel err {g:.2e}")
         if self.grad_groups:
             lines.append("gradient rel err per parameter group (worst micro-batch):")
             for name in self.grad_groups[0]:
@@ -138,7 +138,8 @@ def _grads(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     out = []
     for name, p in model.named_parameters():
         g = _local(p.grad)
-        out.append((name, torch.zeros_like(_local(p.data), dtype=torch.float32) if g is None else g.detach().float().clone()))
+        out.append((name, torch.zeros_like(_local(p.data), dtype=torch.float32) if g is None
+                      else g.detach().float().clone()))
     return out
 
 

@@ -50,7 +50,8 @@ def episode_flow_sample(batch: Any, cfg: FlowMatchingConfig, seeds: Sequence[int
     x, a = batch.latent, batch.action
     dev = x.device
     # six 32-bit keys per episode (σ, two latent uniforms, two action uniforms, spare), one row per slot
-    keys = np.stack([np.random.SeedSequence(int(s)).generate_state(6, np.uint32) for s in seeds]) if E else np.zeros((0, 6))
+    keys = (np.stack([np.random.SeedSequence(int(s)).generate_state(6, np.uint32) for s in seeds]) if E
+            else np.zeros((0, 6)))
     keys_E6 = to_device(torch.from_numpy(keys.astype(np.int64)), dev)  # pinned: a pageable copy may block
     doc = lay.frame_doc.to(dev)  # (R, Fr), -1 = padding
     valid = doc >= 0

@@ -164,7 +164,8 @@ def make_flow_sample(
     if a_valid is not None:
         a = batch.action
         if action_noise is None:
-            action_noise = torch.randn(a.shape, generator=generator, device=gen_dev, dtype=torch.float32).to(a.device, a.dtype)
+            action_noise = (torch.randn(a.shape, generator=generator, device=gen_dev, dtype=torch.float32)
+                            .to(a.device, a.dtype))
         sa4 = s_a[:, None, :, None].to(a.dtype)
         a_t = torch.where(a_valid, (1 - sa4) * a + sa4 * action_noise, 0.0)
         target_action = action_noise - a
@@ -238,7 +239,8 @@ def flow_loss(pred: Any, sample: FlowSample, batch: Any, cfg: FlowMatchingConfig
     lat_loss = lat_sum / lat_count.clamp(min=1)
     act_loss = act_sum / act_count.clamp(min=1)
     loss = cfg.latent_weight * lat_loss + cfg.action_weight * act_loss
-    return FlowLoss(loss, lat_loss, act_loss, lat_sum, act_sum, lat_count, act_count, cfg.latent_weight, cfg.action_weight)
+    return FlowLoss(loss, lat_loss, act_loss, lat_sum, act_sum, lat_count, act_count, cfg.latent_weight,
+                    cfg.action_weight)
 
 
 def training_loss(

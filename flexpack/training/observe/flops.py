@@ -125,13 +125,15 @@ def useful_flops(
     return flops_breakdown(config, layout_or_counts, text_len, **kw).total
 
 
-def batch_flops(config: WanVAConfig, geometry: TokenGeometry, layout: SequenceLayout, *, backward: bool = True) -> float:
+def batch_flops(
+    config: WanVAConfig, geometry: TokenGeometry, layout: SequenceLayout, *, backward: bool = True
+) -> float:
     """Useful FLOPs of one collated micro-batch: its layout's episodes and text lengths, with the
     video and action tokens per frame and the copies of the run's ``geometry`` (the one count
     metrics.jsonl's ``mfu``, the profile summary and ``benchmarks/`` share). A layout on the GPU is
     read through its host copy (no wait for the GPU)."""
-    return useful_flops(config, layout.on_host(), None, video_tokens=geometry.video_tokens, action_tokens=geometry.action_tokens,
-                        copies=geometry.copies, backward=backward)
+    return useful_flops(config, layout.on_host(), None, video_tokens=geometry.video_tokens,
+                        action_tokens=geometry.action_tokens, copies=geometry.copies, backward=backward)
 
 
 _MEASURED: dict[str, float] = {}

@@ -46,7 +46,8 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
 
 
 def _series(records: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
-    pts = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
+    pts = [(r["step"], r[key]) for r in records
+           if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
     return [p[0] for p in pts], [p[1] for p in pts]
 
 

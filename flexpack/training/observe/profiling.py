@@ -133,7 +133,8 @@ class StepProfiler:
                  flops: Callable[[Any], float] | None = None, device: torch.device | str | None = None,
                  peak_tflops: float | None = None, source: str = ENV) -> None:
         self.steps = _env_int(ENV, 0) if steps is None else steps
-        self.warmup = (_env_int(ENV_WARMUP, 2) if self.steps else 0) if warmup is None else warmup  # read only when profiling
+        self.warmup = ((_env_int(ENV_WARMUP, 2) if self.steps else 0)  # read only when profiling
+                       if warmup is None else warmup)
         self.dir, self.rank = Path(out_dir) / "profile", rank
         self.first_step, self.tpf, self.copies, self.flops = first_step, tokens_per_frame, copies, flops
         self.peak_tflops = peak_tflops

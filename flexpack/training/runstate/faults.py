@@ -1,8 +1,9 @@
 """What ends a training run early, and how it ends cleanly.
 
-- SIGINT / SIGTERM / SIGHUP (Ctrl-C, a scheduler's preemption, a closed terminal): :class:`GracefulStop` records the signal;
-  the loop finishes the current step, saves a checkpoint and raises :class:`Interrupted`, whose
-  message says where the checkpoint is. A second Ctrl-C interrupts at once.
+- SIGINT / SIGTERM / SIGHUP (Ctrl-C, a scheduler's preemption, a closed terminal):
+  :class:`GracefulStop` records the signal; the loop finishes the current step, saves a checkpoint
+  and raises :class:`Interrupted`, whose message says where the checkpoint is. A second Ctrl-C
+  interrupts at once.
 - A data error (a corrupt latent, a missing file) on any rank: :func:`any_rank_failed` lets every
   rank know in one tiny all-reduce per step (none on one process), so all save the last completed
   step together before the error is raised (on the other ranks as :class:`PeerDataError`).

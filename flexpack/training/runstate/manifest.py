@@ -39,7 +39,8 @@ def describe(folder: Path, names: list[str] | None = None) -> dict[str, Any]:
     them, or the relative ``names``)."""
     if names is None:
         names = [str(p.relative_to(folder)) for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST]
-    return {"files": {n: (folder / n).stat().st_size for n in names}, "crc32": {n: crc32_file(folder / n) for n in names}}
+    return {"files": {n: (folder / n).stat().st_size for n in names},
+            "crc32": {n: crc32_file(folder / n) for n in names}}
 
 
 def _content_problem(path: Path, files: dict[str, int], crcs: dict[str, str]) -> str | None:

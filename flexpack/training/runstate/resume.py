@@ -76,7 +76,8 @@ def check_order(path: Path, saved: dict[str, Any] | None, cfg: TrainConfig) -> N
         return
     now = cfg.to_dict()["data"]
     keys = ORDER_KEYS[saved["data"]["mode"]]
-    diff = [(k, saved["data"].get(k), now.get(k)) for k in keys if json.dumps(saved["data"].get(k)) != json.dumps(now.get(k))]
+    diff = [(k, saved["data"].get(k), now.get(k)) for k in keys
+            if json.dumps(saved["data"].get(k)) != json.dumps(now.get(k))]
     if diff:
         what = ", ".join(f"data.{k} is {a!r} there and {b!r} now" for k, a, b in diff)
         fix = " ".join(f"--set data.{k}={json.dumps(a)}" for k, a, _ in diff)
@@ -123,7 +124,8 @@ def _restore_normalizer(path: Path, dataset: Any, saved: dict[str, Any] | None, 
         if rank == 0:
             print(f"warning: the dataset's action statistics differ from those saved in {path}; "
                   "keeping the checkpoint's (the weights were trained with them)", file=sys.stderr)
-        dataset.normalizer = type(dataset.normalizer)(saved["mode"], np.asarray(saved["low"]), np.asarray(saved["high"]))
+        dataset.normalizer = type(dataset.normalizer)(saved["mode"], np.asarray(saved["low"]),
+                                                      np.asarray(saved["high"]))
 
 
 def restore(path: Path, cfg: TrainConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer,

@@ -220,7 +220,9 @@ def config_changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, list[A
     return {k: [a.get(k), b.get(k)] for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)}
 
 
-def record_start(run: str | os.PathLike, config: dict[str, Any], *, start_step: int, world_size: int) -> dict[str, list]:
+def record_start(
+    run: str | os.PathLike, config: dict[str, Any], *, start_step: int, world_size: int
+) -> dict[str, list]:
     """Write ``config.json`` on the first start, append this start to ``config_history.jsonl``;
     returns the keys changed since the previous start."""
     run = Path(run)
