@@ -32,35 +32,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flexpack.packing.lengths import read_frames_file  # noqa: E402
 from flexpack.training.config import load_config  # noqa: E402
+from flexpack.training.memory_data import RandomEpisodes  # noqa: E402
 from flexpack.training.observe.profile_summary import CATEGORIES  # noqa: E402
 from flexpack.training.plan import plan_for  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-class RandomEpisodes(torch.utils.data.Dataset):
-    """Items shaped like :class:`~flexpack.data.LatentEpisodeDataset`'s, drawn from a seed per episode."""
-
-    def __init__(self, lengths: list[int], *, channels: int, hw: tuple[int, int], action_channels: int,
-                 action_steps: int, text_len: int, text_dim: int) -> None:
-        self.frames, self.c, self.hw = lengths, channels, hw
-        self.ca, self.a, self.text_len, self.text_dim = action_channels, action_steps, text_len, text_dim
-
-    def __len__(self) -> int:
-        return len(self.frames)
-
-    def lengths(self) -> list[int]:
-        return list(self.frames)
-
-    def __getitem__(self, i: int) -> dict:
-        g = torch.Generator().manual_seed(i)
-        f = self.frames[i]
-        item = {"latent": torch.randn(self.c, f, *self.hw, generator=g), "episode_index": i, "segment": -1,
-                "text": torch.randn(self.text_len, self.text_dim, generator=g), "text_len": self.text_len}
-        if self.ca:
-            item["action"] = torch.randn(self.ca, f, self.a, generator=g)
-            item["action_mask"] = torch.ones(self.ca, f, self.a, dtype=torch.bool)
-        return item
 
 
 def main() -> None:
@@ -103,7 +79,8 @@ def main() -> None:
         "data.num_workers=2" if cuda else "data.num_workers=0"] + (["runtime.compile=false"] if args.eager else []))
     m = cfg.model.wan_config()
     dataset = RandomEpisodes(lengths, channels=m.in_channels, hw=hw, action_channels=m.action_channels,
-                             action_steps=cfg.data.action_steps, text_len=text_len, text_dim=text_dim)
+                             action_steps=cfg.data.action_steps, text_len=text_len, text_dim=text_dim,
+                             mask_drop=0.0)  # every action value counts, as before
     data = plan_for(dataset, cfg, model=m)  # the train loop's sampler, collate, geometry and forward options
     tpf = data.geometry.tokens_per_frame
 

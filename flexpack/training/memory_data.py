@@ -20,12 +20,14 @@ REFERENCE_FRAMES = Path(__file__).resolve().parents[2] / "data" / "episode_frame
 
 class RandomEpisodes(torch.utils.data.Dataset):
     """Items with ``latent`` (C, F, H, W), ``text`` (L, Dt), ``text_len`` and, for ``action_channels``
-    > 0, ``action`` / ``action_mask`` (Ca, F, A), drawn from a seed per episode."""
+    > 0, ``action`` / ``action_mask`` (Ca, F, A), drawn from a seed per episode. ``mask_drop``: the share
+    of action values masked out at random (0: every value counts)."""
 
     def __init__(self, lengths: list[int], *, channels: int, hw: tuple[int, int], action_channels: int,
-                 action_steps: int, text_len: int, text_dim: int) -> None:
+                 action_steps: int, text_len: int, text_dim: int, mask_drop: float = 0.1) -> None:
         self.frames, self.c, self.hw = list(lengths), channels, hw
         self.ca, self.a, self.text_len, self.text_dim = action_channels, action_steps, text_len, text_dim
+        self.mask_drop = mask_drop
 
     def __len__(self) -> int:
         return len(self.frames)
@@ -40,7 +42,8 @@ class RandomEpisodes(torch.utils.data.Dataset):
                 "text": torch.randn(self.text_len, self.text_dim, generator=g), "text_len": self.text_len}
         if self.ca:
             item["action"] = torch.randn(self.ca, f, self.a, generator=g)
-            item["action_mask"] = torch.rand(self.ca, f, self.a, generator=g) > 0.1
+            item["action_mask"] = (torch.rand(self.ca, f, self.a, generator=g) > self.mask_drop if self.mask_drop
+                                   else torch.ones(self.ca, f, self.a, dtype=torch.bool))
         return item
 
 
