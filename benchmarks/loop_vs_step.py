@@ -3,10 +3,12 @@
 The loop runs ``flexpack.training.loop.train(cfg, data=...)`` exactly as the CLI does — DataLoader
 with workers and pinned memory, collate per step, noise seeds, the step guard, the meter, logging
 every 10 steps — on ``train_step.py``'s synthetic episodes (made per item in the workers, as a
-dataset reads them). Its tokens/s is the median of the logged windows after the first (the first
-holds the compile); ``train_step.py`` divides it by the tokens/s of the matching ``pack-*`` variant
-(``loop_vs_step``; the issue's target is ≥ 0.97). The final checkpoint is not written: a 5B-shape
-save is not part of a step.
+dataset reads them). The first logged window holds the compile; the second covers the packs the
+matching ``pack-*`` variant timed (``train_step.py`` has it time the loop's steps ``log_every`` to
+``2·log_every - 1``), and ``loop_vs_step`` is that window's tokens/s over the bare step's on the same
+packs (``same_packs`` records that they were; the issue's target is ≥ 0.97). ``tokens_per_s`` is the
+median over all measured windows. The final checkpoint is not written: a 5B-shape save is not part of
+a step.
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ from flexpack.training.plan import plan_for
 from flexpack.training.runstate import checkpoint
 
 
-def run_loop(args, name: str, lengths: list[int], items, device: torch.device, cfg, peak: float) -> dict:
+def run_loop(args, name: str, lengths: list[int], items, device: torch.device, cfg, peak: float,
+             bare_packs: list[list[int]] | None = None) -> dict:
     data = plan_for(items, cfg)  # what `flexpack train` builds: geometry, sampler, collate, forward options
-    log_every = args.loop_log_every if not args.smoke else 1
+    log_every = args.loop_log_every
     steps = log_every * (1 + max(1, args.loop_steps // log_every))  # a compile window + the measured ones
     out = tempfile.mkdtemp(prefix="flexpack-loop-")
     cfg = replace(cfg, schedule=replace(cfg.schedule, steps=steps, warmup_steps=1),
@@ -43,6 +46,15 @@ def run_loop(args, name: str, lengths: list[int], items, device: torch.device, c
     rows = result.metrics[1:] or result.metrics
     med = {k: statistics.median(r[k] for r in rows)
            for k in ("tokens_per_s", "step_s", "peak_mem_gb", "mfu") if k in rows[0]}
-    return {**med, "steps": steps, "log_every": log_every, "windows": [r["tokens_per_s"] for r in result.metrics],
+    window = result.episodes[log_every: 2 * log_every]  # the packs of the first measured window
+    same = bare_packs is not None and [sorted(b) for b in window] == [sorted(items_of(b)) for b in bare_packs]
+    windows = [r["tokens_per_s"] for r in result.metrics]
+    return {**med, "steps": steps, "log_every": log_every, "windows": windows, "same_packs": same,
+            "same_window_tokens_per_s": windows[1] if same and len(windows) > 1 else None,
             "losses": [r["loss"] for r in result.metrics], "float8": cfg.runtime.float8,
             "activation_checkpointing": cfg.runtime.activation_checkpointing}
+
+
+def items_of(pack) -> list[int]:
+    """Item indices of one pack as the sampler yields it."""
+    return [int(i) for i in pack]

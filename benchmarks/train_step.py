@@ -76,7 +76,7 @@ def length_sets(smoke: bool) -> dict[str, list[int]]:
     """Latent frames per episode: the reference lengths (F 103-362) and a short-episode set
     (F 56-146, uniform, seeded: real robot datasets often have 50-150 latent frames)."""
     if smoke:
-        return {"ref": [5, 7, 3, 9, 4, 6, 8, 5] * 4, "short": [2, 3, 4, 2, 3] * 40}
+        return {"ref": [5, 7, 3, 9, 4, 6, 8, 5] * 12, "short": [2, 3, 4, 2, 3] * 40}
     return {"ref": read_frames_file(REF), "short": np.random.default_rng(0).integers(56, 147, 1280).tolist()}
 
 
@@ -143,6 +143,7 @@ def _medians(times: list[float], host: list[float], tokens: list[int], flops: li
     tok_s = [n / t for n, t in zip(tokens, times)]
     return {"step_s": statistics.median(times), "host_ms_per_step": 1e3 * statistics.median(host),
             "tokens_per_s": statistics.median(tok_s),
+            "tokens_per_s_total": sum(tokens) / sum(times),  # over all timed packs, as a loop window counts
             "mfu": statistics.median(f / t / peak for f, t in zip(flops, times)),
             "steps": len(times), "tokens_per_step": statistics.median(tokens)}
 
@@ -173,7 +174,7 @@ def run_flexpack(args, name: str, lengths: list[int], batches: list[list[int]], 
     # pass 1, a sync around every step: host time to queue one step (the GPU idle meanwhile)
     host = [_host_and_wall(lambda: train_step(model, opt, [batch], cfg, step=warm + k, device=device,
                                               forward=extra), device)[0]
-            for k, batch in enumerate(timed)]
+            for k, batch in enumerate(timed[: args.host_steps or len(timed)])]
     # pass 2, as the train loop runs: no sync between steps; an event before each step
     times, sums = _event_times(lambda k: train_step(model, opt, [timed[k]], cfg, step=warm + len(timed) + k,
                                                     device=device, forward=extra)[0], len(timed), device)
@@ -366,19 +367,26 @@ def main() -> None:
                    help="timed packs for diffusers (default --steps): its episodes run one by one, twice")
     p.add_argument("--loop-steps", type=int, default=30, help="measured steps of the loop-* variants (after a first "
                    "window of --loop-log-every steps that holds the compile)")
-    p.add_argument("--loop-log-every", type=int, default=10, help="runtime.log_every of the loop-* variants")
+    p.add_argument("--loop-log-every", type=int, default=10, help="runtime.log_every of the loop-* variants; with "
+                   "one, --steps must equal it (the bare step then times the loop's first measured window)")
+    p.add_argument("--host-steps", type=int, default=0,
+                   help="timed packs of the host-time pass (a sync around each; default all --steps)")
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks the code paths, times nothing real")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/train_step_h200.json"))
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     if args.smoke:
         args.layers, args.max_tokens, args.steps, args.warmup = 2, 512, 2, 1
+        args.loop_log_every = args.loop_steps = args.steps
     peak = measured_bf16_peak(device) if device.type == "cuda" else 1e12
     C, H, W, L, Dt = (4, 4, 4, 6, 32) if args.smoke else (48, 8, 16, 512, 4096)  # 32 video tokens per frame
     results = json.loads(args.out.read_text()) if args.out.exists() else {}
     results.update(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                    date=time.strftime("%Y-%m-%d"), torch=torch.__version__, layers=args.layers,
                    bf16_matmul_tflops=peak / 1e12, command=" ".join(sys.argv))
+    if any(v.startswith("loop") for v in args.variants.split(",")) and args.steps != args.loop_log_every:
+        p.error(f"--steps ({args.steps}) must equal --loop-log-every ({args.loop_log_every}) with a loop-* variant: "
+                "the bare step times the packs of the loop's first measured window")
     sets = length_sets(args.smoke)
     variants = [v for v in args.variants.split(",") if not (args.no_diffusers and v.startswith("diffusers"))]
     for set_name in args.sets.split(","):
@@ -386,7 +394,11 @@ def main() -> None:
         items = Items(lengths, C, H, W, L, Dt)
         data = plan_for(items, config(args, "pack", True))  # the packs every variant trains on
         tpf = data.geometry.tokens_per_frame
-        batches = list(data.sampler)[: args.warmup + args.steps]
+        drawn = list(data.sampler)
+        # with a loop-* variant the bare step times the packs of the loop's first measured window (the loop's
+        # steps log_every .. 2*log_every-1), so loop_vs_step compares the same packs
+        at = args.loop_log_every if any(v.startswith("loop") for v in variants) else args.warmup
+        batches = drawn[: args.warmup] + drawn[at: at + args.steps]
         res = results[set_name] = {"command": " ".join(sys.argv), "bf16_matmul_tflops": peak / 1e12}  # one run per set
         res["episodes_per_pack"] = statistics.mean(len(b) for b in batches)
         res["frames"] = [min(lengths), max(lengths)]
@@ -402,7 +414,8 @@ def main() -> None:
                 elif v.startswith("loop"):
                     from loop_vs_step import run_loop
 
-                    r = run_loop(args, v, lengths, items, device, config(args, "pack", True, float8_of(v)), peak)
+                    r = run_loop(args, v, lengths, items, device, config(args, "pack", True, float8_of(v)), peak,
+                                 bare_packs=batches[args.warmup:])
                 else:
                     from flexpack.attention import flex
 
@@ -449,8 +462,10 @@ def _summarize(res: dict) -> None:
                          "speedup_vs_bf16": tok(f8) / bf16["tokens_per_s"] if bf16.get("tokens_per_s") else None,
                          "modes": {float8_of(v): tok(v) for v in res if v.startswith("pack-float8-") and tok(v)}}
     for v in (v for v in list(res) if v.startswith("loop-") and tok(v)):  # vs the bare step of the same settings
-        step = tok("pack-" + v.removeprefix("loop-"))
-        res[v]["loop_vs_step"] = tok(v) / step if step else None
+        bare = res.get("pack-" + v.removeprefix("loop-"), {})
+        same = res[v].get("same_window_tokens_per_s")  # the loop's window over the bare step's packs
+        step = bare.get("tokens_per_s_total") if same else None
+        res[v]["loop_vs_step"] = same / step if step else None
         res.setdefault("loop_vs_step", {})[v] = res[v]["loop_vs_step"]
     compiled = max((tok(v) or 0.0 for v in ("diffusers-compiled", "diffusers-regional")), default=0.0) or None
     res.update(pack_tokens_per_s=pack.get("tokens_per_s"), diffusers_compiled_tokens_per_s=compiled,
