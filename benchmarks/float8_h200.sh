@@ -67,8 +67,8 @@ print(f"torch {torch.__version__}, {gpu}, torchao {ao}, FA4 {has_flash()}")
 PY
 S=benchmarks/train_step.py
 F8="pack-compiled,pack-float8-tensorwise"  # rowwise measured 0.94x of tensorwise (train_step_float8_h200.json)
-stage verify 30 60 python3 benchmarks/float8_verify.py $X --out "$OUT/float8_verify_h200.json"
-stage ref 120 250 python3 $S $X --sets ref --variants "$F8,diffusers-compiled" --steps 6 --warmup 2 --diffusers-steps 2 \
+stage verify 30 120 python3 benchmarks/float8_verify.py $X --out "$OUT/float8_verify_h200.json"
+stage ref 120 330 python3 $S $X --sets ref --variants "$F8,diffusers-compiled" --steps 6 --warmup 2 --diffusers-steps 2 \
   --out "$OUT/train_step_h200.json"
 stage short 100 230 python3 $S $X --sets short --variants "$F8,diffusers-compiled" --steps 6 --warmup 2 \
   --diffusers-steps 2 --out "$OUT/train_step_h200.json"
@@ -88,4 +88,18 @@ stage wan5b 120 330 python3 $S $X $L30 --activation-checkpointing "${AC:-true}" 
   --out "$OUT/train_step_30l_h200.json"
 stage loop4 80 150 python3 $S $X --sets ref --variants pack-float8-tensorwise,loop-float8-tensorwise --steps 10 \
   --warmup 2 --loop-steps 30 --loop-log-every 10 --out "$OUT/train_step_loop_h200.json"
+# the full 5B's loop with 24 of 30 blocks checkpointed (the fastest `ac` setting; 126 GB there), on the packs of
+# the wan5b stage's measured window
+stage wan5b24 120 200 python3 $S $X $L30 --activation-checkpointing 24 --variants loop-float8-tensorwise --steps 10 \
+  --loop-steps 10 --loop-log-every 10 --out "$OUT/train_step_30l_ac24_loop_h200.json"
+# `flexpack verify` in the training configuration of the GPU suite (5B width, 2 layers, compiled, Triton) under float8:
+# must pass, and must still fail with the packing dropped
+V=(scripts/verify_packing.py configs/wan5b_pack.toml --synthetic --synthetic-hw 8 16 --synthetic-text 64
+   --set data.max_tokens=16384 --set runtime.device="'cuda'" --micro-batches 1
+   --set "model.overrides={attn_backend='flex', num_layers=2}")
+for f8 in tensorwise rowwise; do
+  stage "verify8_$f8" 60 110 python3 "${V[@]}" --set runtime.float8="'$f8'"
+  stage "verify8_${f8}_drop" 60 110 python3 "${V[@]}" --set runtime.float8="'$f8'" --drop-packing
+done
+[[ " $STAGES " == *" verify8 "* ]] && tail -n 30 "$LOGS"/verify8_*.log
 echo "done after $((SECONDS - t0)) s"

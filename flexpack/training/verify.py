@@ -20,7 +20,10 @@ compiled where ``runtime.compile`` compiles them, bf16 autocast (one process) or
 precision (``torchrun``, every rank checks the same micro-batches) for ``runtime.dtype =
 "bfloat16"``, the configured attention backend (FA4 or Triton flex on CUDA). Tolerances depend on
 that dtype (:data:`TOLERANCES`): float32 paths agree to rounding; bf16 rounds every activation to
-8 bits of mantissa, and a packed row and an episode alone reduce in different orders.
+8 bits of mantissa, and a packed row and an episode alone reduce in different orders. With
+``runtime.float8`` the blocks' linears run float8 as in training, and a packed row and an episode alone
+differ by float8 rounding under different scales too (a tensorwise scale spans the whole pack); the
+bf16 tolerances hold for that as well (measured on the H200, ``BENCHMARKS.md``).
 
 ``drop_packing=True`` reproduces the bug this guards against (DeepSeek-V3's post-mortem: packing
 metadata silently dropped at the model boundary): the model gets a layout whose doc ids are all
@@ -183,7 +186,7 @@ def training_model(cfg: Any, device: torch.device, wcfg: Any = None) -> tuple[nn
 
     with device:
         model = build_model(cfg, wcfg)
-    opts = replace(parallel_options(cfg, device), float8="off")  # the packing check runs bf16 matmuls
+    opts = parallel_options(cfg, device)  # float8 linears too where runtime.float8 asks for them
     parallelize(model, device=device, **opts.kwargs())
     materialize(model, cfg, device, wcfg)
     return model, opts.compile
@@ -196,6 +199,7 @@ def verify_config(cfg: Any, *, micro_batches: int = 2, checkpoint_dir: str | Non
     work on each) with the model as training builds it. ``tol``: one max relative error for all
     quantities (default: :data:`TOLERANCES` of ``runtime.dtype``). ``data``: replaces what
     ``cfg.data`` describes (e.g. :func:`flexpack.training.memory_data.synthetic_data`)."""
+    from flexpack.training import float8
     from flexpack.training.build import build_data
     from flexpack.training.checks import resolve_device
     from flexpack.training.parallel import is_sharded, world
@@ -204,6 +208,7 @@ def verify_config(cfg: Any, *, micro_batches: int = 2, checkpoint_dir: str | Non
     device = resolve_device(cfg.runtime.device)
     m = cfg.model.wan_config() if data is None else data.model  # resolved once: the plan holds it
     check_backend(cfg, device, m)
+    float8.check(cfg.runtime.float8, device)  # torchao and an sm89+ GPU, or one line
     data = build_data(cfg, model=m) if data is None else data
     model, compiled = training_model(cfg, device, m)
     if checkpoint_dir:
@@ -219,7 +224,7 @@ def verify_config(cfg: Any, *, micro_batches: int = 2, checkpoint_dir: str | Non
     mode = "FSDP2 mixed precision" if bf16 and sharded else "autocast" if bf16 else "no autocast"
     report = VerifyReport(tol=TOLERANCES[cfg.runtime.dtype] if tol is None else Tolerance.uniform(tol), setup=(
         f"{device} ({name}), runtime.dtype {cfg.runtime.dtype} ({mode}), blocks {'compiled' if compiled else 'eager'}, "
-        f"attention {m.attn_backend}, {world()[1]} rank(s){', FSDP2' if sharded else ''}"))
+        f"attention {m.attn_backend}, float8 {cfg.runtime.float8}, {world()[1]} rank(s){', FSDP2' if sharded else ''}"))
     kw = data.forward.kwargs()  # training's mask, chunk size and text shape
     for i, indices in enumerate(data.sampler):
         if i >= micro_batches:
