@@ -190,3 +190,66 @@ def test_fsdp2_float8_all_gather_saves_plain_weights(tmp_path):
         assert type(v) is torch.Tensor and v.dtype == torch.float32, k
         torch.testing.assert_close(v, r0["full"][k].as_subclass(torch.Tensor) if type(r0["full"][k]) is not torch.Tensor
                                    else r0["full"][k], rtol=0, atol=0)
+
+
+CUDA = torch.device("cuda")  # the rule is the GPU's (torch._scaled_mm); nothing here runs on it
+
+
+def _data(mode="pack", max_tokens=16384, pad_multiple=8):
+    import types
+
+    return types.SimpleNamespace(mode=mode, max_tokens=max_tokens, pad_multiple=pad_multiple)
+
+
+def test_float8_packs_must_hold_a_multiple_of_16_tokens():
+    """The weight-gradient GEMM reduces over the tokens (torch._scaled_mm: inner dims % 16 == 0): a
+    pack of 455 frames x 36 tokens = 16,380 failed to compile on the H200; the check names a budget that works."""
+    from flexpack.packing.geometry import TokenGeometry
+
+    g = TokenGeometry(video_tokens=32, action_tokens=4, max_tokens=16384)
+    float8.check_tokens("off", _data(), g, CUDA)  # bf16 takes any count
+    with pytest.raises(UserError, match=r"16380; set data.max_tokens = 16272 \(a multiple of 4 frames\)"):
+        float8.check_tokens("tensorwise", _data(), g, CUDA)
+    good = TokenGeometry(video_tokens=32, action_tokens=4, max_tokens=16272)
+    assert good.frame_budget * good.tokens_per_frame % 16 == 0
+    float8.check_tokens("tensorwise", _data(max_tokens=16272), good, CUDA)
+    float8.check_tokens("rowwise", _data(max_tokens=65536), TokenGeometry(video_tokens=32, action_tokens=4,
+                                                                            max_tokens=65536), CUDA)  # 1820 x 36
+    float8.check_tokens("rowwise", _data(), TokenGeometry(video_tokens=32, max_tokens=16384), CUDA)  # 32 per frame
+    # teacher forcing: two copies of every frame, 72 tokens: an even frame count is enough
+    tf = TokenGeometry(video_tokens=32, action_tokens=4, copies=2, max_tokens=16380)  # 455 frames
+    with pytest.raises(UserError, match="data.max_tokens = 16344"):
+        float8.check_tokens("tensorwise", _data(max_tokens=16380), tf, CUDA)
+
+
+def test_float8_padded_rows_must_hold_a_multiple_of_16_tokens():
+    from flexpack.packing.geometry import TokenGeometry
+
+    g = TokenGeometry(video_tokens=32, action_tokens=4)
+    float8.check_tokens("tensorwise", _data("pad", pad_multiple=8), g, CUDA)  # 8 x 36 = 288
+    with pytest.raises(UserError, match="data.pad_multiple = 6 frames x 36 .* set data.pad_multiple = 12"):
+        float8.check_tokens("tensorwise", _data("pad", pad_multiple=6), g, CUDA)
+
+
+def test_float8_token_rule_is_the_gpus_and_suggests_a_whole_step():
+    from flexpack.packing.geometry import TokenGeometry
+
+    g = TokenGeometry(video_tokens=1, action_tokens=4, max_tokens=60)  # 12 frames x 5 tokens
+    float8.check_tokens("rowwise", _data(max_tokens=60), g, torch.device("cpu"))  # emulated: any count
+    with pytest.raises(UserError, match=r"12 frames x 5 tokens = 60; set data.max_tokens = 80 \(a multiple of 16"):
+        float8.check_tokens("rowwise", _data(max_tokens=60), g, CUDA)
+
+
+def test_train_refuses_a_float8_run_whose_packs_the_gemms_cannot_take(tiny_dataset, tmp_path, monkeypatch):
+    """On a GPU the loop checks before building the model (here the device is faked: nothing runs on it)."""
+    from flexpack.training import loop
+    from helpers import tiny_config
+
+    monkeypatch.setattr(float8, "check", lambda mode, device: None)
+    monkeypatch.setattr(loop, "preflight", lambda cfg, stop_after: torch.device("cuda"))
+    built = []
+    monkeypatch.setattr(loop, "build_model", lambda *a, **k: built.append(1))
+    cfg = tiny_config(tiny_dataset, tmp_path, "runtime.float8='tensorwise'")  # 12 frames x 5 tokens = 60
+    with pytest.raises(UserError, match="runtime.float8 = 'tensorwise' needs packs of a multiple of 16 tokens"):
+        loop.train(cfg)
+    assert not built

@@ -20,6 +20,7 @@ torchao's float8 training (``convert_to_float8_training``; the optional extra ``
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -60,6 +61,30 @@ def _torchao() -> Any:
                         f"torch {torch.__version__.split('+')[0]}); set runtime.float8 = 'off' to train without it "
                         f"({exc})") from None
     return f8
+
+
+def check_tokens(mode: str, data: Any, geometry: Any, device: torch.device) -> None:
+    """Float8 training on a GPU needs every micro-batch's token count to be a multiple of 16: the
+    weight gradient's float8 GEMM reduces over the tokens, and ``torch._scaled_mm`` takes inner
+    dimensions that are multiples of 16 only. A pack holds ``frame budget × tokens per frame × copies``
+    tokens, a padded row a multiple of ``data.pad_multiple`` frames of them; one line names the setting
+    to change and a value that works (``data``: the config's data section; ``geometry``: the plan's).
+    Emulated float8 (CPU) has no such rule."""
+    if mode == "off" or device.type != "cuda":
+        return
+    unit = geometry.tokens_per_frame * geometry.copies  # tokens of one latent frame, every copy
+    step = 16 // math.gcd(unit, 16)  # frames that make a multiple of 16 tokens
+    if data.mode == "pack":
+        budget = geometry.frame_budget
+        if budget % step:
+            good = max(budget // step, 1) * step * geometry.tokens_per_frame
+            raise UserError(f"runtime.float8 = {mode!r} needs packs of a multiple of 16 tokens, but data.max_tokens = "
+                            f"{data.max_tokens} packs {budget} frames x {unit} tokens = {budget * unit}; set "
+                            f"data.max_tokens = {good} (a multiple of {step} frames)")
+    elif data.pad_multiple % step:
+        good = data.pad_multiple * step // math.gcd(data.pad_multiple, step)
+        raise UserError(f"runtime.float8 = {mode!r} needs rows of a multiple of 16 tokens, but data.pad_multiple = "
+                        f"{data.pad_multiple} frames x {unit} tokens per frame is not; set data.pad_multiple = {good}")
 
 
 def layer_filter(module: nn.Module, fqn: str, *, min_dim: int | None = None) -> bool:

@@ -126,6 +126,7 @@ def _train(cfg: TrainConfig, found: Path | None, stop: faults.GracefulStop, stop
            device: torch.device, data: Plan | None) -> TrainResult:
     rank, size = world()
     data = build_data(cfg, rank, size) if data is None else data
+    float8.check_tokens(cfg.runtime.float8, cfg.data, data.geometry, device)  # before the model is built
     with device:  # built where it runs: no full fp32 copy of a 5B model in host memory per rank
         model = build_model(cfg, data.model)
     model = parallelize(model, device=device, **parallel_options(cfg, device).kwargs())
