@@ -10,7 +10,8 @@
 # .gpuwheels-b/ are there (shared tools/gpu-wheels.sh layout); nothing is installed again when /tmp/site has torchao.
 # Each stage gets what is left of BUDGET (capped), is skipped when too little is left, and writes its JSON under $OUT
 # as it goes (a stage cut at its limit keeps what it finished); the logs come back as one logs.tgz.
-#   verify  packed vs per-episode errors under each float8 mode (2 blocks, 5B widths)      float8_verify_h200.json
+#   verify  packed vs per-episode errors under each float8 mode (2 eager blocks, 5B widths; float8_verify_h200.json
+#           its dropped-packing control sits under the bf16 noise there: see verify8)
 #   ref     4-layer step, reference lengths: bf16 vs float8 tensorwise vs diffusers        train_step_h200.json
 #           compiled, side by side
 #   short   as ref on the short-episode set                                                 train_step_h200.json
@@ -20,6 +21,9 @@
 #   wan5b   30 layers, float8 tensorwise, that setting: the bare step and `flexpack train`'s train_step_30l_h200.json
 #           loop (log_every 10) on the same 10 packs (loop_vs_step)
 #   loop4   4 layers, float8 tensorwise: `flexpack train`'s loop vs its bare step, same packs train_step_loop_h200.json
+#   wan5b24 the 30-layer loop with 24 of 30 blocks checkpointed, wan5b's packs            train_step_30l_ac24_loop_h200.json
+#   verify8 `flexpack verify` in the GPU suite's training configuration under float8       logs.tgz (verify8_*.log)
+#           tensorwise / rowwise: must pass, and fail with --drop-packing
 set -uo pipefail
 OUT=${OUT:?set OUT to the output folder}
 BUDGET=${BUDGET:-540}
@@ -94,8 +98,9 @@ stage wan5b24 120 200 python3 $S $X $L30 --activation-checkpointing 24 --variant
   --loop-steps 10 --loop-log-every 10 --out "$OUT/train_step_30l_ac24_loop_h200.json"
 # `flexpack verify` in the training configuration of the GPU suite (5B width, 2 layers, compiled, Triton) under float8:
 # must pass, and must still fail with the packing dropped
+# (16,416 tokens: 456 frames x 36, a multiple of 16 as float8 GEMMs need; 16,384 would pack 16,380)
 V=(scripts/verify_packing.py configs/wan5b_pack.toml --synthetic --synthetic-hw 8 16 --synthetic-text 64
-   --set data.max_tokens=16384 --set runtime.device="'cuda'" --micro-batches 1
+   --set data.max_tokens=16416 --set runtime.device="'cuda'" --micro-batches 1
    --set "model.overrides={attn_backend='flex', num_layers=2}")
 for f8 in tensorwise rowwise; do
   stage "verify8_$f8" 60 110 python3 "${V[@]}" --set runtime.float8="'$f8'"

@@ -3,10 +3,10 @@
 #
 #   benchmarks/train_wan5b.sh OUT [--set key=value ...]      # e.g. --set runtime.activation_checkpointing=28
 #
-# Defaults are the fastest settings that fit 141 GB: float8 matmuls in the blocks (FLOAT8=tensorwise; rowwise or
-# off), every block checkpointed (per-op "selective" checkpointing of all 30 blocks keeps every matmul output: by the
-# earlier runs' ~5.7 GB per block left whole it is not expected to fit next to the fp32 weights, gradients and AdamW
-# state; float8_h200.sh's wan5b_ac_selective stage measures it), log_every 10 as a real run logs. --set overrides any.
+# Defaults: float8 matmuls in the blocks (FLOAT8=tensorwise; rowwise or off), every block checkpointed (94 GB with
+# float8), log_every 10 as a real run logs. --set overrides any: --set runtime.activation_checkpointing=24 was the
+# fastest setting that fits on the H200 (126 GB, float8_h200.sh's ac stage; per-op "selective" checkpointing of all
+# 30 blocks runs out of memory next to the fp32 weights, gradients and AdamW state).
 #
 # Makes (once, under $WORK, default /tmp/wan5b) a 13-episode dataset with two 128x128 cameras and 30 action
 # channels (32 video + 4 action tokens per latent frame), encodes it with the hash text encoder (512 x 4096),
