@@ -20,7 +20,8 @@ measured in the same run.
 
 ``pack-float8-MODE``: the compiled step with ``runtime.float8 = MODE``; where one ran, the set's ``pack`` figures
 are the fastest float8 step and its ``float8`` key has the mode, its tokens/s and the bf16 step's. ``loop-*``:
-``benchmarks/loop_vs_step.py``. ``--activation-checkpointing`` (true / N / selective) applies to every flexpack variant.
+``benchmarks/loop_vs_step.py``; with one, the bare variants time the packs of the loop's first measured window
+(``--steps`` = ``--loop-log-every``), so ``loop_vs_step`` compares the same packs. ``--activation-checkpointing`` (true / N / selective) applies to every flexpack variant.
 
 Each variant: warm-up steps (compiles), a first pass over the timed steps with a sync around each
 (host time; for diffusers also the first step at each episode length, ``first_pass_tokens_per_s``),
@@ -374,19 +375,19 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks the code paths, times nothing real")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/train_step_h200.json"))
     args = p.parse_args()
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     if args.smoke:
         args.layers, args.max_tokens, args.steps, args.warmup = 2, 512, 2, 1
         args.loop_log_every = args.loop_steps = args.steps
+    if any(v.startswith("loop") for v in args.variants.split(",")) and args.steps != args.loop_log_every:
+        p.error(f"--steps ({args.steps}) must equal --loop-log-every ({args.loop_log_every}) with a loop-* variant: "
+                "the bare step times the packs of the loop's first measured window")
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     peak = measured_bf16_peak(device) if device.type == "cuda" else 1e12
     C, H, W, L, Dt = (4, 4, 4, 6, 32) if args.smoke else (48, 8, 16, 512, 4096)  # 32 video tokens per frame
     results = json.loads(args.out.read_text()) if args.out.exists() else {}
     results.update(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                    date=time.strftime("%Y-%m-%d"), torch=torch.__version__, layers=args.layers,
                    bf16_matmul_tflops=peak / 1e12, command=" ".join(sys.argv))
-    if any(v.startswith("loop") for v in args.variants.split(",")) and args.steps != args.loop_log_every:
-        p.error(f"--steps ({args.steps}) must equal --loop-log-every ({args.loop_log_every}) with a loop-* variant: "
-                "the bare step times the packs of the loop's first measured window")
     sets = length_sets(args.smoke)
     variants = [v for v in args.variants.split(",") if not (args.no_diffusers and v.startswith("diffusers"))]
     for set_name in args.sets.split(","):

@@ -15,9 +15,12 @@ train_step = pytest.importorskip("train_step")
 def test_float8_is_pack_and_loop_is_set_against_its_step():
     res = {"pack-compiled": {"tokens_per_s": 100.0, "mfu": 0.6, "peak_mem_gb": 60.0},
            "pack-float8-rowwise": {"tokens_per_s": 130.0, "mfu": 0.78, "peak_mem_gb": 61.0},
-           "pack-float8-tensorwise": {"tokens_per_s": 140.0, "mfu": 0.84, "peak_mem_gb": 59.0},
+           "pack-float8-tensorwise": {"tokens_per_s": 140.0, "tokens_per_s_total": 138.0, "mfu": 0.84,
+                                      "peak_mem_gb": 59.0},
            "diffusers-compiled": {"tokens_per_s": 90.0},
-           "loop-float8-tensorwise": {"tokens_per_s": 133.0},
+           # the loop's window over the bare step's packs, against those packs' total (not the median per step)
+           "loop-float8-tensorwise": {"tokens_per_s": 133.0, "same_window_tokens_per_s": 131.1, "same_packs": True},
+           "loop-float8-rowwise": {"tokens_per_s": 120.0, "same_window_tokens_per_s": None, "same_packs": False},
            "pack-eager": {"error": "RuntimeError: out of memory"}}
     train_step._summarize(res)
     assert res["pack_tokens_per_s"] == 140.0 and res["mfu_pack"] == 0.84
@@ -25,8 +28,9 @@ def test_float8_is_pack_and_loop_is_set_against_its_step():
     f8 = res["float8"]
     assert f8["mode"] == "tensorwise" and f8["tokens_per_s"] == 140.0 and f8["bf16_tokens_per_s"] == 100.0
     assert f8["speedup_vs_bf16"] == pytest.approx(1.4) and f8["modes"] == {"rowwise": 130.0, "tensorwise": 140.0}
-    assert res["loop-float8-tensorwise"]["loop_vs_step"] == pytest.approx(0.95)
-    assert res["loop_vs_step"] == {"loop-float8-tensorwise": pytest.approx(0.95)}
+    assert res["loop-float8-tensorwise"]["loop_vs_step"] == pytest.approx(131.1 / 138.0)
+    # different packs: no ratio rather than a misleading one
+    assert res["loop_vs_step"] == {"loop-float8-tensorwise": pytest.approx(0.95), "loop-float8-rowwise": None}
 
 
 def test_without_float8_pack_stays_the_bf16_step():
@@ -35,3 +39,24 @@ def test_without_float8_pack_stays_the_bf16_step():
     assert res["pack_tokens_per_s"] == 100.0 and "float8" not in res and res["pack_vs_diffusers_compiled"] == 1.25
     assert train_step.float8_of("pack-float8-rowwise") == "rowwise" and train_step.float8_of("pack-compiled") == "off"
     assert [train_step.parse_ac(x) for x in ("true", "False", "26", "selective")] == [True, False, 26, "selective"]
+
+
+def test_loop_is_timed_on_the_bare_steps_packs(tmp_path):
+    """``--smoke`` end to end (tiny model, CPU): the loop's first measured window covers exactly the packs the
+    bare step timed, and ``loop_vs_step`` is set from that window; a --steps that differs is refused."""
+    import json
+    import subprocess
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "train_step.py"
+    out = tmp_path / "r.json"
+    subprocess.run([sys.executable, str(script), "--smoke", "--sets", "ref", "--variants",
+                    "pack-compiled,loop-compiled", "--host-steps", "1", "--out", str(out)],
+                   check=True, capture_output=True, timeout=300)
+    ref = json.loads(out.read_text())["ref"]
+    loop = ref["loop-compiled"]
+    assert loop["same_packs"] is True and loop["same_window_tokens_per_s"] == loop["windows"][1]
+    assert ref["loop_vs_step"]["loop-compiled"] == pytest.approx(
+        loop["windows"][1] / ref["pack-compiled"]["tokens_per_s_total"])
+    bad = subprocess.run([sys.executable, str(script), "--sets", "ref", "--variants", "pack-compiled,loop-compiled",
+                          "--steps", "6", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "--steps (6) must equal --loop-log-every (10)" in bad.stderr
