@@ -21,7 +21,8 @@ measured in the same run.
 ``pack-float8-MODE``: the compiled step with ``runtime.float8 = MODE``; where one ran, the set's ``pack`` figures
 are the fastest float8 step and its ``float8`` key has the mode, its tokens/s and the bf16 step's. ``loop-*``:
 ``benchmarks/loop_vs_step.py``; with one, the bare variants time the packs of the loop's first measured window
-(``--steps`` = ``--loop-log-every``), so ``loop_vs_step`` compares the same packs. ``--activation-checkpointing`` (true / N / selective) applies to every flexpack variant.
+(``--steps`` = ``--loop-log-every``), so ``loop_vs_step`` compares the same packs.
+``--activation-checkpointing`` (true / N / selective) applies to every flexpack variant.
 
 Each variant: warm-up steps (compiles), a first pass over the timed steps with a sync around each
 (host time; for diffusers also the first step at each episode length, ``first_pass_tokens_per_s``),
