@@ -60,3 +60,23 @@ def test_loop_is_timed_on_the_bare_steps_packs(tmp_path):
     bad = subprocess.run([sys.executable, str(script), "--sets", "ref", "--variants", "pack-compiled,loop-compiled",
                           "--steps", "6", "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "--steps (6) must equal --loop-log-every (10)" in bad.stderr
+
+
+def test_pick_checkpointing_takes_the_fastest_setting_under_the_limit(tmp_path):
+    import json
+
+    pick = pytest.importorskip("pick_checkpointing")
+    runs = {"true": {"tokens_per_s": 14.1, "peak_mem_gb": 94.4}, "24": {"tokens_per_s": 14.8, "peak_mem_gb": 126.4},
+            "selective": {"error": "OutOfMemoryError"}}
+    assert pick.pick(runs, 130) == "24" and pick.pick(runs, 125) == "true"
+    assert pick.pick({"selective": {"error": "OutOfMemoryError"}}, 130) == "true"  # none fits: every block
+    for k, r in runs.items():  # as the ac stage leaves them: one train_step.py JSON per setting
+        (tmp_path / f"ac_{k}.json").write_text(json.dumps({"device": "x", "ref": {"pack-float8-tensorwise": r}}))
+    import subprocess
+
+    out = tmp_path / "all.json"
+    done = subprocess.run([sys.executable, str(Path(pick.__file__)), str(tmp_path), "--limit-gb", "130",
+                           "--out", str(out)], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "24"
+    d = json.loads(out.read_text())
+    assert d["chosen"] == "24" and set(d["settings"]) == {"true", "24", "selective"} and d["limit_gb"] == 130
