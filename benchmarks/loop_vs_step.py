@@ -47,14 +47,9 @@ def run_loop(args, name: str, lengths: list[int], items, device: torch.device, c
     med = {k: statistics.median(r[k] for r in rows)
            for k in ("tokens_per_s", "step_s", "peak_mem_gb", "mfu") if k in rows[0]}
     window = result.episodes[log_every: 2 * log_every]  # the packs of the first measured window
-    same = bare_packs is not None and [sorted(b) for b in window] == [sorted(items_of(b)) for b in bare_packs]
+    same = bare_packs is not None and [sorted(b) for b in window] == [sorted(map(int, b)) for b in bare_packs]
     windows = [r["tokens_per_s"] for r in result.metrics]
     return {**med, "steps": steps, "log_every": log_every, "windows": windows, "same_packs": same,
             "same_window_tokens_per_s": windows[1] if same and len(windows) > 1 else None,
             "losses": [r["loss"] for r in result.metrics], "float8": cfg.runtime.float8,
             "activation_checkpointing": cfg.runtime.activation_checkpointing}
-
-
-def items_of(pack) -> list[int]:
-    """Item indices of one pack as the sampler yields it."""
-    return [int(i) for i in pack]

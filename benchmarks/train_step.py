@@ -379,7 +379,8 @@ def main() -> None:
     if args.smoke:
         args.layers, args.max_tokens, args.steps, args.warmup = 2, 512, 2, 1
         args.loop_log_every = args.loop_steps = args.steps
-    if any(v.startswith("loop") for v in args.variants.split(",")) and args.steps != args.loop_log_every:
+    has_loop = any(v.startswith("loop") for v in args.variants.split(","))
+    if has_loop and args.steps != args.loop_log_every:
         p.error(f"--steps ({args.steps}) must equal --loop-log-every ({args.loop_log_every}) with a loop-* variant: "
                 "the bare step times the packs of the loop's first measured window")
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
@@ -399,7 +400,7 @@ def main() -> None:
         drawn = list(data.sampler)
         # with a loop-* variant the bare step times the packs of the loop's first measured window (the loop's
         # steps log_every .. 2*log_every-1), so loop_vs_step compares the same packs
-        at = args.loop_log_every if any(v.startswith("loop") for v in variants) else args.warmup
+        at = args.loop_log_every if has_loop else args.warmup
         batches = drawn[: args.warmup] + drawn[at: at + args.steps]
         res = results[set_name] = {"command": " ".join(sys.argv), "bf16_matmul_tflops": peak / 1e12}  # one run per set
         res["episodes_per_pack"] = statistics.mean(len(b) for b in batches)

@@ -82,7 +82,7 @@ def check_tokens(mode: str, data: Any, geometry: Any, device: torch.device) -> N
                             f"{data.max_tokens} packs {budget} frames x {unit} tokens = {budget * unit}; set "
                             f"data.max_tokens = {good} (a multiple of {step} frames)")
     elif data.pad_multiple % step:
-        good = data.pad_multiple * step // math.gcd(data.pad_multiple, step)
+        good = math.lcm(data.pad_multiple, step)
         raise UserError(f"runtime.float8 = {mode!r} needs rows of a multiple of 16 tokens, but data.pad_multiple = "
                         f"{data.pad_multiple} frames x {unit} tokens per frame is not; set data.pad_multiple = {good}")
 
