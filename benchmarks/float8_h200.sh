@@ -15,7 +15,8 @@
 #   ref     4-layer step, reference lengths: bf16 vs float8 tensorwise vs diffusers        train_step_h200.json
 #           compiled, side by side
 #   short   as ref on the short-episode set                                                 train_step_h200.json
-#   loss    loss curves bf16 vs tensorwise vs rowwise, same data and seed (+ PNG)           float8_loss_h200.json
+#   loss    loss curves bf16 vs tensorwise vs rowwise, same data and seed, LOSS_STEPS (300)    float8_loss_h200.json
+#           steps (+ PNG)
 #   ac      30 layers, float8 tensorwise, bare step: every block checkpointed (true), 24    train_step_30l_ac_h200.json
 #           of 30, per-op selective; the fastest whose peak stays under AC_LIMIT_GB (125) is the wan5b setting
 #   wan5b   30 layers, float8 tensorwise, that setting: the bare step and `flexpack train`'s train_step_30l_h200.json
@@ -24,6 +25,11 @@
 #   wan5b24 the 30-layer loop with 24 of 30 blocks checkpointed, wan5b's packs            train_step_30l_ac24_loop_h200.json
 #   verify8 `flexpack verify` in the GPU suite's training configuration under float8       logs.tgz (verify8_*.log)
 #           tensorwise / rowwise: must pass, and fail with --drop-packing
+#   cli     the full 5B through `flexpack train` (train_wan5b.sh, float8 tensorwise, 24 of 30   wan5b_cli/metrics.jsonl
+#           blocks checkpointed, STEPS=30) on a LeRobot dataset; lerobot comes from the wheels     (train.log)
+#           of .gpuwheels-l/ and the dataset from .gpudata/ (benchmarks/wan5b_carry.sh makes both; a copy at
+#           /tmp/.gpuwheels-l and a dataset at /tmp/wan5b/data left by earlier calls serve too); if no step is
+#           logged (out of memory), once more with every block checkpointed into wan5b_cli_true/
 set -uo pipefail
 OUT=${OUT:?set OUT to the output folder}
 BUDGET=${BUDGET:-540}
@@ -76,7 +82,8 @@ stage ref 120 330 python3 $S $X --sets ref --variants "$F8,diffusers-compiled" -
   --out "$OUT/train_step_h200.json"
 stage short 100 230 python3 $S $X --sets short --variants "$F8,diffusers-compiled" --steps 6 --warmup 2 \
   --diffusers-steps 2 --out "$OUT/train_step_h200.json"
-stage loss 50 120 python3 benchmarks/float8_loss.py $X --steps 100 --max-tokens 8192 --out "$OUT/float8_loss_h200.json"
+stage loss 50 330 python3 benchmarks/float8_loss.py $X --steps "${LOSS_STEPS:-300}" --max-tokens 8192 \
+  --out "$OUT/float8_loss_h200.json"
 [[ -f "$OUT/float8_loss_h200.json" ]] && python3 benchmarks/plot_float8_loss.py "$OUT/float8_loss_h200.json" 2>&1 | tail -1
 L30="--sets ref --layers 30 --warmup 2 --host-steps 1"
 for ac in true 24 selective; do  # one JSON per setting (the benchmark keeps one entry per set and variant)
@@ -107,4 +114,33 @@ for f8 in tensorwise rowwise; do
   stage "verify8_${f8}_drop" 60 110 python3 "${V[@]}" --set runtime.float8="'$f8'" --drop-packing
 done
 [[ " $STAGES " == *" verify8 "* ]] && tail -n 30 "$LOGS"/verify8_*.log
+if [[ " $STAGES " == *" cli "* ]]; then
+  L=.gpuwheels-l; [[ -d $L ]] || L=/tmp/.gpuwheels-l
+  python3 - "$L" <<'PY'  # installs only the wheels whose distribution this machine lacks
+import importlib.metadata as md, pathlib, subprocess, sys
+def have(dist):
+    try:
+        md.distribution(dist)
+        return True
+    except md.PackageNotFoundError:
+        return False
+wheels = sorted(pathlib.Path(sys.argv[1]).glob("*.whl"))
+need = [str(w) for w in wheels if not have(w.name.split("-")[0])]
+print(f"lerobot wheels: {len(wheels)} carried, installing {[pathlib.Path(w).name.split('-')[0] for w in need]}")
+if need:
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", "/tmp/site",
+                    *need], check=True)
+PY
+  export WORK=${WORK:-/tmp/wan5b}
+  if [[ ! -f $WORK/data/.encoded && -f .gpudata/wan5b-data.tar.gz ]]; then
+    mkdir -p "$WORK" && tar -xzf .gpudata/wan5b-data.tar.gz -C "$WORK"
+  fi
+  stage cli 150 420 env STEPS=${STEPS:-30} MAX_S=390 bash benchmarks/train_wan5b.sh "$OUT/wan5b_cli"
+  tail -n 3 "$OUT/wan5b_cli/train.log" 2>/dev/null
+  if ! grep -q '"step"' "$OUT/wan5b_cli/metrics.jsonl" 2>/dev/null; then
+    stage cli_true 150 420 env STEPS=${STEPS:-30} MAX_S=390 bash benchmarks/train_wan5b.sh "$OUT/wan5b_cli_true" \
+      --set runtime.activation_checkpointing=true
+    tail -n 3 "$OUT/wan5b_cli_true/train.log" 2>/dev/null
+  fi
+fi
 echo "done after $((SECONDS - t0)) s"

@@ -1,23 +1,24 @@
 #!/usr/bin/env bash
 # The full 30-layer Wan2.2-5B through `flexpack train` on one GPU, on a synthetic LeRobot dataset.
 #
-#   benchmarks/train_wan5b.sh OUT [--set key=value ...]      # e.g. --set runtime.activation_checkpointing=28
+#   benchmarks/train_wan5b.sh OUT [--set key=value ...]      # e.g. --set runtime.activation_checkpointing=true
 #
-# Defaults: float8 matmuls in the blocks (FLOAT8=tensorwise; rowwise or off), every block checkpointed (94 GB with
-# float8), log_every 10 as a real run logs. --set overrides any: --set runtime.activation_checkpointing=24 was the
-# fastest setting that fits on the H200 (126 GB, float8_h200.sh's ac stage; per-op "selective" checkpointing of all
-# 30 blocks runs out of memory next to the fp32 weights, gradients and AdamW state).
+# Defaults, the fastest settings that fit on the H200: float8 matmuls in the blocks (FLOAT8=tensorwise; rowwise or
+# off) and the first 24 of 30 blocks checkpointed (AC=24: 126 GB with float8 in float8_h200.sh's ac stage; AC=true,
+# every block, needs 94 GB at ~5 % less speed; per-op "selective" checkpointing of all 30 blocks runs out of memory
+# next to the fp32 weights, gradients and AdamW state), log_every 10 as a real run logs. --set overrides any.
 #
 # Makes (once, under $WORK, default /tmp/wan5b) a 13-episode dataset with two 128x128 cameras and 30 action
 # channels (32 video + 4 action tokens per latent frame), encodes it with the hash text encoder (512 x 4096),
-# (FRAMES="..." sets other latent frame counts) then trains configs/wan5b_pack.toml for $STEPS (default 40) steps and copies metrics.jsonl and the
-# log to OUT. The run is stopped (SIGKILL) once its last step is logged: the final checkpoint (fp32 weights
-# and AdamW state, ~80 GB) is not what is measured, and SIGTERM would save it.
+# (FRAMES="..." sets other latent frame counts) then trains configs/wan5b_pack.toml for $STEPS (default 40) steps
+# and copies metrics.jsonl and the log to OUT. The run is stopped (SIGKILL) once its last step is logged: the final
+# checkpoint (fp32 weights and AdamW state, ~80 GB) is not what is measured, and SIGTERM would save it.
 set -euo pipefail
 out=${1:?usage: train_wan5b.sh OUT [--set key=value ...]}
 shift
 work=${WORK:-/tmp/wan5b}
 steps=${STEPS:-40}  # a multiple of 10: the run is stopped at its last logged step
+MAX_S=${MAX_S:-0}   # > 0: stopped (SIGKILL, no checkpoint) after this many seconds at the latest
 mkdir -p "$out" "$work"
 lengths=""
 for f in ${FRAMES:-350 330 310 290 270 269 340 320 300 280 260 250 69}; do lengths+="$((4 * f - 3)),"; done
@@ -32,17 +33,19 @@ rm -rf "$run"
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 python3 -m flexpack.cli train configs/wan5b_pack.toml --set data.root="$work/data" --set runtime.out_dir="$run" \
   --set schedule.steps="$steps" --set schedule.warmup_steps=4 --set runtime.log_every=10 --set runtime.progress=false \
-  --set data.num_workers=4 --set runtime.float8="${FLOAT8:-tensorwise}" --set runtime.activation_checkpointing=true "$@" > "$out/train.log" 2>&1 &
+  --set data.num_workers=4 --set runtime.float8="${FLOAT8:-tensorwise}" --set runtime.activation_checkpointing="${AC:-24}" "$@" \
+  > "$out/train.log" 2>&1 &
 pid=$!
+t0=$SECONDS
 while kill -0 "$pid" 2>/dev/null; do
-  if grep -q "^{\"step\": $steps," "$run/metrics.jsonl" 2>/dev/null; then
+  if grep -q "^{\"step\": $steps," "$run/metrics.jsonl" 2>/dev/null || (( MAX_S && SECONDS - t0 > MAX_S )); then
     kill -9 "$pid"
     break
   fi
   sleep 1
 done
 wait "$pid" 2>/dev/null || true
-cp "$run/metrics.jsonl" "$out/metrics.jsonl"
+cp "$run/metrics.jsonl" "$out/metrics.jsonl" 2>/dev/null || { echo "no step logged: see $out/train.log"; exit 1; }
 python3 - "$out/metrics.jsonl" <<'PY'
 import json, statistics, sys
 rows = [json.loads(x) for x in open(sys.argv[1])]
