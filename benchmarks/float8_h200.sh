@@ -131,7 +131,7 @@ if need:
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", "/tmp/site",
                     *need], check=True)
 PY
-  export WORK=${WORK:-/tmp/wan5b}
+  export WORK=${WORK:-/tmp/wan5b} HF_HUB_OFFLINE=1
   if [[ ! -f $WORK/data/.encoded && -f .gpudata/wan5b-data.tar.gz ]]; then
     mkdir -p "$WORK" && tar -xzf .gpudata/wan5b-data.tar.gz -C "$WORK"
   fi
