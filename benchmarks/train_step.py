@@ -56,6 +56,7 @@ from flexpack.training.plan import geometry_for, parallel_options, plan_for  # n
 from flexpack.training.step import train_step  # noqa: E402
 
 REF = Path(__file__).resolve().parents[1] / "data" / "episode_frames_ref.txt"
+WAN5B = Path(__file__).resolve().parents[1] / "data" / "episode_frames_wan5b.txt"  # train_wan5b.sh's dataset
 VARIANTS = ("pack-compiled", "pack-float8-tensorwise", "pack-float8-rowwise", "pack-eager", "diffusers-compiled",
             "diffusers-regional", "diffusers-eager", "pad-eager")
 # also: loop-compiled, loop-float8-MODE: the same packs through `flexpack train` (benchmarks/loop_vs_step.py)
@@ -75,16 +76,18 @@ def parse_ac(text: str) -> bool | int | str:
 
 
 def length_sets(smoke: bool) -> dict[str, list[int]]:
-    """Latent frames per episode: the reference lengths (F 103-362) and a short-episode set
-    (F 56-146, uniform, seeded: real robot datasets often have 50-150 latent frames)."""
+    """Latent frames per episode: the reference lengths (F 103-362), a short-episode set (F 56-146,
+    uniform, seeded: real robot datasets often have 50-150 latent frames) and ``wan5b``, the 13
+    episodes of ``benchmarks/train_wan5b.sh``'s dataset (F 69-350) repeated 40 times, as its epochs do."""
     if smoke:
-        return {"ref": [5, 7, 3, 9, 4, 6, 8, 5] * 12, "short": [2, 3, 4, 2, 3] * 40}
-    return {"ref": read_frames_file(REF), "short": np.random.default_rng(0).integers(56, 147, 1280).tolist()}
+        return {"ref": [5, 7, 3, 9, 4, 6, 8, 5] * 12, "short": [2, 3, 4, 2, 3] * 40, "wan5b": [9, 8, 7, 2] * 20}
+    return {"ref": read_frames_file(REF), "short": np.random.default_rng(0).integers(56, 147, 1280).tolist(),
+            "wan5b": read_frames_file(WAN5B) * 40}
 
 
 def config(args: argparse.Namespace, mode: str, compile_: bool, float8: str = "off") -> TrainConfig:
-    model = {"preset": "tiny", "overrides": {"num_layers": args.layers, "action_channels": 0}} if args.smoke else \
-        {"preset": "wan2.2-5b", "overrides": {"num_layers": args.layers, "action_channels": 0}}
+    over = {"num_layers": args.layers, "action_channels": args.action_channels}
+    model = {"preset": "tiny" if args.smoke else "wan2.2-5b", "overrides": over}
     return from_dict(TrainConfig, {
         "data": {"mode": mode, "max_tokens": args.max_tokens, "batch_size": getattr(args, "pad_batch", 4),
                  "pad_multiple": 8},
@@ -99,8 +102,8 @@ def config(args: argparse.Namespace, mode: str, compile_: bool, float8: str = "o
 class Items:
     """Synthetic dataset items (the keys LatentEpisodeDataset yields), made once per episode on demand."""
 
-    def __init__(self, lengths: list[int], C: int, H: int, W: int, L: int, Dt: int) -> None:
-        self.frames, self.shape, self.L, self.Dt = lengths, (C, H, W), L, Dt
+    def __init__(self, lengths: list[int], C: int, H: int, W: int, L: int, Dt: int, Ca: int = 0, A: int = 4) -> None:
+        self.frames, self.shape, self.L, self.Dt, self.Ca, self.A = lengths, (C, H, W), L, Dt, Ca, A
 
     def __len__(self) -> int:
         return len(self.frames)
@@ -111,9 +114,13 @@ class Items:
     def __getitem__(self, i: int) -> dict:
         g = torch.Generator().manual_seed(1000 + i)
         C, H, W = self.shape
-        return {"latent": torch.randn(C, self.frames[i], H, W, generator=g).to(torch.bfloat16),
+        item = {"latent": torch.randn(C, self.frames[i], H, W, generator=g).to(torch.bfloat16),
                 "text": torch.randn(self.L, self.Dt, generator=g).to(torch.bfloat16) * 0.1,
                 "episode_index": i, "segment": -1}
+        if self.Ca:  # actions in [-1, 1], every value counted (as a dataset without padding)
+            item["action"] = torch.rand(self.Ca, self.frames[i], self.A, generator=g) * 2 - 1
+            item["action_mask"] = torch.ones(self.Ca, self.frames[i], self.A, dtype=torch.bool)
+        return item
 
 
 def _sync(device: torch.device) -> None:
@@ -353,7 +360,10 @@ def profile_split(fn, device: torch.device) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--sets", default="ref,short")
+    p.add_argument("--sets", default="ref,short", help="comma-separated: ref, short, wan5b")
+    p.add_argument("--action-channels", type=int, default=0,
+                   help="model.action_channels of the flexpack variants (4 action tokens per frame); diffusers has "
+                        "no actions, so its variants need 0")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--steps", type=int, default=10)
@@ -380,6 +390,10 @@ def main() -> None:
         args.layers, args.max_tokens, args.steps, args.warmup = 2, 512, 2, 1
         args.loop_log_every = args.loop_steps = args.steps
     has_loop = any(v.startswith("loop") for v in args.variants.split(","))
+    variants = [v for v in args.variants.split(",") if not (args.no_diffusers and v.startswith("diffusers"))]
+    if args.action_channels and any(v.startswith("diffusers") for v in variants):
+        p.error(f"--action-channels {args.action_channels} with a diffusers variant: diffusers' Wan has no actions "
+                "(drop them with --no-diffusers or --variants)")
     if has_loop and args.steps != args.loop_log_every:
         p.error(f"--steps ({args.steps}) must equal --loop-log-every ({args.loop_log_every}) with a loop-* variant: "
                 "the bare step times the packs of the loop's first measured window")
@@ -391,10 +405,9 @@ def main() -> None:
                    date=time.strftime("%Y-%m-%d"), torch=torch.__version__, layers=args.layers,
                    bf16_matmul_tflops=peak / 1e12, command=" ".join(sys.argv))
     sets = length_sets(args.smoke)
-    variants = [v for v in args.variants.split(",") if not (args.no_diffusers and v.startswith("diffusers"))]
     for set_name in args.sets.split(","):
         lengths = sets[set_name]
-        items = Items(lengths, C, H, W, L, Dt)
+        items = Items(lengths, C, H, W, L, Dt, Ca=args.action_channels)
         data = plan_for(items, config(args, "pack", True))  # the packs every variant trains on
         tpf = data.geometry.tokens_per_frame
         drawn = list(data.sampler)

@@ -20,8 +20,9 @@ work=${WORK:-/tmp/wan5b}
 steps=${STEPS:-40}  # a multiple of 10: the run is stopped at its last logged step
 MAX_S=${MAX_S:-0}   # > 0: stopped (SIGKILL, no checkpoint) after this many seconds at the latest
 mkdir -p "$out" "$work"
-lengths=""
-for f in ${FRAMES:-350 330 310 290 270 269 340 320 300 280 260 250 69}; do lengths+="$((4 * f - 3)),"; done
+lengths=""  # video frames per episode: FRAMES (latent frames) or data/episode_frames_wan5b.txt
+for f in ${FRAMES:-}; do lengths+="$((4 * f - 3)),"; done
+[ -n "$lengths" ] || lengths=$(grep -v '^#' "$(dirname "$0")/../data/episode_frames_wan5b.txt" | paste -sd, -),
 if [ ! -f "$work/data/.encoded" ]; then
   rm -rf "$work/data"
   python3 -m flexpack.cli make-dataset "$work/data" --cameras 2 --size 128 --action-dim 30 --lengths "${lengths%,}"
