@@ -26,7 +26,8 @@
 #   verify8 `flexpack verify` in the GPU suite's training configuration under float8       logs.tgz (verify8_*.log)
 #           tensorwise / rowwise: must pass, and fail with --drop-packing
 #   cliset  30 layers, float8 tensorwise, 24 of 30 blocks checkpointed, on the cli stage's       train_step_30l_wan5b_h200.json
-#           workload in memory (its 13 episode lengths, 30 action channels): bare step vs loop, same packs
+#           workload in memory (its 13 episode lengths, 30 action channels): bare step, then      and ..._loop_h200.json
+#           the loop on the same packs
 #   cli     the full 5B through `flexpack train` (train_wan5b.sh, float8 tensorwise, 24 of 30   wan5b_cli/metrics.jsonl
 #           blocks checkpointed, STEPS=30) on a LeRobot dataset; lerobot comes from the wheels     (train.log)
 #           of .gpuwheels-l/ and the dataset from .gpudata/ (benchmarks/wan5b_carry.sh makes both; a copy at
@@ -106,10 +107,13 @@ stage loop4 80 150 python3 $S $X --sets ref --variants pack-float8-tensorwise,lo
 stage wan5b24 120 200 python3 $S $X $L30 --activation-checkpointing 24 --variants loop-float8-tensorwise --steps 10 \
   --loop-steps 10 --loop-log-every 10 --out "$OUT/train_step_30l_ac24_loop_h200.json"
 # the cli stage's workload (train_wan5b.sh's episode lengths, 4 action tokens per frame) without lerobot: what the
-# step itself reaches there, and the loop on the same packs
-stage cliset 120 400 python3 $S $X --sets wan5b --layers 30 --warmup 2 --host-steps 1 --action-channels 30 \
-  --activation-checkpointing 24 --variants pack-float8-tensorwise,loop-float8-tensorwise --steps 10 --loop-steps 10 --loop-log-every 10 \
+# step itself reaches there, and the loop on the same packs (two processes: each peaks at ~126 GB)
+W5=(--sets wan5b --layers 30 --warmup 2 --host-steps 1 --action-channels 30 --activation-checkpointing 24 --steps 10
+    --loop-steps 10 --loop-log-every 10)
+stage cliset_step 100 220 python3 $S $X "${W5[@]}" --variants pack-float8-tensorwise \
   --out "$OUT/train_step_30l_wan5b_h200.json"
+stage cliset_loop 100 260 python3 $S $X "${W5[@]}" --variants loop-float8-tensorwise \
+  --out "$OUT/train_step_30l_wan5b_loop_h200.json"
 # `flexpack verify` in the training configuration of the GPU suite (5B width, 2 layers, compiled, Triton) under float8:
 # must pass, and must still fail with the packing dropped
 # (16,416 tokens: 456 frames x 36, a multiple of 16 as float8 GEMMs need; 16,384 would pack 16,380)
