@@ -80,3 +80,26 @@ def test_pick_checkpointing_takes_the_fastest_setting_under_the_limit(tmp_path):
     assert done.stdout.strip() == "24"
     d = json.loads(out.read_text())
     assert d["chosen"] == "24" and set(d["settings"]) == {"true", "24", "selective"} and d["limit_gb"] == 130
+
+
+def test_action_channels_reach_the_items_and_the_model_and_refuse_diffusers(tmp_path):
+    """``--action-channels``: the items carry actions of that width (4 steps a frame), the model config
+    gets them, and the ``wan5b`` set is train_wan5b.sh's episode lengths; diffusers variants are refused."""
+    import argparse
+    import subprocess
+
+    from flexpack.packing.lengths import read_frames_file
+
+    items = train_step.Items([5, 3], 4, 4, 4, 6, 32, Ca=6)
+    it = items[1]
+    assert it["action"].shape == (6, 3, 4) and it["action_mask"].all() and it["action"].abs().max() <= 1
+    assert "action" not in train_step.Items([5], 4, 4, 4, 6, 32)[0]
+    args = argparse.Namespace(smoke=True, layers=2, action_channels=6, max_tokens=512, activation_checkpointing=False,
+                              memory_budget=1.0)
+    assert train_step.config(args, "pack", False).model.overrides["action_channels"] == 6
+    wan5b = train_step.length_sets(False)["wan5b"]
+    assert wan5b[:13] == read_frames_file(train_step.WAN5B) and len(wan5b) == 13 * 40 and max(wan5b) == 350
+    bad = subprocess.run([sys.executable, str(Path(train_step.__file__)), "--action-channels", "30", "--variants",
+                          "pack-compiled,diffusers-compiled", "--out", str(tmp_path / "r.json")],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "diffusers' Wan has no actions" in bad.stderr
