@@ -28,6 +28,8 @@
 #   cliset  30 layers, float8 tensorwise, 24 of 30 blocks checkpointed, on the cli stage's       train_step_30l_wan5b_h200.json
 #           workload in memory (its 13 episode lengths, 30 action channels): bare step, then      and ..._loop_h200.json
 #           the loop on the same packs
+#   actprof 4 layers, float8 tensorwise, the wan5b lengths with 0 and with 30 action channels: tokens/s,
+#           MFU and the kernel-time split of one step each (where the action tokens' cost goes)  profile_wan5b_a{0,30}.json
 #   cli     the full 5B through `flexpack train` (train_wan5b.sh, float8 tensorwise, 24 of 30   wan5b_cli/metrics.jsonl
 #           blocks checkpointed, STEPS=30) on a LeRobot dataset; lerobot comes from the wheels     (train.log)
 #           of .gpuwheels-l/ and the dataset from .gpudata/ (benchmarks/wan5b_carry.sh makes both; a copy at
@@ -114,6 +116,10 @@ stage cliset_step 100 220 python3 $S $X "${W5[@]}" --variants pack-float8-tensor
   --out "$OUT/train_step_30l_wan5b_h200.json"
 stage cliset_loop 100 260 python3 $S $X "${W5[@]}" --variants loop-float8-tensorwise \
   --out "$OUT/train_step_30l_wan5b_loop_h200.json"
+for ca in 0 30; do  # the same episode lengths without and with action tokens, 4 layers
+  stage "actprof_$ca" 60 150 python3 $S $X --sets wan5b --action-channels $ca --variants pack-float8-tensorwise \
+    --steps 4 --warmup 2 --profile --out "$OUT/profile_wan5b_a$ca.json"
+done
 # `flexpack verify` in the training configuration of the GPU suite (5B width, 2 layers, compiled, Triton) under float8:
 # must pass, and must still fail with the packing dropped
 # (16,416 tokens: 456 frames x 36, a multiple of 16 as float8 GEMMs need; 16,384 would pack 16,380)
