@@ -102,7 +102,8 @@ def config(args: argparse.Namespace, mode: str, compile_: bool, float8: str = "o
 class Items:
     """Synthetic dataset items (the keys LatentEpisodeDataset yields), made once per episode on demand."""
 
-    def __init__(self, lengths: list[int], C: int, H: int, W: int, L: int, Dt: int, Ca: int = 0, A: int = 4) -> None:
+    def __init__(self, lengths: list[int], C: int, H: int, W: int, L: int, Dt: int, Ca: int = 0, A: int = 0) -> None:
+        """``Ca`` action channels of ``A`` action steps per frame (the config's ``data.action_steps``); 0: none."""
         self.frames, self.shape, self.L, self.Dt, self.Ca, self.A = lengths, (C, H, W), L, Dt, Ca, A
 
     def __len__(self) -> int:
@@ -118,6 +119,7 @@ class Items:
                 "text": torch.randn(self.L, self.Dt, generator=g).to(torch.bfloat16) * 0.1,
                 "episode_index": i, "segment": -1}
         if self.Ca:  # actions in [-1, 1], every value counted (as a dataset without padding)
+            assert self.A > 0, "Items with action channels need A, the config's data.action_steps"
             item["action"] = torch.rand(self.Ca, self.frames[i], self.A, generator=g) * 2 - 1
             item["action_mask"] = torch.ones(self.Ca, self.frames[i], self.A, dtype=torch.bool)
         return item
@@ -391,6 +393,11 @@ def main() -> None:
         args.loop_log_every = args.loop_steps = args.steps
     has_loop = any(v.startswith("loop") for v in args.variants.split(","))
     variants = [v for v in args.variants.split(",") if not (args.no_diffusers and v.startswith("diffusers"))]
+    unknown = set(args.sets.split(",")) - {"ref", "short", "wan5b"}
+    if unknown:
+        p.error(f"--sets: unknown set(s) {sorted(unknown)}; use ref, short, wan5b")
+    if args.action_channels < 0:
+        p.error(f"--action-channels must be >= 0, got {args.action_channels}")
     if args.action_channels and any(v.startswith("diffusers") for v in variants):
         p.error(f"--action-channels {args.action_channels} with a diffusers variant: diffusers' Wan has no actions "
                 "(drop them with --no-diffusers or --variants)")
@@ -407,8 +414,9 @@ def main() -> None:
     sets = length_sets(args.smoke)
     for set_name in args.sets.split(","):
         lengths = sets[set_name]
-        items = Items(lengths, C, H, W, L, Dt, Ca=args.action_channels)
-        data = plan_for(items, config(args, "pack", True))  # the packs every variant trains on
+        cfg = config(args, "pack", True)
+        items = Items(lengths, C, H, W, L, Dt, Ca=args.action_channels, A=cfg.data.action_steps)
+        data = plan_for(items, cfg)  # the packs every variant trains on
         tpf = data.geometry.tokens_per_frame
         drawn = list(data.sampler)
         # with a loop-* variant the bare step times the packs of the loop's first measured window (the loop's

@@ -8,10 +8,10 @@
 # every block, needs 94 GB at ~5 % less speed; per-op "selective" checkpointing of all 30 blocks runs out of memory
 # next to the fp32 weights, gradients and AdamW state), log_every 10 as a real run logs. --set overrides any.
 #
-# Makes (once, under $WORK, default /tmp/wan5b) a 13-episode dataset with two 128x128 cameras and 30 action
-# channels (32 video + 4 action tokens per latent frame), encodes it with the hash text encoder (512 x 4096),
-# (FRAMES="..." sets other latent frame counts) then trains configs/wan5b_pack.toml for $STEPS (default 40) steps
-# and copies metrics.jsonl and the log to OUT. The run is stopped (SIGKILL) once its last step is logged: the final
+# Makes (once, under $WORK, default /tmp/wan5b) the 13-episode dataset of benchmarks/wan5b_data.sh (two 128x128
+# cameras, 30 action channels: 32 video + 4 action tokens per latent frame; FRAMES="..." sets other latent frame
+# counts), then trains configs/wan5b_pack.toml for $STEPS (default 40) steps and copies metrics.jsonl and the log
+# to OUT. The run is stopped (SIGKILL) once its last step is logged: the final
 # checkpoint (fp32 weights and AdamW state, ~80 GB) is not what is measured, and SIGTERM would save it.
 set -euo pipefail
 out=${1:?usage: train_wan5b.sh OUT [--set key=value ...]}
@@ -20,15 +20,7 @@ work=${WORK:-/tmp/wan5b}
 steps=${STEPS:-40}  # a multiple of 10: the run is stopped at its last logged step
 MAX_S=${MAX_S:-0}   # > 0: stopped (SIGKILL, no checkpoint) after this many seconds at the latest
 mkdir -p "$out" "$work"
-lengths=""  # video frames per episode: FRAMES (latent frames) or data/episode_frames_wan5b.txt
-for f in ${FRAMES:-}; do lengths+="$((4 * f - 3)),"; done
-[ -n "$lengths" ] || lengths=$(grep -v '^#' "$(dirname "$0")/../data/episode_frames_wan5b.txt" | paste -sd, -),
-if [ ! -f "$work/data/.encoded" ]; then
-  rm -rf "$work/data"
-  python3 -m flexpack.cli make-dataset "$work/data" --cameras 2 --size 128 --action-dim 30 --lengths "${lengths%,}"
-  python3 -m flexpack.cli encode --dataset "$work/data" --text-encoder hash:4096x512
-  touch "$work/data/.encoded"
-fi
+"$(dirname "$0")/wan5b_data.sh" "$work/data"  # once
 run="$work/run"
 rm -rf "$run"
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}

@@ -24,13 +24,8 @@ rm -rf .gpuwheels-l; mkdir -p .gpuwheels-l .gpudata
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_5_x86_64 \
   --platform manylinux1_x86_64 -d .gpuwheels-l $pins
-lengths=""  # video frames per episode: FRAMES (latent frames) or data/episode_frames_wan5b.txt
-for f in ${FRAMES:-}; do lengths+="$((4 * f - 3)),"; done
-[ -n "$lengths" ] || lengths=$(grep -v '^#' "$(dirname "$0")/../data/episode_frames_wan5b.txt" | paste -sd, -),
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-"$PY" -m flexpack.cli make-dataset "$work/data" --cameras 2 --size 128 --action-dim 30 --lengths "${lengths%,}"
-"$PY" -m flexpack.cli encode --dataset "$work/data" --text-encoder hash:4096x512
-touch "$work/data/.encoded"
+PYTHON=$PY benchmarks/wan5b_data.sh "$work/data"
 tar -czf .gpudata/wan5b-data.tar.gz.part -C "$work" data && mv .gpudata/wan5b-data.tar.gz.part .gpudata/wan5b-data.tar.gz
 du -sh .gpuwheels-l .gpudata

@@ -90,7 +90,7 @@ def test_action_channels_reach_the_items_and_the_model_and_refuse_diffusers(tmp_
 
     from flexpack.packing.lengths import read_frames_file
 
-    items = train_step.Items([5, 3], 4, 4, 4, 6, 32, Ca=6)
+    items = train_step.Items([5, 3], 4, 4, 4, 6, 32, Ca=6, A=4)
     it = items[1]
     assert it["action"].shape == (6, 3, 4) and it["action_mask"].all() and it["action"].abs().max() <= 1
     assert "action" not in train_step.Items([5], 4, 4, 4, 6, 32)[0]
