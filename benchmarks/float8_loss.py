@@ -28,10 +28,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from flexpack.training import float8, loop  # noqa: E402
-from flexpack.training.config import TrainConfig, from_dict  # noqa: E402
-from flexpack.training.plan import plan_for  # noqa: E402
-from flexpack.training.runstate import checkpoint  # noqa: E402
+from flexpack.parallel import float8  # noqa: E402
+from flexpack.run.config import TrainConfig, from_dict  # noqa: E402
+from flexpack.run.root import plan_for  # noqa: E402
+from flexpack.run.state import checkpoint  # noqa: E402
+from flexpack.training import loop
 from train_step import Items, length_sets  # noqa: E402
 
 

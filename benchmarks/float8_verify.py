@@ -5,7 +5,7 @@ float8 scales are shared by the rows they cover: ``tensorwise`` takes one amax o
 over all tokens of the pack — for the weight gradient. So a packed step and the same episodes
 alone are no longer equal to fp32 rounding: they differ by float8 rounding under slightly
 different scales. This script measures by how much (max relative error of predictions, losses and
-gradients, ``flexpack.training.verify``) for off / tensorwise / rowwise, so ``verify`` can be given
+gradients, ``flexpack.tools.verify``) for off / tensorwise / rowwise, so ``verify`` can be given
 the tolerance float8 needs; ``drop_packing`` (attention across episodes) is run beside it to show
 the check still tells a broken pack from float8 rounding.
 
@@ -33,12 +33,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flexpack.attention.flex import FlexAttnFunc  # noqa: E402
+from flexpack.flow.objective import FlowMatchingConfig  # noqa: E402
 from flexpack.models import WanVA, wan_config  # noqa: E402
 from flexpack.packing.collate import PackCollate  # noqa: E402
-from flexpack.training import float8  # noqa: E402
-from flexpack.training.flow.objective import FlowMatchingConfig  # noqa: E402
-from flexpack.training.parallel import parallelize  # noqa: E402
-from flexpack.training.verify import VerifyReport, verify_batch  # noqa: E402
+from flexpack.parallel import float8  # noqa: E402
+from flexpack.parallel.parallelize import parallelize  # noqa: E402
+from flexpack.tools.verify import VerifyReport, verify_batch  # noqa: E402
 
 
 def items(lens: list[int], C: int, H: int, W: int, L: int, Dt: int, device: torch.device) -> list[dict]:

@@ -20,9 +20,9 @@ from dataclasses import replace
 
 import torch
 
+from flexpack.run.root import plan_for
+from flexpack.run.state import checkpoint
 from flexpack.training import loop
-from flexpack.training.plan import plan_for
-from flexpack.training.runstate import checkpoint
 
 
 def run_loop(args, name: str, lengths: list[int], items, device: torch.device, cfg, peak: float,

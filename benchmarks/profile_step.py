@@ -31,10 +31,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flexpack.packing.lengths import read_frames_file  # noqa: E402
-from flexpack.training.config import load_config  # noqa: E402
-from flexpack.training.memory_data import RandomEpisodes  # noqa: E402
+from flexpack.run.config import load_config  # noqa: E402
+from flexpack.run.memory_data import RandomEpisodes  # noqa: E402
+from flexpack.run.root import plan_for  # noqa: E402
 from flexpack.training.observe.profile_summary import CATEGORIES  # noqa: E402
-from flexpack.training.plan import plan_for  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -4,7 +4,7 @@ The Wan2.2-5B shape at reduced depth (``--layers``, default 4; fp32 weights, bf1
 8x16 latents = 32 video tokens + 4 action tokens per latent frame, 512 text tokens), 64 held-out
 episodes × 4 cut points, ``--steps`` Euler steps, ``--horizon`` latent frames predicted per cut:
 
-- **packed**: :class:`flexpack.sampling.sampler.PackedSampler` as ``flexpack sample`` runs it — every
+- **packed**: :class:`flexpack.sampling.solver.PackedSampler` as ``flexpack sample`` runs it — every
   pair one document of 65,536-token packs (the training collate), blocks compiled once
   (``parallelize(compile=True)``, CUDA), one text-key shape for the run;
 - **loop**: the same weights sampling each pair alone at its own length (the eager model: a
@@ -39,12 +39,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flexpack.packing.lengths import read_frames_file  # noqa: E402
+from flexpack.parallel.parallelize import BLOCK_GRAPHS, compiled_graphs, parallelize  # noqa: E402
+from flexpack.run.build import build_model  # noqa: E402
+from flexpack.run.config import TrainConfig, from_dict  # noqa: E402
+from flexpack.run.root import geometry_for  # noqa: E402
 from flexpack.sampling.pairs import cut_points, make_pair  # noqa: E402
-from flexpack.sampling.sampler import PackedSampler, SampleOptions, pack_text_slots  # noqa: E402
-from flexpack.training.build import build_model  # noqa: E402
-from flexpack.training.config import TrainConfig, from_dict  # noqa: E402
-from flexpack.training.parallel import BLOCK_GRAPHS, compiled_graphs, parallelize  # noqa: E402
-from flexpack.training.plan import geometry_for  # noqa: E402
+from flexpack.sampling.solver import PackedSampler, SampleOptions, pack_text_slots  # noqa: E402
 
 REF = Path(__file__).resolve().parents[1] / "data" / "episode_frames_ref.txt"
 

@@ -47,12 +47,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flexpack.packing.lengths import read_frames_file  # noqa: E402
-from flexpack.training.build import build_model  # noqa: E402
-from flexpack.training.config import TrainConfig, from_dict  # noqa: E402
+from flexpack.parallel.parallelize import compiled_graphs, parallelize  # noqa: E402
+from flexpack.run.build import build_model  # noqa: E402
+from flexpack.run.config import TrainConfig, from_dict  # noqa: E402
+from flexpack.run.root import geometry_for, parallel_options, plan_for  # noqa: E402
 from flexpack.training.observe.flops import batch_flops, measured_bf16_peak, useful_flops  # noqa: E402
 from flexpack.training.optim import build_optimizer  # noqa: E402
-from flexpack.training.parallel import compiled_graphs, parallelize  # noqa: E402
-from flexpack.training.plan import geometry_for, parallel_options, plan_for  # noqa: E402
 from flexpack.training.step import train_step  # noqa: E402
 
 REF = Path(__file__).resolve().parents[1] / "data" / "episode_frames_ref.txt"

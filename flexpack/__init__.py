@@ -20,8 +20,8 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY = {
-    "LengthBucketBatchSampler": "flexpack.packing.sampler",
-    "TokenBudgetBatchSampler": "flexpack.packing.sampler",
+    "LengthBucketBatchSampler": "flexpack.packing.batch_sampler",
+    "TokenBudgetBatchSampler": "flexpack.packing.batch_sampler",
     "PadCollate": "flexpack.packing.collate",
     "PackCollate": "flexpack.packing.collate",
     "Batch": "flexpack.packing.collate",

@@ -16,20 +16,21 @@ from flexpack.errors import is_user_error, one_line
 # subcommand -> (module, one-line help). Each module defines ``add_arguments(parser)`` and
 # ``run(args) -> int``; modules are imported lazily so ``flexpack stats`` never imports lerobot.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "stats": ("flexpack.cli_stats", "waste, shapes and rank balance of a sampler on episode lengths"),
+    "stats": ("flexpack.commands.stats", "waste, shapes and rank balance of a sampler on episode lengths"),
     "make-dataset": ("flexpack.data.synthetic", "write a synthetic LeRobot dataset"),
     "encode": ("flexpack.data.encode", "encode a LeRobot dataset's videos into the latent cache"),
     "check-dataset": ("flexpack.data.check", "list every problem of a dataset and its latent cache"),
     "train": ("flexpack.training.loop",
               "train a WanVA on a LeRobot dataset from a TOML/JSON config (torchrun for FSDP2)"),
-    "verify": ("flexpack.training.verify",
+    "verify": ("flexpack.tools.verify",
                "check packed == per-episode outputs, loss and gradients; exit 1 on mismatch"),
     "plot": ("flexpack.training.observe.plot",
              "write a PNG of a run's loss curves and throughput from its metrics.jsonl"),
-    "sample": ("flexpack.sampling.cli",
+    "sample": ("flexpack.commands.sample",
                "sample episodes of a trained run (forecast or rollout) and score them against baselines"),
-    "export": ("flexpack.training.export", "write a run's newest checkpoint as a diffusers folder plus action stream"),
-    "config": ("flexpack.cli_config", "print the resolved training config, its defaults as TOML, or docs/CONFIG.md"),
+    "export": ("flexpack.tools.export", "write a run's newest checkpoint as a diffusers folder plus action stream"),
+    "config": ("flexpack.commands.config",
+               "print the resolved training config, its defaults as TOML, or docs/CONFIG.md"),
 }
 
 # subcommands that read a training config: their --help points to where every key is documented

@@ -10,7 +10,7 @@ The model is built as training builds it (device, runtime.dtype, compiled blocks
 torchrun); ``--synthetic`` uses in-memory episodes instead of ``data.root``. Prints a table per
 episode and the gradient error per parameter group; exits 1 when anything differs beyond the
 tolerances of the dtype, 2 on a bad input (one line). The same as ``flexpack verify``; see
-``flexpack/training/verify.py``.
+``flexpack/tools/verify.py``.
 """
 
 import sys

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from flexpack.training.config import load_config
+from flexpack.run.config import load_config
 from flexpack.training.loop import train
 
 

@@ -24,8 +24,8 @@ def tiny_sets(root: Path | str, out: Path | str, *extra: str) -> list[str]:
 
 
 def tiny_config(root: Path | str, out: Path | str, *extra: str) -> Any:
-    """The :class:`~flexpack.training.config.TrainConfig` of :func:`tiny_sets`."""
-    from flexpack.training.config import load_config
+    """The :class:`~flexpack.run.config.TrainConfig` of :func:`tiny_sets`."""
+    from flexpack.run.config import load_config
 
     return load_config(TINY, tiny_sets(root, out, *extra))
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from flexpack.training.config import load_config
+from flexpack.run.config import load_config
 from flexpack.training.loop import train
 
 

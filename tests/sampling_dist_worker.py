@@ -11,9 +11,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from flexpack.sampling.sampler import PackedSampler, SampleOptions  # noqa: E402
-from flexpack.training.build import build_model  # noqa: E402
-from flexpack.training.parallel import parallelize  # noqa: E402
+from flexpack.parallel.parallelize import parallelize  # noqa: E402
+from flexpack.run.build import build_model  # noqa: E402
+from flexpack.sampling.solver import PackedSampler, SampleOptions  # noqa: E402
 from test_sampling import SPECS_DIST, TPF, _cfg, _items, _pairs  # noqa: E402
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from flexpack.cli import main
-from flexpack.training.config import load_config
+from flexpack.run.config import load_config
 from helpers import run_cli, set_args, tiny_sets
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,7 +118,7 @@ def test_cuda_without_cuda_is_one_line(capsys, tmp_path, device):
 
 
 def test_cuda_means_cuda_local_rank(monkeypatch):
-    from flexpack.training import checks
+    from flexpack.run import checks
 
     seen = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -370,7 +370,7 @@ def test_disk_full_during_a_checkpoint_is_one_line_and_keeps_the_last_checkpoint
                                                                                  monkeypatch):
     import errno
 
-    from flexpack.training.runstate import checkpoint
+    from flexpack.run.state import checkpoint
 
     real, calls = checkpoint.dcp.save, []
 

@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("lerobot")
 
 from flexpack.cli import main  # noqa: E402
-from flexpack.training.runstate import runfolder  # noqa: E402
+from flexpack.run.state import runfolder  # noqa: E402
 from helpers import run_cli, set_args, tiny_sets  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -99,7 +99,7 @@ def sampler_packs(budget_frames: int, per_count: int = 2) -> list[list[int]]:
     episode lengths in its first epoch: up to ``per_count`` packs of every episode count it makes,
     every smaller count drawn from the same lengths, and a single cropped episode (crop=True)
     that fills the whole budget."""
-    from flexpack.packing.sampler import TokenBudgetBatchSampler
+    from flexpack.packing.batch_sampler import TokenBudgetBatchSampler
 
     frames = [min(f, budget_frames) for f in reference_frames()]
     sampler = TokenBudgetBatchSampler(frames, budget_frames, tokens_per_frame=1, seed=0)
@@ -120,7 +120,7 @@ def sampler_packs(budget_frames: int, per_count: int = 2) -> list[list[int]]:
 def pad_rows(per_shape: int = 1, shapes: int = 3) -> list[list[int]]:
     """Pad-mode micro-batches (episode frames per row) from the length-bucket sampler: the first
     ``shapes`` distinct padded shapes it draws (each compiles its own builder signature)."""
-    from flexpack.packing.sampler import LengthBucketBatchSampler
+    from flexpack.packing.batch_sampler import LengthBucketBatchSampler
 
     frames = reference_frames()
     seen: dict[tuple, list[int]] = {}

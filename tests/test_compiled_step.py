@@ -5,12 +5,12 @@ import pytest
 import torch
 
 from flexpack.attention.flex import FlexAttnFunc
+from flexpack.flow.noise import episode_flow_sample
+from flexpack.flow.objective import FlowMatchingConfig, flow_loss
 from flexpack.models import WanVA, wan_config
 from flexpack.packing.collate import PackCollate
-from flexpack.training.flow.noise import episode_flow_sample
-from flexpack.training.flow.objective import FlowMatchingConfig, flow_loss
-from flexpack.training.parallel import BLOCK_GRAPHS, parallelize
-from flexpack.training.verify import verify_batch
+from flexpack.parallel.parallelize import BLOCK_GRAPHS, parallelize
+from flexpack.tools.verify import verify_batch
 
 
 def items(lens, seed):
@@ -115,7 +115,7 @@ def test_activation_memory_budget_saves_less_and_keeps_gradients(one_thread):
 
 
 def test_activation_memory_budget_is_checked():
-    from flexpack.training.config import RuntimeConfig
+    from flexpack.run.config import RuntimeConfig
 
     with pytest.raises(ValueError, match=r"between 0 and 1.*got 1.5"):
         RuntimeConfig(activation_memory_budget=1.5)

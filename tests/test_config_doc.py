@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from flexpack.cli import main
-from flexpack.training import config_doc
-from flexpack.training.config import TrainConfig, load_config
+from flexpack.run.config import TrainConfig, load_config
+from flexpack.tools import config_doc
 
 ROOT = Path(__file__).resolve().parents[1]
 

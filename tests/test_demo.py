@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from flexpack import demo
+from flexpack.tools import demo
 
 
 def test_summary_lists_existing_outputs_only(tmp_path, monkeypatch):

@@ -15,11 +15,11 @@ from flexpack.attention.flex import FlexAttnFunc  # noqa: E402
 from flexpack.cli import main as cli_main  # noqa: E402
 from flexpack.models.wan_convert import rename  # noqa: E402
 from flexpack.packing.collate import PackCollate  # noqa: E402
-from flexpack.training.build import build_data, build_model  # noqa: E402
-from flexpack.training.config import load_config  # noqa: E402
-from flexpack.training.export import export_run, load_export  # noqa: E402
+from flexpack.run.build import build_data, build_model  # noqa: E402
+from flexpack.run.config import load_config  # noqa: E402
+from flexpack.run.state import checkpoint  # noqa: E402
+from flexpack.tools.export import export_run, load_export  # noqa: E402
 from flexpack.training.loop import train  # noqa: E402
-from flexpack.training.runstate import checkpoint  # noqa: E402
 from helpers import tiny_config  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")

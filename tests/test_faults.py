@@ -17,12 +17,12 @@ import torch
 pytest.importorskip("lerobot")
 
 from flexpack.cli import main as cli_main  # noqa: E402
+from flexpack.run.config import load_config  # noqa: E402
+from flexpack.run.state import checkpoint  # noqa: E402
+from flexpack.run.state.faults import NonFiniteError  # noqa: E402
+from flexpack.run.state.runfolder import LOCK, RunLock, cut_metrics  # noqa: E402
 from flexpack.training import step as step_module  # noqa: E402
-from flexpack.training.config import load_config  # noqa: E402
 from flexpack.training.loop import train  # noqa: E402
-from flexpack.training.runstate import checkpoint  # noqa: E402
-from flexpack.training.runstate.faults import NonFiniteError  # noqa: E402
-from flexpack.training.runstate.runfolder import LOCK, RunLock, cut_metrics  # noqa: E402
 from helpers import logged_steps, tiny_sets, wait_for_steps  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -252,7 +252,7 @@ def test_resume_with_another_epoch_order_or_model_shape_is_one_line_naming_the_v
 
 
 def test_graceful_stop_records_the_first_signal_and_a_second_ctrl_c_interrupts_at_once():
-    from flexpack.training.runstate.faults import GracefulStop, Interrupted
+    from flexpack.run.state.faults import GracefulStop, Interrupted
 
     previous = signal.getsignal(signal.SIGTERM)
     with GracefulStop() as stop:
@@ -269,8 +269,8 @@ def test_graceful_stop_records_the_first_signal_and_a_second_ctrl_c_interrupts_a
 def test_checkpoint_carries_the_action_statistics_and_loads_into_a_plain_model_for_verify(train_dataset, tmp_path,
                                                                                           capfd):
     from flexpack.data import LatentEpisodeDataset
-    from flexpack.training.runstate import resume
-    from flexpack.training.verify import verify_config
+    from flexpack.run.state import resume
+    from flexpack.tools.verify import verify_config
 
     out = tmp_path / "run"
     res = train(config(train_dataset, out, "schedule.steps=2"))
@@ -286,7 +286,7 @@ def test_checkpoint_carries_the_action_statistics_and_loads_into_a_plain_model_f
     # verify loads the sharded checkpoint into a single-process model (no process group)
     report = verify_config(config(train_dataset, out), checkpoint_dir=str(out), micro_batches=1)
     assert report.ok
-    from flexpack.training.build import build_model
+    from flexpack.run.build import build_model
 
     model = build_model(config(train_dataset, out))
     checkpoint.load(res.checkpoint, model, restore_rng=False)
@@ -320,7 +320,7 @@ def test_sigterm_under_torchrun_stops_both_ranks_at_one_step_and_saves_it(train_
 @pytest.mark.slow
 def test_data_error_on_one_torchrun_rank_saves_the_steps_done_on_both(train_dataset, tmp_path):
     from flexpack.data import LatentEpisodeDataset
-    from flexpack.packing.sampler import TokenBudgetBatchSampler
+    from flexpack.packing.batch_sampler import TokenBudgetBatchSampler
 
     ds = LatentEpisodeDataset(train_dataset)
     plan = TokenBudgetBatchSampler(ds.lengths(), 60, tokens_per_frame=5, world_size=2)._plan(0)

@@ -21,8 +21,8 @@ import torch
 pytest.importorskip("lerobot")
 
 from flexpack.cli import main  # noqa: E402
-from flexpack.training.runstate import checkpoint, manifest  # noqa: E402
-from flexpack.training.runstate.safeload import SafePlanner, UnsafeCheckpointError, read_metadata_file  # noqa: E402
+from flexpack.run.state import checkpoint, manifest  # noqa: E402
+from flexpack.run.state.safeload import SafePlanner, UnsafeCheckpointError, read_metadata_file  # noqa: E402
 from helpers import run_cli, set_args, tiny_sets, wait_for_steps  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -204,7 +204,7 @@ def test_full_disk_during_a_shard_write_is_one_line_and_leaves_no_temporary(tiny
 def test_kill_during_pruning_leaves_only_trash_which_the_next_start_removes(capsys, tiny_dataset, run4, tmp_path):
     run, old, new = _copy(run4, tmp_path)
     script = ("import os, shutil, signal, sys\n"
-              "from flexpack.training.runstate import checkpoint\n"
+              "from flexpack.run.state import checkpoint\n"
               "real = shutil.rmtree\n"
               "def rmtree(p, *a, **k):\n"
               "    if os.path.basename(p).startswith('.trash-') and os.path.exists(p):\n"
@@ -262,7 +262,7 @@ def test_sighup_saves_like_sigterm(tiny_dataset, tmp_path):
 def test_tensorboard_restart_before_any_checkpoint_drops_the_killed_runs_steps(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from flexpack.training.config import load_config
+    from flexpack.run.config import load_config
     from flexpack.training.observe import tracking
 
     cfg = load_config(None, ["runtime.tensorboard=true"])

@@ -13,12 +13,12 @@ pytest.importorskip("torchao")
 
 from flexpack.attention.flex import FlexAttnFunc  # noqa: E402
 from flexpack.errors import UserError  # noqa: E402
+from flexpack.flow.noise import episode_flow_sample  # noqa: E402
+from flexpack.flow.objective import FlowMatchingConfig, flow_loss  # noqa: E402
 from flexpack.models import WanVA, wan_config  # noqa: E402
 from flexpack.packing.collate import PackCollate  # noqa: E402
-from flexpack.training import float8  # noqa: E402
-from flexpack.training.flow.noise import episode_flow_sample  # noqa: E402
-from flexpack.training.flow.objective import FlowMatchingConfig, flow_loss  # noqa: E402
-from flexpack.training.parallel import parallelize  # noqa: E402
+from flexpack.parallel import float8  # noqa: E402
+from flexpack.parallel.parallelize import parallelize  # noqa: E402
 
 BLOCK_LAYERS = ["self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o", "cross_attn.q", "cross_attn.o",
                 "ffn.fc1", "ffn.fc2"]
@@ -50,7 +50,7 @@ def test_off_and_bad_modes():
     assert float8.convert(model, "off") == [] and float8.converted(model) == []
     with pytest.raises(ValueError, match="runtime.float8 must be one of .*got 'fp8'"):
         float8.convert(model, "fp8")
-    from flexpack.training.config import load_config
+    from flexpack.run.config import load_config
 
     with pytest.raises(ValueError, match="runtime.float8 must be one of"):
         load_config(overrides=["runtime.float8='e4m3'"])
@@ -134,8 +134,8 @@ def test_float8_matmuls_on_gpu_close_to_bf16(mode):
 
 def test_checkpoints_switch_float8_on_and_off_on_resume(one_thread, monkeypatch, tiny_dataset, tmp_path):
     """float8 is a runtime choice: a checkpoint saved with it on resumes with it off, and back."""
+    from flexpack.run.state import checkpoint
     from flexpack.training.loop import train
-    from flexpack.training.runstate import checkpoint
     from helpers import tiny_config
 
     monkeypatch.setattr(float8, "MIN_DIM", 16)

@@ -24,8 +24,8 @@ from flexpack.attention.masks import make_mask  # noqa: E402
 from flexpack.packing.collate import Batch, PackCollate  # noqa: E402
 from flexpack.packing.layout import SequenceLayout  # noqa: E402
 from flexpack.packing.transfer import with_host  # noqa: E402
+from flexpack.run.config import load_config  # noqa: E402
 from flexpack.training import step as step_mod  # noqa: E402
-from flexpack.training.config import load_config  # noqa: E402
 from flexpack.training.loop import train  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -162,9 +162,9 @@ def test_forward_and_backward_run_on_the_meta_device(one_thread, mask):
     """A step's micro-batches, forward and backward, with the model and the batches on the meta
     device: its tensors have shapes but no values, so any host read of a device value (a layout
     read back, a mask check, an ``.item()``) raises instead of silently waiting for a GPU."""
-    from flexpack.training.build import build_model
-    from flexpack.training.config import TrainConfig, from_dict
-    from flexpack.training.memory_data import synthetic_data
+    from flexpack.run.build import build_model
+    from flexpack.run.config import TrainConfig, from_dict
+    from flexpack.run.memory_data import synthetic_data
 
     model = {"preset": "tiny", "overrides": {"num_layers": 2, "attn_backend": "dense"}}
     if mask == "teacher_forcing":

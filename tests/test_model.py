@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from flexpack.attention.flex import FlexAttnFunc
+from flexpack.flow.objective import FlowMatchingConfig, make_flow_sample, training_loss
 from flexpack.models import WanVA, wan_config
 from flexpack.models.rope import apply_rope, rope_bands, rope_cos_sin
 from flexpack.packing.collate import PackCollate, PadCollate
 from flexpack.packing.layout import SequenceLayout
-from flexpack.training.flow.objective import FlowMatchingConfig, make_flow_sample, training_loss
 
 C, H, W, CA, A, L, DT = 4, 4, 6, 7, 3, 5, 32
 REL = 1e-5

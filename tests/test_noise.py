@@ -4,9 +4,9 @@ import math
 
 import torch
 
+from flexpack.flow.noise import _mix32, _normal, episode_flow_sample
+from flexpack.flow.objective import FlowMatchingConfig
 from flexpack.packing.collate import PackCollate
-from flexpack.training.flow.noise import _mix32, _normal, episode_flow_sample
-from flexpack.training.flow.objective import FlowMatchingConfig
 
 
 def item(F, C=4, H=4, W=6, ca=3, A=2, idx=0):

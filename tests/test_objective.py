@@ -9,10 +9,7 @@ import pytest
 import torch
 
 from flexpack.attention.flex import FlexAttnFunc
-from flexpack.models import WanVA, wan_config
-from flexpack.packing.collate import PackCollate, PadCollate
-from flexpack.packing.layout import SequenceLayout
-from flexpack.training.flow.objective import (
+from flexpack.flow.objective import (
     FlowMatchingConfig,
     flow_loss,
     loss_counts,
@@ -21,6 +18,9 @@ from flexpack.training.flow.objective import (
     shift_sigma,
     timestep_weight,
 )
+from flexpack.models import WanVA, wan_config
+from flexpack.packing.collate import PackCollate, PadCollate
+from flexpack.packing.layout import SequenceLayout
 
 C, H, W, CA, A, L, DT = 4, 4, 4, 7, 2, 3, 32
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from flexpack.models import WanVA, wan_config
-from flexpack.training.config import load_config
+from flexpack.run.config import load_config
+from flexpack.run.state import checkpoint
 from flexpack.training.ema import EMA, make_ema
 from flexpack.training.optim import build_optimizer, describe, param_groups
-from flexpack.training.runstate import checkpoint
 from helpers import tiny_config
 
 

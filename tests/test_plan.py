@@ -1,4 +1,4 @@
-"""The composition root (flexpack/training/plan.py): one plan, one owner per quantity."""
+"""The composition root (flexpack/run/root.py): one plan, one owner per quantity."""
 
 import dataclasses
 import json
@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from flexpack.flow.noise import episode_seed, noise_seeds
 from flexpack.packing.collate import PackCollate, PadCollate
 from flexpack.packing.geometry import TokenGeometry
-from flexpack.training.config import load_config
-from flexpack.training.flow.noise import episode_seed, noise_seeds
-from flexpack.training.memory_data import synthetic_data
+from flexpack.run.config import load_config
+from flexpack.run.memory_data import synthetic_data
+from flexpack.run.root import Plan, plan_for, run_text_slots
 from flexpack.training.observe.flops import batch_flops, useful_flops
-from flexpack.training.plan import Plan, plan_for, run_text_slots
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 CPU = torch.device("cpu")
@@ -75,7 +75,7 @@ def test_metrics_jsonl_mfu_counts_both_copies(tmp_path, monkeypatch):
 
 
 def test_plan_of_a_lerobot_dataset(tiny_dataset, tmp_path):
-    from flexpack.training.build import build_data
+    from flexpack.run.build import build_data
 
     cfg = _cfg(tmp_path, f'data.root="{tiny_dataset}"')
     plan = build_data(cfg)

@@ -126,7 +126,7 @@ def test_runtime_profile_steps_profiles_without_the_variable(dataset, tmp_path, 
 
 
 def test_the_variable_wins_over_runtime_profile_steps_with_a_line(monkeypatch, capsys):
-    from flexpack.training.config import load_config
+    from flexpack.run.config import load_config
 
     cfg = load_config(CONFIGS / "tiny_cpu.toml", ["runtime.profile_steps=3", "runtime.profile_warmup=1",
                                                   "runtime.peak_tflops=50"])
@@ -290,9 +290,9 @@ def test_profile_step_benchmark_smoke(tmp_path):
 @pytest.mark.usefixtures("one_thread")
 def test_profile_on_cuda_counts_kernel_time_and_mfu(tmp_path, monkeypatch):
     """In-memory episodes (no LeRobot dataset), so that it runs on a GPU machine without lerobot."""
-    from flexpack.training.config import load_config
+    from flexpack.run.config import load_config
+    from flexpack.run.memory_data import synthetic_data
     from flexpack.training.loop import train
-    from flexpack.training.memory_data import synthetic_data
 
     monkeypatch.setenv("LINGBOT_PROFILE", "2")
     monkeypatch.setenv("LINGBOT_PROFILE_WARMUP", "1")

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from flexpack.packing.sampler import LengthBucketBatchSampler, TokenBudgetBatchSampler
+from flexpack.packing.batch_sampler import LengthBucketBatchSampler, TokenBudgetBatchSampler
 from helpers import tiny_config
 
 LENGTHS = [10, 8, 6, 5, 4, 3, 7, 9, 2, 2, 11]
@@ -68,7 +68,7 @@ def test_elastic_resume_at_the_end_of_an_epoch_starts_the_next_one_whole():
 # --- LR re-warmup: the reference recipe ------------------------------------------------------
 
 def test_ramp_rewarmup_follows_the_reference_recipe():
-    from flexpack.training.config import ScheduleConfig
+    from flexpack.run.config import ScheduleConfig
     from flexpack.training.loop import lr_at
 
     s = ScheduleConfig(steps=10_000, warmup_steps=200, decay="constant", rewarmup_steps=50, rewarmup_mode="ramp")
@@ -105,7 +105,7 @@ def _cfg(root: Path, out: Path, *extra: str):
 def _remaining(root: Path, run: Path, world: int) -> int:
     """Batches per rank left in the epoch of ``run``'s newest checkpoint, at ``world`` ranks."""
     from flexpack.data import LatentEpisodeDataset
-    from flexpack.training.runstate import checkpoint
+    from flexpack.run.state import checkpoint
 
     state = json.loads((checkpoint.latest(run / "checkpoints") / "train_state.json").read_text())["sampler"]
     s = TokenBudgetBatchSampler(LatentEpisodeDataset(root).lengths(), 60, tokens_per_frame=5, world_size=world)
@@ -118,9 +118,9 @@ def _remaining(root: Path, run: Path, world: int) -> int:
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in")
 def test_sharded_checkpoints_resume_on_2_ranks_exactly_and_elastically_2_to_1_and_1_to_2(train_dataset, tmp_path):
-    from flexpack.training.config import save_config
+    from flexpack.run.config import save_config
+    from flexpack.run.state import checkpoint
     from flexpack.training.loop import train
-    from flexpack.training.runstate import checkpoint
 
     if not TORCHRUN.exists() and shutil.which("torchrun") is None:
         pytest.skip("torchrun not found next to the interpreter or on PATH")
@@ -175,7 +175,7 @@ def test_sharded_checkpoints_resume_on_2_ranks_exactly_and_elastically_2_to_1_an
 
 def test_async_save_writes_the_weights_of_its_step_while_training_goes_on(tmp_path):
     from flexpack.models import WanVA, wan_config
-    from flexpack.training.runstate import checkpoint
+    from flexpack.run.state import checkpoint
 
     torch.manual_seed(0)
     model = WanVA(wan_config("tiny", attn_backend="dense"))

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from flexpack.packing.batch_sampler import LengthBucketBatchSampler, TokenBudgetBatchSampler, batch_cost
 from flexpack.packing.bins import best_fit_decreasing, lower_bound_bins, pack_bins
 from flexpack.packing.lengths import read_frames_file
-from flexpack.packing.sampler import LengthBucketBatchSampler, TokenBudgetBatchSampler, batch_cost
 
 REF = Path(__file__).resolve().parents[1] / "data" / "episode_frames_ref.txt"
 PROPS = settings(max_examples=60, deadline=None)

@@ -11,12 +11,12 @@ import torch
 
 from flexpack.packing.collate import PackCollate
 from flexpack.packing.layout import SequenceLayout
+from flexpack.run.build import build_model
+from flexpack.run.config import load_config
 from flexpack.sampling.metrics import Metrics, denormalize, normalize
 from flexpack.sampling.pairs import cut_points, make_pair
-from flexpack.sampling.sampler import PackedSampler, SampleOptions, context_chunk
 from flexpack.sampling.schedule import model_calls, sigma_grid, solve
-from flexpack.training.build import build_model
-from flexpack.training.config import load_config
+from flexpack.sampling.solver import PackedSampler, SampleOptions, context_chunk
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("lerobot")
 
 from flexpack.cli import main  # noqa: E402
-from flexpack.training.config import load_config  # noqa: E402
+from flexpack.run.config import load_config  # noqa: E402
 from flexpack.training.loop import train  # noqa: E402
 from helpers import tiny_sets  # noqa: E402
 
@@ -73,7 +73,7 @@ def test_sample_writes_metrics_plots_and_a_table(trained, tmp_path, capsys):
 
 
 def test_sample_from_export_equals_checkpoint_and_ema_differs(trained, tmp_path, capsys):
-    from flexpack.training.export import export_run
+    from flexpack.tools.export import export_run
 
     root, run = trained
     exported = export_run(run, tmp_path / "export", ema=True)
@@ -275,7 +275,7 @@ def test_in_training_sampling_equals_the_cli_on_the_final_checkpoint(tiny_datase
         assert rec[f"sample/{k}"] == pytest.approx(cli[k], rel=1e-5) == hook[k]
     assert cli["pair_list"] == hook["pair_list"]
     # the trained weights were put back after sampling with the EMA: the checkpoint (saved after) differs from it
-    from flexpack.training.runstate import checkpoint
+    from flexpack.run.state import checkpoint
 
     found = checkpoint.latest(run / "checkpoints")
     weights, averages = checkpoint.read_tensors(found, "model"), checkpoint.read_ema(found)

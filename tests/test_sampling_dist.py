@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from flexpack.sampling.sampler import PackedSampler, SampleOptions
-from flexpack.training.build import build_model
+from flexpack.run.build import build_model
+from flexpack.sampling.solver import PackedSampler, SampleOptions
 from test_sampling import SPECS_DIST, TPF, _cfg, _items, _pairs
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from flexpack.parallel.parallelize import compiled_graphs, parallelize
+from flexpack.run.build import build_model
+from flexpack.run.config import load_config
 from flexpack.sampling.pairs import make_pair
-from flexpack.sampling.sampler import PackedSampler, SampleOptions
-from flexpack.training.build import build_model
-from flexpack.training.config import load_config
-from flexpack.training.parallel import compiled_graphs, parallelize
+from flexpack.sampling.solver import PackedSampler, SampleOptions
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

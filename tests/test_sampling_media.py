@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from flexpack.training.config import load_config
+from flexpack.run.config import load_config
 from flexpack.training.observe import tracking
 
 

@@ -8,12 +8,12 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
 from flexpack.attention.flex import FlexAttnFunc
+from flexpack.flow.noise import episode_flow_sample
+from flexpack.flow.objective import FlowMatchingConfig, flow_loss
 from flexpack.models import WanVA, wan_config
 from flexpack.packing.collate import PackCollate
-from flexpack.training import selective
-from flexpack.training.flow.noise import episode_flow_sample
-from flexpack.training.flow.objective import FlowMatchingConfig, flow_loss
-from flexpack.training.parallel import parallelize
+from flexpack.parallel import selective
+from flexpack.parallel.parallelize import parallelize
 
 
 def _items(lens, seed):
@@ -70,7 +70,7 @@ def test_selective_eager_gives_the_same_gradients(one_thread, monkeypatch):
 
 
 def test_selective_is_a_config_value():
-    from flexpack.training.config import load_config
+    from flexpack.run.config import load_config
 
     assert (load_config(overrides=["runtime.activation_checkpointing='selective'"]).runtime.activation_checkpointing
             == "selective")

@@ -21,7 +21,7 @@ import itertools
 import pytest
 import torch
 
-from flexpack.training.config import TrainConfig, from_dict
+from flexpack.run.config import TrainConfig, from_dict
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -50,13 +50,13 @@ def run_steps(cfg: TrainConfig, device: torch.device, *, warmup: int, checked: i
     ``lengths``: the episodes' latent frames (default: several short episodes per pack)."""
     import contextlib
 
-    from flexpack.training.build import build_model
+    from flexpack.parallel.parallelize import compiled_graphs, parallelize
+    from flexpack.run.build import build_model
+    from flexpack.run.memory_data import RandomEpisodes, synthetic_data
+    from flexpack.run.root import plan_for
+    from flexpack.run.state import faults
     from flexpack.training.loop import lr_at
-    from flexpack.training.memory_data import RandomEpisodes, synthetic_data
     from flexpack.training.optim import build_optimizer
-    from flexpack.training.parallel import compiled_graphs, parallelize
-    from flexpack.training.plan import plan_for
-    from flexpack.training.runstate import faults
     from flexpack.training.step import train_step
 
     data = synthetic_data(cfg, hw=(4, 4), text_len=8)

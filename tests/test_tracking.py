@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from flexpack.cli import main as cli_main
-from flexpack.training.config import load_config
+from flexpack.run.config import load_config
 from flexpack.training.observe import tracking
 from flexpack.training.observe.plot import plot_metrics, read_metrics
 from helpers import TINY, set_args, tiny_sets

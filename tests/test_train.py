@@ -14,10 +14,10 @@ pytest.importorskip("lerobot")
 from flexpack.cli import main as cli_main  # noqa: E402
 from flexpack.models import WanVA, wan_config  # noqa: E402
 from flexpack.packing.collate import PackCollate, PadCollate  # noqa: E402
-from flexpack.training.config import ScheduleConfig, load_config  # noqa: E402
+from flexpack.run.config import ScheduleConfig, load_config  # noqa: E402
+from flexpack.run.state import checkpoint  # noqa: E402
 from flexpack.training.loop import accumulate, lr_at, train  # noqa: E402
 from flexpack.training.observe.profiling import StepProfiler  # noqa: E402
-from flexpack.training.runstate import checkpoint  # noqa: E402
 from helpers import tiny_config  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"

@@ -11,11 +11,11 @@ import torch
 
 pytest.importorskip("lerobot")
 
-from flexpack.training.build import build_model  # noqa: E402
-from flexpack.training.config import DataConfig  # noqa: E402
-from flexpack.training.holdout import split_episodes  # noqa: E402
+from flexpack.run.build import build_model  # noqa: E402
+from flexpack.run.config import DataConfig  # noqa: E402
+from flexpack.run.holdout import split_episodes  # noqa: E402
+from flexpack.run.state import checkpoint  # noqa: E402
 from flexpack.training.loop import train  # noqa: E402
-from flexpack.training.runstate import checkpoint  # noqa: E402
 from flexpack.training.validation import Validator  # noqa: E402
 from helpers import tiny_config  # noqa: E402
 

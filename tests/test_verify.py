@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from flexpack.flow.objective import FlowMatchingConfig
 from flexpack.models import WanVA, wan_config
 from flexpack.packing.collate import PackCollate, PadCollate
-from flexpack.training.flow.objective import FlowMatchingConfig
-from flexpack.training.verify import verify_batch
+from flexpack.tools.verify import verify_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -89,7 +89,7 @@ def test_dropped_doc_ids_fail(collate):
 
 def test_noise_does_not_depend_on_batching():
     """The same episode gets the same x_t packed with others, padded, or alone."""
-    from flexpack.training.flow.noise import episode_flow_sample
+    from flexpack.flow.noise import episode_flow_sample
 
     its = items([5, 3])
     cfg = FlowMatchingConfig()
@@ -148,7 +148,7 @@ def test_synthetic_verify_reports_groups_and_passes_in_fp32_and_bf16(capsys, one
 
 
 def test_bad_backend_for_dtype_and_checkpoint_of_another_shape_are_one_line(capsys, tmp_path, one_thread):
-    from flexpack.training.runstate import checkpoint
+    from flexpack.run.state import checkpoint
 
     flash = "model.overrides={in_channels=48, text_dim=64, action_channels=6, attn_backend='flex-flash'}"
     rc, out, err = _verify(capsys, "--set", flash)
@@ -175,7 +175,7 @@ def test_nonfinite_gradients_fail(one_thread):
 
 
 def test_param_groups_drop_wrappers():
-    from flexpack.training.verify import param_group
+    from flexpack.tools.verify import param_group
 
     assert param_group("blocks.3._checkpoint_wrapped_module.attn.q.weight") == "blocks.3"
     assert param_group("blocks.12.ffn.0.bias") == "blocks.12" and param_group("head_proj.weight") == "head_proj"

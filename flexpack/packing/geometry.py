@@ -6,7 +6,7 @@ model sees every frame twice (a noisy and a clean copy: ``copies = 2``). A pack 
 ``frame_budget = max_tokens // tokens_per_frame`` frames of one copy, and an episode longer than
 that is "too long" (an error, or cropped to the budget). :func:`frame_budget` and
 :func:`too_long` are the one place these two rules are written: the token-budget sampler, the
-pack collate, the training plan (:mod:`flexpack.training.plan`) and the validation packing all
+pack collate, the training plan (:mod:`flexpack.run.root`) and the validation packing all
 call them.
 """
 

@@ -1,6 +1,6 @@
 """Waste, shapes and rank balance of a sampler, as a JSON-ready summary, a table and a plot.
 
-The command over it is ``flexpack stats`` (:mod:`flexpack.cli_stats`).
+The command over it is ``flexpack stats`` (:mod:`flexpack.commands.stats`).
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from flexpack.atomic import atomic_path
-from flexpack.packing.sampler import SamplerStats
+from flexpack.packing.batch_sampler import SamplerStats
 
 
 def summary(lengths: list[int], st: SamplerStats, *, mode: str, source: str, parameters: dict[str, Any],

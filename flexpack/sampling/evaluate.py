@@ -1,6 +1,6 @@
 """Sample held-out episodes and write what a user looks at: ``metrics.json``, plots, videos.
 
-Shared by ``flexpack sample`` (:mod:`flexpack.sampling.cli`) and training's ``runtime.sample_every``
+Shared by ``flexpack sample`` (:mod:`flexpack.commands.sample`) and training's ``runtime.sample_every``
 (:class:`SampleHook`), so both write the same files for the same episodes:
 
 - ``metrics.json``: the model's metrics and the ``baselines`` (:mod:`flexpack.sampling.metrics`),
@@ -26,7 +26,7 @@ from torch import nn
 from flexpack.atomic import atomic_path
 from flexpack.sampling.metrics import Metrics
 from flexpack.sampling.pairs import Pair, check_cut, cut_points, make_pair
-from flexpack.sampling.sampler import PackedSampler, SampleOptions, context_chunk
+from flexpack.sampling.solver import PackedSampler, SampleOptions, context_chunk
 
 MODES = ("forecast", "rollout")
 
@@ -50,8 +50,8 @@ def dataset_for(cfg: Any, episodes: Sequence[int] | None = None, *, val: bool = 
     """The config's dataset with whole episodes (no task segments): ``episodes`` (dataset episode
     indices), the held-out ones (``val``), or all."""
     from flexpack.data.episodes import EpisodeSource
-    from flexpack.training.build import open_dataset
-    from flexpack.training.holdout import split_episodes
+    from flexpack.run.build import open_dataset
+    from flexpack.run.holdout import split_episodes
 
     d = cfg.data
     if not d.root:
@@ -72,11 +72,11 @@ def dataset_for(cfg: Any, episodes: Sequence[int] | None = None, *, val: bool = 
 
 def geometry(cfg: Any, dataset: Any) -> Any:
     """The token geometry of ``dataset`` for the config's model, as training derives it
-    (:func:`flexpack.training.plan.geometry_for`), with ``data.max_tokens`` per pack in either
+    (:func:`flexpack.run.root.geometry_for`), with ``data.max_tokens`` per pack in either
     ``data.mode``: sampling always packs."""
     from dataclasses import replace
 
-    from flexpack.training.plan import geometry_for
+    from flexpack.run.root import geometry_for
 
     _, _, H, W = dataset[0]["latent"].shape
     return replace(geometry_for(cfg.model.wan_config(), (H, W), cfg), max_tokens=cfg.data.max_tokens)
@@ -142,7 +142,7 @@ def build_pairs(cfg: Any, dataset: Any, plan: PairPlan, *, limit_pairs: int | No
 
 def checkpoint_normalizer(dataset: Any, saved: dict[str, Any] | None, where: str) -> dict[str, Any] | None:
     """The action statistics the weights were trained with; the dataset must normalize the same way."""
-    from flexpack.training.runstate.resume import normalizer_state
+    from flexpack.run.state.resume import normalizer_state
 
     mine = normalizer_state(dataset)
     if saved is None:

@@ -30,7 +30,7 @@ class SampleHook:
     def __init__(self, cfg: Any, device: torch.device, *, normalizer: dict[str, Any] | None,
                  dataset_normalizer: Any = None, rank: int = 0) -> None:
         from flexpack.data.episodes import EpisodeSource
-        from flexpack.training.holdout import split_episodes
+        from flexpack.run.holdout import split_episodes
 
         r = cfg.runtime
         self.cfg, self.device, self.rank, self.normalizer = cfg, device, rank, normalizer
@@ -44,14 +44,14 @@ class SampleHook:
         except ValueError as exc:
             raise ValueError(f"runtime.sample_every={r.sample_every}: {exc} (runtime.sample_horizon, "
                              "data.val_episodes)") from None
-        from flexpack.sampling.sampler import SampleOptions
+        from flexpack.sampling.solver import SampleOptions
 
         self.options = SampleOptions(steps=r.sample_steps, solver="euler")
 
     def after_step(self, model: nn.Module, step: int, sinks: Any = None, ema: Any = None) -> dict[str, Any] | None:
         """Every ``runtime.sample_every`` steps: sample (collective), write files and metrics on rank 0;
         with ``runtime.sample_ema`` the EMA weights stand in for the trained ones meanwhile."""
-        from flexpack.training.parallel import is_sharded
+        from flexpack.parallel.parallelize import is_sharded
 
         r = self.cfg.runtime
         if not r.sample_every or step % r.sample_every:

@@ -8,7 +8,7 @@ target the sampler generates. :class:`Pair` holds the truth of those frames and 
 Noise. The starting noise of every target value is a counter-based draw keyed by the pair's seed
 ``episode_seed(SAMPLE_TAG, noise_seed, episode, segment, cut)`` and the value's coordinates *inside the
 episode* (frame, channel, y, x) — the same hash as training's per-episode noise
-(:mod:`flexpack.training.flow.noise`). A pair therefore starts from the same ε whether it is packed
+(:mod:`flexpack.flow.noise`). A pair therefore starts from the same ε whether it is packed
 with others or alone, at any step of a run and after a resume.
 """
 
@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from flexpack.training.flow.noise import _normal, episode_seed
+from flexpack.flow.noise import _normal, episode_seed
 
 SAMPLE_TAG = 0x73616D70  # "samp": keeps sampling noise apart from training and validation draws
 

@@ -1,10 +1,10 @@
 """The σ grid and the ODE solvers of flow-matching sampling.
 
-The model predicts the velocity ``v = ε − x`` of ``x_σ = (1 − σ)·x + σ·ε`` (:mod:`flexpack.training.flow.objective`),
+The model predicts the velocity ``v = ε − x`` of ``x_σ = (1 − σ)·x + σ·ε`` (:mod:`flexpack.flow.objective`),
 so ``dx/dσ = v`` and sampling integrates from σ = 1 (pure noise) down to σ = 0 (data).
 
 Grid: ``u_i = linspace(1, 0, N + 1)`` and ``σ_i = shift(u_i)`` with the objective's
-:func:`~flexpack.training.flow.objective.shift_sigma` — ``objective.shift`` for video latents and
+:func:`~flexpack.flow.objective.shift_sigma` — ``objective.shift`` for video latents and
 ``objective.action_shift`` for actions (the two streams use the same ``u`` at every step, as in
 training where one uniform draw is shifted twice). The model sees timestep ``σ · num_train_timesteps``.
 
@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from flexpack.training.flow.objective import shift_sigma
+from flexpack.flow.objective import shift_sigma
 
 SOLVERS = ("euler", "heun")
 

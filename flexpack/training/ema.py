@@ -7,7 +7,7 @@ per rank on the local shards only (one fused ``_foreach_lerp_``, no communicatio
 tensors are DTensors with the parameters' placements, so they save and load like the model.
 
 Checkpoints carry it in their sharded state next to the model (``ema.<name>``; each rank writes
-its shards, :func:`flexpack.training.runstate.checkpoint.read_ema` reads full tensors back):
+its shards, :func:`flexpack.run.state.checkpoint.read_ema` reads full tensors back):
 :meth:`state_dict` gives the local shards, :meth:`full_state_dict` gathers (collective),
 :meth:`load_state_dict` takes full tensors (each rank keeps its slice) or DTensors.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from flexpack.training.optim import plain_name
+from flexpack.parallel.parallelize import plain_name
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

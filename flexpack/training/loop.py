@@ -1,22 +1,22 @@
-"""``flexpack train CONFIG``: the train loop, a plain function over a :class:`~flexpack.training.config.TrainConfig`.
+"""``flexpack train CONFIG``: the train loop, a plain function over a :class:`~flexpack.run.config.TrainConfig`.
 
 Order of one optimizer step (nanoGPT's): lr → checkpoint → micro-steps → clip → step → log.
 
-- Data: the run's plan (:mod:`flexpack.training.plan`: model config, token geometry, LatentEpisodeDataset,
+- Data: the run's plan (:mod:`flexpack.run.root`: model config, token geometry, LatentEpisodeDataset,
   pack mode = TokenBudgetBatchSampler + PackCollate, pad mode = LengthBucketBatchSampler + PadCollate,
   forward options), made once and read by the step, meter, profiler and validation. The sampler is
   sharded by rank and resumes mid-epoch.
 - Accumulation: ``optim.accum_steps`` micro-batches per step, each back-propagating
   ``FlowLoss.accumulation_loss(totals)`` with ``totals`` = Σ ``loss_counts`` over the step's
   micro-batches of all ranks, so a step equals one batch of all its episodes.
-- Noise is drawn per episode from ``(runtime.seed, step, episode index)`` (:mod:`flexpack.training.flow.noise`):
+- Noise is drawn per episode from ``(runtime.seed, step, episode index)`` (:mod:`flexpack.flow.noise`):
   how episodes are batched never changes their x_t, and a resumed run draws what it would have.
 - Multi-GPU: under ``torchrun`` with several ranks the model is FSDP2-sharded
-  (:mod:`flexpack.training.parallel`); checkpoints (:mod:`flexpack.training.runstate.checkpoint`) are sharded (DCP) and
-  resume on any number of ranks (:mod:`flexpack.training.runstate.resume`).
+  (:mod:`flexpack.parallel.parallelize`); checkpoints (:mod:`flexpack.run.state.checkpoint`) are sharded (DCP) and
+  resume on any number of ranks (:mod:`flexpack.run.state.resume`).
 - The run folder has one owner, a metrics log cut back to the weights' step on resume and a config history
-  (:mod:`flexpack.training.runstate.runfolder`); signals, data errors and non-finite steps end a run cleanly
-  (:mod:`flexpack.training.runstate.faults`).
+  (:mod:`flexpack.run.state.runfolder`); signals, data errors and non-finite steps end a run cleanly
+  (:mod:`flexpack.run.state.faults`).
 - One step (:func:`~flexpack.training.step.train_step`) queues its work without waiting for the GPU;
   on CUDA in pack mode each block is compiled once for all layers (``runtime.compile``). The host
   reads device values at logged steps only (loss, grad norm, throughput: :mod:`flexpack.training.observe.metrics`).
@@ -42,19 +42,19 @@ from torch import nn
 from tqdm import tqdm
 
 from flexpack.packing.collate import Batch
+from flexpack.parallel import float8
+from flexpack.parallel.parallelize import parallelize, world
+from flexpack.run.build import build_data, build_model, materialize
+from flexpack.run.checks import positive_int, preflight
+from flexpack.run.config import ScheduleConfig, TrainConfig, load_config
+from flexpack.run.root import Plan, parallel_options, use_compile  # noqa: F401  (use_compile: public here too)
+from flexpack.run.state import checkpoint, faults, resume, runfolder
 from flexpack.sampling.hook import make_sample_hook
-from flexpack.training import float8
-from flexpack.training.build import build_data, build_model, materialize
-from flexpack.training.checks import positive_int, preflight
-from flexpack.training.config import ScheduleConfig, TrainConfig, load_config
 from flexpack.training.ema import make_ema
 from flexpack.training.observe import tracking
 from flexpack.training.observe.metrics import StepMeter
 from flexpack.training.observe.profiling import StepProfiler
 from flexpack.training.optim import build_optimizer
-from flexpack.training.parallel import parallelize, world
-from flexpack.training.plan import Plan, parallel_options, use_compile  # noqa: F401  (use_compile: public here too)
-from flexpack.training.runstate import checkpoint, faults, resume, runfolder
 from flexpack.training.step import accumulate, train_step  # noqa: F401  (accumulate: public here too)
 from flexpack.training.validation import make_validator
 
@@ -101,9 +101,9 @@ class TrainResult:
 def train(cfg: TrainConfig, *, stop_after: int | None = None, data: Plan | None = None) -> TrainResult:
     """Train ``cfg.schedule.steps`` optimizer steps (resuming from the run folder's newest checkpoint);
     ``stop_after`` ends early after that step, with a checkpoint, as an interruption would; ``data``:
-    a :class:`~flexpack.training.plan.Plan` replacing what ``cfg.data`` describes (in-memory episodes,
-    :func:`flexpack.training.memory_data.synthetic_data`, e.g. ``benchmarks/profile_step.py``).
-    Faults (:mod:`flexpack.training.runstate.faults`): a signal saves and raises ``Interrupted``, a non-finite
+    a :class:`~flexpack.run.root.Plan` replacing what ``cfg.data`` describes (in-memory episodes,
+    :func:`flexpack.run.memory_data.synthetic_data`, e.g. ``benchmarks/profile_step.py``).
+    Faults (:mod:`flexpack.run.state.faults`): a signal saves and raises ``Interrupted``, a non-finite
     step raises ``NonFiniteError`` (or is skipped), a data error on any rank saves the steps done and re-raises."""
     rank, size = world()
     if rank == 0:
@@ -244,7 +244,7 @@ def _barrier() -> None:
 
 def _prepare_run(run: Path, cfg: TrainConfig, start: int, size: int) -> None:
     """Rank 0, before the first step: clear interrupted saves, cut metrics.jsonl back to ``start``
-    (the weights' step), record this start in the config history (:mod:`flexpack.training.runstate.runfolder`)."""
+    (the weights' step), record this start in the config history (:mod:`flexpack.run.state.runfolder`)."""
     runfolder.mark(run)
     for tmp in checkpoint.remove_temporary(run / "checkpoints"):
         why = "an interrupted save" if tmp.name.startswith((".tmp-", ".old-")) else "an interrupted pruning"

@@ -21,12 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from flexpack.parallel.parallelize import plain_name
+
 NO_DECAY_PREFIXES = ("patch_embed.", "action_embed.", "time_embed.", "text_embed.")
-
-
-def plain_name(name: str) -> str:
-    """The state-dict name of a parameter (activation-checkpoint wrappers removed)."""
-    return name.replace("._checkpoint_wrapped_module", "")
 
 
 def decays(name: str, param: torch.Tensor) -> bool:

@@ -2,11 +2,11 @@
 
 :func:`accumulate` runs the step's micro-batches forward and backward; :func:`train_step` adds
 clipping and the optimizer update (AdamW from :func:`flexpack.training.optim.build_optimizer`).
-The model is called with the run plan's forward options (:class:`~flexpack.training.plan.ForwardOptions`:
+The model is called with the run plan's forward options (:class:`~flexpack.run.root.ForwardOptions`:
 mask, chunk size, text slots). Nothing here waits for the GPU: loss counts come from the host-side
 layout, the batch and its layout go to the device from pinned memory without blocking and host-side
 code reads the layout's host copy (:mod:`flexpack.packing.transfer`), noise is drawn on the device
-(:mod:`flexpack.training.flow.noise`), loss parts and the gradient norm stay device tensors until the
+(:mod:`flexpack.flow.noise`), loss parts and the gradient norm stay device tensors until the
 caller logs them, so the host can queue the next step while the GPU runs this one
 (``tests/test_step_syncs_gpu.py`` checks it on CUDA, ``tests/test_loop_syncs.py`` on CPU).
 """
@@ -20,14 +20,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flexpack.flow.noise import episode_flow_sample, noise_seeds
+from flexpack.flow.objective import flow_loss, loss_counts
 from flexpack.packing.collate import Batch
-from flexpack.training import float8
-from flexpack.training.config import TrainConfig
-from flexpack.training.flow.noise import episode_flow_sample, noise_seeds
-from flexpack.training.flow.objective import flow_loss, loss_counts
+from flexpack.parallel import float8
+from flexpack.parallel.parallelize import is_sharded, world
+from flexpack.run.config import TrainConfig
+from flexpack.run.root import ForwardOptions, forward_options
 from flexpack.training.observe.profiling import NO_PROFILER, StepProfiler
-from flexpack.training.parallel import is_sharded, world
-from flexpack.training.plan import ForwardOptions, forward_options
 
 
 def accumulate(model: nn.Module, batches: Sequence[Batch], cfg: TrainConfig, *, step: int, device: torch.device,
@@ -70,7 +70,7 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, batches: Sequence[B
                prof: StepProfiler = NO_PROFILER,
                guard: Callable[[int, torch.Tensor, torch.Tensor, Sequence[Batch]], bool] | None = None,
                ema: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`accumulate` → clip → ``guard`` (:class:`~flexpack.training.runstate.faults.StepGuard`: may the
+    """:func:`accumulate` → clip → ``guard`` (:class:`~flexpack.run.state.faults.StepGuard`: may the
     weights change?) → optimizer step → EMA → zero grads; returns (loss parts, grad norm), both
     device tensors."""
     sums = accumulate(model, batches, cfg, step=step, device=device, forward=forward, prof=prof)

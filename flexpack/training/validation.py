@@ -12,7 +12,7 @@ training objective: sums over all items divided by all counts, so the result doe
 batching or rank count) to ``metrics.jsonl``. σ and noise are drawn per item from
 ``(VAL_TAG, episode, segment)`` alone — not from the step or the run seed — so the numbers are
 comparable across steps and across runs. The held-out episodes have their own plan
-(:func:`flexpack.training.build.build_data` with ``split="val"``: its frame budget packs them, its
+(:func:`flexpack.run.build.build_data` with ``split="val"``: its frame budget packs them, its
 forward options run the model). Items are dealt to ranks round-robin and packed in order;
 ranks with fewer micro-batches run a discarded one so FSDP's collectives stay matched.
 """
@@ -29,12 +29,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flexpack.flow.noise import episode_flow_sample, noise_seeds
+from flexpack.flow.objective import flow_loss
 from flexpack.packing.geometry import TokenGeometry
-from flexpack.training.build import build_data
-from flexpack.training.flow.noise import episode_flow_sample, noise_seeds
-from flexpack.training.flow.objective import flow_loss
-from flexpack.training.holdout import VAL_TAG
-from flexpack.training.parallel import is_sharded, world
+from flexpack.parallel.parallelize import is_sharded, world
+from flexpack.run.build import build_data
+from flexpack.run.holdout import VAL_TAG
 
 
 def _micro_batches(

@@ -23,7 +23,7 @@ import torch
 def pick_checkpoint(run: Path, command: str) -> Path:
     """The newest intact checkpoint of a run folder (or ``run`` itself when it is a checkpoint folder);
     each damaged newer one is said on stderr with why."""
-    from flexpack.training.runstate import checkpoint
+    from flexpack.run.state import checkpoint
 
     if (run / checkpoint.MANIFEST).is_file() or (run / "state").is_dir():
         why = checkpoint.problem(run)
@@ -54,9 +54,9 @@ def load_checkpoint(
     """The checkpoint's config (its own config.json, else the run's first) with ``overrides``, and a
     single-process model (and EMA) with its weights; returns (config, model, ema or None, train_state)."""
     from flexpack.models import WanVA
-    from flexpack.training.config import load_config
+    from flexpack.run.config import load_config
+    from flexpack.run.state import checkpoint
     from flexpack.training.ema import EMA
-    from flexpack.training.runstate import checkpoint
 
     source = found / "config.json" if (found / "config.json").is_file() else run / "config.json"
     if not source.is_file():

@@ -1,6 +1,6 @@
 """The closing block of ``make demo``: what ran, where each output is, what to try next.
 
-    python -m flexpack.demo OUT [--bin .venv/bin]
+    python -m flexpack.tools.demo OUT [--bin .venv/bin]
 
 Lists only outputs that exist (a step that did not run leaves no line): the dataset with its
 latent cache and pooled statistics, the run folder, its newest checkpoint, ``metrics.jsonl``,
@@ -51,7 +51,7 @@ def _action_mse(metrics: Path) -> str:
 
 def outputs(out: Path, run: Path, data: Path) -> list[tuple[str, str]]:
     """(label, where) for every demo output that exists."""
-    from flexpack.training.runstate import checkpoint
+    from flexpack.run.state import checkpoint
 
     rows: list[tuple[str, str]] = []
     if data.is_dir():
@@ -115,7 +115,7 @@ def summary(out: str | Path, *, run: str | Path | None = None, data: str | Path 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m flexpack.demo", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m flexpack.tools.demo", description=__doc__.splitlines()[0])
     p.add_argument("out", type=Path, help="the demo's output folder (make demo: out)")
     p.add_argument("--run", type=Path, default=None, help="run folder (default OUT/demo-run)")
     p.add_argument("--data", type=Path, default=None, help="dataset folder (default OUT/demo-data)")

@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from flexpack.errors import UserError, one_line
+from flexpack.packing.batch_sampler import LengthBucketBatchSampler, TokenBudgetBatchSampler
 from flexpack.packing.lengths import read_frames_file
-from flexpack.packing.sampler import LengthBucketBatchSampler, TokenBudgetBatchSampler
 from flexpack.packing.stats import summary, table, write_plot
 
 

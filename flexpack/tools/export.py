@@ -11,7 +11,7 @@
                                                         config.json, with export's --set applied)
     ema/                                                with --ema: the EMA weights, the same layout
     README.md, lerobot_policy/                          model card; LeRobot-style policy folder
-                                                        (:mod:`flexpack.training.export_extras`)
+                                                        (:mod:`flexpack.tools.export_extras`)
 
 ``--push-to-hub REPO`` uploads the finished folder through ``huggingface_hub``.
 
@@ -19,7 +19,7 @@ The config and the action statistics come from the checkpoint itself (``config.j
 ``train_state.json`` in its folder), so a run whose dataset moved still exports; the dataset is
 read only for a checkpoint that carries no statistics. A damaged newest checkpoint is reported
 and the one before it used; the step exported is printed. Files get ordinary permissions.
-The weights come from :func:`flexpack.training.runstate.checkpoint.load` into a single-process model built on
+The weights come from :func:`flexpack.run.state.checkpoint.load` into a single-process model built on
 the meta device (no random init), as ``flexpack verify --checkpoint`` loads them. Names and
 shapes go back through the table of :mod:`flexpack.models.wan_convert` (the one used to load
 diffusers checkpoints); :func:`load_export` reads a folder back into a :class:`WanVA`.
@@ -111,9 +111,9 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike, *, ema: bool = Fa
                dtype: torch.dtype = torch.float32, overrides: Sequence[str] = (), policy: bool = True) -> Path:
     """Export ``run``'s newest intact checkpoint into ``out`` (see the module docstring); returns ``out``.
     ``overrides`` (``--set``) apply to the checkpoint's own config."""
-    from flexpack.training.config import save_config
-    from flexpack.training.export_io import load_checkpoint as _load
-    from flexpack.training.export_io import ordinary_modes, pick_checkpoint, remove_stale
+    from flexpack.run.config import save_config
+    from flexpack.tools.export_io import load_checkpoint as _load
+    from flexpack.tools.export_io import ordinary_modes, pick_checkpoint, remove_stale
 
     run, out = Path(run), Path(out)
     _check_out(out)
@@ -146,7 +146,7 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike, *, ema: bool = Fa
                           dtype=dtype)
         (tmp / "normalization.json").write_text(json.dumps(norm, indent=2) + "\n")
         save_config(cfg, tmp / "flexpack_config.json")
-        from flexpack.training.export_extras import write_extras
+        from flexpack.tools.export_extras import write_extras
 
         write_extras(tmp, run=run, cfg=cfg, wcfg=wcfg, state_dict=model.state_dict(), norm=norm,
                      step=int(state["step"]), ema=ema, dtype=dtype, policy=policy)
@@ -219,13 +219,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"exported {args.run} -> {out} (load: diffusers.WanTransformer3DModel.from_pretrained({str(out)!r}); "
           f"model card {out / 'README.md'})")
     if args.push_to_hub:
-        from flexpack.training.export_extras import push_to_hub
+        from flexpack.tools.export_extras import push_to_hub
 
         try:
             where = push_to_hub(out, args.push_to_hub, private=args.private)
         except Exception as exc:  # network, auth, offline mode: the export itself is complete
             raise UserError(f"{out} is exported, but the upload to {args.push_to_hub} failed ({type(exc).__name__}: "
-                            f"{one_line(exc)}); retry with: python -c \"from flexpack.training.export_extras import "
+                            f"{one_line(exc)}); retry with: python -c \"from flexpack.tools.export_extras import "
                             f"push_to_hub; push_to_hub('{out}', '{args.push_to_hub}')\" (HF_HUB_OFFLINE unset, "
                             "logged in with hf auth login)") from exc
         print(f"pushed {out} -> {args.push_to_hub}: {where}")

@@ -16,8 +16,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from flexpack.flow.objective import FlowMatchingConfig, FlowSample, make_flow_sample
 from flexpack.packing.transfer import to_device
-from flexpack.training.flow.objective import FlowMatchingConfig, FlowSample, make_flow_sample
 
 
 def episode_seed(*parts: int) -> int:

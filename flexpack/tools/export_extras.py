@@ -107,7 +107,7 @@ def model_card(*, run: Path, cfg: Any, step: int, norm: dict[str, Any], ema: boo
         "", "## Use", "", "```python",
         "import diffusers",
         "video = diffusers.WanTransformer3DModel.from_pretrained(FOLDER)   # the video transformer",
-        "from flexpack.training.export import load_export",
+        "from flexpack.tools.export import load_export",
         "model = load_export(FOLDER)                                       # WanVA with the action stream",
         "```", "",
         f"`{POLICY_DIR}/` holds the LeRobot-style policy folder (config.json, model.safetensors, and the "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from flexpack.training.flow.noise import episode_seed
+from flexpack.flow.noise import episode_seed
 
 VAL_TAG = 0x76616C  # "val": keeps validation draws apart from any training seed
 

@@ -22,8 +22,8 @@ from typing import Any
 from torch import nn
 
 from flexpack.sampling.evaluate import MODES, PairPlan, checkpoint_normalizer, dataset_for, evaluate, table
-from flexpack.sampling.sampler import SampleOptions
 from flexpack.sampling.schedule import SOLVERS
+from flexpack.sampling.solver import SampleOptions
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -79,9 +79,9 @@ def _config_file(path: Path) -> Path:
 def load_weights(cfg: Any, source: str | Path, *, ema: bool = False) -> tuple[nn.Module, dict[str, Any] | None, str]:
     """The config's model with the weights of a run / checkpoint / export folder; returns
     (model, the action statistics it was trained with or None, a label naming the weights)."""
-    from flexpack.training.build import build_model
-    from flexpack.training.checks import check_state_shapes
-    from flexpack.training.runstate import checkpoint
+    from flexpack.run.build import build_model
+    from flexpack.run.checks import check_state_shapes
+    from flexpack.run.state import checkpoint
 
     path = Path(source)
     if not path.exists():
@@ -89,7 +89,7 @@ def load_weights(cfg: Any, source: str | Path, *, ema: bool = False) -> tuple[nn
     cfg = replace(cfg, model=replace(cfg.model, pretrained=""))  # the weights come from the checkpoint
     model = build_model(cfg)
     if (path / "action_stream.json").is_file():  # an export folder
-        from flexpack.training.export import load_export
+        from flexpack.tools.export import load_export
 
         folder = path / "ema" if ema else path
         if ema and not (folder / "action_stream.json").is_file():
@@ -125,8 +125,8 @@ def _default_out(source: Path, label: str, mode: str) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    from flexpack.training.checks import resolve_device
-    from flexpack.training.config import load_config
+    from flexpack.run.checks import resolve_device
+    from flexpack.run.config import load_config
 
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1 (solver steps from noise to data), got {args.steps}")
@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device or cfg.runtime.device)
     plan = PairPlan(mode=args.mode, cuts=args.cuts, horizon=args.horizon, cut_points=tuple(args.cut_points),
                     seed=args.seed)
-    from flexpack.sampling.sampler import context_chunk
+    from flexpack.sampling.solver import context_chunk
 
     context_chunk(cfg)  # a one-σ-per-episode model fails here, before any loading
     val = args.val or (args.episodes is None and bool(cfg.data.val_fraction or cfg.data.val_episodes))

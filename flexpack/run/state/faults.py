@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from flexpack.packing.collate import Batch
 from flexpack.packing.transfer import to_device
-from flexpack.training.parallel import world
+from flexpack.parallel.parallelize import world
 
 
 class Interrupted(Exception):

@@ -4,7 +4,7 @@ What a resume can honour and what it cannot:
 
 - Another world size: yes. DCP re-shards model and optimizer, and the sampler re-plans the rest
   of the epoch over the new ranks (every episode of the epoch once, see
-  :mod:`flexpack.packing.sampler`).
+  :mod:`flexpack.packing.batch_sampler`).
 - Another schedule, LR, logging or checkpoint setting: yes (recorded in ``config_history.jsonl``).
 - Another order of the epoch (``data.mode``, ``data.max_tokens``, ``data.seed``, ...): no — one
   line naming each value, the checkpoint's and the new one, and how to go on.
@@ -25,10 +25,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from flexpack.training.config import TrainConfig
-from flexpack.training.parallel import world
-from flexpack.training.runstate import checkpoint
-from flexpack.training.runstate.runfolder import config_changes
+from flexpack.parallel.parallelize import world
+from flexpack.run.config import TrainConfig
+from flexpack.run.state import checkpoint
+from flexpack.run.state.runfolder import config_changes
 
 # config keys that fix the order of an epoch (and so the sampler state's meaning), per data.mode
 ORDER_KEYS = {

@@ -24,10 +24,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from flexpack.training import config_doc
+    from flexpack.tools import config_doc
 
     if args.action == "show":
-        from flexpack.training.config import load_config
+        from flexpack.run.config import load_config
 
         text = config_doc.render_show(load_config(args.config, args.overrides))
     elif args.action == "defaults":

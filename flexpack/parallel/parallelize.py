@@ -1,6 +1,6 @@
 """Parallelize a plain WanVA from outside: float8 linear layers (``runtime.float8``,
-:mod:`flexpack.training.float8`), regional compilation, activation checkpointing (whole blocks, or
-per op: :mod:`flexpack.training.selective`), then FSDP2 per block, then the root.
+:mod:`flexpack.parallel.float8`), regional compilation, activation checkpointing (whole blocks, or
+per op: :mod:`flexpack.parallel.selective`), then FSDP2 per block, then the root.
 
 The model file knows nothing of ranks. :func:`parallelize` compiles each block's forward
 (``compile=True``: one inductor graph per block with FlexAttention inside, so AdaLN modulation,
@@ -97,9 +97,9 @@ def parallelize(
     """Apply compile → AC → ``fully_shard`` per block → root, in place; returns ``model``.
 
     ``activation_checkpointing``: ``True`` checkpoints every block, an int ``n`` the first ``n``,
-    ``"selective"`` every block per op (:mod:`flexpack.training.selective`: matmul and attention
+    ``"selective"`` every block per op (:mod:`flexpack.parallel.selective`: matmul and attention
     outputs kept, elementwise ops recomputed; wrapped before compile so the policy is traced).
-    ``float8``: ``runtime.float8`` (:mod:`flexpack.training.float8`), applied first, to the blocks'
+    ``float8``: ``runtime.float8`` (:mod:`flexpack.parallel.float8`), applied first, to the blocks'
     linear layers; emulated off CUDA (the train loop checks for an sm89+ GPU before).
     ``param_dtype`` (e.g. bf16) is the FSDP mixed-precision compute dtype of the parameters
     (gradients are reduced in fp32); ignored without FSDP. ``compile``: :func:`compile_blocks`, with
@@ -108,12 +108,12 @@ def parallelize(
     blocks = model.blocks
     _, size = world()
     if float8 != "off":  # torchtitan's order: float8 → compile → AC → FSDP2
-        from flexpack.training import float8 as f8
+        from flexpack.parallel import float8 as f8
 
         f8.convert(model, float8, fsdp=size > 1, emulate=device.type != "cuda")
     check_memory_budget(memory_budget, compile, "activation_memory_budget", "; compile is off")
     if activation_checkpointing == "selective":  # checkpoint first, then compile: the policy is traced
-        from flexpack.training import selective
+        from flexpack.parallel import selective
 
         for i in range(len(blocks)):
             blocks[i] = selective.wrap(blocks[i])
@@ -140,3 +140,8 @@ def parallelize(
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
+
+
+def plain_name(name: str) -> str:
+    """The state-dict name of a parameter (activation-checkpoint wrappers removed)."""
+    return name.replace("._checkpoint_wrapped_module", "")

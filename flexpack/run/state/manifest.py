@@ -5,7 +5,7 @@ size (``files``) and the CRC-32 of its content (``crc32``, hex; :func:`zlib.crc3
 few GB/s). :func:`problem` checks sizes, then contents, then that the small files parse as the
 data they should be (JSON, checkpoint metadata through the restricted unpickler): a truncated
 shard, a flipped byte, a garbage ``.metadata`` or ``train_state.json`` each make the folder
-damaged, and :func:`flexpack.training.runstate.checkpoint.latest` falls back to the one before, loudly.
+damaged, and :func:`flexpack.run.state.checkpoint.latest` falls back to the one before, loudly.
 Manifests of earlier versions (sizes only) are still accepted; their contents go unchecked.
 
 A content check reads every byte of the checkpoint once per process; the answer is cached by
@@ -56,7 +56,7 @@ def _content_problem(path: Path, files: dict[str, int], crcs: dict[str, str]) ->
             if name == "train_state.json" and not (isinstance(data, dict) and isinstance(data.get("step"), int)):
                 return f"{path}: {name} has no integer 'step'"
     if "state/.metadata" in files:
-        from flexpack.training.runstate.safeload import read_metadata_file
+        from flexpack.run.state.safeload import read_metadata_file
 
         try:
             read_metadata_file(path / "state" / ".metadata")

@@ -12,7 +12,7 @@ torchao's float8 training (``convert_to_float8_training``; the optional extra ``
   projections, whose M is the pack's text tokens (512 per episode, a few thousand per pack):
   there the dynamic-scale casts of input, weight and gradient cost about what the float8 GEMM saves.
 - Order (as torchtitan's): convert → compile → activation checkpointing → FSDP2, in
-  :func:`flexpack.training.parallel.parallelize`.
+  :func:`flexpack.parallel.parallelize.parallelize`.
 - State dicts stay in the model's dtype: ``Float8Linear`` keeps its ``weight``/``bias`` parameters
   (same names, same dtype); the float8 copies are made in each forward. Checkpoints and exports do
   not know float8 was on, and a run can switch it on or off on resume.

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from flexpack.atomic import atomic_path
-from flexpack.training.checks import check_device_string, check_finite
-from flexpack.training.flow.objective import FlowMatchingConfig
+from flexpack.flow.objective import FlowMatchingConfig
+from flexpack.run.checks import check_device_string, check_finite
 
 MODES = ("pack", "pad")
 DECAYS = ("cosine", "constant")
@@ -93,7 +93,7 @@ class ModelConfig:
 
     ``pretrained``: a diffusers ``WanTransformer3DModel`` folder or ``.safetensors`` file to start
     from; its config.json gives the shape, the preset and overrides the rest
-    (:mod:`flexpack.training.pretrained`).
+    (:mod:`flexpack.run.pretrained`).
     """
 
     preset: str = "tiny"  # WanVA preset: "tiny" or "wan2.2-5b"
@@ -122,7 +122,7 @@ class ModelConfig:
 
     def wan_config(self):
         """The resolved :class:`~flexpack.models.wan_config.WanVAConfig` (made once, at construction;
-        a run's plan holds it: :mod:`flexpack.training.plan`)."""
+        a run's plan holds it: :mod:`flexpack.run.root`)."""
         return self._resolved
 
     def _resolve(self):
@@ -140,7 +140,7 @@ class ModelConfig:
             text = str(exc).replace("WanVAConfig.", "model.overrides.")
             raise ValueError(f"model.preset = {self.preset!r}: {text}" if "preset" in text else text) from None
         if self.pretrained:
-            from flexpack.training.pretrained import pretrained_config
+            from flexpack.run.pretrained import pretrained_config
 
             try:
                 wc = pretrained_config(self.pretrained, wc, kw)
@@ -236,7 +236,7 @@ class RuntimeConfig:
     # compiled blocks only: the share of the activations their default partition saves that they may
     # keep; below 1 the partitioner recomputes the cheapest ops (by FLOPs) in the backward instead
     activation_memory_budget: float = 1.0
-    float8: str = "off"  # "tensorwise" / "rowwise": float8 matmuls in the blocks (flexpack.training.float8; torchao)
+    float8: str = "off"  # "tensorwise" / "rowwise": float8 matmuls in the blocks (flexpack.parallel.float8; torchao)
     peak_tflops: float | None = None  # bf16 peak for `mfu` (metrics.jsonl, profile); None: measured at start (CUDA)
     profile_steps: int = 0  # steps profiled by torch.profiler into RUN/profile/; 0 = off; LINGBOT_PROFILE wins if set
     profile_warmup: int = 2  # steps run before the profiled ones (compilation); LINGBOT_PROFILE_WARMUP wins if set
@@ -278,7 +278,7 @@ class RuntimeConfig:
         if isinstance(self.activation_checkpointing, str) and self.activation_checkpointing != "selective":
             raise ValueError("runtime.activation_checkpointing must be true, false, a block count >= 0 or 'selective', "
                              f"got {self.activation_checkpointing!r}")
-        from flexpack.training.float8 import check_mode
+        from flexpack.parallel.float8 import check_mode
 
         check_mode(self.float8)
         if isinstance(self.activation_checkpointing, int) and self.activation_checkpointing < 0:
@@ -289,7 +289,7 @@ class RuntimeConfig:
             raise ValueError(f"runtime.activation_memory_budget must be between 0 and 1 (1: save what the compiled "
                              f"blocks would), got {self.activation_memory_budget!r}")
         if self.compile is False:  # known at load time; "auto" is decided where the run starts (plan.parallel_options)
-            from flexpack.training.parallel import check_memory_budget
+            from flexpack.parallel.parallelize import check_memory_budget
 
             check_memory_budget(self.activation_memory_budget, False, "runtime.activation_memory_budget",
                                 ", but runtime.compile = false; set runtime.compile = true (or 'auto' on CUDA)")

@@ -1,6 +1,6 @@
 """The composition root: one frozen :class:`Plan` of what a config trains on, made once.
 
-:func:`plan_for` resolves, from a dataset and a :class:`~flexpack.training.config.TrainConfig`:
+:func:`plan_for` resolves, from a dataset and a :class:`~flexpack.run.config.TrainConfig`:
 
 - the model's :class:`~flexpack.models.wan_config.WanVAConfig` (``cfg.model.wan_config()`` is
   called once: with ``model.pretrained`` it reads that ``config.json`` from disk);
@@ -11,8 +11,8 @@
 
 The train loop, one step, validation, ``verify``, the step meter, the profiler and the benchmarks
 take these from the plan instead of deriving them again. The dataset is a LeRobot-backed
-:class:`~flexpack.data.LatentEpisodeDataset` (:func:`flexpack.training.build.build_data`) or
-in-memory episodes (:func:`flexpack.training.memory_data.synthetic_data`).
+:class:`~flexpack.data.LatentEpisodeDataset` (:func:`flexpack.run.build.build_data`) or
+in-memory episodes (:func:`flexpack.run.memory_data.synthetic_data`).
 """
 
 from __future__ import annotations
@@ -43,14 +43,14 @@ class ForwardOptions:
         return {"mask": self.mask, "chunk_size": self.chunk_size, "text_slots": self.text_slots}
 
     def __call__(self, model: Any, sample: Any, layout: Any = None) -> Any:
-        """``model`` on a :class:`~flexpack.training.flow.objective.FlowSample`'s inputs and timesteps
+        """``model`` on a :class:`~flexpack.flow.objective.FlowSample`'s inputs and timesteps
         (``layout``: default the batch's own)."""
         return model(sample.inputs, layout, **sample.model_kwargs(), **self.kwargs())
 
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelOptions:
-    """How :func:`flexpack.training.parallel.parallelize` wraps the model on one device: the one
+    """How :func:`flexpack.parallel.parallelize.parallelize` wraps the model on one device: the one
     activation-checkpointing setting (``runtime.activation_checkpointing``), compiled blocks with
     their memory budget, float8 and the FSDP compute dtype."""
 
@@ -79,7 +79,7 @@ def parallel_options(cfg: Any, device: Any) -> ParallelOptions:
     there, and the memory-budget rule checked against it (once, for train, verify and benchmarks)."""
     import torch
 
-    from flexpack.training.parallel import check_memory_budget
+    from flexpack.parallel.parallelize import check_memory_budget
 
     r, compiled = cfg.runtime, use_compile(cfg, device)
     check_memory_budget(r.activation_memory_budget, compiled, "runtime.activation_memory_budget",
@@ -147,7 +147,7 @@ def batching(cfg: Any, lengths: Sequence[int], geometry: TokenGeometry, rank: in
              world_size: int = 1) -> tuple[Any, Any]:
     """(sampler, collate) of ``data.mode`` over episode ``lengths`` (latent frames): the token-budget
     sampler with its pack collate, or the length-bucket sampler with the pad collate."""
-    from flexpack.packing.sampler import LengthBucketBatchSampler, TokenBudgetBatchSampler
+    from flexpack.packing.batch_sampler import LengthBucketBatchSampler, TokenBudgetBatchSampler
 
     d, tpf = cfg.data, geometry.tokens_per_frame
     common = dict(rank=rank, world_size=world_size, seed=d.seed)
@@ -189,7 +189,7 @@ def plan_for(dataset: Any, cfg: Any, *, rank: int = 0, world_size: int = 1, mode
     yields them, with ``lengths()``), for this rank's share of the sampler. ``model``: the resolved
     model config where the caller has it already (else ``cfg.model.wan_config()``, once).
     Pack mode checks every item fits ``data.max_tokens`` (or ``data.crop``)."""
-    from flexpack.training.checks import check_token_budget
+    from flexpack.run.checks import check_token_budget
 
     model = cfg.model.wan_config() if model is None else model
     geometry = geometry_for(model, check_fits_model(dataset, model, cfg), cfg)

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from flexpack.models.wan_config import WanVAConfig
-from flexpack.training.optim import plain_name
+from flexpack.parallel.parallelize import plain_name
 
 # WanVAConfig fields a diffusers config.json determines (see wan_convert.config_from_diffusers)
 SHAPE_FIELDS = ("dim", "num_heads", "ffn_dim", "num_layers", "patch_size", "in_channels", "out_channels",

@@ -114,14 +114,14 @@ def preflight(cfg: Any, stop_after: int | None = None) -> "torch.device":  # noq
     # 0 is a library use (build, load, take no step: tests and tools); the CLI asks for >= 1
     if stop_after is not None and (isinstance(stop_after, bool) or not isinstance(stop_after, int) or stop_after < 0):
         raise UserError(f"--stop-after must be an integer >= 1, got {stop_after!r}")
-    from flexpack.training.parallel import world
+    from flexpack.parallel.parallelize import world
 
     check_finite(cfg)
     device = resolve_device(cfg.runtime.device)
     check_memory_ceiling(cfg, device)
     if world()[0] == 0:  # only rank 0 writes into the run folder (and one prober avoids mkdir/rmdir races)
         check_out_dir(cfg.runtime.out_dir)
-        from flexpack.training.runstate.runfolder import claim
+        from flexpack.run.state.runfolder import claim
 
         claim(cfg.runtime.out_dir, adopt=cfg.runtime.adopt_dir)  # flexpack's own folder, or refused
     return device

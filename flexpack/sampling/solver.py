@@ -2,7 +2,7 @@
 
 Every (episode, cut point) :class:`~flexpack.sampling.pairs.Pair` is one document of a packed
 micro-batch, built by the training path itself: the pairs' frame counts go through
-:class:`~flexpack.packing.sampler.TokenBudgetBatchSampler` and :class:`~flexpack.packing.collate.PackCollate`
+:class:`~flexpack.packing.batch_sampler.TokenBudgetBatchSampler` and :class:`~flexpack.packing.collate.PackCollate`
 with the config's ``data.max_tokens`` (one fixed shape for every pack, so compiled blocks never
 recompile), and the model runs with the config's mask. A pack is solved from σ = 1 to 0
 (:mod:`flexpack.sampling.schedule`) with the model called once (Euler) or twice (Heun) per step.
@@ -43,12 +43,12 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from flexpack.attention.masks import text_slots
+from flexpack.packing.batch_sampler import TokenBudgetBatchSampler
 from flexpack.packing.collate import PackCollate
 from flexpack.packing.geometry import frame_budget, too_long
-from flexpack.packing.sampler import TokenBudgetBatchSampler
+from flexpack.run.root import forward_options
 from flexpack.sampling.pairs import Pair, pair_noise
 from flexpack.sampling.schedule import check_solver, sigma_grid, solve
-from flexpack.training.plan import forward_options
 
 
 def context_chunk(cfg: Any) -> int:

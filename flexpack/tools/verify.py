@@ -8,13 +8,13 @@ For each micro-batch checked, the model (same weights) runs twice:
   pack shape, so that no episode length compiles a graph of its own).
 
 Both paths see identical x_t: σ and noise are drawn per episode from a generator seeded by the
-episode alone (:func:`flexpack.training.flow.noise.episode_flow_sample`). Compared, per episode: the model's
+episode alone (:func:`flexpack.flow.noise.episode_flow_sample`). Compared, per episode: the model's
 video and action predictions, and the episode's loss; for the micro-batch: the total loss
 (batched ``FlowLoss.loss`` vs Σ ``accumulation_loss`` of the episodes alone) and the gradients,
 per parameter group (the embeddings, each block, the heads). Errors are ``max |a − b| / max |b|``;
 anything above its tolerance, or any non-finite gradient, fails (exit status 1).
 
-Micro-batches, collate and forward options come from the run's plan (:mod:`flexpack.training.plan`),
+Micro-batches, collate and forward options come from the run's plan (:mod:`flexpack.run.root`),
 as in training. The model is built as training builds it (:func:`training_model`): on the run's device, blocks
 compiled where ``runtime.compile`` compiles them, bf16 autocast (one process) or FSDP2 mixed
 precision (``torchrun``, every rank checks the same micro-batches) for ``runtime.dtype =
@@ -48,10 +48,10 @@ import torch.distributed as dist
 from torch import nn
 
 from flexpack.errors import UserError
+from flexpack.flow.noise import episode_flow_sample, noise_seeds
+from flexpack.flow.objective import FlowMatchingConfig, flow_loss, loss_counts
 from flexpack.packing.collate import Batch, PackCollate
-from flexpack.training.flow.noise import episode_flow_sample, noise_seeds
-from flexpack.training.flow.objective import FlowMatchingConfig, flow_loss, loss_counts
-from flexpack.training.verify_report import (  # noqa: F401  (the report's names are verify's public API too)
+from flexpack.tools.verify_report import (  # noqa: F401  (the report's names are verify's public API too)
     TOL,
     TOLERANCES,
     EpisodeRow,
@@ -183,9 +183,9 @@ def training_model(cfg: Any, device: torch.device, wcfg: Any = None) -> tuple[nn
     """(model, compiled): built as :func:`flexpack.training.loop.train` builds it, on ``device``:
     compiled blocks where ``runtime.compile`` compiles them, activation checkpointing, FSDP2 with
     bf16 parameters under several ranks, ``model.pretrained`` loaded. ``wcfg``: the plan's model config."""
-    from flexpack.training.build import build_model, materialize
-    from flexpack.training.parallel import parallelize
-    from flexpack.training.plan import parallel_options
+    from flexpack.parallel.parallelize import parallelize
+    from flexpack.run.build import build_model, materialize
+    from flexpack.run.root import parallel_options
 
     with device:
         model = build_model(cfg, wcfg)
@@ -201,12 +201,12 @@ def verify_config(cfg: Any, *, micro_batches: int = 2, checkpoint_dir: str | Non
     share: under ``torchrun`` every rank checks the same ones, so the sharded model sees the same
     work on each) with the model as training builds it. ``tol``: one max relative error for all
     quantities (default: :data:`TOLERANCES` of ``runtime.dtype``). ``data``: replaces what
-    ``cfg.data`` describes (e.g. :func:`flexpack.training.memory_data.synthetic_data`)."""
-    from flexpack.training import float8
-    from flexpack.training.build import build_data
-    from flexpack.training.checks import resolve_device
-    from flexpack.training.parallel import is_sharded, world
-    from flexpack.training.runstate import checkpoint
+    ``cfg.data`` describes (e.g. :func:`flexpack.run.memory_data.synthetic_data`)."""
+    from flexpack.parallel import float8
+    from flexpack.parallel.parallelize import is_sharded, world
+    from flexpack.run.build import build_data
+    from flexpack.run.checks import resolve_device
+    from flexpack.run.state import checkpoint
 
     device = resolve_device(cfg.runtime.device)
     m = cfg.model.wan_config() if data is None else data.model  # resolved once: the plan holds it
@@ -217,7 +217,7 @@ def verify_config(cfg: Any, *, micro_batches: int = 2, checkpoint_dir: str | Non
     model, compiled = training_model(cfg, device, m)
     if checkpoint_dir:
         # pick_checkpoint says which one and why a newer one was skipped
-        from flexpack.training.export_io import pick_checkpoint
+        from flexpack.tools.export_io import pick_checkpoint
 
         found = pick_checkpoint(Path(checkpoint_dir), "verify")
         state = checkpoint.load(found, model, restore_rng=False)  # a checkpoint of another shape: one line
@@ -269,8 +269,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import os
 
-    from flexpack.training.config import load_config
-    from flexpack.training.parallel import world
+    from flexpack.parallel.parallelize import world
+    from flexpack.run.config import load_config
 
     if args.micro_batches < 1:
         raise ValueError(f"--micro-batches must be >= 1, got {args.micro_batches}")
@@ -286,7 +286,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         data = None
         if args.synthetic:
-            from flexpack.training.memory_data import synthetic_data
+            from flexpack.run.memory_data import synthetic_data
 
             data = synthetic_data(cfg, hw=args.synthetic_hw, text_len=args.synthetic_text)
         report = verify_config(cfg, micro_batches=args.micro_batches, checkpoint_dir=args.checkpoint, tol=args.tol,

@@ -13,7 +13,7 @@ Layout of ``RUN/checkpoints/step_00000040/``::
 A checkpoint is valid only when ``manifest.json`` exists and every file it lists has its size and
 content, and its small files parse (:func:`problem`): :func:`latest` skips (and reports) a damaged
 one and takes the one before. Everything a load reads is data: JSON, ``weights_only`` and the
-allow-listed metadata unpickler of :mod:`flexpack.training.runstate.safeload`. Pruning renames an old
+allow-listed metadata unpickler of :mod:`flexpack.run.state.safeload`. Pruning renames an old
 checkpoint to ``.trash-step_…`` before deleting it, so a kill cannot leave half a checkpoint
 under a checkpoint's name; :func:`remove_temporary` clears trash at the next start. Saving is collective
 (every rank calls :meth:`Checkpointer.save`): shards go into ``.tmp-step_…``, rank 0 adds the
@@ -52,11 +52,11 @@ from torch.distributed.checkpoint.state_dict import (
 
 from flexpack.atomic import atomic_path
 from flexpack.errors import UserError
-from flexpack.training.checks import check_state_shapes
-from flexpack.training.parallel import world
-from flexpack.training.runstate import manifest
-from flexpack.training.runstate.manifest import MANIFEST, problem  # noqa: F401  (public here too)
-from flexpack.training.runstate.safeload import UnsafeCheckpointError, load_state, read_metadata_file
+from flexpack.parallel.parallelize import world
+from flexpack.run.checks import check_state_shapes
+from flexpack.run.state import manifest
+from flexpack.run.state.manifest import MANIFEST, problem  # noqa: F401  (public here too)
+from flexpack.run.state.safeload import UnsafeCheckpointError, load_state, read_metadata_file
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 _TEMPORARY = re.compile(r"^\.(tmp|old|trash)-step_\d{8}")

@@ -22,7 +22,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
-from flexpack.training.config import TrainConfig
+from flexpack.run.config import TrainConfig
 
 REGENERATE = "flexpack config markdown > docs/CONFIG.md"
 

@@ -1,5 +1,5 @@
 """In-memory episodes shaped like :class:`~flexpack.data.LatentEpisodeDataset`'s items, with the
-plan (sampler, collate, geometry: :mod:`flexpack.training.plan`) a config builds: ``flexpack verify
+plan (sampler, collate, geometry: :mod:`flexpack.run.root`) a config builds: ``flexpack verify
 --synthetic`` (and benchmarks) run the training configuration without a LeRobot dataset on disk.
 
 Each item is drawn from a generator seeded by its index (latent, text, actions), so a rank, a
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from flexpack.training.plan import Plan, geometry_for, plan_for
+from flexpack.run.root import Plan, geometry_for, plan_for
 
 REFERENCE_FRAMES = Path(__file__).resolve().parents[2] / "data" / "episode_frames_ref.txt"
 
@@ -62,10 +62,10 @@ def episode_lengths(budget_frames: int, *, count: int = 64, seed: int = 0) -> li
 
 def synthetic_data(cfg, *, hw: tuple[int, int] | None = None, text_len: int = 16, rank: int = 0,
                    world_size: int = 1, model=None) -> Plan:
-    """The config's :class:`~flexpack.training.plan.Plan` over :class:`RandomEpisodes` shaped for its model.
+    """The config's :class:`~flexpack.run.root.Plan` over :class:`RandomEpisodes` shaped for its model.
 
     ``hw``: latent height and width (default: one patch, one video token per frame); must be a
-    multiple of the model's patch. Pack and pad mode as :func:`flexpack.training.build.build_data`.
+    multiple of the model's patch. Pack and pad mode as :func:`flexpack.run.build.build_data`.
     ``model``: the resolved model config where the caller has it."""
     d, m = cfg.data, cfg.model.wan_config() if model is None else model
     _, ph, pw = m.patch_size

@@ -1,7 +1,7 @@
 """Build what a config describes: its plan over ``data.root`` (:func:`build_data`, the dataset with
-its sampler and collate: :mod:`flexpack.training.plan`) and the model.
+its sampler and collate: :mod:`flexpack.run.root`) and the model.
 
-Shared by :mod:`flexpack.training.loop` and :mod:`flexpack.training.verify`, so both see the same micro-batches.
+Shared by :mod:`flexpack.training.loop` and :mod:`flexpack.tools.verify`, so both see the same micro-batches.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 from flexpack.models.wan_config import WanVAConfig
-from flexpack.training.checks import config_terms
-from flexpack.training.config import TrainConfig
-from flexpack.training.parallel import world
-from flexpack.training.plan import Plan, plan_for
+from flexpack.parallel.parallelize import world
+from flexpack.run.checks import config_terms
+from flexpack.run.config import TrainConfig
+from flexpack.run.root import Plan, plan_for
 
 
 def open_dataset(cfg: TrainConfig, episodes: Sequence[int] | None = None, *, segments: bool | str | None = None,
@@ -38,12 +38,12 @@ def open_dataset(cfg: TrainConfig, episodes: Sequence[int] | None = None, *, seg
 
 def build_data(cfg: TrainConfig, rank: int = 0, world_size: int = 1, *, split: str = "train",
                model: WanVAConfig | None = None) -> Plan:
-    """The run's :class:`~flexpack.training.plan.Plan` over ``data.root``: dataset, this rank's sampler
+    """The run's :class:`~flexpack.run.root.Plan` over ``data.root``: dataset, this rank's sampler
     and the matching collate, checked to fit the model. ``split``: the training episodes or the
     held-out ``"val"`` ones (:mod:`flexpack.training.validation`); ``model``: the resolved model config
     where the caller has it."""
     from flexpack.data.episodes import EpisodeSource
-    from flexpack.training.holdout import split_episodes
+    from flexpack.run.holdout import split_episodes
 
     d = cfg.data
     if not d.root:
@@ -62,7 +62,7 @@ def build_model(cfg: TrainConfig, model: WanVAConfig | None = None) -> nn.Module
     pretrained model comes back on the meta device: :func:`materialize` fills it once sharded.
     ``model``: the resolved model config (a plan's ``model``; default: resolved here)."""
     from flexpack.models import WanVA
-    from flexpack.training.pretrained import load_single
+    from flexpack.run.pretrained import load_single
 
     torch.manual_seed(cfg.runtime.seed)  # every rank starts from the same weights
     wcfg = cfg.model.wan_config() if model is None else model
@@ -78,7 +78,7 @@ def materialize(model: nn.Module, cfg: TrainConfig, device: torch.device, wcfg: 
     """After ``parallelize``: load ``model.pretrained`` into a model left on the meta device, each
     rank reading only its shards (a no-op for a model that holds weights already). ``wcfg``: the
     resolved model config (a plan's ``model``)."""
-    from flexpack.training.pretrained import is_meta, load_pretrained
+    from flexpack.run.pretrained import is_meta, load_pretrained
 
     if is_meta(model):
         wcfg = cfg.model.wan_config() if wcfg is None else wcfg

@@ -1,0 +1,1 @@
+"""The command line: every argparse definition and the subcommands' thin drivers."""
