@@ -20,7 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "make-dataset": ("flexpack.data.synthetic", "write a synthetic LeRobot dataset"),
     "encode": ("flexpack.data.encode", "encode a LeRobot dataset's videos into the latent cache"),
     "check-dataset": ("flexpack.data.check", "list every problem of a dataset and its latent cache"),
-    "train": ("flexpack.training.loop",
+    "train": ("flexpack.commands.train",
               "train a WanVA on a LeRobot dataset from a TOML/JSON config (torchrun for FSDP2)"),
     "verify": ("flexpack.tools.verify",
                "check packed == per-episode outputs, loss and gradients; exit 1 on mismatch"),

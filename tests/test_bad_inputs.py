@@ -279,7 +279,7 @@ def test_verify_checkpoint_that_is_not_one(capsys, tiny_dataset, tmp_path):
 
 # ------------------------------------------------------------------ bugs keep their traceback
 def test_bugs_keep_their_traceback_and_debug_shows_user_errors_too(capsys, tmp_path, monkeypatch):
-    import flexpack.training.loop as loop
+    import flexpack.commands.train as loop
 
     def buggy(cfg, stop_after=None):
         torch.optim.AdamW([], lr=1.0)  # a ValueError raised inside torch: a bug, not the user's input

@@ -12,8 +12,8 @@ import torch
 pytest.importorskip("lerobot")
 
 from flexpack.cli import main  # noqa: E402
+from flexpack.commands.train import train  # noqa: E402
 from flexpack.run.config import load_config  # noqa: E402
-from flexpack.training.loop import train  # noqa: E402
 from helpers import tiny_sets  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"

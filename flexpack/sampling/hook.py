@@ -6,21 +6,22 @@ at ``runtime.sample_cuts`` cut points each with ``runtime.sample_steps`` Euler s
 fixed per (episode, cut) pair (:mod:`flexpack.sampling.pairs`): the numbers are comparable across
 steps, across runs of the same config and across a resume. Files go to
 ``RUN/samples/step_NNNNNNNN/`` (the same as ``flexpack sample``); ``sample/action_mse``,
-``sample/latent_mse``, the baselines' ``sample/last/action_mse`` ... are appended to
-``metrics.jsonl`` and logged to TensorBoard / W&B with the plots. Under several ranks every rank
-samples its share of the packs (collective, like validation) and rank 0 writes.
+``sample/latent_mse``, the baselines' ``sample/last/action_mse`` ... form the hook's report, which
+the train loop writes to ``metrics.jsonl`` and logs to TensorBoard / W&B with the plots
+(:mod:`flexpack.run.hooks`). Under several ranks every rank samples its share of the packs
+(collective, like validation) and rank 0 writes the files.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 from torch import nn
 
+from flexpack.run.hooks import HookContext, HookReport
 from flexpack.sampling.evaluate import PairPlan, build_pairs, dataset_for, evaluate
 
 KEYS = ("action_mse", "action_l1", "action_mse_raw", "action_l1_raw", "latent_mse")
@@ -48,9 +49,9 @@ class SampleHook:
 
         self.options = SampleOptions(steps=r.sample_steps, solver="euler")
 
-    def after_step(self, model: nn.Module, step: int, sinks: Any = None, ema: Any = None) -> dict[str, Any] | None:
-        """Every ``runtime.sample_every`` steps: sample (collective), write files and metrics on rank 0;
-        with ``runtime.sample_ema`` the EMA weights stand in for the trained ones meanwhile."""
+    def after_step(self, model: nn.Module, step: int, *, ema: Any = None) -> HookReport | None:
+        """Every ``runtime.sample_every`` steps: sample (collective), write the files on rank 0 and report
+        the metrics; with ``runtime.sample_ema`` the EMA weights stand in for the trained ones meanwhile."""
         from flexpack.parallel.parallelize import is_sharded
 
         r = self.cfg.runtime
@@ -71,14 +72,7 @@ class SampleHook:
             rec.update({f"sample/{name}/{k}": b[k] for k in KEYS})
         if "psnr" in metrics:
             rec["sample/psnr"] = metrics["psnr"]
-        if self.rank == 0:
-            with open(Path(r.out_dir) / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(rec) + "\n")
-            if sinks is not None:
-                sinks.log(rec)
-                if files:
-                    sinks.log_images(step, {k: v for k, v in files.items() if str(v).endswith(".png")})
-        return rec
+        return HookReport(row=rec, images={k: Path(v) for k, v in files.items() if str(v).endswith(".png")})
 
 
 @contextlib.contextmanager
@@ -100,9 +94,9 @@ def _ema_weights(model: nn.Module, ema: Any) -> Iterator[None]:
                 local(p).copy_(w)
 
 
-def make_sample_hook(cfg: Any, device: torch.device, *, normalizer: dict[str, Any] | None, dataset_normalizer: Any,
-                     rank: int) -> SampleHook | None:
-    """A SampleHook when ``runtime.sample_every`` > 0, else None."""
-    if not cfg.runtime.sample_every:
+def make_sample_hook(ctx: HookContext) -> SampleHook | None:
+    """A SampleHook when ``runtime.sample_every`` > 0, else None (a :data:`~flexpack.run.hooks.HookFactory`)."""
+    if not ctx.cfg.runtime.sample_every:
         return None
-    return SampleHook(cfg, device, normalizer=normalizer, dataset_normalizer=dataset_normalizer, rank=rank)
+    return SampleHook(ctx.cfg, ctx.device, normalizer=ctx.normalizer_state, dataset_normalizer=ctx.dataset_normalizer,
+                      rank=ctx.rank)

@@ -26,11 +26,8 @@ Order of one optimizer step (nanoGPT's): lr → checkpoint → micro-steps → c
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import math
-import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,11 +42,11 @@ from flexpack.packing.collate import Batch
 from flexpack.parallel import float8
 from flexpack.parallel.parallelize import parallelize, world
 from flexpack.run.build import build_data, build_model, materialize
-from flexpack.run.checks import positive_int, preflight
-from flexpack.run.config import ScheduleConfig, TrainConfig, load_config
+from flexpack.run.checks import preflight
+from flexpack.run.config import ScheduleConfig, TrainConfig
+from flexpack.run.hooks import HookContext, HookFactory
 from flexpack.run.root import Plan, parallel_options, use_compile  # noqa: F401  (use_compile: public here too)
 from flexpack.run.state import checkpoint, faults, resume, runfolder
-from flexpack.sampling.hook import make_sample_hook
 from flexpack.training.ema import make_ema
 from flexpack.training.observe import tracking
 from flexpack.training.observe.metrics import StepMeter
@@ -98,14 +95,22 @@ class TrainResult:
     model: nn.Module | None = None  # the trained model (FSDP-sharded under torchrun)
 
 
-def train(cfg: TrainConfig, *, stop_after: int | None = None, data: Plan | None = None) -> TrainResult:
+def train(cfg: TrainConfig, *, stop_after: int | None = None, data: Plan | None = None,
+          hooks: Sequence[HookFactory] | None = None) -> TrainResult:
     """Train ``cfg.schedule.steps`` optimizer steps (resuming from the run folder's newest checkpoint);
     ``stop_after`` ends early after that step, with a checkpoint, as an interruption would; ``data``:
     a :class:`~flexpack.run.root.Plan` replacing what ``cfg.data`` describes (in-memory episodes,
     :func:`flexpack.run.memory_data.synthetic_data`, e.g. ``benchmarks/profile_step.py``).
+    ``hooks``: what runs after each step (:mod:`flexpack.run.hooks`); default validation only.
+    Sampling during training (``runtime.sample_every``) is a sibling's hook: ``flexpack train``
+    (:func:`flexpack.commands.train.train`) wires it in.
     Faults (:mod:`flexpack.run.state.faults`): a signal saves and raises ``Interrupted``, a non-finite
     step raises ``NonFiniteError`` (or is skipped), a data error on any rank saves the steps done and re-raises."""
     rank, size = world()
+    hooks = (make_validator,) if hooks is None else tuple(hooks)
+    if cfg.runtime.sample_every and len(hooks) < 2:
+        raise ValueError(f"runtime.sample_every={cfg.runtime.sample_every} needs the sampling hook: run "
+                         "'flexpack train' (or call flexpack.commands.train.train), or pass hooks=")
     if rank == 0:
         tracking.check(cfg)  # a missing logger package fails before any data or model work
     device = preflight(cfg, stop_after)  # device, run folder, finite numbers: before data and model
@@ -119,11 +124,11 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, data: Plan | None 
         return TrainResult(step=done, start_step=done, checkpoint=found)
     with runfolder.RunLock(cfg.runtime.out_dir, active=rank == 0), faults.GracefulStop() as stop:
         _barrier()  # the other ranks wait for rank 0's lock (a refusal ends torchrun through rank 0)
-        return _train(cfg, found, stop, stop_after, device, data)
+        return _train(cfg, found, stop, stop_after, device, data, hooks)
 
 
 def _train(cfg: TrainConfig, found: Path | None, stop: faults.GracefulStop, stop_after: int | None,
-           device: torch.device, data: Plan | None) -> TrainResult:
+           device: torch.device, data: Plan | None, hooks: Sequence[HookFactory]) -> TrainResult:
     rank, size = world()
     data = build_data(cfg, rank, size) if data is None else data
     float8.check_tokens(cfg.runtime.float8, cfg.data, data.geometry, device)  # before the model is built
@@ -134,7 +139,6 @@ def _train(cfg: TrainConfig, found: Path | None, stop: faults.GracefulStop, stop
     o, run = cfg.optim, Path(cfg.runtime.out_dir)
     opt = build_optimizer(model, o, log=rank == 0, fused=device.type == "cuda")  # no decay on norms, biases, ...
     ema = make_ema(model, o.ema_decay)
-    validator = make_validator(cfg, device, data.model)  # None unless runtime.eval_every
     start, resumed_at = 0, None
     if found is not None:
         start = resumed_at = int(resume.restore(found, cfg, model, opt, data, rank, ema=ema)["step"])
@@ -148,8 +152,10 @@ def _train(cfg: TrainConfig, found: Path | None, stop: faults.GracefulStop, stop
     sampler_state, step, tpf, signum = data.sampler.state_dict(), start, data.tokens_per_frame, 0
     saver = checkpoint.Checkpointer(run / "checkpoints", keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
     extra = {"action_normalizer": resume.normalizer_state(data.dataset)}
-    sampler_hook = make_sample_hook(cfg, device, normalizer=extra["action_normalizer"], rank=rank,
-                                    dataset_normalizer=getattr(data.dataset, "normalizer", None))
+    context = HookContext(cfg=cfg, device=device, rank=rank, model_config=data.model,
+                          normalizer_state=extra["action_normalizer"],
+                          dataset_normalizer=getattr(data.dataset, "normalizer", None))
+    after = [h for h in (make(context) for make in hooks) if h is not None]  # built before the first step
 
     guard, meter = (faults.StepGuard(stop, o.skip_nonfinite),
                     StepMeter(cfg, device, model=data.model, geometry=data.geometry))
@@ -195,16 +201,16 @@ def _train(cfg: TrainConfig, found: Path | None, stop: faults.GracefulStop, stop
             result.episodes += [b.layout.episode_index.tolist() for b in batches]
             if step % cfg.runtime.log_every == 0 or step == end or nonfinite:
                 guard.flush()
-                rec = _log(run, rank, step, lr, sums, norm, batches, tpf, meter,
-                           extra={"skipped": True} if nonfinite else None)
+                rec = _log(step, lr, sums, norm, batches, tpf, meter, extra={"skipped": True} if nonfinite else None)
                 result.losses.append(rec["loss"])
                 result.metrics.append(rec)
                 sinks.log(rec)
                 bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{lr:.2e}", tok_s=f"{rec['tokens_per_s']:.0f}")
-            if validator is not None and (val := validator.after_step(model, step)) is not None:
-                sinks.log(val)
-            if sampler_hook is not None:
-                sampler_hook.after_step(model, step, sinks, ema=ema)
+            for hook in after:
+                if (report := hook.after_step(model, step, ema=ema)) is not None:
+                    sinks.log(report.row)
+                    if report.images:
+                        sinks.log_images(step, dict(report.images))
     bar.close()
     result.step = step
     guard.flush()
@@ -259,55 +265,17 @@ def _prepare_run(run: Path, cfg: TrainConfig, start: int, size: int) -> None:
               + f" (recorded in {run}/config_history.jsonl)", file=sys.stderr)
 
 
-def _log(run: Path, rank: int, step: int, lr: float, sums: torch.Tensor, norm: torch.Tensor,
-         batches: Sequence[Batch], tpf: int, meter: StepMeter, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+def _log(step: int, lr: float, sums: torch.Tensor, norm: torch.Tensor, batches: Sequence[Batch], tpf: int,
+         meter: StepMeter, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Global loss parts, LR, grad norm, waste of this step, and the throughput of the steps since
-    the last log (tokens/s, step time, peak memory, MFU); rank 0 appends metrics.jsonl. One of the
-    few points where the host waits for the GPU."""
+    the last log (tokens/s, step time, peak memory, MFU). One of the few points where the host waits
+    for the GPU."""
     valid = sum(int(b.layout.episode_frames.sum()) for b in batches) * tpf
     computed = sum(b.layout.frame_doc.numel() for b in batches) * tpf
     stats = torch.cat([sums.float().cpu(), torch.tensor([valid, computed], dtype=torch.float32)])
     if world()[1] > 1:
         dist.all_reduce(stats)
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a DTensor under FSDP
-    rec = {"step": step, "loss": float(stats[0]), "latent_loss": float(stats[1]), "action_loss": float(stats[2]),
-           "lr": lr, "grad_norm": float(norm), "waste": 1.0 - float(stats[3]) / float(stats[4]), **meter.read(),
-           **(extra or {})}
-    if rank == 0:
-        run.mkdir(parents=True, exist_ok=True)
-        with open(run / "metrics.jsonl", "a") as f:  # an append-only log: one line per logged step
-            f.write(json.dumps(rec) + "\n")
-    return rec
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", type=Path, help="TOML or JSON config (configs/tiny_cpu.toml, ...)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config value, e.g. --set schedule.steps=40 (repeatable)")
-    parser.add_argument("--stop-after", type=positive_int, default=None,
-                        help="stop (with a checkpoint) after this step")
-    parser.add_argument("--force", action="store_true",
-                        help="train into an out_dir that holds other files (runtime.adopt_dir = true); none is changed")
-
-
-def run(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, [*args.overrides, *(["runtime.adopt_dir=true"] if args.force else [])])
-    started, rank = False, int(os.environ.get("RANK", "0"))
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        started = True
-    try:
-        result = train(cfg, stop_after=args.stop_after)
-    except faults.Interrupted as exc:
-        if rank == 0:
-            print(f"flexpack train: {exc}", file=sys.stderr)
-        return exc.exit_code
-    finally:
-        if started:
-            dist.destroy_process_group()
-    if rank == 0 and result.step > result.start_step:  # (a finished run has said so already)
-        last = result.metrics[-1] if result.metrics else {}
-        print(f"trained steps {result.start_step} -> {result.step}; loss {last.get('loss', float('nan')):.4f}; "
-              f"checkpoint {result.checkpoint}")
-        print(tracking.outputs(cfg.runtime.out_dir, result.checkpoint, cfg))
-    return 0
+    return {"step": step, "loss": float(stats[0]), "latent_loss": float(stats[1]), "action_loss": float(stats[2]),
+            "lr": lr, "grad_norm": float(norm), "waste": 1.0 - float(stats[3]) / float(stats[4]), **meter.read(),
+            **(extra or {})}

@@ -20,9 +20,7 @@ ranks with fewer micro-batches run a discarded one so FSDP's collectives stay ma
 from __future__ import annotations
 
 import contextlib
-import json
 from dataclasses import replace
-from pathlib import Path
 from typing import Any, Sequence
 
 import torch
@@ -35,6 +33,7 @@ from flexpack.packing.geometry import TokenGeometry
 from flexpack.parallel.parallelize import is_sharded, world
 from flexpack.run.build import build_data
 from flexpack.run.holdout import VAL_TAG
+from flexpack.run.hooks import HookContext, HookReport
 
 
 def _micro_batches(
@@ -98,20 +97,14 @@ class Validator:
         return {"val_loss": o.latent_weight * lat + o.action_weight * act, "val_latent_loss": lat,
                 "val_action_loss": act}
 
-    def after_step(self, model: nn.Module, step: int) -> dict[str, Any] | None:
-        """Every ``runtime.eval_every`` steps: evaluate (collective) and append to metrics.jsonl on rank 0."""
+    def after_step(self, model: nn.Module, step: int, *, ema: Any = None) -> HookReport | None:
+        """Every ``runtime.eval_every`` steps: evaluate (collective) and report the losses."""
         if step % self.cfg.runtime.eval_every:
             return None
-        rec = {"step": step, **self.evaluate(model)}
-        if self.rank == 0:
-            run = Path(self.cfg.runtime.out_dir)
-            run.mkdir(parents=True, exist_ok=True)
-            with open(run / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(rec) + "\n")
-        return rec
+        return HookReport(row={"step": step, **self.evaluate(model)})
 
 
-def make_validator(cfg: Any, device: torch.device, model: Any = None) -> Validator | None:
-    """A Validator when ``runtime.eval_every`` > 0 (the config then holds episodes out), else None.
-    ``model``: the run plan's resolved model config."""
-    return Validator(cfg, device, model) if cfg.runtime.eval_every else None
+def make_validator(ctx: HookContext) -> Validator | None:
+    """A Validator when ``runtime.eval_every`` > 0 (the config then holds episodes out), else None
+    (a :data:`~flexpack.run.hooks.HookFactory`)."""
+    return Validator(ctx.cfg, ctx.device, ctx.model_config) if ctx.cfg.runtime.eval_every else None

@@ -14,6 +14,7 @@ instead of starting a new one. ``runtime.wandb_project`` / ``wandb_entity`` / ``
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from pathlib import Path
@@ -90,7 +91,9 @@ def check(cfg: Any) -> None:
 
 
 class MetricSinks:
-    """``with MetricSinks(run, cfg, rank=r, start_step=s) as sinks: sinks.log(record)``."""
+    """The run's one metrics writer: ``with MetricSinks(run, cfg, rank=r, start_step=s) as sinks: sinks.log(row)``
+    appends the row to ``RUN/metrics.jsonl`` (an append-only log, one JSON object per line) and sends its
+    numbers to TensorBoard / W&B where those are on. Only rank 0 writes; elsewhere ``log`` does nothing."""
 
     def __init__(self, run: str | os.PathLike, cfg: Any, *, rank: int = 0, start_step: int = 0) -> None:
         self.run, self.cfg, self.rank, self.start = Path(run), cfg, rank, start_step
@@ -120,6 +123,11 @@ class MetricSinks:
         return self
 
     def log(self, rec: dict[str, Any]) -> None:
+        if self.rank != 0:
+            return
+        self.run.mkdir(parents=True, exist_ok=True)
+        with open(self.run / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(rec) + "\n")
         values = {group(k): v for k, v in scalars(rec).items()}
         step = int(rec["step"])
         if self.tb is not None:
