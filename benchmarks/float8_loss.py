@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from flexpack.parallel import float8  # noqa: E402
 from flexpack.run.config import TrainConfig, from_dict  # noqa: E402
-from flexpack.run.root import plan_for  # noqa: E402
+from flexpack.run.root import run_for  # noqa: E402
 from flexpack.run.state import checkpoint  # noqa: E402
 from flexpack.training import loop
 from train_step import Items, length_sets  # noqa: E402
@@ -80,10 +80,10 @@ def main() -> None:
             "runtime": {"dtype": "bfloat16", "float8": mode, "progress": False, "tensorboard": False, "log_every": 1,
                         "compile": args.compile,
                         "out_dir": out, "seed": 0, "device": str(device.type)}})
-        data = plan_for(items, cfg)  # the sampler, collate and forward options `flexpack train` builds
+        packs = run_for(items, cfg, device=device)  # the sampler, collate and forward options `flexpack train` builds
         t0 = time.perf_counter()
         try:
-            res = loop.train(replace(cfg), data=data)
+            res = loop.train(replace(cfg), run=packs)
             rows = res.metrics
             run = {"losses": [r["loss"] for r in rows], "grad_norms": [r["grad_norm"] for r in rows],
                    "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rows[len(rows) // 4:]),

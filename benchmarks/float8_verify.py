@@ -37,7 +37,8 @@ from flexpack.flow.objective import FlowMatchingConfig  # noqa: E402
 from flexpack.models import WanVA, wan_config  # noqa: E402
 from flexpack.packing.collate import PackCollate  # noqa: E402
 from flexpack.parallel import float8  # noqa: E402
-from flexpack.parallel.parallelize import parallelize  # noqa: E402
+from flexpack.parallel.parallelize import ParallelOptions, parallelize  # noqa: E402
+from flexpack.run.root import ForwardOptions  # noqa: E402
 from flexpack.tools.verify import VerifyReport, verify_batch  # noqa: E402
 
 
@@ -73,14 +74,15 @@ def main() -> None:
             model = WanVA(wan_config("tiny" if args.smoke else "wan2.2-5b", **shape), attn=FlexAttnFunc(backend))
         if mode != "off" and device.type == "cuda":
             float8.check(mode, device)
-        parallelize(model, device=device, float8=mode)
+        parallelize(model, device=device, options=ParallelOptions(float8=mode))
         res = {}
         for broken in (False, True):
             # CUDA: bf16 autocast as training runs (rowwise float8 GEMMs return bf16 only); "off" is then the
             # bf16 baseline (packed and alone differ by bf16 reduction order), float8 adds its rounding to it
             with torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda"):
-                rep = verify_batch(model, its, collate, FlowMatchingConfig(), model_kwargs={"text_slots": len(lens)},
-                                   drop_packing=broken, report=VerifyReport())
+                rep = verify_batch(model, its, collate, FlowMatchingConfig(),
+                                   forward=ForwardOptions(text_slots=len(lens)), drop_packing=broken,
+                                   report=VerifyReport())
             res["drop_packing" if broken else "packed"] = {
                 "max_err": rep.max_err, "video_err": max(r.video_err for r in rep.rows),
                 "loss_err": max(r.loss_err for r in rep.rows), "grad_err": max(rep.grad_err)}

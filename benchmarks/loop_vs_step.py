@@ -20,14 +20,14 @@ from dataclasses import replace
 
 import torch
 
-from flexpack.run.root import plan_for
+from flexpack.run.root import run_for
 from flexpack.run.state import checkpoint
 from flexpack.training import loop
 
 
 def run_loop(args, name: str, lengths: list[int], items, device: torch.device, cfg, peak: float,
              bare_packs: list[list[int]] | None = None) -> dict:
-    data = plan_for(items, cfg)  # what `flexpack train` builds: geometry, sampler, collate, forward options
+    run = run_for(items, cfg, device=device)  # what `flexpack train` builds: geometry, sampler, collate, options
     log_every = args.loop_log_every
     steps = log_every * (1 + max(1, args.loop_steps // log_every))  # a compile window + the measured ones
     out = tempfile.mkdtemp(prefix="flexpack-loop-")
@@ -39,7 +39,7 @@ def run_loop(args, name: str, lengths: list[int], items, device: torch.device, c
     save = checkpoint.Checkpointer.save
     checkpoint.Checkpointer.save = lambda self, *a, **k: None  # no 5B-shape save at the end: not a step
     try:
-        result = loop.train(cfg, data=data)
+        result = loop.train(cfg, run=run)
     finally:
         checkpoint.Checkpointer.save = save
         shutil.rmtree(out, ignore_errors=True)

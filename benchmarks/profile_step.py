@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flexpack.packing.lengths import read_frames_file  # noqa: E402
 from flexpack.run.config import load_config  # noqa: E402
 from flexpack.run.memory_data import RandomEpisodes  # noqa: E402
-from flexpack.run.root import plan_for  # noqa: E402
+from flexpack.run.root import run_for  # noqa: E402
 from flexpack.training.observe.profile_summary import CATEGORIES  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,13 +81,13 @@ def main() -> None:
     dataset = RandomEpisodes(lengths, channels=m.in_channels, hw=hw, action_channels=m.action_channels,
                              action_steps=cfg.data.action_steps, text_len=text_len, text_dim=text_dim,
                              mask_drop=0.0)  # every action value counts, as before
-    data = plan_for(dataset, cfg, model=m)  # the train loop's sampler, collate, geometry and forward options
-    tpf = data.geometry.tokens_per_frame
+    run = run_for(dataset, cfg)  # the train loop's sampler, collate, geometry and forward options
+    tpf = run.geometry.tokens_per_frame
 
     from flexpack.training import loop
 
     os.environ["LINGBOT_PROFILE"], os.environ["LINGBOT_PROFILE_WARMUP"] = str(steps), str(warmup)
-    loop.train(cfg, data=data)
+    loop.train(cfg, run=run)
     shutil.rmtree(out / "checkpoints", ignore_errors=True)
 
     s = json.loads((out / "profile" / "summary_rank0.json").read_text())

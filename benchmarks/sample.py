@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flexpack.packing.lengths import read_frames_file  # noqa: E402
-from flexpack.parallel.parallelize import BLOCK_GRAPHS, compiled_graphs, parallelize  # noqa: E402
+from flexpack.parallel.parallelize import BLOCK_GRAPHS, ParallelOptions, compiled_graphs, parallelize  # noqa: E402
 from flexpack.run.build import build_model  # noqa: E402
 from flexpack.run.config import TrainConfig, from_dict  # noqa: E402
 from flexpack.run.root import geometry_for  # noqa: E402
@@ -102,7 +102,7 @@ def run_set(args, lengths: list[int], device: torch.device) -> dict:
     torch.manual_seed(0)
     with device:
         base = build_model(cfg, m).eval()
-    compiled = parallelize(base, device=device, compile=device.type == "cuda")  # blocks compiled in place
+    compiled = parallelize(base, device=device, options=ParallelOptions(compile=device.type == "cuda"))  # in place
     slots = pack_text_slots(fresh(specs), args.max_tokens, tpf)  # the timed run's, for the warm-up too
     packed = PackedSampler(compiled, cfg, tpf, device, opts, text_slots=slots)
     # warm-up: the first pack's shape compiles (one shape for all packs), then the timed run of all pairs

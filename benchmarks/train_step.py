@@ -47,10 +47,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flexpack.packing.lengths import read_frames_file  # noqa: E402
-from flexpack.parallel.parallelize import compiled_graphs, parallelize  # noqa: E402
-from flexpack.run.build import build_model  # noqa: E402
+from flexpack.parallel.parallelize import compiled_graphs  # noqa: E402
 from flexpack.run.config import TrainConfig, from_dict  # noqa: E402
-from flexpack.run.root import geometry_for, parallel_options, plan_for  # noqa: E402
+from flexpack.run.root import geometry_for, run_for  # noqa: E402
 from flexpack.training.observe.flops import batch_flops, measured_bf16_peak, useful_flops  # noqa: E402
 from flexpack.training.optim import build_optimizer  # noqa: E402
 from flexpack.training.step import train_step  # noqa: E402
@@ -162,33 +161,29 @@ def _medians(times: list[float], host: list[float], tokens: list[int], flops: li
 def run_flexpack(args, name: str, lengths: list[int], batches: list[list[int]], items: Items, mode: str,
                  compile_: bool, device: torch.device, peak: float) -> dict:
     cfg = config(args, mode, compile_, float8_of(name))
-    data = plan_for(items, cfg)  # the train loop's geometry, sampler, collate and forward options
-    m, geometry, collate, extra = data.model, data.geometry, data.collate, data.forward
+    run = run_for(items, cfg, device=device)  # the train loop's geometry, sampler, collate and forward options
+    m, geometry, collate = run.model, run.geometry, run.collate
     tpf = geometry.tokens_per_frame
-    plan = batches if mode == "pack" else list(data.sampler)[: len(batches)]
-    with device:
-        model = build_model(cfg, m)
-    model = parallelize(model, device=device, **parallel_options(cfg, device).kwargs())  # as `flexpack train` wraps it
+    plan = batches if mode == "pack" else list(run.sampler)[: len(batches)]
+    model = run.build_model()  # as `flexpack train` builds, wraps and loads it
     opt = build_optimizer(model, cfg.optim, fused=device.type == "cuda")
     made = [collate([items[i] for i in b]) for b in plan]
     if device.type == "cuda":
         made = [b.pin_memory() for b in made]
     warm = args.warmup
     for k in range(warm):  # compiles, captures, allocator warm-up
-        train_step(model, opt, [made[k]], cfg, step=k, device=device, forward=extra)
+        train_step(model, opt, [made[k]], run, step=k)
     _sync(device)
-    syncs = count_syncs(lambda: train_step(model, opt, [made[warm - 1]], cfg, step=warm, device=device,
-                                           forward=extra), device)
+    syncs = count_syncs(lambda: train_step(model, opt, [made[warm - 1]], run, step=warm), device)
     graphs_after_warmup = compiled_graphs()
     _peak_reset(device)
     timed = made[warm:]
     # pass 1, a sync around every step: host time to queue one step (the GPU idle meanwhile)
-    host = [_host_and_wall(lambda: train_step(model, opt, [batch], cfg, step=warm + k, device=device,
-                                              forward=extra), device)[0]
+    host = [_host_and_wall(lambda: train_step(model, opt, [batch], run, step=warm + k), device)[0]
             for k, batch in enumerate(timed[: args.host_steps or len(timed)])]
     # pass 2, as the train loop runs: no sync between steps; an event before each step
-    times, sums = _event_times(lambda k: train_step(model, opt, [timed[k]], cfg, step=warm + len(timed) + k,
-                                                    device=device, forward=extra)[0], len(timed), device)
+    times, sums = _event_times(lambda k: train_step(model, opt, [timed[k]], run, step=warm + len(timed) + k)[0],
+                               len(timed), device)
     losses = [float(x[0]) for x in sums]
     tokens = [int(b.layout.episode_frames.sum()) * tpf for b in timed]
     flops = [batch_flops(m, geometry, b.layout) for b in timed]
@@ -199,8 +194,7 @@ def run_flexpack(args, name: str, lengths: list[int], batches: list[list[int]], 
                losses=losses, finite=all(np.isfinite(losses)),
                computed_tokens_per_step=made[0].layout.frame_doc.numel() * tpf)
     if args.profile and mode == "pack" and device.type == "cuda":
-        out["kernel_split"] = profile_split(lambda: train_step(model, opt, [made[warm]], cfg, step=0, device=device,
-                                                               forward=extra), device)
+        out["kernel_split"] = profile_split(lambda: train_step(model, opt, [made[warm]], run, step=0), device)
     return out
 
 
@@ -416,9 +410,9 @@ def main() -> None:
         lengths = sets[set_name]
         cfg = config(args, "pack", True)
         items = Items(lengths, C, H, W, L, Dt, Ca=args.action_channels, A=cfg.data.action_steps)
-        data = plan_for(items, cfg)  # the packs every variant trains on
-        tpf = data.geometry.tokens_per_frame
-        drawn = list(data.sampler)
+        packs = run_for(items, cfg, device=device)  # the packs every variant trains on
+        tpf = packs.geometry.tokens_per_frame
+        drawn = list(packs.sampler)
         # with a loop-* variant the bare step times the packs of the loop's first measured window (the loop's
         # steps log_every .. 2*log_every-1), so loop_vs_step compares the same packs
         at = args.loop_log_every if has_loop else args.warmup

@@ -17,7 +17,7 @@ from flexpack.flow.objective import FlowMatchingConfig, flow_loss  # noqa: E402
 from flexpack.models import WanVA, wan_config  # noqa: E402
 from flexpack.packing.collate import PackCollate  # noqa: E402
 from flexpack.parallel import float8  # noqa: E402
-from flexpack.parallel.parallelize import parallelize  # noqa: E402
+from flexpack.parallel.parallelize import ParallelOptions, parallelize  # noqa: E402
 
 out = Path(sys.argv[1])
 dist.init_process_group("gloo")
@@ -25,7 +25,7 @@ rank = dist.get_rank()
 float8.MIN_DIM = 16  # the tiny model's layers
 torch.manual_seed(0)
 model = WanVA(wan_config("tiny", num_layers=2), attn=FlexAttnFunc("dense"))
-parallelize(model, device=torch.device("cpu"), float8="tensorwise")
+parallelize(model, device=torch.device("cpu"), options=ParallelOptions(float8="tensorwise"))
 w = model.blocks[0].ffn.fc1.weight
 g = torch.Generator().manual_seed(rank)
 items = [{"latent": torch.randn(4, F, 4, 4, generator=g), "text": torch.randn(6, 32, generator=g), "episode_index": i}

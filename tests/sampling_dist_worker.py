@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from flexpack.parallel.parallelize import parallelize  # noqa: E402
+from flexpack.parallel.parallelize import ParallelOptions, parallelize  # noqa: E402
 from flexpack.run.build import build_model  # noqa: E402
 from flexpack.sampling.solver import PackedSampler, SampleOptions  # noqa: E402
 from test_sampling import SPECS_DIST, TPF, _cfg, _items, _pairs  # noqa: E402
@@ -22,7 +22,7 @@ def main(out: str) -> None:
     torch.set_num_threads(1)
     cfg = _cfg("teacher_forcing", "data.max_tokens=60")
     torch.manual_seed(0)
-    model = parallelize(build_model(cfg).eval(), device=torch.device("cpu"), compile=False)
+    model = parallelize(build_model(cfg).eval(), device=torch.device("cpu"), options=ParallelOptions(compile=False))
     pairs = _pairs(_items(), SPECS_DIST)
     sampler = PackedSampler(model, cfg, TPF, torch.device("cpu"), SampleOptions(steps=2))
     sampler.run(pairs)

@@ -9,7 +9,7 @@ from flexpack.flow.noise import episode_flow_sample
 from flexpack.flow.objective import FlowMatchingConfig, flow_loss
 from flexpack.models import WanVA, wan_config
 from flexpack.packing.collate import PackCollate
-from flexpack.parallel.parallelize import BLOCK_GRAPHS, parallelize
+from flexpack.parallel.parallelize import BLOCK_GRAPHS, ParallelOptions, parallelize
 from flexpack.tools.verify import verify_batch
 
 
@@ -36,7 +36,8 @@ def test_compiled_blocks_equal_eager_compile_once_and_keep_packing_exact(one_thr
         compiled = WanVA(wan_config("tiny", **shape), attn=FlexAttnFunc(backend))
     compiled.load_state_dict(eager.state_dict())
     keys = set(compiled.state_dict())
-    parallelize(compiled, device=torch.device(device), compile=True, activation_checkpointing=1)
+    parallelize(compiled, device=torch.device(device),
+                options=ParallelOptions(compile=True, activation_checkpointing=1))
     assert set(compiled.state_dict()) == keys  # checkpoints stay loadable into plain models
     cfg, before = FlowMatchingConfig(), BLOCK_GRAPHS.n
     for k, lens in enumerate([[5, 3], [2, 2, 3]]):  # two layouts of one pack shape
@@ -73,7 +74,7 @@ def test_compiled_blocks_keep_diffusers_parity(one_thread):
             p.add_(torch.randn_like(p) * 0.1)
     ours = WanVA.from_diffusers(ref, attn=FlexAttnFunc("dense")).eval()
     before = BLOCK_GRAPHS.n
-    parallelize(ours, device=torch.device("cpu"), compile=True)
+    parallelize(ours, device=torch.device("cpu"), options=ParallelOptions(compile=True))
     g = torch.Generator().manual_seed(1)
     latent, text, t = (torch.randn(2, 4, 3, 4, 6, generator=g), torch.randn(2, 5, 16, generator=g),
                        torch.tensor([3.0, 871.0]))
@@ -87,7 +88,7 @@ def test_compiled_blocks_keep_diffusers_parity(one_thread):
 def _saved_bytes_and_grads(budget: float, lens=(5, 3)):
     torch.manual_seed(0)
     model = WanVA(wan_config("tiny", num_layers=2), attn=FlexAttnFunc("dense"))
-    parallelize(model, device=torch.device("cpu"), compile=True, memory_budget=budget)
+    parallelize(model, device=torch.device("cpu"), options=ParallelOptions(compile=True, memory_budget=budget))
     cfg = FlowMatchingConfig()
     batch = PackCollate(8)(items(list(lens), 0))
     sample = episode_flow_sample(batch, cfg, list(range(len(lens))))
@@ -123,4 +124,5 @@ def test_activation_memory_budget_is_checked():
         RuntimeConfig(activation_memory_budget=0.5, compile=False)
     RuntimeConfig(activation_memory_budget=0.5)  # auto: decided where the run starts
     with pytest.raises(ValueError, match="compile is off"):
-        parallelize(WanVA(wan_config("tiny", num_layers=1)), device=torch.device("cpu"), memory_budget=0.5)
+        parallelize(WanVA(wan_config("tiny", num_layers=1)), device=torch.device("cpu"),
+                    options=ParallelOptions(memory_budget=0.5))

@@ -19,7 +19,7 @@ pytest.importorskip("diffusers")
 
 from flexpack.data.encode import encode_dataset  # noqa: E402
 from flexpack.data.synthetic import make_synthetic_dataset  # noqa: E402
-from flexpack.run.build import build_model  # noqa: E402
+from flexpack.run.build import build_model, build_run  # noqa: E402
 from flexpack.run.config import load_config, save_config  # noqa: E402
 from flexpack.run.state import checkpoint  # noqa: E402
 from flexpack.training.validation import Validator  # noqa: E402
@@ -77,6 +77,6 @@ def test_fsdp2_pretrained_start_ema_and_validation(tmp_path):
     assert [r["step"] for r in val] == [2]
     model = build_model(cfg)
     checkpoint.load(ck[2], model, restore_rng=False)
-    got = Validator(cfg, torch.device("cpu")).evaluate(model)
+    got = Validator(build_run(cfg)).evaluate(model)
     assert got["val_loss"] == pytest.approx(val[0]["val_loss"], rel=1e-5)
     assert got["val_action_loss"] == pytest.approx(val[0]["val_action_loss"], rel=1e-5)

@@ -15,7 +15,7 @@ from flexpack.attention.flex import FlexAttnFunc  # noqa: E402
 from flexpack.cli import main as cli_main  # noqa: E402
 from flexpack.models.wan_convert import rename  # noqa: E402
 from flexpack.packing.collate import PackCollate  # noqa: E402
-from flexpack.run.build import build_data, build_model  # noqa: E402
+from flexpack.run.build import build_model, build_run  # noqa: E402
 from flexpack.run.config import load_config  # noqa: E402
 from flexpack.run.state import checkpoint  # noqa: E402
 from flexpack.tools.export import export_run, load_export  # noqa: E402
@@ -83,7 +83,7 @@ def test_export_action_stream_normalization_and_roundtrip(trained, tmp_path):
         ["action_embed.weight", "action_embed.bias", "action_head_modulation", "action_head_proj.weight",
          "action_head_proj.bias"])
     norm = json.loads((out / "normalization.json").read_text())
-    data = build_data(cfg)
+    data = build_run(cfg)
     assert norm["mode"] == data.dataset.normalizer.mode
     assert norm["low"] == pytest.approx(data.dataset.normalizer.low.tolist())
     assert norm["high"] == pytest.approx(data.dataset.normalizer.high.tolist())

@@ -18,7 +18,7 @@ from flexpack.flow.objective import FlowMatchingConfig, flow_loss  # noqa: E402
 from flexpack.models import WanVA, wan_config  # noqa: E402
 from flexpack.packing.collate import PackCollate  # noqa: E402
 from flexpack.parallel import float8  # noqa: E402
-from flexpack.parallel.parallelize import parallelize  # noqa: E402
+from flexpack.parallel.parallelize import ParallelOptions, parallelize  # noqa: E402
 
 BLOCK_LAYERS = ["self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o", "cross_attn.q", "cross_attn.o",
                 "ffn.fc1", "ffn.fc2"]
@@ -96,7 +96,7 @@ def test_emulated_float8_trains_close_to_fp32_with_the_same_state_dict(one_threa
     ref = WanVA(wan_config("tiny", num_layers=2), attn=FlexAttnFunc("dense"))
     f8 = WanVA(wan_config("tiny", num_layers=2), attn=FlexAttnFunc("dense"))
     f8.load_state_dict(ref.state_dict())
-    parallelize(f8, device=torch.device("cpu"), float8=mode)  # emulated off CUDA
+    parallelize(f8, device=torch.device("cpu"), options=ParallelOptions(float8=mode))  # emulated off CUDA
     assert len(float8.converted(f8)) == 2 * len(BLOCK_LAYERS)
     sd_ref, sd_f8 = ref.state_dict(), f8.state_dict()
     assert list(sd_ref) == list(sd_f8)
@@ -119,7 +119,7 @@ def test_float8_matmuls_on_gpu_close_to_bf16(mode):
         f8 = WanVA(wan_config("tiny", num_layers=2, dim=1024, num_heads=8, ffn_dim=2048), attn=FlexAttnFunc("dense"))
     f8.load_state_dict(ref.state_dict())
     float8.check(mode, dev)
-    parallelize(f8, device=dev, float8=mode)
+    parallelize(f8, device=dev, options=ParallelOptions(float8=mode))
     assert float8.converted(f8)
     cfg = FlowMatchingConfig()
     batch = PackCollate(8)(_items([5, 3], 0)).to(dev)

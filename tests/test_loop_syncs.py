@@ -164,7 +164,7 @@ def test_forward_and_backward_run_on_the_meta_device(one_thread, mask):
     read back, a mask check, an ``.item()``) raises instead of silently waiting for a GPU."""
     from flexpack.run.build import build_model
     from flexpack.run.config import TrainConfig, from_dict
-    from flexpack.run.memory_data import synthetic_data
+    from flexpack.run.memory_data import synthetic_run
 
     model = {"preset": "tiny", "overrides": {"num_layers": 2, "attn_backend": "dense"}}
     if mask == "teacher_forcing":
@@ -172,12 +172,12 @@ def test_forward_and_backward_run_on_the_meta_device(one_thread, mask):
     cfg = from_dict(TrainConfig, {"data": {"mode": "pack", "max_tokens": 256, "action_steps": 4}, "model": model,
                                   "objective": {"teacher_forcing": mask == "teacher_forcing", "chunk_size": 2},
                                   "optim": {"accum_steps": 2}})
-    data = synthetic_data(cfg, hw=(4, 4), text_len=8)
+    meta = torch.device("meta")
+    data = synthetic_run(cfg, hw=(4, 4), text_len=8, device=meta)
     batches = [data.collate([data.dataset[i] for i in idx]) for idx in list(data.sampler)[:2]]
     assert all(b.layout.num_episodes > 1 and b.text is not None and b.action is not None for b in batches)
-    meta = torch.device("meta")
     with meta:
         net = build_model(cfg)
-    out = step_mod.accumulate(net, batches, cfg, step=0, device=meta, forward=data.forward)
+    out = step_mod.accumulate(net, batches, data, step=0)
     assert out.device == meta and out.shape == (3,)
     assert all(p.grad is not None and p.grad.device == meta for p in net.parameters())  # backward reached every weight

@@ -1,4 +1,4 @@
-"""The composition root (flexpack/run/root.py): one plan, one owner per quantity."""
+"""The composition root (flexpack/run/root.py): one typed Run, one owner per quantity."""
 
 import dataclasses
 import json
@@ -12,8 +12,8 @@ from flexpack.flow.noise import episode_seed, noise_seeds
 from flexpack.packing.collate import PackCollate, PadCollate
 from flexpack.packing.geometry import TokenGeometry
 from flexpack.run.config import load_config
-from flexpack.run.memory_data import synthetic_data
-from flexpack.run.root import Plan, plan_for, run_text_slots
+from flexpack.run.memory_data import synthetic_run
+from flexpack.run.root import ForwardOptions, Run, run_for, run_text_slots
 from flexpack.training.observe.flops import batch_flops, useful_flops
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -31,13 +31,13 @@ TEACHER_FORCING = ("objective.teacher_forcing=true", "model.mask='teacher_forcin
 
 def test_teacher_forcing_flops_agree_between_meter_profiler_and_benchmark(tmp_path, monkeypatch):
     """Under teacher forcing the model computes two copies of every frame: the step meter (metrics.jsonl's
-    ``mfu``), the profiler and the benchmarks' count all take the copies from the plan's geometry."""
+    ``mfu``), the profiler and the benchmarks' count all take the copies from the run's geometry."""
     from flexpack.training.observe import metrics
     from flexpack.training.observe.profiling import StepProfiler
 
     monkeypatch.delenv("LINGBOT_PROFILE", raising=False)
     cfg = _cfg(tmp_path, *TEACHER_FORCING, "runtime.peak_tflops=1")
-    plan = synthetic_data(cfg, text_len=4)
+    plan = synthetic_run(cfg, text_len=4)
     g = plan.geometry
     assert (g.video_tokens, g.action_tokens, g.copies) == (1, 4, 2)
     batches = [plan.collate([plan.dataset[i] for i in idx]) for idx, _ in zip(plan.sampler, range(3))]
@@ -49,7 +49,8 @@ def test_teacher_forcing_flops_agree_between_meter_profiler_and_benchmark(tmp_pa
     clock[0] = 12.0  # the window took 2 s
     mfu = meter.read()["mfu"]
 
-    prof = StepProfiler.for_training(cfg, 0, steps_left=1, first_step=0, plan=plan, device=CPU)
+    prof = StepProfiler.for_training(cfg, 0, steps_left=1, first_step=0, model=plan.model,
+                                         geometry=plan.geometry, device=CPU)
     profiled = sum(prof.flops(b) for b in batches)
     bench = sum(batch_flops(plan.model, g, b.layout) for b in batches)  # benchmarks/train_step.py's count
     two = sum(useful_flops(plan.model, b.layout, video_tokens=1, action_tokens=4, copies=2) for b in batches)
@@ -66,30 +67,31 @@ def test_metrics_jsonl_mfu_counts_both_copies(tmp_path, monkeypatch):
 
     monkeypatch.delenv("LINGBOT_PROFILE", raising=False)
     cfg = _cfg(tmp_path, *TEACHER_FORCING, "runtime.peak_tflops=1", "schedule.steps=1", "schedule.warmup_steps=0")
-    train(cfg, data=synthetic_data(cfg, text_len=4))
+    train(cfg, run=synthetic_run(cfg, text_len=4))
     rec = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
-    fresh = synthetic_data(cfg, text_len=4)  # the same epoch-0 order the run started from
+    fresh = synthetic_run(cfg, text_len=4)  # the same epoch-0 order the run started from
     batches = [fresh.collate([fresh.dataset[i] for i in idx]) for idx, _ in zip(fresh.sampler, range(2))]
     want = sum(useful_flops(fresh.model, b.layout, video_tokens=1, action_tokens=4, copies=2) for b in batches)
     assert rec["mfu"] * rec["step_s"] * 1e12 == pytest.approx(want, rel=1e-6)
 
 
-def test_plan_of_a_lerobot_dataset(tiny_dataset, tmp_path):
-    from flexpack.run.build import build_data
+def test_run_of_a_lerobot_dataset(tiny_dataset, tmp_path):
+    from flexpack.run.build import build_run
 
     cfg = _cfg(tmp_path, f'data.root="{tiny_dataset}"')
-    plan = build_data(cfg)
-    assert isinstance(plan, Plan)
+    plan = build_run(cfg)
+    assert isinstance(plan, Run) and plan.device == CPU and (plan.rank, plan.world_size) == (0, 1)
+    assert plan.family.name == "wanva" and plan.autocast_dtype is None
     g = plan.geometry
     # 2x2 latents in 2x2 patches: one video token, plus data.action_steps action tokens
     assert (g.video_tokens, g.action_tokens, g.copies, g.tokens_per_frame, g.frame_budget) == (1, 4, 1, 5, 12)
     assert plan.sampler.budget_frames == plan.collate.collate.frame_budget == g.frame_budget
-    assert plan.model == cfg.model.wan_config()
-    assert plan.forward.kwargs() == {"mask": "document", "chunk_size": None, "text_slots": run_text_slots(plan.sampler)}
+    assert plan.model is cfg.model.resolved()
+    assert plan.forward == ForwardOptions(mask="document", chunk_size=None, text_slots=run_text_slots(plan.sampler))
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.geometry = g  # type: ignore[misc]
-    # the collate the plan gives drops actions for a model without action channels
-    video_only = plan_for(plan.dataset, _cfg(tmp_path, f'data.root="{tiny_dataset}"',
+    # the collate the run gives drops actions for a model without action channels
+    video_only = run_for(plan.dataset, _cfg(tmp_path, f'data.root="{tiny_dataset}"',
                                              "model.overrides.action_channels=0"))
     assert video_only.geometry.action_tokens == 0 and video_only.geometry.frame_budget == 60
     batch = video_only.collate([video_only.dataset[0]])
@@ -97,22 +99,20 @@ def test_plan_of_a_lerobot_dataset(tiny_dataset, tmp_path):
 
 
 def test_the_model_config_is_resolved_once_per_run(tmp_path, monkeypatch):
-    """``model.wan_config()`` resolves the preset (and a pretrained config.json) at load time only:
-    the plan, the model, the meter, the profiler and the loop reuse that one result."""
-    import importlib
-
+    """The family resolves the preset (and a pretrained config.json) when the config is loaded, only:
+    the run, the model, the meter, the profiler and the loop reuse that one result."""
+    from flexpack.models.registry import ModelFamily
     from flexpack.training.loop import train
-
-    wc = importlib.import_module("flexpack.models.wan_config")  # the module (the package re-exports the function)
 
     monkeypatch.delenv("LINGBOT_PROFILE", raising=False)
     calls = []
-    real = wc.wan_config
-    monkeypatch.setattr(wc, "wan_config", lambda *a, **k: calls.append(a) or real(*a, **k))
+    real = ModelFamily.config
+    monkeypatch.setattr(ModelFamily, "config", lambda self, *a, **k: calls.append(a) or real(self, *a, **k))
     cfg = _cfg(tmp_path, "schedule.steps=1", "schedule.warmup_steps=0")
     assert len(calls) == 1
-    train(cfg, data=synthetic_data(cfg, text_len=4))
-    assert len(calls) == 1
+    run = synthetic_run(cfg, text_len=4)
+    train(cfg, run=run)
+    assert len(calls) == 1 and run.model is cfg.model.resolved()
 
 
 def test_token_geometry_owns_budget_and_too_long():

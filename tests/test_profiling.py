@@ -130,12 +130,10 @@ def test_the_variable_wins_over_runtime_profile_steps_with_a_line(monkeypatch, c
 
     cfg = load_config(CONFIGS / "tiny_cpu.toml", ["runtime.profile_steps=3", "runtime.profile_warmup=1",
                                                   "runtime.peak_tflops=50"])
-    from types import SimpleNamespace
-
     from flexpack.packing.geometry import TokenGeometry
 
-    plan = SimpleNamespace(model=cfg.model.wan_config(), geometry=TokenGeometry(video_tokens=1, action_tokens=4))
-    kw = {"steps_left": 100, "first_step": 0, "plan": plan, "device": torch.device("cpu")}
+    kw = {"steps_left": 100, "first_step": 0, "model": cfg.model.resolved(),
+          "geometry": TokenGeometry(video_tokens=1, action_tokens=4), "device": torch.device("cpu")}
     monkeypatch.delenv("LINGBOT_PROFILE", raising=False)
     monkeypatch.delenv("LINGBOT_PROFILE_WARMUP", raising=False)
     p = StepProfiler.for_training(cfg, 0, **kw)
@@ -291,7 +289,7 @@ def test_profile_step_benchmark_smoke(tmp_path):
 def test_profile_on_cuda_counts_kernel_time_and_mfu(tmp_path, monkeypatch):
     """In-memory episodes (no LeRobot dataset), so that it runs on a GPU machine without lerobot."""
     from flexpack.run.config import load_config
-    from flexpack.run.memory_data import synthetic_data
+    from flexpack.run.memory_data import synthetic_run
     from flexpack.training.loop import train
 
     monkeypatch.setenv("LINGBOT_PROFILE", "2")
@@ -301,7 +299,7 @@ def test_profile_on_cuda_counts_kernel_time_and_mfu(tmp_path, monkeypatch):
         "runtime.tensorboard=false", "schedule.steps=4", "runtime.device='auto'", "optim.accum_steps=1",
         "runtime.peak_tflops=100",  # an MFU on any GPU
         "model.overrides={in_channels=48, text_dim=64, action_channels=6, attn_backend='auto'}"])
-    train(cfg, data=synthetic_data(cfg, text_len=4))
+    train(cfg, run=synthetic_run(cfg, text_len=4))
     prof = tmp_path / "run" / "profile"
     s = json.loads((prof / "summary_rank0.json").read_text())
     assert s["time_base"] == "cuda kernels" and s["profiled_steps"] == [3, 4]

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flexpack.parallel.parallelize import compiled_graphs, parallelize
+from flexpack.parallel.parallelize import ParallelOptions, compiled_graphs, parallelize
 from flexpack.run.build import build_model
 from flexpack.run.config import load_config
 from flexpack.sampling.pairs import make_pair
@@ -43,7 +43,7 @@ def test_compiled_packed_sampling_never_recompiles_across_lengths_and_equals_alo
         eager = build_model(cfg).eval()
         model = build_model(cfg).eval()
     model.load_state_dict(eager.state_dict())
-    parallelize(model, device=dev, compile=True)
+    parallelize(model, device=dev, options=ParallelOptions(compile=True))
     opts = SampleOptions(steps=3)
     sampler = PackedSampler(model, cfg, TPF, dev, opts, text_slots=16)
     sampler.run([make_pair(it, 2, 4) for it in _items([8, 12, 6], 0)])  # warm-up: the pack shape compiles

@@ -13,7 +13,7 @@ from flexpack.flow.objective import FlowMatchingConfig, flow_loss
 from flexpack.models import WanVA, wan_config
 from flexpack.packing.collate import PackCollate
 from flexpack.parallel import selective
-from flexpack.parallel.parallelize import parallelize
+from flexpack.parallel.parallelize import ParallelOptions, parallelize
 
 
 def _items(lens, seed):
@@ -28,7 +28,8 @@ def _run(ac, compile_=False):
     torch.manual_seed(0)
     model = WanVA(wan_config("tiny", num_layers=2), attn=FlexAttnFunc("dense"))
     keys = list(model.state_dict())
-    parallelize(model, device=torch.device("cpu"), activation_checkpointing=ac, compile=compile_)
+    parallelize(model, device=torch.device("cpu"),
+                options=ParallelOptions(activation_checkpointing=ac, compile=compile_))
     assert list(model.state_dict()) == keys  # the wrapper keeps checkpoints loadable into plain models
     cfg = FlowMatchingConfig()
     batch = PackCollate(8)(_items([5, 3], 0))

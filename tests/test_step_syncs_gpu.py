@@ -50,24 +50,23 @@ def run_steps(cfg: TrainConfig, device: torch.device, *, warmup: int, checked: i
     ``lengths``: the episodes' latent frames (default: several short episodes per pack)."""
     import contextlib
 
-    from flexpack.parallel.parallelize import compiled_graphs, parallelize
+    from flexpack.parallel.parallelize import ParallelOptions, compiled_graphs, parallelize
     from flexpack.run.build import build_model
-    from flexpack.run.memory_data import RandomEpisodes, synthetic_data
-    from flexpack.run.root import plan_for
+    from flexpack.run.memory_data import RandomEpisodes, synthetic_run
     from flexpack.run.state import faults
     from flexpack.training.loop import lr_at
     from flexpack.training.optim import build_optimizer
     from flexpack.training.step import train_step
 
-    data = synthetic_data(cfg, hw=(4, 4), text_len=8)
+    data = synthetic_run(cfg, hw=(4, 4), text_len=8, device=device)
     if lengths is not None:
         m = data.model
         dataset = RandomEpisodes(lengths, channels=m.in_channels, hw=(4, 4), action_channels=m.action_channels,
                                  action_steps=cfg.data.action_steps, text_len=8, text_dim=m.text_dim)
-        data = plan_for(dataset, cfg, model=m)
+        data = data.with_dataset(dataset)
     with device:
         model = build_model(cfg)
-    model = parallelize(model, device=device, compile=cfg.runtime.compile is True)
+    model = parallelize(model, device=device, options=ParallelOptions(compile=cfg.runtime.compile is True))
     opt = build_optimizer(model, cfg.optim, fused=device.type == "cuda")
     start = [p.detach().clone() for p in model.parameters()]
     loader = torch.utils.data.DataLoader(data.dataset, batch_sampler=data.sampler, collate_fn=data.collate,
@@ -83,7 +82,7 @@ def run_steps(cfg: TrainConfig, device: torch.device, *, warmup: int, checked: i
                 group["lr"] = lr_at(step, cfg.optim.lr, cfg.schedule)
             batches = list(itertools.islice(micro, accum))
             episodes.extend(b.layout.num_episodes for b in batches)
-            out, _ = train_step(model, opt, batches, cfg, step=step, device=device, forward=data.forward, guard=guard)
+            out, _ = train_step(model, opt, batches, data, step=step, guard=guard)
             sums.append(out)
 
     steps(0, warmup)

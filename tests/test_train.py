@@ -79,6 +79,20 @@ def _items(lengths, seed=0):
                  text_len=3 - i % 2, episode_index=10 + i) for i, n in enumerate(lengths)]
 
 
+class _Listed(list):
+    """Items in memory as a run reads them (``lengths()`` in latent frames)."""
+
+    def lengths(self):
+        return [it["latent"].shape[1] for it in self]
+
+
+def _run(cfg, items):
+    """The run of ``cfg`` over ``items`` (on the CPU): what ``accumulate`` takes its options from."""
+    from flexpack.run.root import run_for
+
+    return run_for(_Listed(items), cfg, device=torch.device("cpu"))
+
+
 def _tiny_model():
     torch.manual_seed(0)
     return WanVA(wan_config("tiny", attn_backend="dense"))
@@ -92,7 +106,7 @@ def test_accumulating_four_micro_batches_of_one_equals_one_batch_of_four(collate
     grads = []
     for batches in ([PackCollate(n)([it]) for n, it in zip(lengths, items)], [collate(items)]):
         model = _tiny_model()
-        sums = accumulate(model, batches, cfg, step=7, device=torch.device("cpu"))
+        sums = accumulate(model, batches, _run(cfg, items), step=7)
         grads.append((sums, torch.cat([p.grad.flatten() for p in model.parameters()])))
     (s4, g4), (s1, g1) = grads
     err = float((g4 - g1).abs().max() / g1.abs().max())
@@ -140,7 +154,8 @@ def test_pad_mode_batches_and_waste(dataset, tmp_path):
 def test_checkpoint_roundtrip_is_atomic_and_pruned(tmp_path):
     model = _tiny_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    sums = accumulate(model, [PackCollate(9)(_items([4, 5]))], load_config(), step=0, device=torch.device("cpu"))
+    items = _items([4, 5])
+    sums = accumulate(model, [PackCollate(9)(items)], _run(load_config(), items), step=0)
     assert sums[0] > 0
     opt.step()
     for step in (1, 2, 3):

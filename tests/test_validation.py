@@ -7,11 +7,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import torch
 
 pytest.importorskip("lerobot")
 
-from flexpack.run.build import build_model  # noqa: E402
+from flexpack.run.build import build_model, build_run  # noqa: E402
 from flexpack.run.config import DataConfig  # noqa: E402
 from flexpack.run.holdout import split_episodes  # noqa: E402
 from flexpack.run.state import checkpoint  # noqa: E402
@@ -63,11 +62,11 @@ def test_validation_loss_is_logged_held_out_and_reproducible(dataset, tmp_path):
     # the final model evaluated afresh gives the logged number: fixed noise and timesteps per episode
     model = build_model(cfg)
     checkpoint.load(checkpoint.latest(tmp_path / "a" / "checkpoints"), model, restore_rng=False)
-    assert (Validator(cfg, torch.device("cpu")).evaluate(model)["val_loss"]
+    assert (Validator(build_run(cfg)).evaluate(model)["val_loss"]
             == pytest.approx(val[1]["val_loss"], rel=1e-6))
     # ... however the held-out items are batched, and whatever the run seed
     for other in (["data.mode='pad'", "data.batch_size=1"], ["runtime.seed=5"]):
-        again = Validator(_cfg(dataset, tmp_path / "x", *other), torch.device("cpu")).evaluate(model)
+        again = Validator(build_run(_cfg(dataset, tmp_path / "x", *other))).evaluate(model)
         assert again["val_loss"] == pytest.approx(val[1]["val_loss"], rel=1e-5), other
 
 

@@ -12,6 +12,7 @@ import torch
 from flexpack.flow.objective import FlowMatchingConfig
 from flexpack.models import WanVA, wan_config
 from flexpack.packing.collate import PackCollate, PadCollate
+from flexpack.run.root import ForwardOptions
 from flexpack.tools.verify import verify_batch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,18 +42,19 @@ def model():
 
 
 CASES = {
-    "pack": (PackCollate(20), FlowMatchingConfig(), {}),
-    "pad": (PadCollate(4), FlowMatchingConfig(weighting="bell", action_weight=0.5), {}),
-    "pack-chunk-causal": (PackCollate(20), FlowMatchingConfig(chunk_size=2), {"mask": "chunk_causal", "chunk_size": 2}),
+    "pack": (PackCollate(20), FlowMatchingConfig(), ForwardOptions()),
+    "pad": (PadCollate(4), FlowMatchingConfig(weighting="bell", action_weight=0.5), ForwardOptions()),
+    "pack-chunk-causal": (PackCollate(20), FlowMatchingConfig(chunk_size=2),
+                          ForwardOptions(mask="chunk_causal", chunk_size=2)),
     "pack-teacher-forcing": (PackCollate(20), FlowMatchingConfig(teacher_forcing=True, chunk_size=2),
-                             {"mask": "teacher_forcing", "chunk_size": 2}),
+                             ForwardOptions(mask="teacher_forcing", chunk_size=2)),
 }
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_packed_equals_per_episode_on_a_correct_model(case):
     collate, cfg, kw = CASES[case]
-    report = verify_batch(model(), items([5, 3, 7, 2]), collate, cfg, seed=4, model_kwargs=kw)
+    report = verify_batch(model(), items([5, 3, 7, 2]), collate, cfg, seed=4, forward=kw)
     print(report.table())
     assert report.ok and report.max_err < 1e-5
     assert [r.frames for r in report.rows] == [5, 3, 7, 2]

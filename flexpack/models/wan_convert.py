@@ -20,6 +20,10 @@ from .wan_config import WanVAConfig
 
 # The model class is an argument (``cls``), so this module never imports flexpack.models.wan.
 
+# WanVAConfig fields a diffusers config.json determines (see config_from_diffusers)
+SHAPE_FIELDS = ("dim", "num_heads", "ffn_dim", "num_layers", "patch_size", "in_channels", "out_channels",
+                "text_dim", "freq_dim", "eps", "cross_attn_norm")
+
 # WanVA tensors a diffusers checkpoint does not hold; they keep their initialization.
 ACTION_PREFIXES = ("action_embed.", "action_head_modulation", "action_head_proj.")
 

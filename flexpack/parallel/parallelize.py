@@ -18,6 +18,7 @@ checkpoints load into unwrapped, unsharded models.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -84,28 +85,35 @@ def _budget_backend(budget: float, gm: torch.fx.GraphModule, example_inputs: lis
         return BLOCK_GRAPHS.backend(gm, example_inputs)
 
 
-def parallelize(
-    model: nn.Module,
-    *,
-    device: torch.device,
-    activation_checkpointing: bool | int | str = False,
-    param_dtype: torch.dtype | None = None,
-    compile: bool = False,
-    memory_budget: float = 1.0,
-    float8: str = "off",
-) -> nn.Module:
-    """Apply compile → AC → ``fully_shard`` per block → root, in place; returns ``model``.
+@dataclass(frozen=True, kw_only=True)
+class ParallelOptions:
+    """How :func:`parallelize` wraps a model: float8 linears (``runtime.float8``), compiled blocks with
+    their memory budget, activation checkpointing (``True`` every block, an int ``n`` the first ``n``,
+    ``"selective"`` per op) and the FSDP compute dtype of the parameters (e.g. bf16; None: fp32)."""
 
-    ``activation_checkpointing``: ``True`` checkpoints every block, an int ``n`` the first ``n``,
-    ``"selective"`` every block per op (:mod:`flexpack.parallel.selective`: matmul and attention
-    outputs kept, elementwise ops recomputed; wrapped before compile so the policy is traced).
+    compile: bool = False
+    activation_checkpointing: bool | int | str = False
+    memory_budget: float = 1.0
+    float8: str = "off"
+    param_dtype: torch.dtype | None = None
+
+
+def parallelize(model: nn.Module, *, device: torch.device, options: ParallelOptions = ParallelOptions()) -> nn.Module:
+    """Apply float8 → compile → AC → ``fully_shard`` per block → root, in place; returns ``model``.
+
+    ``options`` (:class:`ParallelOptions`): ``activation_checkpointing``: ``True`` checkpoints every
+    block, an int ``n`` the first ``n``, ``"selective"`` every block per op
+    (:mod:`flexpack.parallel.selective`: matmul and attention outputs kept, elementwise ops recomputed;
+    wrapped before compile so the policy is traced).
     ``float8``: ``runtime.float8`` (:mod:`flexpack.parallel.float8`), applied first, to the blocks'
     linear layers; emulated off CUDA (the train loop checks for an sm89+ GPU before).
     ``param_dtype`` (e.g. bf16) is the FSDP mixed-precision compute dtype of the parameters
     (gradients are reduced in fp32); ignored without FSDP. ``compile``: :func:`compile_blocks`, with
     ``memory_budget`` (checkpointed blocks recompute their whole forward whatever the budget).
     """
-    blocks = model.blocks
+    o = options
+    blocks, float8, activation_checkpointing = model.blocks, o.float8, o.activation_checkpointing
+    compile, memory_budget, param_dtype = o.compile, o.memory_budget, o.param_dtype
     _, size = world()
     if float8 != "off":  # torchtitan's order: float8 → compile → AC → FSDP2
         from flexpack.parallel import float8 as f8

@@ -1,7 +1,8 @@
-"""Build what a config describes: its plan over ``data.root`` (:func:`build_data`, the dataset with
-its sampler and collate: :mod:`flexpack.run.root`) and the model.
+"""Build what a config describes over ``data.root``: its split, its :class:`~flexpack.run.root.Run`
+(:func:`build_run`: the dataset of one split with its sampler and collate) and the model.
 
-Shared by :mod:`flexpack.training.loop` and :mod:`flexpack.tools.verify`, so both see the same micro-batches.
+Shared by :mod:`flexpack.training.loop`, :mod:`flexpack.tools.verify` and sampling, so all see the
+same micro-batches.
 """
 
 from __future__ import annotations
@@ -11,21 +12,23 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from flexpack.models.wan_config import WanVAConfig
+from flexpack.models.registry import ModelFamily
 from flexpack.parallel.parallelize import world
 from flexpack.run.checks import config_terms
 from flexpack.run.config import TrainConfig
-from flexpack.run.root import Plan, plan_for
+from flexpack.run.root import EpisodeDataset, Run, Split, run_for
+
+SPLITS = ("train", "val")
 
 
-def open_dataset(cfg: TrainConfig, episodes: Sequence[int] | None = None, *, segments: bool | str | None = None,
-                 model: WanVAConfig | None = None) -> Any:
+def open_dataset(cfg: TrainConfig, episodes: Sequence[int] | None = None, *,
+                 segments: bool | str | None = None) -> EpisodeDataset:
     """The config's ``LatentEpisodeDataset`` over ``episodes`` (dataset episode indices; all by default);
-    ``segments`` overrides ``data.segments`` (sampling takes whole episodes). ``model``: the resolved
-    model config, where the caller has it (its ``action_channels`` are the dataset's action width)."""
+    ``segments`` overrides ``data.segments`` (sampling takes whole episodes). The model's
+    ``action_channels`` are the dataset's action width."""
     from flexpack.data import LatentEpisodeDataset
 
-    d, m = cfg.data, cfg.model.wan_config() if model is None else model
+    d, m = cfg.data, cfg.model.resolved()
     if not d.root:
         raise ValueError("data.root is empty: set it to a LeRobot dataset folder with a latent cache")
     return LatentEpisodeDataset(
@@ -36,50 +39,62 @@ def open_dataset(cfg: TrainConfig, episodes: Sequence[int] | None = None, *, seg
     )
 
 
-def build_data(cfg: TrainConfig, rank: int = 0, world_size: int = 1, *, split: str = "train",
-               model: WanVAConfig | None = None) -> Plan:
-    """The run's :class:`~flexpack.run.root.Plan` over ``data.root``: dataset, this rank's sampler
-    and the matching collate, checked to fit the model. ``split``: the training episodes or the
-    held-out ``"val"`` ones (:mod:`flexpack.training.validation`); ``model``: the resolved model config
-    where the caller has it."""
+def split_of(cfg: TrainConfig) -> Split:
+    """The train / held-out episodes of ``data.root`` (:mod:`flexpack.run.holdout`); every episode trains
+    when the config holds none out."""
     from flexpack.data.episodes import EpisodeSource
     from flexpack.run.holdout import split_episodes
 
     d = cfg.data
     if not d.root:
         raise ValueError("data.root is empty: set it to a LeRobot dataset folder with a latent cache")
-    m = cfg.model.wan_config() if model is None else model
-    episodes = None
+    if not (d.val_fraction or d.val_episodes):
+        return Split()
     with config_terms(cfg):
-        if d.val_fraction or d.val_episodes:
-            episodes = split_episodes(EpisodeSource(d.root).episodes, d, d.root)[split == "val"]
-        ds = open_dataset(cfg, episodes, model=m)
-    return plan_for(ds, cfg, rank=rank, world_size=world_size, model=m)
+        train, held = split_episodes(EpisodeSource(d.root).episodes, d, d.root)
+    return Split(train=tuple(train), held_out=tuple(held))
 
 
-def build_model(cfg: TrainConfig, model: WanVAConfig | None = None) -> nn.Module:
-    """The config's WanVA: random init, or ``model.pretrained`` loaded. Under several ranks a
-    pretrained model comes back on the meta device: :func:`materialize` fills it once sharded.
-    ``model``: the resolved model config (a plan's ``model``; default: resolved here)."""
-    from flexpack.models import WanVA
+def build_run(cfg: TrainConfig, rank: int = 0, world_size: int = 1, *, split: str = "train",
+              device: torch.device | None = None) -> Run:
+    """The :class:`~flexpack.run.root.Run` of ``cfg`` over ``data.root``: the episodes of ``split`` (the
+    training ones, or the held-out ``"val"`` ones: :mod:`flexpack.training.validation`), this rank's
+    sampler and the matching collate, checked to fit the model; on ``device`` (default
+    ``runtime.device``)."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    parts = split_of(cfg)
+    episodes = parts.held_out if split == "val" else parts.train
+    with config_terms(cfg):
+        ds = open_dataset(cfg, episodes)
+    return run_for(ds, cfg, rank=rank, world_size=world_size, device=device, split=parts)
+
+
+def build_model(cfg: TrainConfig, model: Any = None, family: ModelFamily | None = None) -> nn.Module:
+    """The model of ``model`` (the resolved model config of ``family``; default the config's own): random
+    init, or ``model.pretrained`` loaded. Under several ranks a pretrained model comes back on the meta
+    device: :func:`materialize` fills it once sharded. (:meth:`~flexpack.run.root.Run.build_model` does
+    the whole sequence.)"""
     from flexpack.run.pretrained import load_single
 
+    model = cfg.model.resolved() if model is None else model
+    family = cfg.model.model_family() if family is None else family
     torch.manual_seed(cfg.runtime.seed)  # every rank starts from the same weights
-    wcfg = cfg.model.wan_config() if model is None else model
     if not cfg.model.pretrained:
-        return WanVA(wcfg)
+        return family.build(model)
     if world()[1] > 1:
         with torch.device("meta"):
-            return WanVA(wcfg)
-    return load_single(WanVA, cfg.model.pretrained, wcfg, cfg.runtime.seed)
+            return family.build(model)
+    return load_single(family, cfg.model.pretrained, model, cfg.runtime.seed)
 
 
-def materialize(model: nn.Module, cfg: TrainConfig, device: torch.device, wcfg: WanVAConfig | None = None) -> None:
+def materialize(module: nn.Module, cfg: TrainConfig, device: torch.device, model: Any = None,
+                family: ModelFamily | None = None) -> None:
     """After ``parallelize``: load ``model.pretrained`` into a model left on the meta device, each
-    rank reading only its shards (a no-op for a model that holds weights already). ``wcfg``: the
-    resolved model config (a plan's ``model``)."""
+    rank reading only its shards (a no-op for a model that holds weights already)."""
     from flexpack.run.pretrained import is_meta, load_pretrained
 
-    if is_meta(model):
-        wcfg = cfg.model.wan_config() if wcfg is None else wcfg
-        load_pretrained(model, cfg.model.pretrained, wcfg, device=device, seed=cfg.runtime.seed)
+    if is_meta(module):
+        model = cfg.model.resolved() if model is None else model
+        family = cfg.model.model_family() if family is None else family
+        load_pretrained(module, cfg.model.pretrained, model, family, device=device, seed=cfg.runtime.seed)

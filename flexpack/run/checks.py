@@ -142,7 +142,7 @@ def check_memory_ceiling(cfg: Any, device: "torch.device") -> None:  # noqa: F82
     one micro-batch, a small part of what a step keeps, must fit the device's total memory."""
     if cfg.data.mode != "pack":
         return
-    dim = cfg.model.wan_config().dim
+    dim = cfg.model.resolved().dim
     per_value = 2 if cfg.runtime.dtype == "bfloat16" else 4
     need, have = cfg.data.max_tokens * dim * per_value, device_memory(device)
     if need > have:

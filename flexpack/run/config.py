@@ -29,7 +29,6 @@ MODES = ("pack", "pad")
 DECAYS = ("cosine", "constant")
 REWARMUPS = ("linear", "ramp")
 DTYPES = ("float32", "bfloat16")
-MASKS = ("document", "chunk_causal", "teacher_forcing")
 
 
 def _positive(owner: str, **values: int | float) -> None:
@@ -89,15 +88,17 @@ class DataConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """A WanVA preset with field overrides, and the self-attention mask of the forward.
+    """A model family's preset with field overrides, and the self-attention mask of the forward.
 
-    ``pretrained``: a diffusers ``WanTransformer3DModel`` folder or ``.safetensors`` file to start
-    from; its config.json gives the shape, the preset and overrides the rest
-    (:mod:`flexpack.run.pretrained`).
+    ``family`` picks the registry entry (:mod:`flexpack.models.registry`): ``"wanva"`` (flexpack's
+    Wan DiT with an action stream). ``pretrained``: a checkpoint of that family to start from (WanVA:
+    a diffusers ``WanTransformer3DModel`` folder or ``.safetensors`` file); its config.json gives the
+    shape, the preset and overrides the rest (:mod:`flexpack.run.pretrained`).
     """
 
-    preset: str = "tiny"  # WanVA preset: "tiny" or "wan2.2-5b"
-    # any WanVAConfig field but activation_checkpointing (a runtime key)
+    family: str = "wanva"  # model family (registry entry): "wanva"
+    preset: str = "tiny"  # the family's preset: "tiny" or "wan2.2-5b" (wanva)
+    # any field of the family's config (or an alias it takes) but activation_checkpointing (a runtime key)
     overrides: dict[str, Any] = field(default_factory=dict)
     pretrained: str = ""  # "" = random init
     mask: str = "document"  # self-attention mask: "document", "chunk_causal" or "teacher_forcing"
@@ -112,40 +113,51 @@ class ModelConfig:
         # resolved once, here: unknown preset or override fields raise at load time, and with
         # model.pretrained its config.json is read once per config, not once per caller
         object.__setattr__(self, "_resolved", self._resolve())
-        if self.mask not in MASKS:
-            raise ValueError(f"model.mask must be one of {MASKS}, got {self.mask!r}")
+        if self.mask not in self.model_family().masks:
+            raise ValueError(f"model.mask must be one of {self.model_family().masks} for model.family = "
+                             f"{self.family!r}, got {self.mask!r}")
         if self.mask != "document" and (self.chunk_size is None or self.chunk_size <= 0):
             raise ValueError(f"model.mask={self.mask!r} needs a positive model.chunk_size, got {self.chunk_size!r}")
         if self.mask == "document" and self.chunk_size is not None:
             raise ValueError(f"model.chunk_size={self.chunk_size!r} has no effect with model.mask='document'; "
                              "set model.mask to 'chunk_causal' or 'teacher_forcing', or drop chunk_size")
 
-    def wan_config(self):
-        """The resolved :class:`~flexpack.models.wan_config.WanVAConfig` (made once, at construction;
-        a run's plan holds it: :mod:`flexpack.run.root`)."""
+    def model_family(self) -> Any:
+        """The :class:`~flexpack.models.registry.ModelFamily` of ``model.family``."""
+        from flexpack.models.registry import family
+
+        return family(self.family)
+
+    def resolved(self) -> Any:
+        """The family's resolved model config (made once, at construction; a run holds it:
+        :mod:`flexpack.run.root`)."""
         return self._resolved
 
-    def _resolve(self):
-        from flexpack.models.wan_config import WanVAConfig, wan_config
+    wan_config = resolved  # the name under which callers of the WanVA family know it
 
-        known = {f.name for f in dataclasses.fields(WanVAConfig)}
+    def _resolve(self) -> Any:
+        fam = self.model_family()
+        known = fam.field_names()
         unknown = sorted(set(self.overrides) - known)
         if unknown:
-            raise ValueError(f"model.overrides has unknown WanVAConfig fields {unknown} (known: {sorted(known)})")
-        hints = typing.get_type_hints(WanVAConfig)
-        kw = {k: _check_type(v, hints[k], f"model.overrides.{k}") for k, v in self.overrides.items()}
+            raise ValueError(f"model.overrides has unknown {fam.config_class.__name__} fields {unknown} "
+                             f"(known: {sorted(known)})")
+        hints = typing.get_type_hints(fam.config_class)
+        kw = {k: _check_type(v, hints[fam.aliases.get(k, k)], f"model.overrides.{k}")
+              for k, v in self.overrides.items()}
+        prefix = f"{fam.config_class.__name__}."
         try:
-            wc = wan_config(self.preset, **kw)
+            wc = fam.config(self.preset, **kw)
         except (ValueError, TypeError) as exc:  # named as the config writes them
-            text = str(exc).replace("WanVAConfig.", "model.overrides.")
+            text = str(exc).replace(prefix, "model.overrides.")
             raise ValueError(f"model.preset = {self.preset!r}: {text}" if "preset" in text else text) from None
         if self.pretrained:
             from flexpack.run.pretrained import pretrained_config
 
             try:
-                wc = pretrained_config(self.pretrained, wc, kw)
+                wc = pretrained_config(self.pretrained, wc, fam.fields(kw), fam)
             except (ValueError, TypeError) as exc:  # named after the key, so a --set of it is blamed
-                text = str(exc).replace("WanVAConfig.", "model.overrides.")
+                text = str(exc).replace(prefix, "model.overrides.")
                 named = "model.pretrained" in text or "model.overrides" in text
                 raise ValueError(text if named else f"model.pretrained = {self.pretrained!r}: {text}") from None
         from flexpack.attention.flex import BACKENDS
@@ -314,7 +326,7 @@ class TrainConfig:
         if self.model.mask == "teacher_forcing" and not self.objective.teacher_forcing:
             # without the clean copy every token is noisy: attention would shrink to the own chunk
             raise ValueError("model.mask = 'teacher_forcing' needs objective.teacher_forcing = true (the clean copy)")
-        if self.objective.latent_weight == 0 and not self.model.wan_config().action_channels:
+        if self.objective.latent_weight == 0 and not self.model.resolved().action_channels:
             raise ValueError("objective.latent_weight = 0 on a model without actions (action_channels = 0): "
                              "the loss would be 0; set objective.latent_weight > 0")
         if self.runtime.eval_every and not (self.data.val_fraction or self.data.val_episodes):

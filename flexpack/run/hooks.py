@@ -14,21 +14,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol
 
-import torch
 from torch import nn
 
-from flexpack.run.config import TrainConfig
+from flexpack.run.root import Run
 
 
 @dataclass(frozen=True, kw_only=True)
 class HookContext:
-    """What a hook is built from: the run's config, where it runs, the model config the run resolved,
-    and the action statistics the weights are trained with (restored ones after a resume)."""
+    """What a hook is built from: the training run (config, model config, geometry, device, rank) and
+    the action statistics the weights are trained with (restored ones after a resume)."""
 
-    cfg: TrainConfig
-    device: torch.device
-    rank: int
-    model_config: Any
+    run: Run
     normalizer_state: dict[str, Any] | None = None  # the checkpointed action normalization, None without actions
     dataset_normalizer: Any = None  # the training dataset's ActionNormalizer (the statistics in use)
 

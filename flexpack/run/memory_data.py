@@ -1,5 +1,5 @@
 """In-memory episodes shaped like :class:`~flexpack.data.LatentEpisodeDataset`'s items, with the
-plan (sampler, collate, geometry: :mod:`flexpack.run.root`) a config builds: ``flexpack verify
+run (sampler, collate, geometry: :mod:`flexpack.run.root`) a config builds: ``flexpack verify
 --synthetic`` (and benchmarks) run the training configuration without a LeRobot dataset on disk.
 
 Each item is drawn from a generator seeded by its index (latent, text, actions), so a rank, a
@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from flexpack.run.root import Plan, geometry_for, plan_for
+from flexpack.run.config import TrainConfig
+from flexpack.run.root import Run, geometry_for, run_for
 
 REFERENCE_FRAMES = Path(__file__).resolve().parents[2] / "data" / "episode_frames_ref.txt"
 
@@ -60,14 +61,13 @@ def episode_lengths(budget_frames: int, *, count: int = 64, seed: int = 0) -> li
     return [rng.randint(1, max(1, budget_frames // 2)) for _ in range(count)]
 
 
-def synthetic_data(cfg, *, hw: tuple[int, int] | None = None, text_len: int = 16, rank: int = 0,
-                   world_size: int = 1, model=None) -> Plan:
-    """The config's :class:`~flexpack.run.root.Plan` over :class:`RandomEpisodes` shaped for its model.
+def synthetic_run(cfg: TrainConfig, *, hw: tuple[int, int] | None = None, text_len: int = 16, rank: int = 0,
+                  world_size: int = 1, device: torch.device | None = None) -> Run:
+    """The config's :class:`~flexpack.run.root.Run` over :class:`RandomEpisodes` shaped for its model.
 
     ``hw``: latent height and width (default: one patch, one video token per frame); must be a
-    multiple of the model's patch. Pack and pad mode as :func:`flexpack.run.build.build_data`.
-    ``model``: the resolved model config where the caller has it."""
-    d, m = cfg.data, cfg.model.wan_config() if model is None else model
+    multiple of the model's patch. Pack and pad mode as :func:`flexpack.run.build.build_run`."""
+    d, m = cfg.data, cfg.model.resolved()
     _, ph, pw = m.patch_size
     hw = (ph, pw) if hw is None else tuple(hw)
     if len(hw) != 2 or min(hw) <= 0 or hw[0] % ph or hw[1] % pw:
@@ -85,4 +85,4 @@ def synthetic_data(cfg, *, hw: tuple[int, int] | None = None, text_len: int = 16
         lengths = [rng.randint(1, 24) for _ in range(8 * d.batch_size)]
     dataset = RandomEpisodes(lengths, channels=m.in_channels, hw=hw, action_channels=m.action_channels,
                              action_steps=d.action_steps, text_len=text_len, text_dim=m.text_dim)
-    return plan_for(dataset, cfg, rank=rank, world_size=world_size, model=m)
+    return run_for(dataset, cfg, rank=rank, world_size=world_size, device=device)

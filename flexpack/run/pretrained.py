@@ -1,4 +1,7 @@
-"""``model.pretrained``: start training from a diffusers ``WanTransformer3DModel`` checkpoint.
+"""``model.pretrained``: start training from a checkpoint of the model's family (WanVA: a diffusers
+``WanTransformer3DModel`` checkpoint). What a checkpoint's config and tensors mean is the family's
+(:mod:`flexpack.models.registry`: ``read_checkpoint_config``, ``shape_fields``, ``convert_tensor``,
+``fresh_tensors``, ``load_checkpoint``); this module reads the files and fills the model.
 
 Shape. A folder (or a ``.safetensors`` file with a ``config.json`` beside it; a diffusers pipeline
 folder stands for its ``transformer/``) defines the shape:
@@ -29,12 +32,8 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from flexpack.models.wan_config import WanVAConfig
+from flexpack.models.registry import ModelFamily
 from flexpack.parallel.parallelize import plain_name
-
-# WanVAConfig fields a diffusers config.json determines (see wan_convert.config_from_diffusers)
-SHAPE_FIELDS = ("dim", "num_heads", "ffn_dim", "num_layers", "patch_size", "in_channels", "out_channels",
-                "text_dim", "freq_dim", "eps", "cross_attn_norm")
 
 
 def transformer_path(path: str | os.PathLike) -> str:
@@ -67,21 +66,19 @@ def _check_headers(files: list[str]) -> None:
             raise ValueError(f"{fn}: not a readable safetensors file ({why})") from None
 
 
-def pretrained_config(path: str, base: WanVAConfig, overrides: Mapping[str, Any]) -> WanVAConfig:
+def pretrained_config(path: str, base: Any, overrides: Mapping[str, Any], family: ModelFamily) -> Any:
     """``base`` (preset + overrides) with the checkpoint's shape; ValueError on a contradicting override."""
     from dataclasses import replace
 
-    from flexpack.models.wan_convert import config_from_diffusers
-
     files, cfg_path = checkpoint_files(path)
     _check_headers(files)
-    if cfg_path is None:
+    if cfg_path is None or family.read_checkpoint_config is None:
         return base  # a bare .safetensors file: the config's shape, checked against every tensor on load
     try:
-        ckpt = config_from_diffusers(json.loads(Path(cfg_path).read_text()))
+        ckpt = family.read_checkpoint_config(json.loads(Path(cfg_path).read_text()))
     except (ValueError, TypeError, KeyError) as exc:
-        raise ValueError(f"{cfg_path}: not a WanTransformer3DModel config usable by WanVA: {exc}") from None
-    for name in SHAPE_FIELDS:
+        raise ValueError(f"{cfg_path}: not a checkpoint config of the {family.name} family: {exc}") from None
+    for name in family.shape_fields:
         if name not in overrides:
             continue
         mine, theirs = getattr(base, name), getattr(ckpt, name)
@@ -89,13 +86,15 @@ def pretrained_config(path: str, base: WanVAConfig, overrides: Mapping[str, Any]
             mine, theirs = base.out_dim, ckpt.out_dim
         if mine != theirs:
             raise ValueError(f"model.overrides.{name}={overrides[name]!r} but {cfg_path} has {name}={theirs!r}")
-    return replace(base, **{name: getattr(ckpt, name) for name in SHAPE_FIELDS})
+    return replace(base, **{name: getattr(ckpt, name) for name in family.shape_fields})
 
 
-def load_single(cls: type[nn.Module], path: str, cfg: WanVAConfig, seed: int) -> nn.Module:
+def load_single(family: ModelFamily, path: str, cfg: Any, seed: int) -> nn.Module:
     """The whole model in one process: float32 on the current default device."""
-    torch.manual_seed(seed)  # the action stream's init
-    model = cls.from_diffusers_file(transformer_path(path), cfg)
+    if family.load_checkpoint is None:
+        raise ValueError(f"model.pretrained: the {family.name} family cannot load checkpoints")
+    torch.manual_seed(seed)  # the fresh tensors' init (WanVA: the action stream)
+    model = family.load_checkpoint(transformer_path(path), cfg)
     return model.to(device=torch.get_default_device(), dtype=torch.float32)
 
 
@@ -112,13 +111,14 @@ def _copy_into(param: torch.Tensor, full: torch.Tensor) -> None:
         param.copy_(full)
 
 
-def load_pretrained(model: nn.Module, path: str, cfg: WanVAConfig, *, device: torch.device, seed: int) -> None:
+def load_pretrained(model: nn.Module, path: str, cfg: Any, family: ModelFamily, *, device: torch.device,
+                    seed: int) -> None:
     """Fill a (sharded) model built on the meta device from the checkpoint at ``path``, slice by slice."""
     from safetensors import safe_open
 
-    from flexpack.models.wan import action_stream_init
-    from flexpack.models.wan_convert import convert_tensor
-
+    convert_tensor = family.convert_tensor
+    if convert_tensor is None:
+        raise ValueError(f"model.pretrained: the {family.name} family cannot load checkpoints")
     files, _ = checkpoint_files(path)
     model.to_empty(device=device)  # FSDP2 allocates only each rank's shards
     params = {plain_name(n): p for n, p in model.named_parameters()}
@@ -136,13 +136,13 @@ def load_pretrained(model: nn.Module, path: str, cfg: WanVAConfig, *, device: to
                 _copy_into(params[name], t)
                 filled.add(name)
     torch.manual_seed(seed)  # the same draws as load_single: a sharded start equals a single-process one
-    for name, t in action_stream_init(cfg).items():
+    for name, t in family.fresh_tensors(cfg).items():
         _copy_into(params[name], t)
         filled.add(name)
     missing = sorted(set(params) - filled)
     if missing:
         raise ValueError(f"model.pretrained={path}: the checkpoint lacks weights {missing[:8]}")
-    for name, buf in model.named_buffers():  # WanVA has none today; a new one must not stay uninitialized
+    for name, buf in model.named_buffers():  # the families have none today; a new one must not stay uninitialized
         raise ValueError(f"load_pretrained cannot initialize buffer {name!r}")
 
 

@@ -1,30 +1,69 @@
-"""The composition root: one frozen :class:`Plan` of what a config trains on, made once.
+"""The composition root: one frozen, typed :class:`Run` of what a config trains on, made once.
 
-:func:`plan_for` resolves, from a dataset and a :class:`~flexpack.run.config.TrainConfig`:
+:func:`run_for` (over a dataset) and :func:`flexpack.run.build.build_run` (over ``data.root``) resolve,
+from a :class:`~flexpack.run.config.TrainConfig`:
 
-- the model's :class:`~flexpack.models.wan_config.WanVAConfig` (``cfg.model.wan_config()`` is
-  called once: with ``model.pretrained`` it reads that ``config.json`` from disk);
-- the :class:`~flexpack.packing.geometry.TokenGeometry`: video and action tokens of a latent
-  frame, copies (2 under teacher forcing) and the pack's frame budget;
-- the dataset, the sampler of ``data.mode`` and the collate matching it (:class:`ModelCollate`);
-- the :class:`ForwardOptions` of every model call (mask, chunk size, text slots).
+- the model family (:mod:`flexpack.models.registry`) and its resolved model config (``model.pretrained``'s
+  ``config.json`` read once, when the config is loaded);
+- the :class:`~flexpack.packing.geometry.TokenGeometry`: video and action tokens of a latent frame,
+  copies (2 under teacher forcing) and the pack's frame budget;
+- where it runs: the device, this rank and the world size, the bf16 autocast rule, and the
+  :class:`~flexpack.parallel.parallelize.ParallelOptions` the model is wrapped with (:meth:`Run.build_model`);
+- the :class:`ForwardOptions` of every model call (mask, chunk size, text slots);
+- the train / held-out :class:`Split`, and the :class:`Data` of one split: the dataset, the sampler of
+  ``data.mode`` and the collate matching it (:class:`ModelCollate`).
 
-The train loop, one step, validation, ``verify``, the step meter, the profiler and the benchmarks
-take these from the plan instead of deriving them again. The dataset is a LeRobot-backed
-:class:`~flexpack.data.LatentEpisodeDataset` (:func:`flexpack.run.build.build_data`) or
-in-memory episodes (:func:`flexpack.run.memory_data.synthetic_data`).
+The train loop, one step, validation, ``verify``, sampling, the step meter, the profiler and the
+benchmarks take these from the run instead of deriving them again. The dataset is a LeRobot-backed
+:class:`~flexpack.data.LatentEpisodeDataset` or in-memory episodes
+(:func:`flexpack.run.memory_data.synthetic_run`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Sequence
+import contextlib
+from dataclasses import dataclass, replace
+from typing import Any, ContextManager, Iterator, Protocol, Sequence
 
-from flexpack.models.wan_config import WanVAConfig
+import torch
+from torch import nn
+
+from flexpack.models.registry import ModelFamily
 from flexpack.packing.collate import Batch, PackCollate, PadCollate
 from flexpack.packing.geometry import TokenGeometry
+from flexpack.parallel.parallelize import ParallelOptions
+from flexpack.run.config import TrainConfig
 
 ACTION_KEYS = ("action", "action_mask")
+
+
+class EpisodeDataset(Protocol):
+    """What a run reads episodes from: items as :class:`~flexpack.data.LatentEpisodeDataset` yields
+    them (``latent`` (C, F, H, W), ``text``, ``action`` ...) and their lengths in latent frames."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, i: int) -> dict[str, Any]: ...
+
+    def lengths(self) -> list[int]: ...
+
+
+class BatchSampler(Protocol):
+    """A sampler of :mod:`flexpack.packing.batch_sampler`: micro-batches of item indices, resumable."""
+
+    epoch: int
+
+    def __iter__(self) -> Iterator[list[int]]: ...
+
+    def __len__(self) -> int: ...
+
+    def set_epoch(self, epoch: int) -> None: ...
+
+    def state_dict(self, position: int | None = None) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def max_batch_size(self) -> int: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,68 +77,32 @@ class ForwardOptions:
     chunk_size: int | None = None
     text_slots: int | None = None
 
-    def kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of ``WanVA.forward`` these options set."""
-        return {"mask": self.mask, "chunk_size": self.chunk_size, "text_slots": self.text_slots}
-
-    def __call__(self, model: Any, sample: Any, layout: Any = None) -> Any:
+    def __call__(self, model: nn.Module, sample: Any, layout: Any = None) -> Any:
         """``model`` on a :class:`~flexpack.flow.objective.FlowSample`'s inputs and timesteps
         (``layout``: default the batch's own)."""
-        return model(sample.inputs, layout, **sample.model_kwargs(), **self.kwargs())
+        return self.call(model, sample.inputs, layout, timestep=sample.timestep, action_timestep=sample.action_timestep)
+
+    def call(self, model: nn.Module, inputs: Any, layout: Any = None, *, timestep: torch.Tensor,
+             action_timestep: torch.Tensor | None = None) -> Any:
+        """``model(inputs, layout, ...)`` with these options (the sampler's solver steps call it so)."""
+        return model(inputs, layout, timestep=timestep, action_timestep=action_timestep, mask=self.mask,
+                     chunk_size=self.chunk_size, text_slots=self.text_slots)
 
 
 @dataclass(frozen=True, kw_only=True)
-class ParallelOptions:
-    """How :func:`flexpack.parallel.parallelize.parallelize` wraps the model on one device: the one
-    activation-checkpointing setting (``runtime.activation_checkpointing``), compiled blocks with
-    their memory budget, float8 and the FSDP compute dtype."""
+class Split:
+    """Dataset episode indices that train and that are held out (``data.val_fraction`` /
+    ``data.val_episodes``: :mod:`flexpack.run.holdout`); ``train`` None: every episode trains."""
 
-    compile: bool
-    activation_checkpointing: bool | int | str
-    memory_budget: float
-    float8: str
-    param_dtype: Any  # torch.dtype or None
-
-    def kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of ``parallelize`` (besides ``device``)."""
-        return {"compile": self.compile, "activation_checkpointing": self.activation_checkpointing,
-                "memory_budget": self.memory_budget, "float8": self.float8, "param_dtype": self.param_dtype}
-
-
-def use_compile(cfg: Any, device: Any) -> bool:
-    """``runtime.compile``: ``"auto"`` compiles the blocks on CUDA in pack mode (one shape per pack;
-    pad mode's many shapes would each compile)."""
-    if cfg.runtime.compile == "auto":
-        return device.type == "cuda" and cfg.data.mode == "pack"
-    return bool(cfg.runtime.compile)
-
-
-def parallel_options(cfg: Any, device: Any) -> ParallelOptions:
-    """The config's :class:`ParallelOptions` on ``device``: ``runtime.compile = "auto"`` resolved
-    there, and the memory-budget rule checked against it (once, for train, verify and benchmarks)."""
-    import torch
-
-    from flexpack.parallel.parallelize import check_memory_budget
-
-    r, compiled = cfg.runtime, use_compile(cfg, device)
-    check_memory_budget(r.activation_memory_budget, compiled, "runtime.activation_memory_budget",
-                        f", which runtime.compile = {r.compile!r} leaves off here "
-                        f"({device.type}, {cfg.data.mode} mode); set runtime.compile = true")
-    return ParallelOptions(compile=compiled, activation_checkpointing=r.activation_checkpointing,
-                           memory_budget=r.activation_memory_budget, float8=r.float8,
-                           param_dtype=torch.bfloat16 if r.dtype == "bfloat16" else None)
-
-
-def forward_options(cfg: Any, text_slots: int | None = None) -> ForwardOptions:
-    """The config's :class:`ForwardOptions` (``model.mask``, ``model.chunk_size``)."""
-    return ForwardOptions(mask=cfg.model.mask, chunk_size=cfg.model.chunk_size, text_slots=text_slots)
+    train: tuple[int, ...] | None = None
+    held_out: tuple[int, ...] = ()
 
 
 class ModelCollate:
     """A sampler's collate for one model: items lose their actions where the model has no action
     channels (a video-only model gets no action stream), then ``collate`` builds the Batch."""
 
-    def __init__(self, collate: Any, actions: bool) -> None:
+    def __init__(self, collate: PackCollate | PadCollate, actions: bool) -> None:
         self.collate, self.actions = collate, actions
 
     def items(self, items: Sequence[dict]) -> list[dict]:
@@ -113,15 +116,41 @@ class ModelCollate:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Plan:
-    """What a run trains on, resolved once (see the module docstring)."""
+class Data:
+    """The episodes of one split with this rank's sampler and the collate matching it."""
 
-    model: WanVAConfig
-    geometry: TokenGeometry
-    dataset: Any
-    sampler: Any
+    dataset: EpisodeDataset
+    sampler: BatchSampler
     collate: ModelCollate
+
+
+@dataclass(frozen=True, kw_only=True)
+class Run:
+    """What a run trains on and where, resolved once (see the module docstring)."""
+
+    config: TrainConfig
+    family: ModelFamily
+    model: Any  # the family's resolved model config (WanVAConfig for "wanva")
+    geometry: TokenGeometry
+    device: torch.device
+    rank: int = 0
+    world_size: int = 1
     forward: ForwardOptions
+    split: Split
+    data: Data
+
+    # -------------------------------------------------------------- what callers read most
+    @property
+    def dataset(self) -> EpisodeDataset:
+        return self.data.dataset
+
+    @property
+    def sampler(self) -> BatchSampler:
+        return self.data.sampler
+
+    @property
+    def collate(self) -> ModelCollate:
+        return self.data.collate
 
     @property
     def tokens_per_frame(self) -> int:
@@ -131,8 +160,80 @@ class Plan:
     def text_slots(self) -> int | None:
         return self.forward.text_slots
 
+    @property
+    def parallel(self) -> ParallelOptions:
+        """How the model is wrapped on this run's device (:func:`parallel_options`: the memory-budget rule
+        is checked where a model is built, not where a run only reads data)."""
+        return parallel_options(self.config, self.device)
 
-def geometry_for(model: WanVAConfig, latent_hw: tuple[int, int], cfg: Any) -> TokenGeometry:
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        """bf16 autocast of the model calls (``runtime.dtype = "bfloat16"`` on one rank); under FSDP2
+        its mixed-precision policy casts the parameters instead."""
+        return torch.bfloat16 if self.config.runtime.dtype == "bfloat16" and self.world_size == 1 else None
+
+    def autocast(self) -> ContextManager[Any]:
+        """The model calls' autocast context (:attr:`autocast_dtype`)."""
+        dtype = self.autocast_dtype
+        return torch.autocast(self.device.type, dtype) if dtype is not None else contextlib.nullcontext()
+
+    # -------------------------------------------------------------- derived runs and parts
+    def batching(self, lengths: Sequence[int], *, rank: int | None = None,
+                 world_size: int | None = None) -> tuple[BatchSampler, ModelCollate]:
+        """(sampler, collate) of ``data.mode`` over episode ``lengths`` with this run's geometry."""
+        sampler, collate = batching(self.config, lengths, self.geometry, self.rank if rank is None else rank,
+                                    self.world_size if world_size is None else world_size)
+        return sampler, ModelCollate(collate, actions=self.model.action_channels > 0)
+
+    def with_dataset(self, dataset: EpisodeDataset) -> "Run":
+        """This run over other episodes (the held-out ones, say): their own sampler and collate, the same
+        geometry, model and options."""
+        check_fits_model(dataset, self.model, self.config)
+        sampler, collate = self.batching(dataset.lengths())
+        return replace(self, data=Data(dataset=dataset, sampler=sampler, collate=collate))
+
+    def build_model(self) -> nn.Module:
+        """The model as training runs it: built (random init, or ``model.pretrained``), parallelized
+        (float8 → compile → activation checkpointing → FSDP2 under several ranks) and materialized
+        (a sharded pretrained model loads its shards after ``fully_shard``)."""
+        from flexpack.parallel.parallelize import parallelize
+        from flexpack.run.build import build_model, materialize
+
+        with self.device:  # built where it runs: no full fp32 copy of a 5B model in host memory per rank
+            model = build_model(self.config, self.model, self.family)
+        model = parallelize(model, device=self.device, options=self.parallel)
+        materialize(model, self.config, self.device, self.model, self.family)
+        return model
+
+
+def use_compile(cfg: TrainConfig, device: torch.device) -> bool:
+    """``runtime.compile``: ``"auto"`` compiles the blocks on CUDA in pack mode (one shape per pack;
+    pad mode's many shapes would each compile)."""
+    if cfg.runtime.compile == "auto":
+        return device.type == "cuda" and cfg.data.mode == "pack"
+    return bool(cfg.runtime.compile)
+
+
+def parallel_options(cfg: TrainConfig, device: torch.device) -> ParallelOptions:
+    """The config's :class:`ParallelOptions` on ``device``: ``runtime.compile = "auto"`` resolved
+    there, and the memory-budget rule checked against it (once, for train, verify and benchmarks)."""
+    from flexpack.parallel.parallelize import check_memory_budget
+
+    r, compiled = cfg.runtime, use_compile(cfg, device)
+    check_memory_budget(r.activation_memory_budget, compiled, "runtime.activation_memory_budget",
+                        f", which runtime.compile = {r.compile!r} leaves off here "
+                        f"({device.type}, {cfg.data.mode} mode); set runtime.compile = true")
+    return ParallelOptions(compile=compiled, activation_checkpointing=r.activation_checkpointing,
+                           memory_budget=r.activation_memory_budget, float8=r.float8,
+                           param_dtype=torch.bfloat16 if r.dtype == "bfloat16" else None)
+
+
+def forward_options(cfg: TrainConfig, text_slots: int | None = None) -> ForwardOptions:
+    """The config's :class:`ForwardOptions` (``model.mask``, ``model.chunk_size``)."""
+    return ForwardOptions(mask=cfg.model.mask, chunk_size=cfg.model.chunk_size, text_slots=text_slots)
+
+
+def geometry_for(model: Any, latent_hw: tuple[int, int], cfg: TrainConfig) -> TokenGeometry:
     """The token geometry of latents of ``latent_hw`` (H, W) for ``model`` under ``cfg``: the
     frame's patches, ``data.action_steps`` action tokens (none for a model without actions), two
     copies under ``objective.teacher_forcing``, ``data.max_tokens`` per pack in pack mode."""
@@ -143,23 +244,24 @@ def geometry_for(model: WanVAConfig, latent_hw: tuple[int, int], cfg: Any) -> To
                          max_tokens=cfg.data.max_tokens if cfg.data.mode == "pack" else None)
 
 
-def batching(cfg: Any, lengths: Sequence[int], geometry: TokenGeometry, rank: int = 0,
-             world_size: int = 1) -> tuple[Any, Any]:
+def batching(cfg: TrainConfig, lengths: Sequence[int], geometry: TokenGeometry, rank: int = 0,
+             world_size: int = 1) -> tuple[BatchSampler, PackCollate | PadCollate]:
     """(sampler, collate) of ``data.mode`` over episode ``lengths`` (latent frames): the token-budget
     sampler with its pack collate, or the length-bucket sampler with the pad collate."""
     from flexpack.packing.batch_sampler import LengthBucketBatchSampler, TokenBudgetBatchSampler
 
     d, tpf = cfg.data, geometry.tokens_per_frame
-    common = dict(rank=rank, world_size=world_size, seed=d.seed)
     if d.mode == "pack":
-        sampler = TokenBudgetBatchSampler(lengths, d.max_tokens, tokens_per_frame=tpf, crop=d.crop, **common)
+        sampler = TokenBudgetBatchSampler(lengths, d.max_tokens, tokens_per_frame=tpf, crop=d.crop, rank=rank,
+                                          world_size=world_size, seed=d.seed)
         return sampler, PackCollate.from_token_budget(d.max_tokens, tpf, crop=d.crop)
     sampler = LengthBucketBatchSampler(lengths, d.batch_size, pool_factor=d.pool_factor,
-                                       pad_multiple=d.pad_multiple, tokens_per_frame=tpf, **common)
+                                       pad_multiple=d.pad_multiple, tokens_per_frame=tpf, rank=rank,
+                                       world_size=world_size, seed=d.seed)
     return sampler, PadCollate(d.pad_multiple)
 
 
-def run_text_slots(sampler: Any) -> int:
+def run_text_slots(sampler: BatchSampler) -> int:
     """Text key slots for a run: the next power of two of the most episodes in one micro-batch of
     the sampler's first epoch. A later micro-batch with more episodes gets more slots (one more
     compiled shape), never fewer."""
@@ -168,7 +270,7 @@ def run_text_slots(sampler: Any) -> int:
     return text_slots(max(1, sampler.max_batch_size()))
 
 
-def check_fits_model(dataset: Any, model: WanVAConfig, cfg: Any) -> tuple[int, int]:
+def check_fits_model(dataset: EpisodeDataset, model: Any, cfg: TrainConfig) -> tuple[int, int]:
     """The (H, W) of the dataset's latents, after checking that they and its text fit ``model``."""
     item = dataset[0]
     C, _, H, W = item["latent"].shape
@@ -184,18 +286,20 @@ def check_fits_model(dataset: Any, model: WanVAConfig, cfg: Any) -> tuple[int, i
     return H, W
 
 
-def plan_for(dataset: Any, cfg: Any, *, rank: int = 0, world_size: int = 1, model: WanVAConfig | None = None) -> Plan:
-    """The :class:`Plan` of ``cfg`` over ``dataset`` (items as :class:`~flexpack.data.LatentEpisodeDataset`
-    yields them, with ``lengths()``), for this rank's share of the sampler. ``model``: the resolved
-    model config where the caller has it already (else ``cfg.model.wan_config()``, once).
-    Pack mode checks every item fits ``data.max_tokens`` (or ``data.crop``)."""
-    from flexpack.run.checks import check_token_budget
+def run_for(dataset: EpisodeDataset, cfg: TrainConfig, *, rank: int = 0, world_size: int = 1,
+            device: torch.device | None = None, split: Split | None = None) -> Run:
+    """The :class:`Run` of ``cfg`` over ``dataset`` (items as :class:`~flexpack.data.LatentEpisodeDataset`
+    yields them, with ``lengths()``), for this rank's share of the sampler, on ``device`` (default the
+    config's ``runtime.device``). Pack mode checks every item fits ``data.max_tokens`` (or ``data.crop``)."""
+    from flexpack.run.checks import check_token_budget, resolve_device
 
-    model = cfg.model.wan_config() if model is None else model
+    family, model = cfg.model.model_family(), cfg.model.resolved()
+    device = resolve_device(cfg.runtime.device) if device is None else device
     geometry = geometry_for(model, check_fits_model(dataset, model, cfg), cfg)
     if cfg.data.mode == "pack":
         check_token_budget(cfg, dataset, geometry)
     sampler, collate = batching(cfg, dataset.lengths(), geometry, rank, world_size)
-    return Plan(model=model, geometry=geometry, dataset=dataset, sampler=sampler,
-                collate=ModelCollate(collate, actions=model.action_channels > 0),
-                forward=forward_options(cfg, run_text_slots(sampler)))
+    data = Data(dataset=dataset, sampler=sampler, collate=ModelCollate(collate, actions=model.action_channels > 0))
+    return Run(config=cfg, family=family, model=model, geometry=geometry, device=device, rank=rank,
+               world_size=world_size, forward=forward_options(cfg, run_text_slots(sampler)), split=split or Split(),
+               data=data)

@@ -96,7 +96,8 @@ def _ema_weights(model: nn.Module, ema: Any) -> Iterator[None]:
 
 def make_sample_hook(ctx: HookContext) -> SampleHook | None:
     """A SampleHook when ``runtime.sample_every`` > 0, else None (a :data:`~flexpack.run.hooks.HookFactory`)."""
-    if not ctx.cfg.runtime.sample_every:
+    run = ctx.run
+    if not run.config.runtime.sample_every:
         return None
-    return SampleHook(ctx.cfg, ctx.device, normalizer=ctx.normalizer_state, dataset_normalizer=ctx.dataset_normalizer,
-                      rank=ctx.rank)
+    return SampleHook(run.config, run.device, normalizer=ctx.normalizer_state,
+                      dataset_normalizer=ctx.dataset_normalizer, rank=run.rank)

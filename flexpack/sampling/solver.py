@@ -181,7 +181,7 @@ class PackedSampler:
             keep.append(~a_live)
         tf = cfg.model.mask == "teacher_forcing"
         scale = cfg.objective.num_train_timesteps
-        kw = forward_options(cfg, self.text_slots).kwargs()  # training's mask and chunk size
+        forward = forward_options(cfg, self.text_slots)  # training's mask and chunk size
         bf16 = self.opt.dtype == "bfloat16"
         n_valid = int(lay.episode_frames.sum()) * self.tpf
 
@@ -194,7 +194,7 @@ class PackedSampler:
                 act = None if act is None else torch.stack([act, a_true])
             inputs = replace(batch, latent=lat.to(batch.latent.dtype), action=act)
             with torch.autocast(dev.type, torch.bfloat16) if bf16 else contextlib.nullcontext():
-                out = self.model(inputs, timestep=t_v, action_timestep=t_a, **kw)
+                out = forward.call(self.model, inputs, timestep=t_v, action_timestep=t_a)
             self.forwards += 1
             self.tokens += n_valid * (2 if tf else 1)
             vs = [out.video.float()]

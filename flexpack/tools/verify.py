@@ -15,8 +15,8 @@ per parameter group (the embeddings, each block, the heads). Errors are ``max |a
 anything above its tolerance, or any non-finite gradient, fails (exit status 1).
 
 Micro-batches, collate and forward options come from the run's plan (:mod:`flexpack.run.root`),
-as in training. The model is built as training builds it (:func:`training_model`): on the run's device, blocks
-compiled where ``runtime.compile`` compiles them, bf16 autocast (one process) or FSDP2 mixed
+as in training. The model is built as training builds it (:meth:`~flexpack.run.root.Run.build_model`): on
+the run's device, blocks compiled where ``runtime.compile`` compiles them, bf16 autocast (one process) or FSDP2 mixed
 precision (``torchrun``, every rank checks the same micro-batches) for ``runtime.dtype =
 "bfloat16"``, the configured attention backend (FA4 or Triton flex on CUDA). Tolerances depend on
 that dtype (:data:`TOLERANCES`): float32 paths agree to rounding; bf16 rounds every activation to
@@ -51,6 +51,7 @@ from flexpack.errors import UserError
 from flexpack.flow.noise import episode_flow_sample, noise_seeds
 from flexpack.flow.objective import FlowMatchingConfig, flow_loss, loss_counts
 from flexpack.packing.collate import Batch, PackCollate
+from flexpack.run.root import ForwardOptions, Run
 from flexpack.tools.verify_report import (  # noqa: F401  (the report's names are verify's public API too)
     TOL,
     TOLERANCES,
@@ -85,7 +86,7 @@ def verify_batch(
     cfg: FlowMatchingConfig,
     *,
     seed: int = 0,
-    model_kwargs: dict[str, Any] | None = None,
+    forward: ForwardOptions = ForwardOptions(),
     drop_packing: bool = False,
     report: VerifyReport | None = None,
     autocast: torch.dtype | None = None,
@@ -97,7 +98,6 @@ def verify_batch(
     ``torch.autocast`` of that dtype (training's bf16 on one process). ``alone_collate``: the
     collate of the per-episode passes (default: exactly the episode's frames as collated, no padding)."""
     report = report or VerifyReport()
-    kw = model_kwargs or {}
     device = _device(model)
     amp = (lambda: torch.autocast(device.type, autocast)) if autocast is not None else contextlib.nullcontext
 
@@ -113,7 +113,7 @@ def verify_batch(
     if drop_packing:  # the bug: every frame in episode 0, padding included
         layout = replace(layout, frame_doc=torch.zeros_like(layout.frame_doc))
     with amp():
-        pred = model(sample.inputs, layout, **sample.model_kwargs(), **kw)
+        pred = forward(model, sample, layout)
     full = flow_loss(pred, sample, batch, cfg)
     full.loss.backward()
     g_batched = _grads(model)
@@ -129,7 +129,7 @@ def verify_batch(
     for e, (single, s_seed) in enumerate(zip(singles, seeds)):
         s_sample = episode_flow_sample(single, cfg, [s_seed])
         with amp():
-            s_pred = model(s_sample.inputs, **s_sample.model_kwargs(), **kw)
+            s_pred = forward(model, s_sample)
         part = flow_loss(s_pred, s_sample, single, cfg)
         share = part.accumulation_loss(totals)
         share.backward()
@@ -179,42 +179,26 @@ def check_backend(cfg: Any, device: torch.device, model: Any = None) -> None:
                         "set runtime.dtype = 'float32'")
 
 
-def training_model(cfg: Any, device: torch.device, wcfg: Any = None) -> tuple[nn.Module, bool]:
-    """(model, compiled): built as :func:`flexpack.training.loop.train` builds it, on ``device``:
-    compiled blocks where ``runtime.compile`` compiles them, activation checkpointing, FSDP2 with
-    bf16 parameters under several ranks, ``model.pretrained`` loaded. ``wcfg``: the plan's model config."""
-    from flexpack.parallel.parallelize import parallelize
-    from flexpack.run.build import build_model, materialize
-    from flexpack.run.root import parallel_options
-
-    with device:
-        model = build_model(cfg, wcfg)
-    opts = parallel_options(cfg, device)  # float8 linears too where runtime.float8 asks for them
-    parallelize(model, device=device, **opts.kwargs())
-    materialize(model, cfg, device, wcfg)
-    return model, opts.compile
-
-
 def verify_config(cfg: Any, *, micro_batches: int = 2, checkpoint_dir: str | None = None, tol: float | None = None,
-                  drop_packing: bool = False, data: Any = None) -> VerifyReport:
+                  drop_packing: bool = False, run: Run | None = None) -> VerifyReport:
     """Verify the first ``micro_batches`` micro-batches of the config's sampler (epoch 0, rank 0's
     share: under ``torchrun`` every rank checks the same ones, so the sharded model sees the same
     work on each) with the model as training builds it. ``tol``: one max relative error for all
-    quantities (default: :data:`TOLERANCES` of ``runtime.dtype``). ``data``: replaces what
-    ``cfg.data`` describes (e.g. :func:`flexpack.run.memory_data.synthetic_data`)."""
+    quantities (default: :data:`TOLERANCES` of ``runtime.dtype``). ``run``: replaces what
+    ``cfg.data`` describes (e.g. :func:`flexpack.run.memory_data.synthetic_run`)."""
     from flexpack.parallel import float8
     from flexpack.parallel.parallelize import is_sharded, world
-    from flexpack.run.build import build_data
+    from flexpack.run.build import build_run
     from flexpack.run.checks import resolve_device
     from flexpack.run.state import checkpoint
 
-    device = resolve_device(cfg.runtime.device)
-    m = cfg.model.wan_config() if data is None else data.model  # resolved once: the plan holds it
+    device = resolve_device(cfg.runtime.device) if run is None else run.device
+    m = cfg.model.resolved()
     check_backend(cfg, device, m)
     float8.check(cfg.runtime.float8, device)  # torchao and an sm89+ GPU, or one line
-    data = build_data(cfg, model=m) if data is None else data
+    data = build_run(cfg, device=device) if run is None else run
     float8.check_tokens(cfg.runtime.float8, cfg.data, data.geometry, device)
-    model, compiled = training_model(cfg, device, m)
+    model, compiled = data.build_model(), data.parallel.compile  # as training builds it
     if checkpoint_dir:
         # pick_checkpoint says which one and why a newer one was skipped
         from flexpack.tools.export_io import pick_checkpoint
@@ -229,7 +213,6 @@ def verify_config(cfg: Any, *, micro_batches: int = 2, checkpoint_dir: str | Non
     report = VerifyReport(tol=TOLERANCES[cfg.runtime.dtype] if tol is None else Tolerance.uniform(tol), setup=(
         f"{device} ({name}), runtime.dtype {cfg.runtime.dtype} ({mode}), blocks {'compiled' if compiled else 'eager'}, "
         f"attention {m.attn_backend}, float8 {cfg.runtime.float8}, {world()[1]} rank(s){', FSDP2' if sharded else ''}"))
-    kw = data.forward.kwargs()  # training's mask, chunk size and text shape
     for i, indices in enumerate(data.sampler):
         if i >= micro_batches:
             break
@@ -238,7 +221,7 @@ def verify_config(cfg: Any, *, micro_batches: int = 2, checkpoint_dir: str | Non
         items = data.collate.items([data.dataset[j] for j in indices])
         # compiled blocks: the episodes alone in the run's pack shape (one graph), as training would see them;
         # float8: that shape holds a multiple of 16 tokens, which its GEMMs need (float8.check_tokens)
-        verify_batch(model, items, data.collate, cfg.objective, seed=cfg.runtime.seed, model_kwargs=kw,
+        verify_batch(model, items, data.collate, cfg.objective, seed=cfg.runtime.seed, forward=data.forward,
                      drop_packing=drop_packing, report=report,
                      autocast=torch.bfloat16 if bf16 and not sharded else None,
                      alone_collate=data.collate if compiled or cfg.runtime.float8 != "off" else None)
@@ -284,13 +267,13 @@ def run(args: argparse.Namespace) -> int:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         started = True
     try:
-        data = None
+        run = None
         if args.synthetic:
-            from flexpack.run.memory_data import synthetic_data
+            from flexpack.run.memory_data import synthetic_run
 
-            data = synthetic_data(cfg, hw=args.synthetic_hw, text_len=args.synthetic_text)
+            run = synthetic_run(cfg, hw=args.synthetic_hw, text_len=args.synthetic_text)
         report = verify_config(cfg, micro_batches=args.micro_batches, checkpoint_dir=args.checkpoint, tol=args.tol,
-                               drop_packing=args.drop_packing, data=data)
+                               drop_packing=args.drop_packing, run=run)
     finally:
         if started:
             dist.destroy_process_group()

@@ -40,12 +40,12 @@ from tqdm import tqdm
 
 from flexpack.packing.collate import Batch
 from flexpack.parallel import float8
-from flexpack.parallel.parallelize import parallelize, world
-from flexpack.run.build import build_data, build_model, materialize
+from flexpack.parallel.parallelize import world
+from flexpack.run.build import build_run
 from flexpack.run.checks import preflight
 from flexpack.run.config import ScheduleConfig, TrainConfig
 from flexpack.run.hooks import HookContext, HookFactory
-from flexpack.run.root import Plan, parallel_options, use_compile  # noqa: F401  (use_compile: public here too)
+from flexpack.run.root import Run
 from flexpack.run.state import checkpoint, faults, resume, runfolder
 from flexpack.training.ema import make_ema
 from flexpack.training.observe import tracking
@@ -95,12 +95,12 @@ class TrainResult:
     model: nn.Module | None = None  # the trained model (FSDP-sharded under torchrun)
 
 
-def train(cfg: TrainConfig, *, stop_after: int | None = None, data: Plan | None = None,
+def train(cfg: TrainConfig, *, stop_after: int | None = None, run: Run | None = None,
           hooks: Sequence[HookFactory] | None = None) -> TrainResult:
     """Train ``cfg.schedule.steps`` optimizer steps (resuming from the run folder's newest checkpoint);
-    ``stop_after`` ends early after that step, with a checkpoint, as an interruption would; ``data``:
-    a :class:`~flexpack.run.root.Plan` replacing what ``cfg.data`` describes (in-memory episodes,
-    :func:`flexpack.run.memory_data.synthetic_data`, e.g. ``benchmarks/profile_step.py``).
+    ``stop_after`` ends early after that step, with a checkpoint, as an interruption would; ``run``:
+    a :class:`~flexpack.run.root.Run` over other episodes than ``data.root``'s (in-memory episodes,
+    :func:`flexpack.run.memory_data.synthetic_run`, e.g. ``benchmarks/profile_step.py``).
     ``hooks``: what runs after each step (:mod:`flexpack.run.hooks`); default validation only.
     Sampling during training (``runtime.sample_every``) is a sibling's hook: ``flexpack train``
     (:func:`flexpack.commands.train.train`) wires it in.
@@ -124,41 +124,38 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, data: Plan | None 
         return TrainResult(step=done, start_step=done, checkpoint=found)
     with runfolder.RunLock(cfg.runtime.out_dir, active=rank == 0), faults.GracefulStop() as stop:
         _barrier()  # the other ranks wait for rank 0's lock (a refusal ends torchrun through rank 0)
-        return _train(cfg, found, stop, stop_after, device, data, hooks)
+        return _train(cfg, found, stop, stop_after, device, run, hooks)
 
 
 def _train(cfg: TrainConfig, found: Path | None, stop: faults.GracefulStop, stop_after: int | None,
-           device: torch.device, data: Plan | None, hooks: Sequence[HookFactory]) -> TrainResult:
+           device: torch.device, given: Run | None, hooks: Sequence[HookFactory]) -> TrainResult:
     rank, size = world()
-    data = build_data(cfg, rank, size) if data is None else data
-    float8.check_tokens(cfg.runtime.float8, cfg.data, data.geometry, device)  # before the model is built
-    with device:  # built where it runs: no full fp32 copy of a 5B model in host memory per rank
-        model = build_model(cfg, data.model)
-    model = parallelize(model, device=device, **parallel_options(cfg, device).kwargs())
-    materialize(model, cfg, device, data.model)  # model.pretrained under FSDP2: each rank loads its shards
-    o, run = cfg.optim, Path(cfg.runtime.out_dir)
+    run = build_run(cfg, rank, size, device=device) if given is None else given
+    float8.check_tokens(cfg.runtime.float8, cfg.data, run.geometry, device)  # before the model is built
+    model = run.build_model()  # model.pretrained under FSDP2: each rank loads its shards
+    o, folder = cfg.optim, Path(cfg.runtime.out_dir)
     opt = build_optimizer(model, o, log=rank == 0, fused=device.type == "cuda")  # no decay on norms, biases, ...
     ema = make_ema(model, o.ema_decay)
     start, resumed_at = 0, None
     if found is not None:
-        start = resumed_at = int(resume.restore(found, cfg, model, opt, data, rank, ema=ema)["step"])
+        start = resumed_at = int(resume.restore(found, cfg, model, opt, run, rank, ema=ema)["step"])
     if rank == 0:
-        _prepare_run(run, cfg, start, size)
-    loader = torch.utils.data.DataLoader(data.dataset, batch_sampler=data.sampler, collate_fn=data.collate,
+        _prepare_run(folder, cfg, start, size)
+    loader = torch.utils.data.DataLoader(run.dataset, batch_sampler=run.sampler, collate_fn=run.collate,
                                          num_workers=cfg.data.num_workers, pin_memory=device.type == "cuda")
-    stream = _stream(loader, data.sampler)
+    stream = _stream(loader, run.sampler)
     end = cfg.schedule.steps if stop_after is None else min(stop_after, cfg.schedule.steps)
     result = TrainResult(step=start, start_step=start, checkpoint=found, model=model)
-    sampler_state, step, tpf, signum = data.sampler.state_dict(), start, data.tokens_per_frame, 0
-    saver = checkpoint.Checkpointer(run / "checkpoints", keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
-    extra = {"action_normalizer": resume.normalizer_state(data.dataset)}
-    context = HookContext(cfg=cfg, device=device, rank=rank, model_config=data.model,
-                          normalizer_state=extra["action_normalizer"],
-                          dataset_normalizer=getattr(data.dataset, "normalizer", None))
+    sampler_state, step, tpf, signum = run.sampler.state_dict(), start, run.tokens_per_frame, 0
+    saver = checkpoint.Checkpointer(folder / "checkpoints", keep=cfg.checkpoint.keep,
+                                    async_save=cfg.checkpoint.async_save)
+    extra = {"action_normalizer": resume.normalizer_state(run.dataset)}
+    context = HookContext(run=run, normalizer_state=extra["action_normalizer"],
+                          dataset_normalizer=getattr(run.dataset, "normalizer", None))
     after = [h for h in (make(context) for make in hooks) if h is not None]  # built before the first step
 
     guard, meter = (faults.StepGuard(stop, o.skip_nonfinite),
-                    StepMeter(cfg, device, model=data.model, geometry=data.geometry))
+                    StepMeter(cfg, device, model=run.model, geometry=run.geometry))
 
     def save() -> Path:
         guard.flush()  # never the weights of a non-finite step
@@ -166,9 +163,9 @@ def _train(cfg: TrainConfig, found: Path | None, stop: faults.GracefulStop, stop
 
     bar = tqdm(total=cfg.schedule.steps, initial=start, desc="train", unit="step",
                disable=rank != 0 or not cfg.runtime.progress)
-    with (StepProfiler.for_training(cfg, rank, steps_left=end - step, first_step=step, plan=data,
-                                    device=device) as prof,
-          tracking.MetricSinks(run, cfg, rank=rank, start_step=start) as sinks, _QuietGC() as gc_pause):
+    with (StepProfiler.for_training(cfg, rank, steps_left=end - step, first_step=step, model=run.model,
+                                    geometry=run.geometry, device=device) as prof,
+          tracking.MetricSinks(folder, cfg, rank=rank, start_step=start) as sinks, _QuietGC() as gc_pause):
         while step < end and not signum:
             gc_pause.step(step)
             prof.step()
@@ -190,9 +187,8 @@ def _train(cfg: TrainConfig, found: Path | None, stop: faults.GracefulStop, stop
                         print(f"saved step {step} in {result.checkpoint} before the error below", file=sys.stderr)
                 raise error or faults.PeerDataError(step + 1)
             batches, sampler_state = [b for b, _ in micro], micro[-1][1]
-            # the plan's forward options: one text-key shape for the run, no recompiles per episode count
-            sums, norm = train_step(model, opt, batches, cfg, step=step, device=device, forward=data.forward,
-                                    prof=prof, guard=guard, ema=ema)
+            # the run's forward options: one text-key shape for the run, no recompiles per episode count
+            sums, norm = train_step(model, opt, batches, run, step=step, prof=prof, guard=guard, ema=ema)
             signum, nonfinite = guard.signum, guard.skipped
             meter.add(batches)
             step += 1

@@ -2,10 +2,11 @@
 
 :func:`accumulate` runs the step's micro-batches forward and backward; :func:`train_step` adds
 clipping and the optimizer update (AdamW from :func:`flexpack.training.optim.build_optimizer`).
-The model is called with the run plan's forward options (:class:`~flexpack.run.root.ForwardOptions`:
-mask, chunk size, text slots). Nothing here waits for the GPU: loss counts come from the host-side
-layout, the batch and its layout go to the device from pinned memory without blocking and host-side
-code reads the layout's host copy (:mod:`flexpack.packing.transfer`), noise is drawn on the device
+The model is called with the run's forward options (:class:`~flexpack.run.root.ForwardOptions`:
+mask, chunk size, text slots) under its autocast rule (:meth:`~flexpack.run.root.Run.autocast`).
+Nothing here waits for the GPU: loss counts come from the host-side layout, the batch and its
+layout go to the device from pinned memory without blocking and host-side code reads the layout's
+host copy (:mod:`flexpack.packing.transfer`), noise is drawn on the device
 (:mod:`flexpack.flow.noise`), loss parts and the gradient norm stay device tensors until the
 caller logs them, so the host can queue the next step while the GPU runs this one
 (``tests/test_step_syncs_gpu.py`` checks it on CUDA, ``tests/test_loop_syncs.py`` on CPU).
@@ -13,7 +14,6 @@ caller logs them, so the host can queue the next step while the GPU runs this on
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable, Sequence
 
 import torch
@@ -24,26 +24,22 @@ from flexpack.flow.noise import episode_flow_sample, noise_seeds
 from flexpack.flow.objective import flow_loss, loss_counts
 from flexpack.packing.collate import Batch
 from flexpack.parallel import float8
-from flexpack.parallel.parallelize import is_sharded, world
-from flexpack.run.config import TrainConfig
-from flexpack.run.root import ForwardOptions, forward_options
+from flexpack.parallel.parallelize import is_sharded
+from flexpack.run.root import Run
 from flexpack.training.observe.profiling import NO_PROFILER, StepProfiler
 
 
-def accumulate(model: nn.Module, batches: Sequence[Batch], cfg: TrainConfig, *, step: int, device: torch.device,
-               forward: ForwardOptions | None = None, prof: StepProfiler = NO_PROFILER) -> torch.Tensor:
+def accumulate(model: nn.Module, batches: Sequence[Batch], run: Run, *, step: int,
+               prof: StepProfiler = NO_PROFILER) -> torch.Tensor:
     """Forward + backward one optimizer step's micro-batches (on the host, before ``.to(device)``);
     returns this rank's (loss, latent, action) shares as a device tensor, detached (summed over
-    ranks they are the step's loss and its parts). ``forward``: the plan's forward options
-    (default: the config's mask and chunk size, no fixed text slots)."""
-    _, size = world()
+    ranks they are the step's loss and its parts)."""
+    cfg, device, size, forward = run.config, run.device, run.world_size, run.forward
     counts = torch.stack([torch.stack(loss_counts(b)).float().cpu() for b in batches]).sum(0)
     if size > 1:
         dist.all_reduce(counts)  # the objective is over every rank's episodes
     totals = (float(counts[0]), float(counts[1]))
     sharded = is_sharded(model)
-    bf16 = cfg.runtime.dtype == "bfloat16" and not sharded  # under FSDP its mixed precision casts instead
-    forward = forward_options(cfg) if forward is None else forward
     out = torch.zeros(3, device=device)
     for i, batch in enumerate(batches):
         if sharded:  # reduce-scatter gradients once per step, not per micro-batch
@@ -53,7 +49,7 @@ def accumulate(model: nn.Module, batches: Sequence[Batch], cfg: TrainConfig, *, 
         batch = batch.to(device, non_blocking=True)
         prof.phase("forward", batch)
         sample = episode_flow_sample(batch, cfg.objective, seeds)
-        with torch.autocast(device.type, torch.bfloat16) if bf16 else contextlib.nullcontext():
+        with run.autocast():
             pred = forward(model, sample)
         fl = flow_loss(pred, sample, batch, cfg.objective)
         share = fl.accumulation_loss(totals)
@@ -65,17 +61,16 @@ def accumulate(model: nn.Module, batches: Sequence[Batch], cfg: TrainConfig, *, 
     return out
 
 
-def train_step(model: nn.Module, opt: torch.optim.Optimizer, batches: Sequence[Batch], cfg: TrainConfig, *,
-               step: int, device: torch.device, forward: ForwardOptions | None = None,
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, batches: Sequence[Batch], run: Run, *, step: int,
                prof: StepProfiler = NO_PROFILER,
                guard: Callable[[int, torch.Tensor, torch.Tensor, Sequence[Batch]], bool] | None = None,
                ema: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`accumulate` → clip → ``guard`` (:class:`~flexpack.run.state.faults.StepGuard`: may the
     weights change?) → optimizer step → EMA → zero grads; returns (loss parts, grad norm), both
     device tensors."""
-    sums = accumulate(model, batches, cfg, step=step, device=device, forward=forward, prof=prof)
+    sums = accumulate(model, batches, run, step=step, prof=prof)
     prof.phase("optimizer")
-    norm = nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip or float("inf"), foreach=True)
+    norm = nn.utils.clip_grad_norm_(model.parameters(), run.config.optim.grad_clip or float("inf"), foreach=True)
     if guard is None or guard(step, norm, sums, batches):
         opt.step()
         float8.after_optimizer_step(model)  # FSDP2 float8 all-gather: all weight scales in one pass

@@ -12,14 +12,13 @@ training objective: sums over all items divided by all counts, so the result doe
 batching or rank count) to ``metrics.jsonl``. σ and noise are drawn per item from
 ``(VAL_TAG, episode, segment)`` alone — not from the step or the run seed — so the numbers are
 comparable across steps and across runs. The held-out episodes have their own plan
-(:func:`flexpack.run.build.build_data` with ``split="val"``: its frame budget packs them, its
-forward options run the model). Items are dealt to ranks round-robin and packed in order;
+(the training :class:`~flexpack.run.root.Run` over them: its frame budget packs them, its forward
+options and autocast rule run the model). Items are dealt to ranks round-robin and packed in order;
 ranks with fewer micro-batches run a discarded one so FSDP's collectives stay matched.
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import replace
 from typing import Any, Sequence
 
@@ -30,10 +29,11 @@ from torch import nn
 from flexpack.flow.noise import episode_flow_sample, noise_seeds
 from flexpack.flow.objective import flow_loss
 from flexpack.packing.geometry import TokenGeometry
-from flexpack.parallel.parallelize import is_sharded, world
-from flexpack.run.build import build_data
+from flexpack.run.build import open_dataset
+from flexpack.run.checks import config_terms
 from flexpack.run.holdout import VAL_TAG
 from flexpack.run.hooks import HookContext, HookReport
+from flexpack.run.root import Run
 
 
 def _micro_batches(
@@ -55,18 +55,18 @@ def _micro_batches(
 
 
 class Validator:
-    """The validation loss of a config's held-out episodes (see the module docstring)."""
+    """The validation loss of a run's held-out episodes (see the module docstring)."""
 
-    def __init__(self, cfg: Any, device: torch.device, model: Any = None) -> None:
-        rank, size = world()
-        self.cfg, self.device, self.rank = cfg, device, rank
-        self.data = build_data(cfg, split="val", model=model)  # the held-out episodes' plan
+    def __init__(self, run: Run) -> None:
+        rank, size = run.rank, run.world_size
+        with config_terms(run.config):
+            held = open_dataset(run.config, run.split.held_out)
+        self.run = run.with_dataset(held)  # the held-out episodes with the training geometry and options
         # the model's own text-slot count per call, as validation has always run
-        self.forward = replace(self.data.forward, text_slots=None)
-        ds = self.data.dataset
-        lengths = ds.lengths()
-        mine = list(range(rank, len(ds), size))
-        self.batches = _micro_batches(lengths, mine, cfg.data, self.data.geometry)
+        self.forward = replace(self.run.forward, text_slots=None)
+        lengths = held.lengths()
+        mine = list(range(rank, len(held), size))
+        self.batches = _micro_batches(lengths, mine, run.config.data, run.geometry)
         count = torch.tensor([len(self.batches)])
         if size > 1:
             dist.all_reduce(count, op=dist.ReduceOp.MAX)
@@ -75,22 +75,21 @@ class Validator:
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module) -> dict[str, float]:
-        cfg, ds = self.cfg, self.data.dataset
-        sharded = is_sharded(model)
-        bf16 = cfg.runtime.dtype == "bfloat16" and not sharded  # as in training
+        run = self.run
+        cfg, ds = run.config, run.dataset
         sums = torch.zeros(4, dtype=torch.float64)  # latent sum, action sum, latent count, action count
         for j in range(self.rounds):
             real = j < len(self.batches)
-            batch = self.data.collate([ds[i] for i in (self.batches[j] if real else self.filler)])
+            batch = run.collate([ds[i] for i in (self.batches[j] if real else self.filler)])
             seeds = noise_seeds(batch.layout, VAL_TAG)
-            batch = batch.to(self.device)
+            batch = batch.to(run.device)
             sample = episode_flow_sample(batch, cfg.objective, seeds)
-            with torch.autocast(self.device.type, torch.bfloat16) if bf16 else contextlib.nullcontext():
+            with run.autocast():  # as in training
                 pred = self.forward(model, sample)
             fl = flow_loss(pred, sample, batch, cfg.objective)
             if real:
                 sums += torch.stack([fl.latent_sum, fl.action_sum, fl.latent_count, fl.action_count]).double().cpu()
-        if world()[1] > 1:
+        if run.world_size > 1:
             dist.all_reduce(sums)
         lat, act = float(sums[0] / sums[2].clamp(min=1)), float(sums[1] / sums[3].clamp(min=1))
         o = cfg.objective
@@ -99,7 +98,7 @@ class Validator:
 
     def after_step(self, model: nn.Module, step: int, *, ema: Any = None) -> HookReport | None:
         """Every ``runtime.eval_every`` steps: evaluate (collective) and report the losses."""
-        if step % self.cfg.runtime.eval_every:
+        if step % self.run.config.runtime.eval_every:
             return None
         return HookReport(row={"step": step, **self.evaluate(model)})
 
@@ -107,4 +106,4 @@ class Validator:
 def make_validator(ctx: HookContext) -> Validator | None:
     """A Validator when ``runtime.eval_every`` > 0 (the config then holds episodes out), else None
     (a :data:`~flexpack.run.hooks.HookFactory`)."""
-    return Validator(ctx.cfg, ctx.device, ctx.model_config) if ctx.cfg.runtime.eval_every else None
+    return Validator(ctx.run) if ctx.run.config.runtime.eval_every else None

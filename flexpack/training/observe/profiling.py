@@ -18,7 +18,7 @@ profiler warm-up step, and writes to ``RUN/profile/``:
 If the run has fewer steps left than warm-up + n, one line says so and what there is is profiled
 (at least one whole step). On a machine without a GPU the profiler's GPU probe is kept quiet.
 ``0``: off (every hook is a no-op). Files are written atomically. Token counts, copies and useful
-FLOPs come from the run's plan (:meth:`StepProfiler.for_training`, :mod:`flexpack.run.root`).
+FLOPs come from the run (:meth:`StepProfiler.for_training`, :mod:`flexpack.run.root`).
 
 The variables ``LINGBOT_PROFILE`` and ``LINGBOT_PROFILE_WARMUP`` stay for runs started without
 touching the config: where one is set it wins over its config key, and rank 0 prints one line
@@ -169,14 +169,12 @@ class StepProfiler:
                              record_shapes=False, acc_events=True)
 
     @classmethod
-    def for_training(cls, cfg: Any, rank: int, *, steps_left: int, first_step: int, plan: Any,
+    def for_training(cls, cfg: Any, rank: int, *, steps_left: int, first_step: int, model: Any, geometry: Any,
                      device: torch.device) -> "StepProfiler":
         """The profiler of :func:`flexpack.training.loop.train`: steps, warm-up and the peak from the config
         (``LINGBOT_PROFILE`` / ``LINGBOT_PROFILE_WARMUP`` win where set); token counts, copies and FLOPs
-        from the run's plan (:class:`~flexpack.run.root.Plan`: its model config and token geometry)."""
+        from the run's model config and token geometry (:class:`~flexpack.run.root.Run`)."""
         from flexpack.training.observe.flops import batch_flops
-
-        model, geometry = plan.model, plan.geometry
 
         def flops(batch: Any) -> float:
             return batch_flops(model, geometry, batch.layout)
