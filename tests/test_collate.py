@@ -1,5 +1,7 @@
 """Pad and pack collates: values land where the layout says; both modes describe the same tokens."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -77,7 +79,7 @@ def test_pack_mode_one_shape_cu_seqlens_and_positions():
     assert b1.cu_seqlens.tolist() == [0, 7, 10, 22, 23]
     assert b1.doc_ids[0].tolist() == [0] * 7 + [1] * 3 + [2] * 12 + [3] + [-1] * 7
     assert b1.layout.frame_pos[0, :11].tolist() == list(range(7)) + [0, 1, 2, 0]
-    ex = b1.extras  # HF-style keys count tokens: 36 per frame, the padding tail not a sequence
+    ex = b1.hf_packing_kwargs(36)  # HF-style keys count tokens: 36 per frame, the padding tail not a sequence
     assert ex["position_ids"].shape == (1, 30 * 36)
     assert ex["position_ids"][0, 250:254].tolist() == [250, 251, 0, 1]  # episode 0 ends after 7 * 36
     assert ex["cu_seq_lens_q"].tolist() == [0, 252, 360, 792, 828]
@@ -143,7 +145,7 @@ def test_bad_items_name_the_episode():
 def test_batch_to_moves_layout():
     b = PackCollate(30)(ITEMS).to("meta")
     assert b.latent.device.type == "meta" and b.layout.frame_doc.device.type == "meta"
-    assert b.extras["position_ids"].device.type == "meta"
+    assert {f.name for f in dataclasses.fields(b)} == {"latent", "action", "action_mask", "text", "layout"}
 
 
 def _hf_items(frames: list[int]) -> list[dict]:
@@ -154,15 +156,14 @@ def test_hf_packing_keys_in_tokens_pinned():
     # F = 3, 5, 2 at 2 tokens per frame, budget 12 frames: transformers' DataCollatorWithFlattening
     # on sequences of 6, 10, 4 tokens gives exactly these cu_seq_lens, max_length and positions
     b = PackCollate.from_token_budget(24, tokens_per_frame=2)(_hf_items([3, 5, 2]))
-    ex = b.extras
-    assert PackCollate.from_token_budget(24, tokens_per_frame=2).tokens_per_frame == 2
+    ex = b.hf_packing_kwargs(2)
     assert ex["cu_seq_lens_q"].tolist() == ex["cu_seq_lens_k"].tolist() == [0, 6, 16, 20]
     assert ex["cu_seq_lens_q"].dtype == torch.int32
     assert ex["max_length_q"] == ex["max_length_k"] == 10
     assert ex["position_ids"][0].tolist() == list(range(6)) + list(range(10)) + list(range(4)) + [0, 1, 2, 3]
     assert ex["seq_idx"][0].tolist() == [0] * 6 + [1] * 10 + [2] * 4 + [3] * 4
     # a full budget has no tail
-    full = PackCollate(10, tokens_per_frame=2)(_hf_items([3, 5, 2])).extras
+    full = PackCollate(10)(_hf_items([3, 5, 2])).hf_packing_kwargs(2)
     assert full["cu_seq_lens_q"].tolist() == [0, 6, 16, 20] and full["position_ids"].shape == (1, 20)
     assert cu_seqlens_from_position_ids(full["position_ids"]).tolist() == [0, 6, 16, 20]
     with pytest.raises(ValueError, match="inside a sequence"):
@@ -174,7 +175,7 @@ def test_hf_packing_keys_match_transformers_flattening_collator(frames, tpf):
     hf = pytest.importorskip("transformers")
     collator = hf.DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)
     want = collator([{"input_ids": list(range(100, 100 + f * tpf))} for f in frames])
-    got = PackCollate(sum(frames) + 3, tokens_per_frame=tpf)(_hf_items(frames)).extras
+    got = PackCollate(sum(frames) + 3)(_hf_items(frames)).hf_packing_kwargs(tpf)
     n = int(want["cu_seq_lens_q"][-1])
     assert torch.equal(got["position_ids"][:, :n], want["position_ids"])
     assert torch.equal(got["seq_idx"][:, :n], want["seq_idx"].to(torch.int32))

@@ -77,8 +77,7 @@ def _simulate_device(monkeypatch) -> None:
         moved = batch_to(self, device, non_blocking)
         data = {f.name: _watched(getattr(moved, f.name)) for f in fields(moved)
                 if isinstance(getattr(moved, f.name), torch.Tensor)}
-        return replace(moved, layout=_on_device(moved.layout),
-                       extras={k: _watched(v) for k, v in moved.extras.items()}, **data)
+        return replace(moved, layout=_on_device(moved.layout), **data)
 
     def device_tokens(self, *a, **k):
         out = tokens(self, *a, **k)  # computed on the host copy

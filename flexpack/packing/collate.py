@@ -18,7 +18,7 @@ kind of layout, so the model cannot tell them apart.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -26,7 +26,6 @@ from torch import Tensor
 
 from .geometry import frame_budget
 from .layout import SequenceLayout, hf_packing_kwargs
-from .transfer import to_device
 
 Item = Mapping[str, Any]
 
@@ -41,9 +40,9 @@ class Batch:
         action_mask: (R, Ca, Fr, A) bool or None — True where a real action value exists.
         text:        (E, L, Dt) or None, zero beyond each episode's ``text_len``.
         layout:      the :class:`SequenceLayout` (doc ids, positions, valid frames, text lengths).
-        extras:      HF-compatible packing keys in pack mode (``position_ids``, ``seq_idx``,
-                     ``cu_seq_lens_q/k``, ``max_length_q/k``) counted in tokens
-                     (:func:`~flexpack.packing.layout.hf_packing_kwargs`); empty in pad mode.
+
+    HF-style callers get packing keys (``position_ids``, ``seq_idx``, ``cu_seq_lens_q/k``,
+    ``max_length_q/k``) from the layout when they ask: :meth:`hf_packing_kwargs`.
     """
 
     latent: Tensor
@@ -51,7 +50,6 @@ class Batch:
     action_mask: Tensor | None
     text: Tensor | None
     layout: SequenceLayout
-    extras: dict[str, Any] = field(default_factory=dict)
 
     @property
     def valid_frames(self) -> Tensor:
@@ -70,17 +68,21 @@ class Batch:
     def text_len(self) -> Tensor:
         return self.layout.text_len
 
+    def hf_packing_kwargs(self, tokens_per_frame: int = 1) -> dict[str, Tensor | int]:
+        """HF-compatible packing keys of this batch's layout, counted in tokens of ``tokens_per_frame``
+        per latent frame (:func:`~flexpack.packing.layout.hf_packing_kwargs`; pack mode)."""
+        return hf_packing_kwargs(self.layout, tokens_per_frame)
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
-        """The batch on ``device``. To a GPU the layout and the packing keys always copy without
-        blocking, from page-locked memory (:func:`~flexpack.packing.transfer.to_device`), and the
-        layout keeps its host copy, which host-side code reads instead of the device tensors."""
+        """The batch on ``device``. To a GPU the layout always copies without blocking, from page-locked
+        memory (:func:`~flexpack.packing.transfer.to_device`), and keeps its host copy, which host-side
+        code reads instead of the device tensors."""
         moved = {
             f.name: getattr(self, f.name).to(device, non_blocking=non_blocking)
             for f in fields(self)
             if isinstance(getattr(self, f.name), Tensor)
         }
-        extras = {k: to_device(v, device) if isinstance(v, Tensor) else v for k, v in self.extras.items()}
-        return replace(self, layout=self.layout.to(device), extras=extras, **moved)
+        return replace(self, layout=self.layout.to(device), **moved)
 
     def pin_memory(self) -> "Batch":
         """The batch in page-locked memory (``DataLoader(pin_memory=True)`` calls this, in its pinning
@@ -88,8 +90,7 @@ class Batch:
         is pinned too: it is copied every step, and pinned tensors read on the host as any other."""
         pinned = {f.name: getattr(self, f.name).pin_memory() for f in fields(self)
                   if isinstance(getattr(self, f.name), Tensor)}
-        extras = {k: v.pin_memory() if isinstance(v, Tensor) else v for k, v in self.extras.items()}
-        return replace(self, layout=self.layout.pin_memory(), extras=extras, **pinned)
+        return replace(self, layout=self.layout.pin_memory(), **pinned)
 
 
 def _name(item: Item, i: int) -> str:
@@ -216,25 +217,20 @@ class PackCollate:
     Every micro-batch has the same shape ``(1, C, frame_budget, H, W)``. Items that do not fit are
     an error naming them (the token-budget sampler never produces such a micro-batch); with
     ``crop=True`` a single item longer than the budget is cut to it instead.
-    ``tokens_per_frame`` (video + action tokens of one latent frame) sets the unit of the
-    HF-style keys in ``Batch.extras``, so they count the model's tokens, not frames.
     """
 
-    def __init__(self, frame_budget: int, *, crop: bool = False, tokens_per_frame: int = 1) -> None:
+    def __init__(self, frame_budget: int, *, crop: bool = False) -> None:
         if frame_budget <= 0:
             raise ValueError(f"frame_budget must be positive, got {frame_budget}")
-        if tokens_per_frame <= 0:
-            raise ValueError(f"tokens_per_frame must be positive, got {tokens_per_frame}")
         self.frame_budget = frame_budget
         self.crop = crop
-        self.tokens_per_frame = tokens_per_frame
 
     @staticmethod
     def from_token_budget(max_tokens: int, tokens_per_frame: int, *, crop: bool = False) -> "PackCollate":
         """The collate matching a token-budget sampler: ``frame_budget = max_tokens // tokens_per_frame``."""
         if tokens_per_frame <= 0 or max_tokens < tokens_per_frame:
             raise ValueError(f"need 0 < tokens_per_frame <= max_tokens, got {tokens_per_frame}, {max_tokens}")
-        return PackCollate(frame_budget(max_tokens, tokens_per_frame), crop=crop, tokens_per_frame=tokens_per_frame)
+        return PackCollate(frame_budget(max_tokens, tokens_per_frame), crop=crop)
 
     def __call__(self, items: Sequence[Item]) -> Batch:
         frames, has_action, has_text = _check_items(items)
@@ -251,4 +247,4 @@ class PackCollate:
             episode_index=[int(it.get("episode_index", -1)) for it in items], text_len=text_len, mode="pack",
             segment=_segments(items),
         )
-        return Batch(latent, action, mask, text, layout, extras=hf_packing_kwargs(layout, self.tokens_per_frame))
+        return Batch(latent, action, mask, text, layout)
