@@ -120,7 +120,7 @@ def test_wan5b_config_builds_its_model_on_the_meta_device():
 def test_runtime_compile_and_checkpoint_counts():
     import torch
 
-    from flexpack.training.loop import use_compile
+    from flexpack.run.root import use_compile
 
     assert load_config(overrides=[]).runtime.compile == "auto"
     cfg = load_config(overrides=["runtime.compile=true", "runtime.activation_checkpointing=3"])
