@@ -68,7 +68,7 @@ def check_tokens(mode: str, data: Any, geometry: Any, device: torch.device) -> N
     weight gradient's float8 GEMM reduces over the tokens, and ``torch._scaled_mm`` takes inner
     dimensions that are multiples of 16 only. A pack holds ``frame budget × tokens per frame × copies``
     tokens, a padded row a multiple of ``data.pad_multiple`` frames of them; one line names the setting
-    to change and a value that works (``data``: the config's data section; ``geometry``: the plan's).
+    to change and a value that works (``data``: the config's data section; ``geometry``: the run's).
     Emulated float8 (CPU) has no such rule."""
     if mode == "off" or device.type != "cuda":
         return

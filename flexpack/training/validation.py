@@ -45,7 +45,7 @@ def _micro_batches(
         return [list(indices[i : i + data_cfg.batch_size]) for i in range(0, len(indices), data_cfg.batch_size)]
     budget, out, used = geometry.frame_budget, [], 0
     for i in indices:
-        n = geometry.fitted(lengths[i])  # longer only with data.crop: the plan's sampler rejects them otherwise
+        n = geometry.fitted(lengths[i])  # longer only with data.crop: the run's sampler rejects them otherwise
         if not out or used + n > budget:
             out.append([])
             used = 0

@@ -16,7 +16,7 @@ itself, measured once per process (:func:`measured_bf16_peak`; 755–795 TFLOP/s
 datasheet gives 989 dense), unless ``runtime.peak_tflops`` sets it: that key is the only override, so
 metrics.jsonl's ``mfu`` and the profile summary divide by the same figure.
 ``benchmarks/train_step.py``, metrics.jsonl's ``mfu`` and the profile summary all count useful FLOPs
-through :func:`batch_flops`, fed by the run plan's token geometry (:mod:`flexpack.run.root`:
+through :func:`batch_flops`, fed by the run's token geometry (:mod:`flexpack.run.root`:
 copies, video and action tokens per frame).
 """
 

@@ -2,7 +2,7 @@
 
 Measured over the window of steps since the previous log, ending at a device synchronization, so
 no step waits for the GPU to be timed (timing each step would put a sync on every step). Tokens per
-frame, copies and useful FLOPs come from the run plan's token geometry (:mod:`flexpack.run.root`,
+frame, copies and useful FLOPs come from the run's token geometry (:mod:`flexpack.run.root`,
 :func:`flexpack.training.observe.flops.batch_flops`), the same count the profiler and benchmarks use.
 """
 
@@ -23,7 +23,7 @@ from flexpack.training.observe.flops import batch_flops, peak_flops
 
 class StepMeter:
     """Accumulates the steps of one logging window; :meth:`read` closes it. ``model`` and
-    ``geometry``: the run plan's (:mod:`flexpack.run.root`), so FLOPs count its copies."""
+    ``geometry``: the run's (:mod:`flexpack.run.root`), so FLOPs count its copies."""
 
     def __init__(self, cfg: TrainConfig, device: torch.device, *, model: WanVAConfig, geometry: TokenGeometry) -> None:
         self.device, self.model_cfg, self.geometry = device, model, geometry
