@@ -40,8 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flexpack.packing.lengths import read_frames_file  # noqa: E402
 from flexpack.parallel.parallelize import BLOCK_GRAPHS, ParallelOptions, compiled_graphs, parallelize  # noqa: E402
-from flexpack.run.build import build_model  # noqa: E402
 from flexpack.run.config import TrainConfig, from_dict  # noqa: E402
+from flexpack.run.model import build_model  # noqa: E402
 from flexpack.run.root import geometry_for  # noqa: E402
 from flexpack.sampling.pairs import cut_points, make_pair  # noqa: E402
 from flexpack.sampling.solver import PackedSampler, SampleOptions, pack_text_slots  # noqa: E402

@@ -12,7 +12,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from flexpack.parallel.parallelize import ParallelOptions, parallelize  # noqa: E402
-from flexpack.run.build import build_model  # noqa: E402
+from flexpack.run.model import build_model  # noqa: E402
 from flexpack.sampling.solver import PackedSampler, SampleOptions  # noqa: E402
 from test_sampling import SPECS_DIST, TPF, _cfg, _items, _pairs  # noqa: E402
 

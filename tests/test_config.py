@@ -105,7 +105,7 @@ def test_json_round_trip_and_file_errors(tmp_path):
 def test_wan5b_config_builds_its_model_on_the_meta_device():
     import torch
 
-    from flexpack.run.build import build_model
+    from flexpack.run.model import build_model
 
     cfg = load_config(CONFIGS / "wan5b_pack.toml", ["data.root=/d"])
     with torch.device("meta"):

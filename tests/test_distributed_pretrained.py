@@ -19,8 +19,9 @@ pytest.importorskip("diffusers")
 
 from flexpack.data.encode import encode_dataset  # noqa: E402
 from flexpack.data.synthetic import make_synthetic_dataset  # noqa: E402
-from flexpack.run.build import build_model, build_run  # noqa: E402
+from flexpack.run.build import build_run  # noqa: E402
 from flexpack.run.config import load_config, save_config  # noqa: E402
+from flexpack.run.model import build_model  # noqa: E402
 from flexpack.run.state import checkpoint  # noqa: E402
 from flexpack.training.validation import Validator  # noqa: E402
 from hf_tiny import tiny_diffusers  # noqa: E402

@@ -126,9 +126,9 @@ def test_cut_metrics_keeps_the_checkpoints_steps_and_drops_a_torn_line(tmp_path)
 def _poison_grads_at(monkeypatch, bad_step: int, seen: dict) -> None:
     real = step_module.accumulate
 
-    def accumulate(model, batches, cfg, *, step, device, **kw):
+    def accumulate(model, batches, run, *, step, **kw):
         seen[step] = [p.detach().clone() for p in model.parameters()]
-        out = real(model, batches, cfg, step=step, device=device, **kw)
+        out = real(model, batches, run, step=step, **kw)
         if step == bad_step:
             next(model.parameters()).grad[0] = float("nan")
         return out
@@ -286,7 +286,7 @@ def test_checkpoint_carries_the_action_statistics_and_loads_into_a_plain_model_f
     # verify loads the sharded checkpoint into a single-process model (no process group)
     report = verify_config(config(train_dataset, out), checkpoint_dir=str(out), micro_batches=1)
     assert report.ok
-    from flexpack.run.build import build_model
+    from flexpack.run.model import build_model
 
     model = build_model(config(train_dataset, out))
     checkpoint.load(res.checkpoint, model, restore_rng=False)

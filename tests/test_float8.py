@@ -248,7 +248,9 @@ def test_train_refuses_a_float8_run_whose_packs_the_gemms_cannot_take(tiny_datas
     monkeypatch.setattr(float8, "check", lambda mode, device: None)
     monkeypatch.setattr(loop, "preflight", lambda cfg, stop_after: torch.device("cuda"))
     built = []
-    monkeypatch.setattr(loop, "build_model", lambda *a, **k: built.append(1))
+    from flexpack.run.root import Run
+
+    monkeypatch.setattr(Run, "build_model", lambda self: built.append(1))
     cfg = tiny_config(tiny_dataset, tmp_path, "runtime.float8='tensorwise'")  # 12 frames x 5 tokens = 60
     with pytest.raises(UserError, match="runtime.float8 = 'tensorwise' needs packs of a multiple of 16 tokens"):
         loop.train(cfg)

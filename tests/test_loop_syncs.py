@@ -161,9 +161,9 @@ def test_forward_and_backward_run_on_the_meta_device(one_thread, mask):
     """A step's micro-batches, forward and backward, with the model and the batches on the meta
     device: its tensors have shapes but no values, so any host read of a device value (a layout
     read back, a mask check, an ``.item()``) raises instead of silently waiting for a GPU."""
-    from flexpack.run.build import build_model
     from flexpack.run.config import TrainConfig, from_dict
     from flexpack.run.memory_data import synthetic_run
+    from flexpack.run.model import build_model
 
     model = {"preset": "tiny", "overrides": {"num_layers": 2, "attn_backend": "dense"}}
     if mask == "teacher_forcing":

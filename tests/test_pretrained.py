@@ -11,8 +11,8 @@ diffusers = pytest.importorskip("diffusers")
 pytest.importorskip("lerobot")
 
 from flexpack.attention.flex import FlexAttnFunc  # noqa: E402
-from flexpack.run.build import build_model  # noqa: E402
 from flexpack.run.config import load_config  # noqa: E402
+from flexpack.run.model import build_model  # noqa: E402
 from flexpack.training.loop import train  # noqa: E402
 from hf_tiny import tiny_diffusers  # noqa: E402
 

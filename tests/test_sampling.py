@@ -11,8 +11,8 @@ import torch
 
 from flexpack.packing.collate import PackCollate
 from flexpack.packing.layout import SequenceLayout
-from flexpack.run.build import build_model
 from flexpack.run.config import load_config
+from flexpack.run.model import build_model
 from flexpack.sampling.metrics import Metrics, denormalize, normalize
 from flexpack.sampling.pairs import cut_points, make_pair
 from flexpack.sampling.schedule import model_calls, sigma_grid, solve

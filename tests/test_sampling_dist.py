@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flexpack.run.build import build_model
+from flexpack.run.model import build_model
 from flexpack.sampling.solver import PackedSampler, SampleOptions
 from test_sampling import SPECS_DIST, TPF, _cfg, _items, _pairs
 

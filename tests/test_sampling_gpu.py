@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from flexpack.parallel.parallelize import ParallelOptions, compiled_graphs, parallelize
-from flexpack.run.build import build_model
 from flexpack.run.config import load_config
+from flexpack.run.model import build_model
 from flexpack.sampling.pairs import make_pair
 from flexpack.sampling.solver import PackedSampler, SampleOptions
 

@@ -51,8 +51,8 @@ def run_steps(cfg: TrainConfig, device: torch.device, *, warmup: int, checked: i
     import contextlib
 
     from flexpack.parallel.parallelize import ParallelOptions, compiled_graphs, parallelize
-    from flexpack.run.build import build_model
     from flexpack.run.memory_data import RandomEpisodes, synthetic_run
+    from flexpack.run.model import build_model
     from flexpack.run.state import faults
     from flexpack.training.loop import lr_at
     from flexpack.training.optim import build_optimizer

@@ -10,9 +10,10 @@ import pytest
 
 pytest.importorskip("lerobot")
 
-from flexpack.run.build import build_model, build_run  # noqa: E402
+from flexpack.run.build import build_run  # noqa: E402
 from flexpack.run.config import DataConfig  # noqa: E402
 from flexpack.run.holdout import split_episodes  # noqa: E402
+from flexpack.run.model import build_model  # noqa: E402
 from flexpack.run.state import checkpoint  # noqa: E402
 from flexpack.training.loop import train  # noqa: E402
 from flexpack.training.validation import Validator  # noqa: E402

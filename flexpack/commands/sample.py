@@ -79,8 +79,8 @@ def _config_file(path: Path) -> Path:
 def load_weights(cfg: Any, source: str | Path, *, ema: bool = False) -> tuple[nn.Module, dict[str, Any] | None, str]:
     """The config's model with the weights of a run / checkpoint / export folder; returns
     (model, the action statistics it was trained with or None, a label naming the weights)."""
-    from flexpack.run.build import build_model
     from flexpack.run.checks import check_state_shapes
+    from flexpack.run.model import build_model
     from flexpack.run.state import checkpoint
 
     path = Path(source)

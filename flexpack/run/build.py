@@ -1,5 +1,6 @@
-"""Build what a config describes over ``data.root``: its split, its :class:`~flexpack.run.root.Run`
-(:func:`build_run`: the dataset of one split with its sampler and collate) and the model.
+"""Build what a config describes over ``data.root``: its split and its :class:`~flexpack.run.root.Run`
+(:func:`build_run`: the dataset of one split with its sampler and collate); the model comes from
+:meth:`~flexpack.run.root.Run.build_model` (:mod:`flexpack.run.model`).
 
 Shared by :mod:`flexpack.training.loop`, :mod:`flexpack.tools.verify` and sampling, so all see the
 same micro-batches.
@@ -7,13 +8,10 @@ same micro-batches.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
-from torch import nn
 
-from flexpack.models.registry import ModelFamily
-from flexpack.parallel.parallelize import world
 from flexpack.run.checks import config_terms
 from flexpack.run.config import TrainConfig
 from flexpack.run.root import EpisodeDataset, Run, Split, run_for
@@ -68,33 +66,3 @@ def build_run(cfg: TrainConfig, rank: int = 0, world_size: int = 1, *, split: st
     with config_terms(cfg):
         ds = open_dataset(cfg, episodes)
     return run_for(ds, cfg, rank=rank, world_size=world_size, device=device, split=parts)
-
-
-def build_model(cfg: TrainConfig, model: Any = None, family: ModelFamily | None = None) -> nn.Module:
-    """The model of ``model`` (the resolved model config of ``family``; default the config's own): random
-    init, or ``model.pretrained`` loaded. Under several ranks a pretrained model comes back on the meta
-    device: :func:`materialize` fills it once sharded. (:meth:`~flexpack.run.root.Run.build_model` does
-    the whole sequence.)"""
-    from flexpack.run.pretrained import load_single
-
-    model = cfg.model.resolved() if model is None else model
-    family = cfg.model.model_family() if family is None else family
-    torch.manual_seed(cfg.runtime.seed)  # every rank starts from the same weights
-    if not cfg.model.pretrained:
-        return family.build(model)
-    if world()[1] > 1:
-        with torch.device("meta"):
-            return family.build(model)
-    return load_single(family, cfg.model.pretrained, model, cfg.runtime.seed)
-
-
-def materialize(module: nn.Module, cfg: TrainConfig, device: torch.device, model: Any = None,
-                family: ModelFamily | None = None) -> None:
-    """After ``parallelize``: load ``model.pretrained`` into a model left on the meta device, each
-    rank reading only its shards (a no-op for a model that holds weights already)."""
-    from flexpack.run.pretrained import is_meta, load_pretrained
-
-    if is_meta(module):
-        model = cfg.model.resolved() if model is None else model
-        family = cfg.model.model_family() if family is None else family
-        load_pretrained(module, cfg.model.pretrained, model, family, device=device, seed=cfg.runtime.seed)

@@ -197,7 +197,7 @@ class Run:
         (float8 → compile → activation checkpointing → FSDP2 under several ranks) and materialized
         (a sharded pretrained model loads its shards after ``fully_shard``)."""
         from flexpack.parallel.parallelize import parallelize
-        from flexpack.run.build import build_model, materialize
+        from flexpack.run.model import build_model, materialize
 
         with self.device:  # built where it runs: no full fp32 copy of a 5B model in host memory per rank
             model = build_model(self.config, self.model, self.family)
