@@ -40,12 +40,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Protocol, Sequence
 
-import numpy as np
 import torch
 from torch import Tensor
 
-from flexpack.packing.transfer import to_device
-from flexpack.training.flow.noise import _mix32, _normal, _uniform24
+from flexpack.training.flow.noise import _mix32, _normal, _uniform24, episode_keys
 from flexpack.training.flow.objective import FlowLoss, _action_valid, shift_sigma
 
 COUNT_EPS = 1e-6  # LeRobot's guard in the per-frame mean: sum / (count + 1e-6)
@@ -127,17 +125,10 @@ def lingbot_draws(batch: Any, cfg: LingbotObjectiveConfig, seeds: Sequence[int])
     by the frame's index inside its episode and per-element noise by its coordinates there, so an episode's
     draws do not depend on what else the batch holds. No host loop over episodes, no host sync."""
     lay = batch.layout
-    E = lay.num_episodes
-    if len(seeds) != E:
-        raise ValueError(f"need one seed per episode: {E} episodes, got {len(seeds)} seeds")
     x, a = batch.latent, batch.action
     dev = x.device
-    keys = (np.stack([np.random.SeedSequence(int(s)).generate_state(_KEYS, np.uint32) for s in seeds]) if E
-            else np.zeros((0, _KEYS)))
-    keys_EK = to_device(torch.from_numpy(keys.astype(np.int64)), dev)
-    doc = lay.frame_doc.to(dev)
-    valid = doc >= 0
-    k_RFK = keys_EK[doc.clamp(min=0)] if E else torch.zeros((*doc.shape, _KEYS), dtype=torch.int64, device=dev)
+    keys_EK, k_RFK = episode_keys(lay, seeds, _KEYS, dev)
+    valid = lay.frame_doc.to(dev) >= 0
     pos = lay.frame_pos.to(dev)
     N = int(cfg.num_train_timesteps)
 
