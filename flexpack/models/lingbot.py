@@ -31,6 +31,10 @@ Inputs (:meth:`LingbotVA.forward`): ``batch.latent`` (2, R, C, Fr, H, W) = (nois
 ``timestep`` / ``action_timestep`` (2, R, Fr) on the 0..1000 scale (the clean copy's are LeRobot's
 ``cond_timesteps``); ``chunk_size`` / ``window``: ints or one per episode. Outputs are the noisy
 copy's predictions (:class:`~flexpack.models.wan.WanVAOutput`), zero on padding frames.
+
+Text: LeRobot zero-pads the UMT5 output of a prompt to ``max_sequence_length`` (512) tokens and attends
+all of them (its cross-attention mask knows no text length; the zero tokens still pass the text
+projection's biases). A batch means the same here when every episode's ``text_len`` is ``L``.
 """
 
 from __future__ import annotations
