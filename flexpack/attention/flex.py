@@ -45,7 +45,8 @@ DOCUMENT_ONLY = ("sdpa-loop", "varlen")
 # chosen from benchmarks/results/attention_h200.json (see BENCHMARKS.md): FLASH beat Triton flex by
 # 1.2-1.4x fwd+bwd on document and teacher-forcing masks; "text" (kv != q length) was not measured
 AUTO_CUDA = {"document": "flex-flash", "valid": "flex-flash", "chunk_causal": "flex-flash",
-             "teacher_forcing": "flex-flash", "text": "flex"}
+             "teacher_forcing": "flex-flash", "text": "flex",
+             "lingbot": "flex"}  # lingbot: not measured yet; its mask_mod runs inside partial blocks (no ranges)
 CPU_FLEX_MIN_TOKENS = 16384
 # Head dims for which the FLASH (FA4) backend was checked against a float64 reference on the H200
 # (benchmarks/flash_grad_check.py): at D=128 its gradients match; at D=16 dq is wrong (relative
@@ -146,10 +147,11 @@ class PreparedMask:
     def segment_bounds(self) -> tuple[int, int]:
         """Static (q, kv) segment counts for the block-mask builder: the mask's host-side bounds
         rounded up to a power of two (>= 64), so that shapes, and compiles, change rarely; at
-        most one cell per (copy, row, frame). With ``fixed_bounds`` always that maximum: one
-        shape per layout shape, whatever the layout holds."""
+        most one cell per (copy, row, frame) (times the mask's ``segments_per_cell``, 2 for lingbot).
+        With ``fixed_bounds`` always that maximum: one shape per layout shape, whatever the layout holds."""
         lay = self.layout
-        cells = lay.frames.num_rows * lay.frames.frames_per_row * lay.copies + 1
+        per_cell = getattr(self.mask_mod, "segments_per_cell", 1)  # lingbot: video and action runs of a frame
+        cells = lay.frames.num_rows * lay.frames.frames_per_row * lay.copies * per_cell + 1
         kv_cells = self.kv_segments or cells
         seg = getattr(self.mask_mod, "segments", None)
         if seg is None or self.fixed_bounds:
@@ -249,8 +251,8 @@ class FlexAttnFunc:
         layout: TokenLayout,
         mask: str = "document",
         *,
-        chunk_size: int | None = None,
-        window: int | None = None,
+        chunk_size: int | Tensor | None = None,
+        window: int | Tensor | None = None,
         text_tokens: int | None = None,
         text_slots: int | None = None,
         device: torch.device | str | None = None,
@@ -421,9 +423,9 @@ def _frames_to_tokens(layout: SequenceLayout, q_len: int, mask: str) -> TokenLay
     chunk-causal and text masks look only at a token's episode and frame, never at whether it is
     a video or an action token. Teacher forcing also needs the copies, which frames do not say."""
     frames = layout.frame_doc.numel()
-    if mask == "teacher_forcing" or q_len <= 0 or q_len % frames:
+    if mask in ("teacher_forcing", "lingbot") or q_len <= 0 or q_len % frames:
         got = f"a SequenceLayout of {frames} frames for q of {q_len} tokens"
-        got += " and mask='teacher_forcing'" if mask == "teacher_forcing" else ""
+        got += f" and mask={mask!r}" if mask in ("teacher_forcing", "lingbot") else ""
         raise TypeError(_NEEDS_TOKENS.format(what=f"got {got}"))
     return layout.tokens(video_tokens=q_len // frames)
 

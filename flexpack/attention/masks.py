@@ -22,7 +22,7 @@ are constant (chunk ``-1``, copy ``NOISY``) so that a padding run is one segment
 masked out by its ``doc == -1`` anyway.
 It also carries ``runs``: an upper bound on the number of contiguous key ranges one query sees
 (or ``None``). The token order of :class:`~flexpack.packing.layout.TokenLayout` (episodes contiguous,
-copy by copy, frame by frame) makes every mask here a union of at most two ranges per query,
+copy by copy, frame by frame) makes every mask here but LingBot-VA's a union of at most two ranges per query,
 which lets the attention kernels evaluate partial blocks with two compares per range instead of
 this module's gathers (see :mod:`flexpack.attention.blockmask`).
 """
@@ -249,15 +249,75 @@ def all_of(*mask_mods: MaskMod) -> MaskMod:
                 runs)
 
 
-MASK_KINDS = ("document", "valid", "chunk_causal", "teacher_forcing", "text")
+def _per_episode(value: int | Tensor, layout: TokenLayout, name: str, least: int) -> Tensor:
+    """(E,) int64 on the layout's device: one value per episode slot (an int is every episode's)."""
+    E = layout.text_len.numel()
+    dev = layout.doc.device
+    if isinstance(value, Tensor):
+        if value.shape != (E,) or value.is_floating_point():
+            raise ValueError(f"{name} must be an int or an (E,)=({E},) integer tensor, got {tuple(value.shape)} "
+                             f"{value.dtype}")
+        if value.device.type == "cpu" and value.numel() and int(value.min()) < least:  # no check (sync) on a GPU
+            raise ValueError(f"{name} values must be >= {least}, got {value.tolist()}")
+        return value.to(dev, torch.int64)
+    if not isinstance(value, int) or value < least:
+        raise ValueError(f"{name} must be an int >= {least} or an (E,) tensor, got {value!r}")
+    return torch.full((E,), value, dtype=torch.int64, device=dev)
+
+
+def lingbot_mask(layout: TokenLayout, chunk_size: int | Tensor, window: int | Tensor) -> MaskMod:
+    """LingBot-VA's training mask (LeRobot ``lingbot_va``) over noisy and clean copies of video and action tokens.
+
+    Note: every token gets a block id ``fid = frame // chunk * 2 + stream`` (video ``2c``, action
+    ``2c + 1`` for chunk ``c`` of its episode). Inside one episode: clean -> clean: ``fid_k <= fid_q``;
+    noisy -> clean: ``fid_k < fid_q``; noisy -> noisy: ``fid_k == fid_q``; clean -> noisy: never; and
+    always ``|fid_q - fid_k| <= window`` (block ids: two per chunk). So a noisy action token sees the
+    clean video of its own chunk, a noisy video token does not. ``chunk_size`` and ``window`` are an
+    int or one value per episode slot ((E,) tensor): they are data in the closure, not constants,
+    so changing them rebuilds no compiled graph.
+
+    Segments: a frame's video and action tokens have different block ids, so (with action tokens)
+    every frame of every copy is two segments whatever the chunk size (``segments_per_cell = 2``).
+    Ranges: a query sees up to ``2 * chunk + 1`` key ranges (the video tokens of a chunk are
+    separated by its action tokens), so ``runs`` is None: the kernels evaluate this mask_mod.
+    """
+    chunk_E = _per_episode(chunk_size, layout, "chunk_size", 1)
+    win_E = _per_episode(window, layout, "window", 0)
+    doc = layout.doc
+    inside = layout.valid
+    slot = doc.clamp(min=0)
+    if chunk_E.numel():  # gathers need one episode at least; without one every token is padding
+        fid = torch.where(inside, layout.frame // chunk_E[slot] * 2 + layout.stream, -1)
+        win = torch.where(inside, win_E[slot], -1)
+    else:
+        fid = win = torch.full_like(doc, -1)
+    copy = torch.where(inside, layout.copy, NOISY)
+
+    def lingbot(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        fq, fk = fid[q_idx], fid[kv_idx]
+        q_clean, k_clean = copy[q_idx] == CLEAN, copy[kv_idx] == CLEAN
+        clean_to_clean = q_clean & k_clean & (fk <= fq)
+        noisy_to_clean = ~q_clean & k_clean & (fk < fq)
+        noisy_to_noisy = ~q_clean & ~k_clean & (fk == fq)
+        same = (doc[q_idx] == doc[kv_idx]) & (doc[q_idx] >= 0)
+        return (clean_to_clean | noisy_to_clean | noisy_to_noisy) & same & ((fq - fk).abs() <= win[q_idx])
+
+    per_cell = 2 if layout.action_tokens and layout.video_tokens else 1
+    seg = _both(_segment_bound(layout, lambda n: layout.copies * n * per_cell))
+    mod = _tag(lingbot, "lingbot", (doc, copy, fid), (doc, copy, fid), lingbot_mask.__doc__, runs=None, segments=seg)
+    mod.segments_per_cell = per_cell  # type: ignore[attr-defined]
+    return mod
+
+
+MASK_KINDS = ("document", "valid", "chunk_causal", "teacher_forcing", "text", "lingbot")
 
 
 def make_mask(
     layout: TokenLayout,
     kind: str,
     *,
-    chunk_size: int | None = None,
-    window: int | None = None,
+    chunk_size: int | Tensor | None = None,
+    window: int | Tensor | None = None,
     text_tokens: int | None = None,
     text_slots: int | None = None,
 ) -> MaskMod:
@@ -278,6 +338,10 @@ def make_mask(
                 raise ValueError(f"window={window} is only supported by the teacher_forcing mask")
             return chunk_causal_mask(layout, chunk_size)
         return teacher_forcing_mask(layout, chunk_size, window)
+    if kind == "lingbot":
+        if chunk_size is None or window is None:
+            raise ValueError("mask 'lingbot' needs chunk_size and window (ints or one per episode)")
+        return lingbot_mask(layout, chunk_size, window)
     if kind == "text":
         if text_tokens is None:
             raise ValueError("mask 'text' needs text_tokens (text tokens per episode)")

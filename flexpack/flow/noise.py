@@ -44,18 +44,11 @@ def episode_flow_sample(batch: Any, cfg: FlowMatchingConfig, seeds: Sequence[int
     no noise tensor to copy (the seeds, ``E`` integers, are the only host-to-device transfer).
     """
     lay = batch.layout
-    E = lay.num_episodes
-    if len(seeds) != E:
-        raise ValueError(f"need one seed per episode: {E} episodes, got {len(seeds)} seeds")
     x, a = batch.latent, batch.action
     dev = x.device
-    # six 32-bit keys per episode (σ, two latent uniforms, two action uniforms, spare), one row per slot
-    keys = (np.stack([np.random.SeedSequence(int(s)).generate_state(6, np.uint32) for s in seeds]) if E
-            else np.zeros((0, 6)))
-    keys_E6 = to_device(torch.from_numpy(keys.astype(np.int64)), dev)  # pinned: a pageable copy may block
-    doc = lay.frame_doc.to(dev)  # (R, Fr), -1 = padding
-    valid = doc >= 0
-    k_RF6 = keys_E6[doc.clamp(min=0)] if E else torch.zeros((*doc.shape, 6), dtype=torch.int64, device=dev)
+    # six 32-bit keys per episode (σ, two latent uniforms, two action uniforms, spare)
+    _, k_RF6 = episode_keys(lay, seeds, 6, dev)
+    valid = lay.frame_doc.to(dev) >= 0
     pos = lay.frame_pos.to(dev)
     chunk = pos // cfg.chunk_size if cfg.chunk_size is not None else torch.zeros_like(pos)
     sigma = torch.where(valid, _uniform24(_mix32(chunk ^ k_RF6[..., 0])), 0.0)
@@ -73,6 +66,20 @@ def episode_flow_sample(batch: Any, cfg: FlowMatchingConfig, seeds: Sequence[int
         actr = (pos.view(R, 1, Fr, 1) * Ca + ca) * A + st
         action_noise = _normal(actr, k_RF6[..., 3].view(R, 1, Fr, 1), k_RF6[..., 4].view(R, 1, Fr, 1)).to(a.dtype)
     return make_flow_sample(batch, cfg, sigma=sigma, noise=noise.to(x.dtype), action_noise=action_noise)
+
+
+def episode_keys(layout: Any, seeds: Sequence[int], n: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """``n`` 32-bit keys per episode slot from its seed, (E, n) int64, and the same keys per frame of
+    the layout's grid, (R, Fr, n) (padding frames get slot 0's, or zeros without episodes)."""
+    E = layout.num_episodes
+    if len(seeds) != E:
+        raise ValueError(f"need one seed per episode: {E} episodes, got {len(seeds)} seeds")
+    keys = (np.stack([np.random.SeedSequence(int(s)).generate_state(n, np.uint32) for s in seeds]) if E
+            else np.zeros((0, n)))
+    keys_En = to_device(torch.from_numpy(keys.astype(np.int64)), device)  # pinned: a pageable copy may block
+    doc = layout.frame_doc.to(device)  # (R, Fr), -1 = padding
+    k_RFn = keys_En[doc.clamp(min=0)] if E else torch.zeros((*doc.shape, n), dtype=torch.int64, device=device)
+    return keys_En, k_RFn
 
 
 _M32 = 0xFFFFFFFF

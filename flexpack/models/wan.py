@@ -273,10 +273,10 @@ class WanVA(nn.Module):
             t_grid = torch.stack([t_video, t_action], dim=-1).reshape(U, 2)
         x_UKD = emb.reshape(U, K, D)[to_tokens]
         S = t_grid.shape[1]
-        temb, mod = self.time_embed(t_grid[to_tokens].reshape(-1))
+        temb, mod = self._time_embedding(t_grid[to_tokens])
         temb_USD, mod_US6D = temb.view(U, S, D), mod.view(U, S, 6, D)
 
-        rope = rope_cos_sin(tl.frame, tl.hpos, tl.wpos, cfg.head_dim, cfg.rope_theta)
+        rope = self._rope(tl)
         self_mask = self.attn.prepare(tl, mask, chunk_size=chunk_size, window=window)
         text_SD = text_mask = None
         if text is not None:
@@ -301,9 +301,22 @@ class WanVA(nn.Module):
         vid = self._head(x0[:, :nv], temb0[:, 0], self.head_modulation, self.head_proj, emb.dtype)
         act_out = None
         if na:
-            act_out = self._head(x0[:, nv:], temb0[:, 1], self.action_head_modulation, self.action_head_proj, emb.dtype)
+            act_out = self._head(x0[:, nv:], temb0[:, 1], self._action_head_table(), self.action_head_proj, emb.dtype)
             act_out = act_out.view(R, Fr, na, -1)
         return vid.view(R, Fr, nv, -1), act_out
+
+    # hooks a model family built on these blocks overrides (flexpack.models.lingbot)
+    def _time_embedding(self, t_US: Tensor) -> tuple[Tensor, Tensor]:
+        """temb (U*S, D) and modulation (U*S, 6, D) of timesteps (U, S) per unit and stream."""
+        return self.time_embed(t_US.reshape(-1))
+
+    def _rope(self, tl: TokenLayout) -> tuple[Tensor, Tensor]:
+        """Per-token RoPE tables (cos, sin) for the layout's tokens."""
+        return rope_cos_sin(tl.frame, tl.hpos, tl.wpos, self.config.head_dim, self.config.rope_theta)
+
+    def _action_head_table(self) -> Tensor:
+        """The output head's (shift, scale) table of the action stream."""
+        return self.action_head_modulation
 
     def _bind(self, prepared: Any) -> Any:
         """``(q, k, v) -> out`` over a prepared mask (None stays None); attention callables without
