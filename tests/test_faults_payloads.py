@@ -6,12 +6,14 @@ the file, the process's classes unchanged, and a checkpoint written afterwards s
 
 from __future__ import annotations
 
+import io
 import json
 import pathlib
 import pickle
 import resource
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,8 +22,8 @@ from torch.distributed.checkpoint import metadata as md
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from flexpack.training.build import build_model
-from flexpack.training.runstate import checkpoint, manifest
-from flexpack.training.runstate.safeload import UnsafeCheckpointError, read_metadata_file
+from flexpack.training.runstate import checkpoint, manifest, torch_file
+from flexpack.training.runstate.safeload import SafePlanner, UnsafeCheckpointError, read_metadata_file
 from helpers import run_cli, tiny_config
 
 MD = md.__name__
@@ -252,3 +254,46 @@ def test_a_shard_linked_to_another_runs_weights_is_refused(capsys, ckpt, tmp_pat
     shutil.rmtree(folder / "state")
     (folder / "state").symlink_to(theirs.parent)
     assert "leads outside the checkpoint folder" in checkpoint.problem(folder)
+
+
+class _Reduce:
+    """Pickles as ``func(*args)`` (what a crafted file would hold)."""
+
+    def __init__(self, func, *args) -> None:
+        self.func, self.args = func, args
+
+    def __reduce__(self):
+        return self.func, self.args
+
+
+def _saved(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def test_non_tensor_items_and_rng_state_allocate_nothing_a_number_asks_for(ckpt, tmp_path):
+    """``torch.load(weights_only=True)`` builds ``bytearray(n)`` and ``torch.ByteStorage(n)`` for any n."""
+    planner = SafePlanner()
+    planner._source = "state"
+    item = SimpleNamespace(dest_index=SimpleNamespace(fqn="optim.param_groups.0.lr"))
+    for payload, refused in [(_Reduce(bytearray, 6_000_000_000), "bytearray"),
+                             (_Reduce(torch.FloatStorage, 1_500_000_000), "torch.FloatStorage"),
+                             ({"lr": torch.zeros(3)}, "torch._utils._rebuild_tensor_v2")]:
+        with pytest.raises(UnsafeCheckpointError, match=rf"optim.param_groups.0.lr is not plain data \(.*{refused}"):
+            planner.load_bytes(item, io.BytesIO(_saved(payload)))
+    good = {"lr": 1e-3, "betas": (0.9, 0.99), "params": [0, 1], "fused": None, "amsgrad": False}
+    assert torch_file.plain_data(_saved(good)) == good  # what optimizer hyperparameters are: read as they were
+
+    run, folder = _copy(ckpt, tmp_path)
+    model = build_model(tiny_config(tmp_path / "no-data", run))
+    for payload, refused in [({"cpu": _Reduce(torch.ByteStorage, 1_000_000_000)}, "refuses to call"),
+                             ({"cpu": _Reduce(bytearray, 6_000_000_000)}, "refuses to build __builtin__.bytearray"),
+                             ({"cpu": torch.zeros(3)}, "refuses to build torch.FloatStorage")]:
+        (folder / "rng.pt").write_bytes(_saved(payload))
+        _remanifest(folder)
+        with pytest.raises(UnsafeCheckpointError, match=rf"rng.pt: not plain tensor data \(.*{refused}"):
+            checkpoint.load(folder, model)
+    (folder / "rng.pt").write_bytes(_saved({"cpu": torch.get_rng_state()}))
+    _remanifest(folder)
+    assert checkpoint.load(folder, model)["step"] == 2

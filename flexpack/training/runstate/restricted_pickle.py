@@ -62,7 +62,7 @@ class RestrictedUnpickler(pickle._Unpickler):  # the pure-Python one: its opcode
         try:
             return self._allowed[(module, name)]
         except (KeyError, TypeError):
-            raise pickle.UnpicklingError(f"refuses to build {module}.{name} (not checkpoint metadata)") from None
+            raise pickle.UnpicklingError(f"refuses to build {module}.{name} (not what this file may hold)") from None
 
     def _made(self, func: Any, obj: Any) -> Any:
         if func in self._records and type(obj) is func:

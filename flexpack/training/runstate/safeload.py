@@ -10,10 +10,12 @@ pickle in either runs any code at load time. :class:`SafeReader` reads the metad
 made itself (no ``BUILD`` on a class, a function or a shared constant), then checks that every
 storage path is a shard file of the same folder (no ``..``, absolute path or symbolic link) and
 that no tensor it declares is larger than the shard files: a size is checked before anything is
-allocated from it. :class:`SafePlanner` loads the non-tensor items with ``weights_only=True``.
-Tensor shards are read by DCP with ``weights_only=True`` already; the other files of a
-checkpoint are JSON (``train_state.json``, ``config.json``, ``manifest.json``) or
-``weights_only`` (``rng.pt``). A file that does not pass is :class:`UnsafeCheckpointError`,
+allocated from it. :class:`SafePlanner` reads the non-tensor items as plain data, and
+``rng.pt`` is checked to hold byte tensors only (:mod:`~flexpack.training.runstate.torch_file`:
+``weights_only`` alone would allocate ``torch.ByteStorage(n)`` for any ``n`` in the file).
+Tensor shards are read by DCP with ``weights_only=True`` (their storages are records of the
+shard: no larger than the file); the other files of a checkpoint are JSON (``train_state.json``,
+``config.json``, ``manifest.json``). A file that does not pass is :class:`UnsafeCheckpointError`,
 one line naming the file.
 """
 
@@ -25,14 +27,13 @@ import pickle
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
 from flexpack.errors import UserError
-from flexpack.training.runstate import dcp_metadata
+from flexpack.training.runstate import dcp_metadata, torch_file
 
 
 class UnsafeCheckpointError(UserError):
@@ -79,14 +80,16 @@ class SafeReader(dcp.FileSystemReader):
 
 
 class SafePlanner(DefaultLoadPlanner):
-    """Non-tensor items (optimizer hyperparameters, step counts) load with ``weights_only=True``."""
+    """Non-tensor items (optimizer hyperparameters, step counts) are plain data: numbers, text, lists,
+    tuples, dicts (:func:`~flexpack.training.runstate.torch_file.plain_data`; no global, nothing allocated
+    from a number in the file)."""
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         try:
-            obj = torch.load(value, weights_only=True)
-        except Exception as exc:
+            obj = torch_file.plain_data(value.getvalue())
+        except ValueError as exc:
             raise UnsafeCheckpointError(f"{getattr(self, '_source', 'a checkpoint shard')}: item "
-                                        f"{read_item.dest_index.fqn} is not plain data ({type(exc).__name__}); "
+                                        f"{read_item.dest_index.fqn} is not plain data ({exc}); "
                                         "nothing in it was run") from None
         if self.flatten_state_dict:
             from torch.distributed.checkpoint._traverse import set_element  # what DCP's own planner uses
