@@ -83,7 +83,9 @@ def _config_file(path: Path) -> Path:
     if found is None:
         raise FileNotFoundError(f"{path}: holds neither config.json (a run or checkpoint folder) "
                                 "nor flexpack_config.json (an export)")
-    print(f"sample: config {found}", file=sys.stderr)
+    first = path / "config.json"
+    if found != first and first.is_file() and first.read_bytes() != found.read_bytes():
+        print(f"sample: config {found} (the run's current one; {first} is its first start's)", file=sys.stderr)
     return found
 
 
@@ -112,7 +114,10 @@ def load_weights(cfg: Any, source: str | Path, *, ema: bool = False) -> tuple[nn
         return model, {k: norm[k] for k in ("mode", "low", "high")}, str(folder)
     from flexpack.training.export_io import load_newest
 
+    tried: list[Path] = []
+
     def weights(found: Path) -> dict[str, Any]:
+        tried.append(found)
         state = checkpoint.load(found, model, restore_rng=False)
         if ema:
             if not checkpoint.has_ema(found):
@@ -123,7 +128,9 @@ def load_weights(cfg: Any, source: str | Path, *, ema: bool = False) -> tuple[nn
 
     # the newest intact checkpoint; each damaged newer one said with why, a pruned one taken again
     found, state = load_newest(path, "sample", weights)
-    print(f"sample: checkpoint {found} (step {int(state['step'])})", file=sys.stderr)
+    newest = max((p.name for p in found.parent.glob("step_*")), default=found.name)
+    if len(tried) > 1 or (found.parent.name == "checkpoints" and found.name != newest):  # name what it fell back to
+        print(f"sample: checkpoint {found} (step {int(state['step'])})", file=sys.stderr)
     return model, (state.get("extra") or {}).get("action_normalizer"), str(found)
 
 
