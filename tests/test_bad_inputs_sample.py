@@ -81,6 +81,14 @@ def test_every_count_of_sample_is_checked_before_any_work(capsys, tmp_path, flag
     assert code == 2 and message in _line(err, "sample")
 
 
+def test_an_out_that_is_a_file_is_refused_before_any_work(capsys, tmp_path):
+    (tmp_path / "afile").write_text("mine")
+    missing = tmp_path / "nothing-here"
+    code, err = run_cli(capsys, "sample", str(missing), "--checkpoint", str(missing), "--out", str(tmp_path / "afile"))
+    assert code == 2 and f"--out {tmp_path / 'afile'} is a file" in _line(err, "sample")
+    assert (tmp_path / "afile").read_text() == "mine"
+
+
 @pytest.mark.parametrize("setting,message", [
     ("runtime.sample_steps=1000000000", "runtime.sample_steps must be an integer from 1 to 10,000, got 1000000000"),
     ("runtime.sample_steps=1e9", "runtime.sample_steps must be int, got 1000000000.0"),

@@ -162,6 +162,8 @@ def run(args: argparse.Namespace) -> int:
     from flexpack.training.config import load_config
 
     check_flags(args)
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
+        raise ValueError(f"--out {args.out} is a file; sample writes its metrics and plots into a folder")
     if args.cut_points and args.mode == "rollout":
         raise ValueError("--cut-points applies to --mode forecast (a rollout starts from the first chunk)")
     cfg = load_config(_config_file(args.config), args.overrides)

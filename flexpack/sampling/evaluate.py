@@ -317,8 +317,8 @@ def _write_all(out: Path, pairs: list[Pair], dataset: Any, plots: int, device: t
         if why is None:
             raise
         raise UserError(f"{out}: cannot write the samples ({why}); nothing of this sampling was kept there (its "
-                        f"earlier files are unchanged); free space under {out.parent} or write elsewhere (sample "
-                        "--out), and run again") from exc
+                        f"earlier files are unchanged); free space (or grant write access) under {out.parent}, or "
+                        "write elsewhere (sample --out), and run again") from exc
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
