@@ -183,7 +183,7 @@ def test_allocations_are_refused_before_they_happen(capsys, ckpt, tmp_path):
     six_gb = pickle.PROTO + b"\x04" + _global("builtins", "bytearray") + pickle.LONG1 + b"\x05" \
         + (6_000_000_000).to_bytes(5, "little") + pickle.TUPLE1 + pickle.REDUCE + pickle.STOP
     assert len(six_gb) <= 40
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss, before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, _state()
     meta.write_bytes(six_gb)
     with pytest.raises(UnsafeCheckpointError, match=r"refuses to build builtins.bytearray"):
         read_metadata_file(meta)
@@ -208,6 +208,7 @@ def test_allocations_are_refused_before_they_happen(capsys, ckpt, tmp_path):
     code, err = run_cli(capsys, "export", str(run), str(tmp_path / "exp"))
     assert code == 2 and "claims [1000000, 1000000]" in _line(err, "export")
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss < 500_000  # KiB: nothing near 6 GB or 4 TB
+    assert _state() == before
 
 
 @pytest.mark.parametrize("where", ["../../../other/checkpoints/step_00000002/state/__0_0.distcp", "/etc/passwd",
@@ -233,6 +234,7 @@ def test_storage_paths_leaving_the_checkpoint_are_refused(capsys, ckpt, tmp_path
 
 def test_a_shard_linked_to_another_runs_weights_is_refused(capsys, ckpt, tmp_path):
     run, folder = _copy(ckpt, tmp_path)
+    before = _state()
     other = tmp_path / "other"
     shutil.copytree(ckpt, other)
     theirs = other / "checkpoints" / "step_00000002" / "state" / "__0_0.distcp"
@@ -254,6 +256,7 @@ def test_a_shard_linked_to_another_runs_weights_is_refused(capsys, ckpt, tmp_pat
     shutil.rmtree(folder / "state")
     (folder / "state").symlink_to(theirs.parent)
     assert "leads outside the checkpoint folder" in checkpoint.problem(folder)
+    assert _state() == before
 
 
 class _Reduce:
