@@ -1,8 +1,9 @@
-"""Atomic file writes: write under a temporary name in the same folder, then rename."""
+"""Atomic file writes: write under a temporary name in the same folder, then rename; and why a write failed."""
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -66,3 +67,24 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:  # exists, owned by someone else
         return True
     return True
+
+
+def write_failure(exc: BaseException) -> str | None:
+    """Why a write failed, when ``exc`` or what caused it is the file system's: an ``OSError`` (a full disk,
+    a quota, a file-size limit, no permission), or a library's error wrapping one (safetensors'
+    ``IoError(...)``, torch's short write "unexpected pos"). None for anything else: a bug or a data
+    problem keeps its own message."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError):
+            return e.strerror or str(e)
+        first = (str(e).splitlines() or [""])[0]
+        code = re.search(r"\(os error (\d+)\)|code: (\d+)", first)  # Rust's io::Error, as safetensors words it
+        if code:
+            return os.strerror(int(code.group(1) or code.group(2)))
+        if "IoError" in first or "I/O error" in first or "unexpected pos" in first:
+            return f"{type(e).__name__}: {first[:200]}"
+        e = e.__cause__ or e.__context__
+    return None

@@ -112,8 +112,12 @@ def test_advice_never_says_to_delete_a_folder(capsys, tiny_dataset, tmp_path):
 
 # ------------------------------------------------------------------ config values
 @pytest.mark.parametrize("setting,message", [
-    ("objective.num_train_timesteps=0", "objective.num_train_timesteps must be > 0"),
-    ("objective.num_train_timesteps=-1000", "objective.num_train_timesteps must be > 0"),
+    ("objective.num_train_timesteps=0", "objective.num_train_timesteps must be an integer >= 1"),
+    ("objective.num_train_timesteps=-1000", "objective.num_train_timesteps must be an integer >= 1"),
+    ("objective.num_train_timesteps=1e-9", "objective.num_train_timesteps must be an integer >= 1 (the model's "
+                                           "timestep scale, 1000 for Wan), got 1e-09"),
+    ("objective.num_train_timesteps=999.5", "must be an integer >= 1 (the model's timestep scale, 1000 for Wan), "
+                                            "got 999.5"),
     ("objective.action_weight=0", "are both 0: the loss would be 0"),
     ("model.preset=huge", "--set model.preset=huge: model.preset = 'huge': unknown WanVA preset"),
 ])

@@ -323,7 +323,8 @@ def test_crafted_pickle_in_a_tensor_shard_runs_nothing(capsys, tiny_dataset, run
         meta = read_metadata_file(folder / "state" / ".metadata")
         meta.storage_data = {k: _StorageInfo(v.relative_path, 0, len(payload), v.transform_descriptors)
                              for k, v in meta.storage_data.items()}
-        (folder / "state" / "__0_0.distcp").write_bytes(payload)
+        shard = folder / "state" / "__0_0.distcp"  # padded: no tensor may claim more than the shards hold
+        shard.write_bytes(payload + bytes(shard.stat().st_size))
         (folder / "state" / ".metadata").write_bytes(pickle.dumps(meta))
         _remanifest(folder)
         assert checkpoint.problem(folder) is None  # intact as far as sizes, sums and parses go

@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
+from flexpack.run import bounds
+from flexpack.run.bounds import check_count
 from flexpack.sampling.evaluate import MODES, PairPlan, checkpoint_normalizer, dataset_for, evaluate, table
 from flexpack.sampling.schedule import SOLVERS
 from flexpack.sampling.solver import SampleOptions
@@ -67,13 +70,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _config_file(path: Path) -> Path:
-    if path.is_dir():
-        for name in ("flexpack_config.json", "config.json"):  # an export's config.json is the diffusers one
-            if (path / name).is_file():
-                return path / name
-        raise FileNotFoundError(f"{path}: holds neither config.json (a run folder) "
+    """The config file behind the ``config`` argument: a file as given; an export's ``flexpack_config.json``
+    (its ``config.json`` is the diffusers one); a run's or a checkpoint's current config
+    (:func:`flexpack.run.state.resume.current_config`: not the run's first, stale after a restart)."""
+    if not path.is_dir():
+        return path
+    if (path / "flexpack_config.json").is_file():
+        return path / "flexpack_config.json"
+    from flexpack.run.state.resume import current_config
+
+    found = current_config(path)
+    if found is None:
+        raise FileNotFoundError(f"{path}: holds neither config.json (a run or checkpoint folder) "
                                 "nor flexpack_config.json (an export)")
-    return path
+    first = path / "config.json"
+    if found != first and first.is_file() and first.read_bytes() != found.read_bytes():
+        print(f"sample: config {found} (the run's current one; {first} is its first start's)", file=sys.stderr)
+    return found
 
 
 def load_weights(cfg: Any, source: str | Path, *, ema: bool = False) -> tuple[nn.Module, dict[str, Any] | None, str]:
@@ -99,18 +112,25 @@ def load_weights(cfg: Any, source: str | Path, *, ema: bool = False) -> tuple[nn
         model.load_state_dict(loaded.state_dict())
         norm = json.loads((path / "normalization.json").read_text())
         return model, {k: norm[k] for k in ("mode", "low", "high")}, str(folder)
-    found = checkpoint.latest(path / "checkpoints") or checkpoint.latest(path)
-    if found is None and (path / "train_state.json").is_file():
-        found = path
-    if found is None:
-        raise ValueError(f"{path}: holds no checkpoint "
-                         "(expected a run folder, a checkpoint folder or an export folder)")
-    state = checkpoint.load(found, model, restore_rng=False)
-    if ema:
-        if not checkpoint.has_ema(found):
-            raise ValueError(f"{found}: --ema but the checkpoint holds no EMA weights "
-                             "(trained with optim.ema_decay = 0)")
-        model.load_state_dict(checkpoint.read_ema(found))
+    from flexpack.tools.export_io import load_newest
+
+    tried: list[Path] = []
+
+    def weights(found: Path) -> dict[str, Any]:
+        tried.append(found)
+        state = checkpoint.load(found, model, restore_rng=False)
+        if ema:
+            if not checkpoint.has_ema(found):
+                raise ValueError(f"{found}: --ema but the checkpoint holds no EMA weights "
+                                 "(trained with optim.ema_decay = 0)")
+            model.load_state_dict(checkpoint.read_ema(found))
+        return state
+
+    # the newest intact checkpoint; each damaged newer one said with why, a pruned one taken again
+    found, state = load_newest(path, "sample", weights)
+    newest = max((p.name for p in found.parent.glob("step_*")), default=found.name)
+    if len(tried) > 1 or (found.parent.name == "checkpoints" and found.name != newest):  # name what it fell back to
+        print(f"sample: checkpoint {found} (step {int(state['step'])})", file=sys.stderr)
     return model, (state.get("extra") or {}).get("action_normalizer"), str(found)
 
 
@@ -124,18 +144,26 @@ def _default_out(source: Path, label: str, mode: str) -> Path:
     return base / "samples" / f"{mode}_{Path(label).name}"
 
 
+def check_flags(args: argparse.Namespace) -> None:
+    """Every count of the command line in its range (:mod:`flexpack.run.bounds`), before any work."""
+    check_count("--steps", args.steps, 1, bounds.SOLVER_STEPS, unit="solver steps from noise to data")
+    check_count("--cuts", args.cuts, 1, bounds.CUTS, unit="cut points per episode")
+    if args.horizon is not None:
+        check_count("--horizon", args.horizon, 1, bounds.HORIZON, unit="latent frames")
+    check_count("--plots", args.plots, 0, bounds.PLOTS, unit="episodes plotted")
+    check_count("--seed", args.seed, 0, bounds.SEED, unit="the noise keeps 32 bits of it")
+    check_count("the number of --cut-points", len(args.cut_points), 0, bounds.CUTS)
+    for c in args.cut_points:
+        check_count("--cut-points", c, 1, bounds.HORIZON, unit="latent frames of context")
+
+
 def run(args: argparse.Namespace) -> int:
     from flexpack.run.checks import resolve_device
     from flexpack.run.config import load_config
 
-    if args.steps < 1:
-        raise ValueError(f"--steps must be >= 1 (solver steps from noise to data), got {args.steps}")
-    if args.cuts < 1:
-        raise ValueError(f"--cuts must be >= 1, got {args.cuts}")
-    if args.horizon is not None and args.horizon < 1:
-        raise ValueError(f"--horizon must be >= 1 latent frame, got {args.horizon}")
-    if args.plots < 0:
-        raise ValueError(f"--plots must be >= 0, got {args.plots}")
+    check_flags(args)
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
+        raise ValueError(f"--out {args.out} is a file; sample writes its metrics and plots into a folder")
     if args.cut_points and args.mode == "rollout":
         raise ValueError("--cut-points applies to --mode forecast (a rollout starts from the first chunk)")
     cfg = load_config(_config_file(args.config), args.overrides)

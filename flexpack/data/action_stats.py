@@ -11,6 +11,7 @@ from the parquet files in one pass and its quantiles, mean, std, min and max are
 all frames with numpy (``np.quantile``, linear interpolation). ``flexpack encode`` writes them
 to ``LATENTS/stats.json`` (atomically); the dataset, training, ``check-dataset`` and ``export``
 read them (``data.action_stats = "pooled"``, the default). ``"lerobot"`` uses ``meta/stats.json``.
+Whatever is read or computed goes through :func:`check` (:mod:`flexpack.data.stats_check`) first.
 
 File layout::
 
@@ -30,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from flexpack.atomic import atomic_path
+from flexpack.data.stats_check import check_stats
 
 STATS_FORMAT = "flexpack-stats-v1"
 STATS_FILE = "stats.json"
@@ -133,17 +135,42 @@ def current(stats: dict[str, Any] | None, source: Any) -> bool:
             and stats.get("episodes") == len(source.episodes))
 
 
+def check(stats: dict[str, Any], source: Any, where: str) -> None:
+    """Every feature of a statistics file through :func:`~flexpack.data.stats_check.check_stats`, with
+    its width from the dataset's metadata; one line naming ``where``, the feature and the column."""
+    features = stats.get("features")
+    if not isinstance(features, dict):
+        raise ValueError(f"{where}: no table of features; rerun flexpack encode to rewrite it")
+    for key, feature in features.items():
+        shape = source.meta.features.get(key, {}).get("shape")
+        width = int(np.prod(shape)) if shape is not None else np.asarray(feature.get("q01", [])).size
+        check_stats(feature, width=width, where=where, feature=key)
+
+
 def pooled(source: Any, latents_dir: str | os.PathLike) -> dict[str, Any]:
     """The stored pooled statistics when they cover this dataset's frames; else computed now
-    (the same numbers: ``encode`` only saves the pass)."""
+    (the same numbers: ``encode`` only saves the pass). Checked either way (:func:`check`)."""
     stats = read(latents_dir)
-    return stats if current(stats, source) else compute(source)
+    if current(stats, source):
+        check(stats, source, str(stats_path(latents_dir)))
+        return stats
+    stats = compute(source)
+    check(stats, source, f"the statistics computed from {source.root} (no current {stats_path(latents_dir)})")
+    return stats
+
+
+def lerobot_stats(source: Any, keys: list[str] | None = None) -> dict[str, Any]:
+    """LeRobot's statistics (``meta/stats.json``) of ``keys`` (default: every numeric feature), checked."""
+    keys = numeric_features(source.meta.features) if keys is None else keys
+    stats = {k: v for k, v in (source.meta.stats or {}).items() if k in keys}
+    check({"features": stats}, source, str(Path(source.root) / "meta" / "stats.json"))
+    return stats
 
 
 def feature_stats(source: Any, latents_dir: str | os.PathLike, key: str, mode: str) -> dict[str, Any] | None:
-    """The statistics of feature ``key`` under ``mode`` (``"pooled"`` or ``"lerobot"``)."""
+    """The statistics of feature ``key`` under ``mode`` (``"pooled"`` or ``"lerobot"``), checked."""
     if mode not in MODES:
         raise ValueError(f"data.action_stats must be one of {MODES}, got {mode!r}")
     if mode == "lerobot":
-        return (source.meta.stats or {}).get(key)
+        return lerobot_stats(source, [key]).get(key)
     return pooled(source, latents_dir)["features"].get(key)

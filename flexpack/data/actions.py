@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-_EPS = 1e-8
+from flexpack.data.stats_check import CONSTANT_WIDTH as _EPS
 
 
 def step_frames(frames: int, action_steps: int, stride: int) -> np.ndarray:

@@ -2,9 +2,10 @@
 
 Runs the inspections of ``flexpack.data.problems`` on every episode and task (the same ones
 ``LatentEpisodeDataset`` raises on at load time) plus the checks only a whole pass can make
-(latent (C, H, W) equal across episodes, action rows present). Prints one line per problem,
-naming kind, episode and file; exits 1 if there is any, else 0 with a summary line. When the
-latent headers record another temporal stride than ``--stride``, a first line says which.
+(latent (C, H, W) equal across episodes, action rows present, statistics that can be right).
+Prints one line per problem, naming kind, episode and file; exits 1 if there is any, else 0 with
+a summary line. When the latent headers record another temporal stride than ``--stride``, a first
+line says which.
 """
 
 from __future__ import annotations
@@ -106,6 +107,8 @@ def check_dataset(
             if bad:
                 problems.append(Problem("nonfinite", ep, source.data_file(ep),
                                         f"{action_key!r} has {bad} NaN/Inf values"))
+    if not any(p.kind == "nonfinite" for p in problems):  # statistics over NaN are refused as such already
+        problems += stats_problems(source, out_dir)
     other = {s: eps for s, eps in encoded.items() if s != stride}
     if other:  # one line saying why every episode's frame count is off, before the per-episode lines
         said = ", ".join(f"stride {s} ({len(eps)} episode(s), e.g. {eps[0]})" for s, eps in sorted(other.items()))
@@ -114,6 +117,23 @@ def check_dataset(
                                                             f"stride {stride}; pass --stride {common} "
                                                             "or re-encode the cache"))
     return problems, source
+
+
+def stats_problems(source: EpisodeSource, latents: Path) -> list[Problem]:
+    """Statistics that cannot be right (:mod:`flexpack.data.stats_check`): the pooled ones training uses by
+    default (``LATENTS/stats.json``, or computed where it is missing or stale) and LeRobot's
+    (``meta/stats.json``, used with ``data.action_stats = "lerobot"`` and by ``sample``'s mean baseline)."""
+    from flexpack.data import action_stats
+
+    out = []
+    for file, read in ((action_stats.stats_path(latents), lambda: action_stats.pooled(source, latents)),
+                       (source.root / "meta" / "stats.json", lambda: action_stats.lerobot_stats(source))):
+        try:
+            read()
+        except ValueError as exc:
+            text = one_line(exc)
+            out.append(Problem("stats", None, file, text.split(": ", 1)[1] if text.startswith(str(file)) else text))
+    return out
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

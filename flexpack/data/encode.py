@@ -126,8 +126,10 @@ def encode_dataset(
         report.frames += used * len(cams)
     if rank == 0:  # from the parquet data alone: no need to wait for the other ranks' latents
         try:
-            report.stats_file = action_stats.write(out_dir, action_stats.compute(source))
-        except ValueError as exc:  # NaN/Inf actions: the latents stay; check-dataset names the episodes
+            stats = action_stats.compute(source)
+            action_stats.check(stats, source, f"the statistics computed from {source.root}")
+            report.stats_file = action_stats.write(out_dir, stats)
+        except ValueError as exc:  # NaN/Inf actions, a width below the floor: the latents stay; check-dataset says
             print(f"warning: no pooled statistics written: {exc}", file=sys.stderr)
     return report
 

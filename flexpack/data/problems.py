@@ -15,6 +15,9 @@ shape       latent vs actions (video frames, F), latent  ``ShapeMismatchError`` 
 nonfinite   NaN/Inf in a latent, text or action          ``NonFiniteError`` (ValueError)
 camera      a camera asked for is not in the dataset or  ``CameraMissingError`` (ValueError)
             not in the latent file
+stats       statistics that cannot be right (NaN,        ``StatsError`` (ValueError)
+            swapped quantiles, a width below the floor:
+            :mod:`flexpack.data.stats_check`)
 =========== ============================================ =========================
 """
 
@@ -59,6 +62,10 @@ class CameraMissingError(DatasetProblemError, ValueError):
     pass
 
 
+class StatsError(DatasetProblemError, ValueError):
+    pass
+
+
 ERRORS: dict[str, type[DatasetProblemError]] = {
     "missing": MissingFileError,
     "unreadable": UnreadableFileError,
@@ -66,6 +73,7 @@ ERRORS: dict[str, type[DatasetProblemError]] = {
     "shape": ShapeMismatchError,
     "nonfinite": NonFiniteError,
     "camera": CameraMissingError,
+    "stats": StatsError,
 }
 
 

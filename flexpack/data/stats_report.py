@@ -15,8 +15,7 @@ from typing import Any
 import numpy as np
 
 from flexpack.data import action_stats
-
-_EPS = 1e-8  # the normalizer's: a narrower q01..q99 maps the column to 0
+from flexpack.data.stats_check import CONSTANT_WIDTH as _EPS  # a narrower q01..q99 maps to 0
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ class FlowMatchingConfig:
     weighting: str = "none"  # "none", or "bell": per-frame exp(−2(σ − ½)²) normalized to mean 1 (mid noise levels)
     chunk_size: int | None = 1  # frames sharing one σ (frame // chunk_size); 1 = per frame, unset = one σ per episode
     teacher_forcing: bool = False  # add a clean copy (t = 0) of every frame as model input
-    num_train_timesteps: float = 1000.0  # the model's timestep scale (timestep = σ · this)
+    num_train_timesteps: float = 1000.0  # the model's timestep scale (timestep = σ · this); an integer >= 1
 
     def __post_init__(self) -> None:
         # messages name the keys as a training config writes them ([objective] section)
@@ -61,9 +61,12 @@ class FlowMatchingConfig:
         if self.latent_weight == 0 and self.action_weight == 0:  # a zero loss trains nothing, silently
             raise ValueError("objective.latent_weight and objective.action_weight are both 0: the loss would be 0; "
                              "set at least one > 0")
-        if not self.num_train_timesteps > 0:  # 0 or less maps every timestep to 0 (or flips it)
-            raise ValueError(f"objective.num_train_timesteps must be > 0 (the model's timestep scale, 1000 for Wan), "
-                             f"got {self.num_train_timesteps!r}")
+        # 0 or less maps every timestep to 0 (or flips it), 1e-9 squeezes them together: a count of steps, as Wan's
+        # scheduler has (a float field: configs and checkpoints write 1000.0)
+        t = self.num_train_timesteps
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (t >= 1 and float(t).is_integer()):
+            raise ValueError(f"objective.num_train_timesteps must be an integer >= 1 (the model's timestep scale, 1000 "
+                             f"for Wan), got {t!r}")
 
 
 def shift_sigma(sigma: Tensor, shift: float) -> Tensor:

@@ -120,10 +120,7 @@ def preflight(cfg: Any, stop_after: int | None = None) -> "torch.device":  # noq
     device = resolve_device(cfg.runtime.device)
     check_memory_ceiling(cfg, device)
     if world()[0] == 0:  # only rank 0 writes into the run folder (and one prober avoids mkdir/rmdir races)
-        check_out_dir(cfg.runtime.out_dir)
-        from flexpack.run.state.runfolder import claim
-
-        claim(cfg.runtime.out_dir, adopt=cfg.runtime.adopt_dir)  # flexpack's own folder, or refused
+        check_out_dir(cfg.runtime.out_dir)  # whose folder it is: runfolder.claim, next in train
     return device
 
 

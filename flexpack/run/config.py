@@ -23,6 +23,8 @@ from typing import Any, Sequence
 
 from flexpack.atomic import atomic_path
 from flexpack.flow.objective import FlowMatchingConfig
+from flexpack.run import bounds
+from flexpack.run.bounds import check_count
 from flexpack.run.checks import check_device_string, check_finite
 
 MODES = ("pack", "pad")
@@ -263,22 +265,23 @@ class RuntimeConfig:
     eval_every: int = 0  # steps between validation losses on the held-out episodes; 0 = none
     # sampling of held-out episodes during training (flexpack.sampling.hook): RUN/samples/step_N/ + sample/* metrics
     sample_every: int = 0  # steps between samplings; 0 = none (needs held-out episodes, like eval_every)
-    sample_steps: int = 10  # Euler steps from noise to data
-    sample_episodes: int = 4  # the first N held-out episodes
-    sample_cuts: int = 2  # forecast cut points per episode
-    sample_horizon: int = 0  # latent frames predicted per cut; 0 = two context chunks (at least 4)
-    sample_plots: int = 2  # episodes plotted per sampling (0 = metrics only)
+    sample_steps: int = 10  # Euler steps from noise to data (1 to 10,000)
+    sample_episodes: int = 4  # the first N held-out episodes (1 to 100,000)
+    sample_cuts: int = 2  # forecast cut points per episode (1 to 1,000)
+    sample_horizon: int = 0  # latent frames predicted per cut (up to 10,000); 0 = two context chunks (at least 4)
+    sample_plots: int = 2  # episodes plotted per sampling (0 = metrics only; up to 1,000)
     sample_ema: bool = False  # sample with the EMA weights (needs optim.ema_decay > 0)
 
     def __post_init__(self) -> None:
         if self.eval_every < 0:
             raise ValueError(f"runtime.eval_every must be >= 0, got {self.eval_every!r}")
-        for name in ("sample_every", "sample_horizon", "sample_plots", "profile_steps", "profile_warmup"):
+        for name in ("sample_every", "profile_steps", "profile_warmup"):
             if getattr(self, name) < 0:
                 raise ValueError(f"runtime.{name} must be >= 0, got {getattr(self, name)!r}")
-        for name in ("sample_steps", "sample_episodes", "sample_cuts"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"runtime.{name} must be >= 1, got {getattr(self, name)!r}")
+        for name, low, high in (("sample_steps", 1, bounds.SOLVER_STEPS), ("sample_episodes", 1, bounds.EPISODES),
+                                ("sample_cuts", 1, bounds.CUTS), ("sample_horizon", 0, bounds.HORIZON),
+                                ("sample_plots", 0, bounds.PLOTS)):  # flexpack.run.bounds: one value, hours at most
+            check_count(f"runtime.{name}", getattr(self, name), low, high)
         if self.dtype not in DTYPES:
             raise ValueError(f"runtime.dtype must be one of {DTYPES}, got {self.dtype!r}")
         check_device_string(self.device)  # whether CUDA is there is checked when training starts

@@ -142,11 +142,13 @@ def build_pairs(cfg: Any, dataset: Any, plan: PairPlan, *, limit_pairs: int | No
 
 def checkpoint_normalizer(dataset: Any, saved: dict[str, Any] | None, where: str) -> dict[str, Any] | None:
     """The action statistics the weights were trained with; the dataset must normalize the same way."""
+    from flexpack.data.stats_check import check_normalizer
     from flexpack.run.state.resume import normalizer_state
 
     mine = normalizer_state(dataset)
     if saved is None:
         return mine
+    check_normalizer(saved, where=where, width=len(dataset.channels))
     if mine is None or mine["mode"] != saved["mode"] or not (
             np.allclose(mine["low"], saved["low"], rtol=1e-6, atol=1e-9)
             and np.allclose(mine["high"], saved["high"], rtol=1e-6, atol=1e-9)):
@@ -166,7 +168,9 @@ def action_names(dataset: Any) -> list[str]:
 
 
 def mean_action(dataset: Any) -> list[float] | None:
-    stats = (dataset.source.meta.stats or {}).get(dataset.action_key) or {}
+    from flexpack.data.action_stats import lerobot_stats
+
+    stats = lerobot_stats(dataset.source, [dataset.action_key]).get(dataset.action_key) or {}
     return None if "mean" not in stats else np.asarray(stats["mean"], dtype=np.float64).reshape(-1).tolist()
 
 
@@ -281,10 +285,40 @@ def evaluate(model: nn.Module, cfg: Any, dataset: Any, plan: PairPlan, options: 
                    pair_list=[[p.episode, p.cut, p.horizon] for p in pairs], model_calls=sampler.forwards)
     files: dict[str, Path] = {}
     if write and out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        if plots > 0:
-            files, extra = write_media(out, pairs, dataset, plots, device)
-            metrics.update(extra)
-        write_report(out, metrics)
+        files = _write_all(out, pairs, dataset, plots, device, metrics)
     return metrics, files
+
+
+def _write_all(out: Path, pairs: list[Pair], dataset: Any, plots: int, device: torch.device,
+               metrics: dict[str, Any]) -> dict[str, Path]:
+    """Plots, videos and ``metrics.json`` into ``out``, all or nothing: written into a temporary folder beside
+    it and moved in (a rename each) once every file is whole. A full disk leaves ``out`` as it was, in one line."""
+    import os
+    import shutil
+
+    from flexpack.atomic import write_failure
+    from flexpack.errors import UserError
+
+    tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        files: dict[str, Path] = {}
+        if plots > 0:
+            files, extra = write_media(tmp, pairs, dataset, plots, device)
+            metrics.update(extra)
+        write_report(tmp, metrics)
+        out.mkdir(exist_ok=True)
+        for p in sorted(tmp.iterdir(), key=lambda p: p.name == "metrics.json"):  # metrics.json last
+            os.replace(p, out / p.name)
+        return {k: out / Path(v).name for k, v in files.items()}
+    except Exception as exc:  # a full disk shows as OSError, or inside a media library's own error
+        why = write_failure(exc)
+        if why is None:
+            raise
+        raise UserError(f"{out}: cannot write the samples ({why}); nothing of this sampling was kept there (its "
+                        f"earlier files are unchanged); free space (or grant write access) under {out.parent}, or "
+                        "write elsewhere (sample --out), and run again") from exc
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 

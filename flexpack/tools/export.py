@@ -49,7 +49,7 @@ def _check_out(out: Path) -> None:
         raise ValueError(f"{out}: exists and is not empty; export writes into a new or empty folder")
 
 
-def _normalization(cfg: Any, state: dict[str, Any]) -> dict[str, Any]:
+def _normalization(cfg: Any, state: dict[str, Any], where: str = "the checkpoint") -> dict[str, Any]:
     """The action normalization of the run: the dataset's layout (columns, channels) from its
     metadata, the statistics the weights were trained with from the checkpoint where it carries them
     (``extra.action_normalizer``), else ``data.action_stats``'s (what LatentEpisodeDataset used)."""
@@ -57,6 +57,10 @@ def _normalization(cfg: Any, state: dict[str, Any]) -> dict[str, Any]:
     from flexpack.data import action_stats, cache
     from flexpack.data.actions import ActionNormalizer, channel_map
     from flexpack.data.episodes import EpisodeSource
+    from flexpack.data.stats_check import check_normalizer
+
+    if saved:
+        check_normalizer(saved, where=f"{where} (extra.action_normalizer)")
 
     key = "action"
     action_dim = max(cfg.model.wan_config().action_channels, 1)
@@ -111,23 +115,17 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike, *, ema: bool = Fa
                dtype: torch.dtype = torch.float32, overrides: Sequence[str] = (), policy: bool = True) -> Path:
     """Export ``run``'s newest intact checkpoint into ``out`` (see the module docstring); returns ``out``.
     ``overrides`` (``--set``) apply to the checkpoint's own config."""
+    from flexpack.atomic import write_failure
+    from flexpack.errors import UserError
     from flexpack.run.config import save_config
     from flexpack.tools.export_io import load_checkpoint as _load
-    from flexpack.tools.export_io import ordinary_modes, pick_checkpoint, remove_stale
+    from flexpack.tools.export_io import load_newest, ordinary_modes, remove_stale
 
     run, out = Path(run), Path(out)
     _check_out(out)
-    for attempt in range(3):  # a pruning run may rename the chosen checkpoint away meanwhile: take the next
-        found = pick_checkpoint(run, "export")
-        try:
-            cfg, model, averaged, state = _load(found, run, ema, overrides)
-            break
-        except (FileNotFoundError, ValueError):
-            if found.exists() or attempt == 2:
-                raise
-            print(f"export: {found} was pruned while reading it; taking the newest again", file=sys.stderr)
+    found, (cfg, model, averaged, state) = load_newest(run, "export", lambda f: _load(f, run, ema, overrides))
     wcfg = cfg.model.wan_config()
-    norm = _normalization(cfg, state)
+    norm = _normalization(cfg, state, str(found / "train_state.json"))
     print(f"export: checkpoint {found} (step {int(state['step'])})", file=sys.stderr)
 
     try:
@@ -156,8 +154,12 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike, *, ema: bool = Fa
         if out.exists():
             out.rmdir()  # empty (checked above): the rename needs the name free
         os.replace(tmp, out)
-    except OSError as exc:
-        raise ValueError(f"{out}: cannot write the export ({exc.strerror or exc}); nothing was written there") from None
+    except Exception as exc:  # a full disk shows as OSError, safetensors' IoError, torch's short write, ...
+        why = write_failure(exc)
+        if why is None:
+            raise
+        raise UserError(f"{out}: cannot write the export ({why}); nothing was written there (its temporary folder "
+                        f"is removed); free space under {out.parent} or choose another OUT, and run again") from exc
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out

@@ -20,6 +20,8 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +32,22 @@ POLICY_TYPE = "flexpack_wanva"
 
 
 # -- run facts -------------------------------------------------------------------------------------
+def _read(path: Path, run: Path, *, tail: bool = False) -> str | None:
+    """A report file's text, or None (said on stderr) when it is not a bounded regular file of the run."""
+    from flexpack.run.state.report_files import report_text
+
+    try:
+        return report_text(path, run, tail=tail)
+    except ValueError as exc:
+        print(f"export: warning: {exc}; left out of the model card", file=sys.stderr)
+        return None
+
+
 def _records(run: Path) -> list[dict[str, Any]]:
     path = run / "metrics.jsonl"
+    text = _read(path, run, tail=True) if os.path.lexists(path) else None
     out = []
-    for line in path.read_text().splitlines() if path.is_file() else []:
+    for line in text.splitlines() if text else []:
         try:
             rec = json.loads(line)
         except json.JSONDecodeError:
@@ -54,17 +68,23 @@ def final_losses(run: Path) -> dict[str, float]:
 
 
 def sample_metrics(run: Path) -> tuple[Path | None, dict[str, float]]:
-    """The newest ``RUN/samples/**/metrics.json`` and its numeric entries (none before sampling runs)."""
-    found = sorted((run / "samples").glob("**/metrics.json"), key=lambda p: (p.stat().st_mtime, str(p)))
-    if not found:
-        return None, {}
-    try:
-        data = json.loads(found[-1].read_text())
-    except (OSError, json.JSONDecodeError):
-        return found[-1], {}
-    flat = {k: float(v) for k, v in data.items() if isinstance(v, (int, float)) and not isinstance(v, bool)} \
-        if isinstance(data, dict) else {}
-    return found[-1], flat
+    """The newest ``RUN/samples/**/metrics.json`` and its numeric entries (none before sampling runs); only
+    regular files inside the run, of bounded size (:mod:`flexpack.run.state.report_files`)."""
+    from flexpack.run.state.report_files import report_files
+
+    found = sorted(report_files(run / "samples", "metrics.json"), key=lambda p: (p.lstat().st_mtime, str(p)))
+    for path in reversed(found):
+        text = _read(path, run)
+        if text is None:
+            continue
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError:
+            return path, {}
+        flat = {k: float(v) for k, v in data.items() if isinstance(v, (int, float)) and not isinstance(v, bool)} \
+            if isinstance(data, dict) else {}
+        return path, flat
+    return None, {}
 
 
 # -- model card ------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Reading a run's checkpoint for ``export`` and ``verify --checkpoint``, and writing files others can read.
 
 - :func:`pick_checkpoint`: the newest intact checkpoint of a run folder (or a checkpoint folder
-  itself); every damaged newer one is said on stderr with why, so a user sees which step is used.
+  itself); every damaged newer one is said on stderr with why, so a user sees which step is used;
+  :func:`load_newest` loads it, taking the newest again if a training run prunes it meanwhile.
 - :func:`load_checkpoint`: the checkpoint's own ``config.json`` (not the run's first one: a run
   started over with another model keeps the first) with ``--set`` overrides, and a
   single-process model (and EMA) holding its weights.
@@ -13,11 +14,13 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 def pick_checkpoint(run: Path, command: str) -> Path:
@@ -46,6 +49,20 @@ def pick_checkpoint(run: Path, command: str) -> Path:
             raise ValueError(f"{root}: no usable checkpoint, all {len(damaged)} are damaged (newest: {damaged[0]})")
         raise FileNotFoundError(f"{root}: no complete checkpoint")
     return found
+
+
+def load_newest(run: Path, command: str, load: Callable[[Path], T], attempts: int = 3) -> tuple[Path, T]:
+    """``(checkpoint, load(checkpoint))`` for the newest intact checkpoint of ``run`` (:func:`pick_checkpoint`);
+    when a training run prunes it while it is read, the newest is taken again, said on stderr."""
+    for attempt in range(attempts):
+        found = pick_checkpoint(run, command)
+        try:
+            return found, load(found)
+        except (FileNotFoundError, ValueError):
+            if found.exists() or attempt == attempts - 1:
+                raise
+            print(f"{command}: {found} was pruned while reading it; taking the newest again", file=sys.stderr)
+    raise AssertionError("unreachable")  # the last attempt returns or raises
 
 
 def load_checkpoint(

@@ -114,6 +114,8 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, run: Run | None = 
     if rank == 0:
         tracking.check(cfg)  # a missing logger package fails before any data or model work
     device = preflight(cfg, stop_after)  # device, run folder, finite numbers: before data and model
+    if rank == 0:
+        runfolder.claim(cfg.runtime.out_dir, adopt=cfg.runtime.adopt_dir)  # flexpack's own folder, or refused
     float8.check(cfg.runtime.float8, device)  # torchao and an sm89+ GPU, before data and model
     found = resume.find(cfg, rank)
     if found is not None and resume.step_of(found) >= cfg.schedule.steps:  # nothing to do: touch nothing

@@ -29,6 +29,7 @@ single-process model without any process group (``flexpack verify --checkpoint R
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import re
@@ -54,7 +55,7 @@ from flexpack.atomic import atomic_path
 from flexpack.errors import UserError
 from flexpack.parallel.parallelize import world
 from flexpack.run.checks import check_state_shapes
-from flexpack.run.state import manifest
+from flexpack.run.state import manifest, torch_file
 from flexpack.run.state.manifest import MANIFEST, problem  # noqa: F401  (public here too)
 from flexpack.run.state.safeload import UnsafeCheckpointError, load_state, read_metadata_file
 
@@ -373,10 +374,13 @@ def load(
     else:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     if restore_rng and (path / "rng.pt").is_file():
+        raw = (path / "rng.pt").read_bytes()
         try:
-            rng = torch.load(path / "rng.pt", weights_only=True)
+            torch_file.check_tensors(raw)  # byte tensors only: weights_only alone allocates ByteStorage(n) for any n
+            rng = torch.load(io.BytesIO(raw), weights_only=True)
         except Exception as exc:  # weights_only refuses code; a refusal is the file's problem, in one line
-            raise UnsafeCheckpointError(f"{path / 'rng.pt'}: not plain tensor data ({type(exc).__name__}); "
+            why = str(exc) if isinstance(exc, ValueError) else type(exc).__name__
+            raise UnsafeCheckpointError(f"{path / 'rng.pt'}: not plain tensor data ({why}); "
                                         "nothing in it was run") from None
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and torch.cuda.is_available():

@@ -7,6 +7,8 @@ data they should be (JSON, checkpoint metadata through the restricted unpickler)
 shard, a flipped byte, a garbage ``.metadata`` or ``train_state.json`` each make the folder
 damaged, and :func:`flexpack.run.state.checkpoint.latest` falls back to the one before, loudly.
 Manifests of earlier versions (sizes only) are still accepted; their contents go unchecked.
+Every listed file must lie inside the folder: no ``..``, no absolute name, no symbolic link (a
+shard linked to another run's would load that run's weights under this checkpoint's name).
 
 A content check reads every byte of the checkpoint once per process; the answer is cached by
 the manifest's modification time, so finding and loading the same checkpoint reads it once.
@@ -87,6 +89,10 @@ def problem(path: str | os.PathLike, *, content: bool = True) -> str | None:
         if Path(name).is_absolute() or ".." in Path(name).parts:  # a manifest names files inside its folder only
             return f"{path}/{MANIFEST}: lists {name!r}, outside the checkpoint folder"
         f = path / name
+        if f.is_symlink() or (f.exists() and not f.resolve().is_relative_to(path.resolve())):
+            # a link into another run would load that run's weights under this checkpoint's name
+            return f"{path}: {name} leads outside the checkpoint folder (a symbolic link); a checkpoint's files are " \
+                   "its own"
         if not f.is_file():
             return f"{path}: {name} is missing"
         if f.stat().st_size != size:

@@ -62,6 +62,20 @@ def find(cfg: TrainConfig, rank: int = 0) -> Path | None:
     return found
 
 
+def current_config(folder: str | Path) -> Path | None:
+    """The config file of a run folder as it is now: the ``config.json`` of its newest intact checkpoint
+    (the config its newest weights were trained under, every restart's changes included), else the run's
+    first ``config.json`` (no checkpoint yet). For a checkpoint folder, its own ``config.json``. None when
+    the folder holds neither. ``sample`` and ``verify`` given a run folder read its config through this."""
+    folder = Path(folder)
+    if (folder / checkpoint.MANIFEST).is_file() and (folder / "config.json").is_file():
+        return folder / "config.json"
+    newest = checkpoint.latest(folder / "checkpoints")  # damaged ones are said where the weights are picked
+    if newest is not None and (newest / "config.json").is_file():
+        return newest / "config.json"
+    return folder / "config.json" if (folder / "config.json").is_file() else None
+
+
 def step_of(path: Path) -> int:
     return int(json.loads((path / "train_state.json").read_text())["step"])
 
@@ -120,6 +134,10 @@ def normalizer_state(dataset: Any) -> dict[str, Any] | None:
 def _restore_normalizer(path: Path, dataset: Any, saved: dict[str, Any] | None, rank: int) -> None:
     if saved is None or getattr(dataset, "normalizer", None) is None:
         return
+    from flexpack.data.stats_check import check_normalizer
+
+    check_normalizer(saved, where=f"{path / 'train_state.json'} (extra.action_normalizer)",
+                     width=len(dataset.normalizer.low))
     if normalizer_state(dataset) != saved:
         if rank == 0:
             print(f"warning: the dataset's action statistics differ from those saved in {path}; "

@@ -1,18 +1,23 @@
 """The run folder (``runtime.out_dir``): one owner at a time, a metrics log that matches the weights,
 and a record of every start.
 
-- ``.flexpack-run`` marks a folder as a run folder. ``train`` adopts an ``runtime.out_dir`` that
-  is missing, empty or marked (or a run of an earlier version: ``config.json`` of a flexpack config
-  with a config history or checkpoints; it gets the marker). Any other folder with files is
-  refused in one line naming them; ``runtime.adopt_dir = true`` (``train --force``) adds a run to
-  it, but only when none of its files has a name the run writes (``metrics.jsonl``,
-  ``config.json``, ``checkpoints``, ...): a file flexpack did not write is never changed.
+- ``.flexpack-run`` marks a folder as a run folder: a regular file with a run id and the format
+  version (:mod:`~flexpack.run.state.provenance`); an empty file, a folder, a symbolic
+  link or other content under that name is refused, naming it. ``train`` adopts an
+  ``runtime.out_dir`` that is missing, empty or marked, or a run of an earlier version: the whole
+  structure flexpack writes (a ``config.json`` that loads as a flexpack config, its start
+  records in ``config_history.jsonl``, flexpack's lines in ``metrics.jsonl``, checkpoint folders
+  with manifests), announced on stderr and then marked. Any other folder with files is refused in
+  one line naming them; ``runtime.adopt_dir = true`` (``train --force``) adds a run to it, but only
+  when none of its files has a name the run writes (``metrics.jsonl``, ``config.json``,
+  ``checkpoints``, ...): a file flexpack did not write is never changed.
 - ``train.lock`` holds the PID and host of the ``train`` that owns the folder. A second ``train``
   is refused with a message naming the holder; a lock left by a dead process on this host (its
   PID no longer runs) is taken over with a warning. Under ``torchrun`` only rank 0 takes it.
 - ``metrics.jsonl`` is cut back to the step a run resumes from (or emptied when it starts from
   scratch), atomically: steps trained after the last checkpoint by a killed run are replayed,
-  and their lines must not appear twice.
+  and their lines must not appear twice. A line that is not flexpack's (someone else wrote into
+  the file) stops the run, naming the file and line, before anything is cut.
 - ``config.json`` is the config of the first start and never rewritten; every start (the first
   included) appends ``{"start_step", "time", "host", "world_size", "changed", "config"}`` to
   ``config_history.jsonl``, ``changed`` listing the keys that differ from the previous start.
@@ -30,39 +35,30 @@ from typing import Any
 
 from flexpack.atomic import atomic_path, pid_alive
 from flexpack.errors import UserError
+from flexpack.run.state.provenance import (
+    MARKER,
+    earlier_run_problem,
+    is_lock,
+    marker_problem,
+    marker_text,
+    metrics_problem,
+)
 
 LOCK = "train.lock"
-MARKER = ".flexpack-run"
 # names a run writes into its folder: a foreign file under one of them would be cut, read or replaced
 OWN_NAMES = (LOCK, MARKER, "metrics.jsonl", "config.json", "config_history.jsonl", "checkpoints", "tb", "profile",
              "wandb", "samples", "metrics.png")
 
 
-def _looks_like_run(run: Path) -> bool:
-    """A run folder of an earlier version (no marker): a flexpack ``config.json`` and a history or a checkpoint."""
-    try:
-        cfg = json.loads((run / "config.json").read_text())
-    except (OSError, ValueError, UnicodeDecodeError):
-        return False
-    if not (isinstance(cfg, dict) and {"data", "model", "runtime"} <= set(cfg)):
-        return False
-    return (run / "config_history.jsonl").is_file() or any((run / "checkpoints").glob("step_*/manifest.json"))
-
-
-def _is_lock(path: Path) -> bool:
-    try:
-        holder = json.loads(path.read_text())
-    except (OSError, ValueError, UnicodeDecodeError):
-        return False
-    return isinstance(holder, dict) and {"pid", "host"} <= set(holder)
-
-
 def mark(run: str | os.PathLike) -> None:
-    """Write the run marker (atomically) if it is not there."""
+    """Write the run marker (atomically) if it is not there; refuse one that is not flexpack's."""
     path = Path(run) / MARKER
-    if not path.exists():
+    if not os.path.lexists(path):
         with atomic_path(path) as tmp:
-            tmp.write_text(json.dumps({"flexpack_run": 1}) + "\n")
+            tmp.write_text(marker_text())
+    elif why := marker_problem(path):
+        raise UserError(f"{path} {why}: not a run marker flexpack wrote; move it away or choose another "
+                        "runtime.out_dir")
 
 
 def claim(run: str | os.PathLike, *, adopt: bool = False) -> None:
@@ -75,20 +71,38 @@ def claim(run: str | os.PathLike, *, adopt: bool = False) -> None:
             raise UserError(f"runtime.out_dir = '{run}' holds a file named {name!r} where the run keeps a folder; "
                             "move it away or choose another runtime.out_dir")
     names = sorted(p.name for p in run.iterdir() if not p.name.startswith(".write-test-"))
-    if not names or MARKER in names:
+    if not names:
         return
-    if _looks_like_run(run) or (names == [LOCK] and _is_lock(run / LOCK)):  # an earlier version's run, or its lock
+    if MARKER in names:
+        if why := marker_problem(run / MARKER):
+            raise UserError(f"runtime.out_dir = '{run}' holds {MARKER}, which {why}: not a run marker flexpack "
+                            "wrote, so this is not taken for a run folder; move it away or choose another "
+                            "runtime.out_dir")
+        if why := metrics_problem(run / "metrics.jsonl"):  # a resume cuts it back: only flexpack's lines may go
+            raise UserError(f"runtime.out_dir = '{run}': {why}; flexpack changes nothing it did not write: move "
+                            "the file away or choose another runtime.out_dir")
+        return
+    if names == [LOCK] and is_lock(run / LOCK):  # the lock of an earlier version's run that wrote nothing else
+        mark(run)
+        return
+    earlier = earlier_run_problem(run) if "config.json" in names or "config_history.jsonl" in names else "no config"
+    if earlier is None:
+        print(f"note: {run} is a run of an earlier flexpack version (no {MARKER}; its config.json, "
+              f"config_history.jsonl, metrics.jsonl and checkpoints are flexpack's): adopting it and writing "
+              f"{run / MARKER}", file=sys.stderr)
         mark(run)
         return
     shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    why = f" (not a run of an earlier flexpack version: {earlier})" if earlier != "no config" else ""
     if not adopt:
-        raise UserError(f"runtime.out_dir = '{run}' holds files flexpack did not write ({shown}); train into a new or "
-                        "empty folder, or set runtime.adopt_dir = true (train --force) to add the run beside them")
+        raise UserError(f"runtime.out_dir = '{run}' holds files flexpack did not write ({shown}){why}; train into a "
+                        "new or empty folder, or set runtime.adopt_dir = true (train --force) to add the run beside "
+                        "them")
     clash = [n for n in names if n in OWN_NAMES]
     if clash:
         raise UserError(f"runtime.out_dir = '{run}' holds {', '.join(clash)}, which flexpack did not write and the run "
-                        "would change; move them away or choose another runtime.out_dir (runtime.adopt_dir changes "
-                        "nothing flexpack did not write)")
+                        f"would change{why}; move them away or choose another runtime.out_dir (runtime.adopt_dir "
+                        "changes nothing flexpack did not write)")
     mark(run)
 
 
@@ -184,10 +198,14 @@ def _create_whole(path: Path, text: str) -> None:
 
 
 def cut_metrics(run: str | os.PathLike, step: int) -> int:
-    """Keep only ``metrics.jsonl`` lines of steps ``<= step`` (atomically); returns lines removed."""
+    """Keep only ``metrics.jsonl`` lines of steps ``<= step`` (atomically); returns lines removed.
+    A file holding a line flexpack does not write is refused (UserError), never rewritten."""
     path = Path(run) / "metrics.jsonl"
     if not path.is_file():
         return 0
+    if why := metrics_problem(path):
+        raise UserError(f"{why}; flexpack changes nothing it did not write: move the file away or choose another "
+                        "runtime.out_dir")
     kept, dropped = [], 0
     for line in path.read_text().splitlines():
         try:

@@ -1,14 +1,21 @@
-"""Checkpoints are data, never code: the readers every checkpoint load goes through.
+"""Checkpoints are data, never code, and loading one changes nothing but its own result.
 
 ``torch.distributed.checkpoint`` (DCP) unpickles two things with plain :mod:`pickle`: the
 ``state/.metadata`` index (``FileSystemReader.read_metadata``) and every non-tensor item of the
 state dict (``DefaultLoadPlanner.load_bytes``, ``torch.load(weights_only=False)``). A crafted
-pickle in either runs any code at load time. :class:`SafeReader` unpickles the metadata with
-:class:`MetadataUnpickler`, which builds only DCP's own metadata dataclasses, torch dtypes,
-sizes and layouts and plain containers; :class:`SafePlanner` loads the non-tensor items with
-``weights_only=True``. Tensor shards are read by DCP with ``weights_only=True`` already; the other
-files of a checkpoint are JSON (``train_state.json``, ``config.json``, ``manifest.json``) or
-``weights_only`` (``rng.pt``). A file that does not pass is :class:`UnsafeCheckpointError`,
+pickle in either runs any code at load time. :class:`SafeReader` reads the metadata with
+:func:`read_metadata_file`: the restricted unpickler of
+:mod:`~flexpack.run.state.restricted_pickle` with exactly the globals DCP metadata holds
+(:mod:`~flexpack.run.state.dcp_metadata`), which sets attributes only of objects the file
+made itself (no ``BUILD`` on a class, a function or a shared constant), then checks that every
+storage path is a shard file of the same folder (no ``..``, absolute path or symbolic link) and
+that no tensor it declares is larger than the shard files: a size is checked before anything is
+allocated from it. :class:`SafePlanner` reads the non-tensor items as plain data, and
+``rng.pt`` is checked to hold byte tensors only (:mod:`~flexpack.run.state.torch_file`:
+``weights_only`` alone would allocate ``torch.ByteStorage(n)`` for any ``n`` in the file).
+Tensor shards are read by DCP with ``weights_only=True`` (their storages are records of the
+shard: no larger than the file); the other files of a checkpoint are JSON (``train_state.json``,
+``config.json``, ``manifest.json``). A file that does not pass is :class:`UnsafeCheckpointError`,
 one line naming the file.
 """
 
@@ -20,57 +27,43 @@ import pickle
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
 from flexpack.errors import UserError
-
-_DCP = "torch.distributed.checkpoint"
-_ALLOWED: dict[str, frozenset[str]] = {
-    f"{_DCP}.metadata": frozenset({"Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
-                                   "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING",
-                                   "MetadataIndex", "StorageMeta"}),
-    f"{_DCP}.filesystem": frozenset({"_StorageInfo"}),
-    f"{_DCP}.planner": frozenset({"LoadItemType", "WriteItemType"}),
-    "torch": frozenset({"Size", "strided", "sparse_coo", "contiguous_format", "channels_last", "preserve_format"}),
-    "torch.serialization": frozenset({"_get_layout"}),  # a layout from its name
-    "pathlib": frozenset({"PosixPath", "PurePosixPath"}),  # StorageMeta.checkpoint_id
-    "collections": frozenset({"OrderedDict"}),
-    "builtins": frozenset({"set", "frozenset", "tuple", "list", "dict", "slice", "bytearray"}),
-}
+from flexpack.run.state import dcp_metadata, torch_file
 
 
 class UnsafeCheckpointError(UserError):
     """A checkpoint file that is not plain data (or not readable as such)."""
 
 
-class MetadataUnpickler(pickle.Unpickler):
-    """Builds only the classes of :data:`_ALLOWED` and torch dtypes; anything else is refused."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if name in _ALLOWED.get(module, ()):
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"refuses to build {module}.{name} (not checkpoint metadata)")
+def _text(exc: BaseException) -> str:
+    """An exception's message, short (a crafted object in it may be too deep or too long to print whole)."""
+    try:
+        return str(exc)[:300]
+    except Exception:  # noqa: BLE001 (RecursionError, a failing __repr__: the type says enough)
+        return ""
 
 
 def read_metadata_file(path: str | os.PathLike) -> Any:
-    """The DCP ``.metadata`` at ``path`` through :class:`MetadataUnpickler`; one line on any failure."""
+    """The DCP ``.metadata`` at ``path`` through the restricted unpickler, checked against the shard
+    files beside it (:mod:`~flexpack.run.state.dcp_metadata`); one line on any failure."""
     path = Path(path)
+    if path.is_symlink():
+        raise UnsafeCheckpointError(f"{path}: a symbolic link (to {os.readlink(path)}); a checkpoint reads only its "
+                                    "own files")
+    data = path.read_bytes()  # whole, before the first opcode: no opcode can ask for more than the file holds
     try:
-        with open(path, "rb") as f:
-            meta = MetadataUnpickler(f).load()
-    except FileNotFoundError:
-        raise
+        meta = dcp_metadata.parse(data)
     except Exception as exc:  # UnpicklingError, EOFError, a truncated or random file: all data problems
-        raise UnsafeCheckpointError(f"{path}: not readable as checkpoint metadata ({type(exc).__name__}: {exc}); "
-                                    "nothing in it was run") from None
-    if type(meta).__name__ != "Metadata" or not isinstance(getattr(meta, "state_dict_metadata", None), dict):
-        raise UnsafeCheckpointError(f"{path}: holds a {type(meta).__name__}, not checkpoint metadata")
+        raise UnsafeCheckpointError(f"{path}: not readable as checkpoint metadata ({type(exc).__name__}: "
+                                    f"{_text(exc)}); nothing in it was run or changed") from None
+    why = dcp_metadata.problem(meta, path.parent)
+    if why is not None:
+        raise UnsafeCheckpointError(f"{path}: {why}; nothing was read from it")
     return meta
 
 
@@ -87,14 +80,16 @@ class SafeReader(dcp.FileSystemReader):
 
 
 class SafePlanner(DefaultLoadPlanner):
-    """Non-tensor items (optimizer hyperparameters, step counts) load with ``weights_only=True``."""
+    """Non-tensor items (optimizer hyperparameters, step counts) are plain data: numbers, text, lists,
+    tuples, dicts (:func:`~flexpack.run.state.torch_file.plain_data`; no global, nothing allocated
+    from a number in the file)."""
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         try:
-            obj = torch.load(value, weights_only=True)
-        except Exception as exc:
+            obj = torch_file.plain_data(value.getvalue())
+        except ValueError as exc:
             raise UnsafeCheckpointError(f"{getattr(self, '_source', 'a checkpoint shard')}: item "
-                                        f"{read_item.dest_index.fqn} is not plain data ({type(exc).__name__}); "
+                                        f"{read_item.dest_index.fqn} is not plain data ({exc}); "
                                         "nothing in it was run") from None
         if self.flatten_state_dict:
             from torch.distributed.checkpoint._traverse import set_element  # what DCP's own planner uses
