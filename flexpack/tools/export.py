@@ -111,8 +111,9 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike, *, ema: bool = Fa
     """Export ``run``'s newest intact checkpoint into ``out`` (see the module docstring); returns ``out``.
     ``overrides`` (``--set``) apply to the checkpoint's own config."""
     from flexpack.run.config import save_config
+    from flexpack.run.state.locate import pick_checkpoint
     from flexpack.tools.export_io import load_checkpoint as _load
-    from flexpack.tools.export_io import ordinary_modes, pick_checkpoint, remove_stale
+    from flexpack.tools.export_io import ordinary_modes, remove_stale
 
     run, out = Path(run), Path(out)
     _check_out(out)

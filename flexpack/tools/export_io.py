@@ -1,7 +1,5 @@
-"""Reading a run's checkpoint for ``export`` and ``verify --checkpoint``, and writing files others can read.
+"""Reading a run's checkpoint for ``export``, and writing files others can read.
 
-- :func:`pick_checkpoint`: the newest intact checkpoint of a run folder (or a checkpoint folder
-  itself); every damaged newer one is said on stderr with why, so a user sees which step is used.
 - :func:`load_checkpoint`: the checkpoint's own ``config.json`` (not the run's first one: a run
   started over with another model keeps the first) with ``--set`` overrides, and a
   single-process model (and EMA) holding its weights.
@@ -18,34 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-
-def pick_checkpoint(run: Path, command: str) -> Path:
-    """The newest intact checkpoint of a run folder (or ``run`` itself when it is a checkpoint folder);
-    each damaged newer one is said on stderr with why."""
-    from flexpack.run.state import checkpoint
-
-    if (run / checkpoint.MANIFEST).is_file() or (run / "state").is_dir():
-        why = checkpoint.problem(run)
-        if why is not None:
-            raise ValueError(why)
-        return run
-    root = run / "checkpoints"
-    if not root.is_dir():
-        raise FileNotFoundError(f"{run}: no checkpoints/ folder; not a flexpack run folder (runtime.out_dir of a train "
-                                "run) nor a checkpoint folder")
-    damaged: list[str] = []
-
-    def report(why: str) -> None:
-        damaged.append(why)
-        print(f"{command}: warning: {why}; using the checkpoint before it", file=sys.stderr)
-
-    found = checkpoint.latest(root, on_damaged=report)
-    if found is None:
-        if damaged:
-            raise ValueError(f"{root}: no usable checkpoint, all {len(damaged)} are damaged (newest: {damaged[0]})")
-        raise FileNotFoundError(f"{root}: no complete checkpoint")
-    return found
 
 
 def load_checkpoint(

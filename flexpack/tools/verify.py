@@ -198,7 +198,7 @@ def verify_config(cfg: Any, *, micro_batches: int = 2, checkpoint_dir: str | Non
     model, compiled = data.build_model(), data.parallel.compile  # as training builds it
     if checkpoint_dir:
         # pick_checkpoint says which one and why a newer one was skipped
-        from flexpack.tools.export_io import pick_checkpoint
+        from flexpack.run.state.locate import pick_checkpoint
 
         found = pick_checkpoint(Path(checkpoint_dir), "verify")
         state = checkpoint.load(found, model, restore_rng=False)  # a checkpoint of another shape: one line
