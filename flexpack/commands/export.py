@@ -8,17 +8,18 @@ from pathlib import Path
 
 import torch
 
+from flexpack.commands.common import add_set
 from flexpack.tools.export import export_run
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run", type=Path, help="run folder (runtime.out_dir of flexpack train)")
+    parser.add_argument("run", type=Path, help="a run folder (runtime.out_dir of flexpack train: its newest intact "
+                        "checkpoint) or a checkpoint folder")
     parser.add_argument("out", type=Path, help="new or empty folder to write")
     parser.add_argument("--ema", action="store_true", help="also write the EMA weights (OUT/ema/, same layout)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="dtype of the exported weights")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a value of the checkpoint's config, e.g. --set data.root=DATASET (repeatable)")
+    add_set(parser, of="the checkpoint's config", example="data.root=DATASET")
     parser.add_argument("--no-policy", action="store_true",
                         help="skip the LeRobot-style policy folder (OUT/lerobot_policy)")
     parser.add_argument("--push-to-hub", metavar="REPO", default=None,

@@ -1,4 +1,4 @@
-"""``flexpack sample CONFIG --checkpoint RUN``: sample episodes from a trained model and score them.
+"""``flexpack sample RUN`` (or ``CONFIG --checkpoint RUN``): sample episodes from a trained model and score them.
 
 Open-loop forecast (default): from ground-truth history at ``--cuts`` evenly spaced cut points per
 episode, predict the next ``--horizon`` latent frames (video latents and actions together).
@@ -21,6 +21,7 @@ from typing import Any
 
 from torch import nn
 
+from flexpack.commands.common import add_config, add_set, load
 from flexpack.sampling.evaluate import MODES, PairPlan, checkpoint_normalizer, dataset_for, evaluate, table
 from flexpack.sampling.schedule import SOLVERS
 from flexpack.sampling.solver import SampleOptions
@@ -37,12 +38,11 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", type=Path,
-                        help="TOML/JSON training config, or a run folder (config.json) or export folder holding one")
-    parser.add_argument("--checkpoint", required=True,
-                        help="a run folder (its newest checkpoint), a checkpoint folder, or an export folder")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config value (repeatable)")
+    add_config(parser, folders="a run, checkpoint or export folder (its config; also the default --checkpoint)")
+    parser.add_argument("--checkpoint", default=None,
+                        help="a run folder (its newest checkpoint), a checkpoint folder, or an export folder "
+                             "(default: CONFIG where it is one of those)")
+    add_set(parser)
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--episodes", type=_int_list, default=None, metavar="LIST",
                        help="dataset episode indices, e.g. 0,3,7 "
@@ -66,22 +66,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default runtime.device)")
 
 
-def _config_file(path: Path) -> Path:
-    if path.is_dir():
-        for name in ("flexpack_config.json", "config.json"):  # an export's config.json is the diffusers one
-            if (path / name).is_file():
-                return path / name
-        raise FileNotFoundError(f"{path}: holds neither config.json (a run folder) "
-                                "nor flexpack_config.json (an export)")
-    return path
-
-
 def load_weights(cfg: Any, source: str | Path, *, ema: bool = False) -> tuple[nn.Module, dict[str, Any] | None, str]:
     """The config's model with the weights of a run / checkpoint / export folder; returns
     (model, the action statistics it was trained with or None, a label naming the weights)."""
     from flexpack.run.build import build_model
     from flexpack.run.checks import check_state_shapes
     from flexpack.run.state import checkpoint
+    from flexpack.run.state.locate import pick_checkpoint
 
     path = Path(source)
     if not path.exists():
@@ -99,12 +90,7 @@ def load_weights(cfg: Any, source: str | Path, *, ema: bool = False) -> tuple[nn
         model.load_state_dict(loaded.state_dict())
         norm = json.loads((path / "normalization.json").read_text())
         return model, {k: norm[k] for k in ("mode", "low", "high")}, str(folder)
-    found = checkpoint.latest(path / "checkpoints") or checkpoint.latest(path)
-    if found is None and (path / "train_state.json").is_file():
-        found = path
-    if found is None:
-        raise ValueError(f"{path}: holds no checkpoint "
-                         "(expected a run folder, a checkpoint folder or an export folder)")
+    found = pick_checkpoint(path, "sample")  # says which one, and why a newer one was skipped
     state = checkpoint.load(found, model, restore_rng=False)
     if ema:
         if not checkpoint.has_ema(found):
@@ -126,7 +112,6 @@ def _default_out(source: Path, label: str, mode: str) -> Path:
 
 def run(args: argparse.Namespace) -> int:
     from flexpack.run.checks import resolve_device
-    from flexpack.run.config import load_config
 
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1 (solver steps from noise to data), got {args.steps}")
@@ -138,7 +123,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--plots must be >= 0, got {args.plots}")
     if args.cut_points and args.mode == "rollout":
         raise ValueError("--cut-points applies to --mode forecast (a rollout starts from the first chunk)")
-    cfg = load_config(_config_file(args.config), args.overrides)
+    source = args.checkpoint or args.config
+    if args.checkpoint is None and not args.config.is_dir():
+        raise ValueError(f"{args.config} is a config file: add --checkpoint RUN (a run, checkpoint or export folder) "
+                         "for the weights")
+    cfg = load(args.config, args.overrides)
     device = resolve_device(args.device or cfg.runtime.device)
     plan = PairPlan(mode=args.mode, cuts=args.cuts, horizon=args.horizon, cut_points=tuple(args.cut_points),
                     seed=args.seed)
@@ -147,10 +136,10 @@ def run(args: argparse.Namespace) -> int:
     context_chunk(cfg)  # a one-σ-per-episode model fails here, before any loading
     val = args.val or (args.episodes is None and bool(cfg.data.val_fraction or cfg.data.val_episodes))
     dataset = dataset_for(cfg, args.episodes, val=val)
-    model, saved, label = load_weights(cfg, args.checkpoint, ema=args.ema)
+    model, saved, label = load_weights(cfg, source, ema=args.ema)
     normalizer = checkpoint_normalizer(dataset, saved, label)
     model.to(device)
-    out = args.out or _default_out(Path(args.checkpoint), label, args.mode)
+    out = args.out or _default_out(Path(source), label, args.mode)
     options = SampleOptions(steps=args.steps, solver=args.solver,
                             dtype=cfg.runtime.dtype if device.type == "cuda" else "float32")
     metrics, files = evaluate(model, cfg, dataset, plan, options, device=device, normalizer=normalizer, out=out,

@@ -5,19 +5,18 @@ from __future__ import annotations
 
 import argparse
 import math
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from flexpack.commands.common import add_config, add_set, load
 from flexpack.tools.verify import verify_config
 from flexpack.tools.verify_report import TOLERANCES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", type=Path, help="TOML or JSON training config")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config value (repeatable)")
+    add_config(parser)
+    add_set(parser)
     parser.add_argument("--checkpoint", default=None,
                         help="weights: a checkpoint folder or a run folder (its newest checkpoint); "
                              "default: fresh init")
@@ -39,7 +38,6 @@ def run(args: argparse.Namespace) -> int:
     import os
 
     from flexpack.parallel.parallelize import world
-    from flexpack.run.config import load_config
 
     if args.micro_batches < 1:
         raise ValueError(f"--micro-batches must be >= 1, got {args.micro_batches}")
@@ -47,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--tol must be a finite number > 0 (a max relative error), got {args.tol!r}")
     if not args.synthetic and (args.synthetic_hw is not None or args.synthetic_text != 16):
         raise ValueError("--synthetic-hw and --synthetic-text shape --synthetic episodes; add --synthetic")
-    cfg = load_config(args.config, args.overrides)
+    cfg = load(args.config, args.overrides)
     started = False
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():  # torchrun: FSDP2 as training
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")

@@ -9,8 +9,8 @@ from pathlib import Path
 
 
 def pick_checkpoint(run: Path, command: str) -> Path:
-    """The newest intact checkpoint of a run folder (or ``run`` itself when it is a checkpoint folder);
-    each damaged newer one is said on stderr with why."""
+    """The newest intact checkpoint of a run folder or of its ``checkpoints/`` folder (or ``run`` itself when
+    it is a checkpoint folder); each damaged newer one is said on stderr with why (``command: warning: ...``)."""
     from flexpack.run.state import checkpoint
 
     if (run / checkpoint.MANIFEST).is_file() or (run / "state").is_dir():
@@ -18,7 +18,7 @@ def pick_checkpoint(run: Path, command: str) -> Path:
         if why is not None:
             raise ValueError(why)
         return run
-    root = run / "checkpoints"
+    root = run if run.name == "checkpoints" and any(run.glob("step_*")) else run / "checkpoints"
     if not root.is_dir():
         raise FileNotFoundError(f"{run}: no checkpoints/ folder; not a flexpack run folder (runtime.out_dir of a train "
                                 "run) nor a checkpoint folder")
