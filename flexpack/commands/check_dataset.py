@@ -6,11 +6,12 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from flexpack.data import cache
-from flexpack.data.check import check_dataset
-from flexpack.data.episodes import EpisodeSource
 from flexpack.errors import UserError, one_line
+
+if TYPE_CHECKING:
+    from flexpack.data.episodes import EpisodeSource
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _print_bounds(source: EpisodeSource, args: argparse.Namespace) -> None:
     """Per action/state dimension: the clipped share and degenerate widths (warnings, no exit 1)."""
-    from flexpack.data import stats_report
+    from flexpack.data import cache, stats_report
 
     latents = args.latents_dir or cache.default_latents_dir(source.root)
     try:
@@ -49,6 +50,9 @@ def _print_bounds(source: EpisodeSource, args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from flexpack.data import cache
+    from flexpack.data.check import check_dataset
+
     try:
         problems, source = check_dataset(
             args.root, latents_dir=args.latents_dir, cameras=args.cameras, stride=args.stride,

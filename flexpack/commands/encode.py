@@ -9,7 +9,6 @@ import argparse
 import os
 from pathlib import Path
 
-from flexpack.data.encode import encode_dataset
 from flexpack.errors import UserError, one_line
 
 
@@ -47,6 +46,8 @@ def _world() -> tuple[int, int, int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from flexpack.data.encode import encode_dataset
+
     rank, world_size, local_rank = _world()
     device = f"cuda:{local_rank}" if args.device == "cuda" and world_size > 1 else args.device
     try:

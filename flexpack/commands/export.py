@@ -6,10 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import torch
-
 from flexpack.commands.common import add_set
-from flexpack.tools.export import export_run
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,6 +36,10 @@ def run(args: argparse.Namespace) -> int:
             import huggingface_hub  # noqa: F401
         except ImportError:
             raise UserError("--push-to-hub needs huggingface_hub: pip install 'flexpack[hub]'") from None
+    import torch
+
+    from flexpack.tools.export import export_run
+
     out = export_run(args.run, args.out, ema=args.ema, dtype=getattr(torch, args.dtype), overrides=args.overrides,
                      policy=not args.no_policy)
     print(f"exported {args.run} -> {out} (load: diffusers.WanTransformer3DModel.from_pretrained({str(out)!r}); "

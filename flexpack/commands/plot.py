@@ -6,8 +6,6 @@ import argparse
 import sys
 from pathlib import Path
 
-from flexpack.training.observe.plot import plot_metrics
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run", type=Path, help="run folder (runtime.out_dir) or a metrics.jsonl file")
@@ -15,6 +13,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from flexpack.training.observe.plot import plot_metrics
+
     try:
         out = plot_metrics(args.run, args.out)
     except ValueError as exc:

@@ -17,14 +17,17 @@ import argparse
 import json
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
-
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from flexpack.commands.common import add_config, add_set, load
-from flexpack.sampling.evaluate import MODES, PairPlan, checkpoint_normalizer, dataset_for, evaluate, table
-from flexpack.sampling.schedule import SOLVERS
-from flexpack.sampling.solver import SampleOptions
+
+if TYPE_CHECKING:
+    from torch import nn
+
+# the choices of --mode and --solver, named here so that building the parser imports no torch (--help);
+# tests/test_cli.py checks they are sampling.evaluate.MODES and sampling.schedule.SOLVERS
+MODES = ("forecast", "rollout")
+SOLVERS = ("euler", "heun")
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -112,6 +115,8 @@ def _default_out(source: Path, label: str, mode: str) -> Path:
 
 def run(args: argparse.Namespace) -> int:
     from flexpack.run.checks import resolve_device
+    from flexpack.sampling.evaluate import PairPlan, checkpoint_normalizer, dataset_for, evaluate, table
+    from flexpack.sampling.solver import SampleOptions, context_chunk
 
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1 (solver steps from noise to data), got {args.steps}")
@@ -131,8 +136,6 @@ def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device or cfg.runtime.device)
     plan = PairPlan(mode=args.mode, cuts=args.cuts, horizon=args.horizon, cut_points=tuple(args.cut_points),
                     seed=args.seed)
-    from flexpack.sampling.solver import context_chunk
-
     context_chunk(cfg)  # a one-σ-per-episode model fails here, before any loading
     val = args.val or (args.episodes is None and bool(cfg.data.val_fraction or cfg.data.val_episodes))
     dataset = dataset_for(cfg, args.episodes, val=val)

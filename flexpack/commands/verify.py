@@ -6,12 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 
-import torch
-import torch.distributed as dist
-
 from flexpack.commands.common import add_config, add_set, load
-from flexpack.tools.verify import verify_config
-from flexpack.tools.verify_report import TOLERANCES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,8 +17,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "default: fresh init")
     parser.add_argument("--micro-batches", type=int, default=2, help="micro-batches of the sampler to check")
     parser.add_argument("--tol", type=float, default=None,
-                        help="one max relative error for outputs, losses and gradients (default per runtime.dtype: "
-                             + "; ".join(f"{k}: {v}" for k, v in TOLERANCES.items()) + ")")
+                        help="one max relative error for outputs, losses and gradients (default: the tolerances of "
+                             "runtime.dtype, flexpack.tools.verify_report.TOLERANCES; the report prints those used)")
     parser.add_argument("--drop-packing", action="store_true",
                         help="feed the model a layout with all doc ids 0 (the bug this check catches); must fail")
     parser.add_argument("--synthetic", action="store_true",
@@ -37,7 +32,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import os
 
+    import torch
+    import torch.distributed as dist
+
     from flexpack.parallel.parallelize import world
+    from flexpack.tools.verify import verify_config
 
     if args.micro_batches < 1:
         raise ValueError(f"--micro-batches must be >= 1, got {args.micro_batches}")

@@ -36,7 +36,6 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from tqdm import tqdm
 
 from flexpack.packing.collate import Batch
 from flexpack.parallel import float8
@@ -49,6 +48,7 @@ from flexpack.run.root import Run
 from flexpack.run.state import checkpoint, faults, resume, runfolder
 from flexpack.training.ema import make_ema
 from flexpack.training.observe import tracking
+from flexpack.training.observe.console import Console
 from flexpack.training.observe.metrics import StepMeter
 from flexpack.training.observe.profiling import StepProfiler
 from flexpack.training.optim import build_optimizer
@@ -161,8 +161,8 @@ def _train(cfg: TrainConfig, found: Path | None, stop: faults.GracefulStop, stop
         guard.flush()  # never the weights of a non-finite step
         return saver.save(step, model, opt, sampler_state=sampler_state, extra=extra, config=cfg.to_dict(), ema=ema)
 
-    bar = tqdm(total=cfg.schedule.steps, initial=start, desc="train", unit="step",
-               disable=rank != 0 or not cfg.runtime.progress)
+    console = Console(total=cfg.schedule.steps, start=start, end=end, log_every=cfg.runtime.log_every,
+                      progress=cfg.runtime.progress, rank=rank)  # a bar on a terminal, plain lines in a log
     with (StepProfiler.for_training(cfg, rank, steps_left=end - step, first_step=step, model=run.model,
                                     geometry=run.geometry, device=device) as prof,
           tracking.MetricSinks(folder, cfg, rank=rank, start_step=start) as sinks, _QuietGC() as gc_pause):
@@ -192,7 +192,7 @@ def _train(cfg: TrainConfig, found: Path | None, stop: faults.GracefulStop, stop
             signum, nonfinite = guard.signum, guard.skipped
             meter.add(batches)
             step += 1
-            bar.update(1)
+            console.update()
             result.lrs.append(lr)
             result.episodes += [b.layout.episode_index.tolist() for b in batches]
             if step % cfg.runtime.log_every == 0 or step == end or nonfinite:
@@ -201,13 +201,15 @@ def _train(cfg: TrainConfig, found: Path | None, stop: faults.GracefulStop, stop
                 result.losses.append(rec["loss"])
                 result.metrics.append(rec)
                 sinks.log(rec)
-                bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{lr:.2e}", tok_s=f"{rec['tokens_per_s']:.0f}")
+                console.row(rec)
             for hook in after:
                 if (report := hook.after_step(model, step, ema=ema)) is not None:
                     sinks.log(report.row)
+                    console.row(report.row)
                     if report.images:
                         sinks.log_images(step, dict(report.images))
-    bar.close()
+            console.end_step(step)
+    console.close()
     result.step = step
     guard.flush()
     if step > start:
