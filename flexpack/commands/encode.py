@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 from flexpack.errors import UserError, one_line
@@ -36,7 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tile-size", type=int, default=256,
                         help="wan-vae --tiling: tile edge in pixels (default 256)")
     parser.add_argument("--slicing", action="store_true", help="wan-vae: one camera at a time through the VAE (memory)")
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bar (there is none where stderr is not a terminal)")
 
 
 def _world() -> tuple[int, int, int]:
@@ -54,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
         report = encode_dataset(
             args.dataset, encoder=args.encoder, text_encoder=args.text_encoder, cameras=args.cameras,
             latents_dir=args.latents_dir, video_backend=args.video_backend, device=device,
-            progress=not args.no_progress, text_device=args.text_device, text_batch_size=args.text_batch_size,
+            progress=not args.no_progress and sys.stderr.isatty(), text_device=args.text_device,
+            text_batch_size=args.text_batch_size,
             text_max_len=args.text_max_len, dtype=args.dtype, tiling=args.tiling, slicing=args.slicing,
             tile_size=args.tile_size,
             rank=rank, world_size=world_size,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import sys
 from pathlib import Path
 
 from flexpack.data.synthetic import SCENES, make_synthetic_dataset
@@ -50,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
             args.root, episodes=args.episodes, min_frames=args.min_frames, max_frames=args.max_frames,
             lengths=lengths, cameras=args.cameras, size=args.size, fps=args.fps, action_dim=args.action_dim,
             index_actions=args.index_actions, subtasks=args.subtasks, scene=args.scene, seed=args.seed,
-            progress=True,
+            progress=sys.stderr.isatty(),  # a bar on a terminal; in a log file its updates pile up
         )
     except (ValueError, OSError) as exc:
         raise UserError(one_line(exc)) from exc

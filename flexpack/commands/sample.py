@@ -115,6 +115,7 @@ def _default_out(source: Path, label: str, mode: str) -> Path:
 
 def run(args: argparse.Namespace) -> int:
     from flexpack.run.checks import resolve_device
+    from flexpack.run.cpu_threads import set_cpu_threads
     from flexpack.sampling.evaluate import PairPlan, checkpoint_normalizer, dataset_for, evaluate, table
     from flexpack.sampling.solver import SampleOptions, context_chunk
 
@@ -140,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
     val = args.val or (args.episodes is None and bool(cfg.data.val_fraction or cfg.data.val_episodes))
     dataset = dataset_for(cfg, args.episodes, val=val)
     model, saved, label = load_weights(cfg, source, ema=args.ema)
+    set_cpu_threads(cfg.runtime.cpu_threads, device, model)
     normalizer = checkpoint_normalizer(dataset, saved, label)
     model.to(device)
     out = args.out or _default_out(Path(source), label, args.mode)

@@ -187,6 +187,7 @@ def verify_config(cfg: Any, *, micro_batches: int = 2, checkpoint_dir: str | Non
     from flexpack.parallel.parallelize import is_sharded, world
     from flexpack.run.build import build_run
     from flexpack.run.checks import resolve_device
+    from flexpack.run.cpu_threads import cpu_threads
     from flexpack.run.state import checkpoint
 
     device = resolve_device(cfg.runtime.device) if run is None else run.device
@@ -210,16 +211,17 @@ def verify_config(cfg: Any, *, micro_batches: int = 2, checkpoint_dir: str | Non
     report = VerifyReport(tol=TOLERANCES[cfg.runtime.dtype] if tol is None else Tolerance.uniform(tol), setup=(
         f"{device} ({name}), runtime.dtype {cfg.runtime.dtype} ({mode}), blocks {'compiled' if compiled else 'eager'}, "
         f"attention {m.attn_backend}, float8 {cfg.runtime.float8}, {world()[1]} rank(s){', FSDP2' if sharded else ''}"))
-    for i, indices in enumerate(data.sampler):
-        if i >= micro_batches:
-            break
-        # as the model takes them (a video-only model gets no actions): the per-episode passes collate
-        # these items themselves
-        items = data.collate.items([data.dataset[j] for j in indices])
-        # compiled blocks: the episodes alone in the run's pack shape (one graph), as training would see them;
-        # float8: that shape holds a multiple of 16 tokens, which its GEMMs need (float8.check_tokens)
-        verify_batch(model, items, data.collate, cfg.objective, seed=cfg.runtime.seed, forward=data.forward,
-                     drop_packing=drop_packing, report=report,
-                     autocast=torch.bfloat16 if bf16 and not sharded else None,
-                     alone_collate=data.collate if compiled or cfg.runtime.float8 != "off" else None)
+    with cpu_threads(cfg.runtime.cpu_threads, device, model, say=world()[0] == 0):
+        for i, indices in enumerate(data.sampler):
+            if i >= micro_batches:
+                break
+            # as the model takes them (a video-only model gets no actions): the per-episode passes collate
+            # these items themselves
+            items = data.collate.items([data.dataset[j] for j in indices])
+            # compiled blocks: the episodes alone in the run's pack shape (one graph), as training would see them;
+            # float8: that shape holds a multiple of 16 tokens, which its GEMMs need (float8.check_tokens)
+            verify_batch(model, items, data.collate, cfg.objective, seed=cfg.runtime.seed, forward=data.forward,
+                         drop_packing=drop_packing, report=report,
+                         autocast=torch.bfloat16 if bf16 and not sharded else None,
+                         alone_collate=data.collate if compiled or cfg.runtime.float8 != "off" else None)
     return report

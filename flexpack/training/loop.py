@@ -20,6 +20,8 @@ Order of one optimizer step (nanoGPT's): lr → checkpoint → micro-steps → c
 - One step (:func:`~flexpack.training.step.train_step`) queues its work without waiting for the GPU;
   on CUDA in pack mode each block is compiled once for all layers (``runtime.compile``). The host
   reads device values at logged steps only (loss, grad norm, throughput: :mod:`flexpack.training.observe.metrics`).
+- What a person reads: a progress bar on a terminal and a plain line every ``runtime.log_every`` steps in a
+  log file (:mod:`flexpack.training.observe.console`).
 - ``runtime.profile_steps = n`` profiles n steps (:mod:`flexpack.training.observe.profiling`); metrics also go to
   TensorBoard / W&B (:mod:`flexpack.training.observe.tracking`).
 """
@@ -43,6 +45,7 @@ from flexpack.parallel.parallelize import world
 from flexpack.run.build import build_run
 from flexpack.run.checks import preflight
 from flexpack.run.config import ScheduleConfig, TrainConfig
+from flexpack.run.cpu_threads import cpu_threads
 from flexpack.run.hooks import HookContext, HookFactory
 from flexpack.run.root import Run
 from flexpack.run.state import checkpoint, faults, resume, runfolder
@@ -165,7 +168,8 @@ def _train(cfg: TrainConfig, found: Path | None, stop: faults.GracefulStop, stop
                       progress=cfg.runtime.progress, rank=rank)  # a bar on a terminal, plain lines in a log
     with (StepProfiler.for_training(cfg, rank, steps_left=end - step, first_step=step, model=run.model,
                                     geometry=run.geometry, device=device) as prof,
-          tracking.MetricSinks(folder, cfg, rank=rank, start_step=start) as sinks, _QuietGC() as gc_pause):
+          tracking.MetricSinks(folder, cfg, rank=rank, start_step=start) as sinks, _QuietGC() as gc_pause,
+          cpu_threads(cfg.runtime.cpu_threads, device, model, say=rank == 0)):  # a tiny model: one thread, said
         while step < end and not signum:
             gc_pause.step(step)
             prof.step()
