@@ -29,7 +29,6 @@ Order of one optimizer step (nanoGPT's): lr → checkpoint → micro-steps → c
 from __future__ import annotations
 
 import gc
-import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,12 +43,13 @@ from flexpack.parallel import float8
 from flexpack.parallel.parallelize import world
 from flexpack.run.build import build_run
 from flexpack.run.checks import preflight
-from flexpack.run.config import ScheduleConfig, TrainConfig
+from flexpack.run.config import TrainConfig
 from flexpack.run.cpu_threads import cpu_threads
 from flexpack.run.hooks import HookContext, HookFactory
 from flexpack.run.root import Run
 from flexpack.run.state import checkpoint, faults, resume, runfolder
 from flexpack.training.ema import make_ema
+from flexpack.training.lr_schedule import lr_at
 from flexpack.training.observe import tracking
 from flexpack.training.observe.console import Console
 from flexpack.training.observe.metrics import StepMeter
@@ -57,23 +57,6 @@ from flexpack.training.observe.profiling import StepProfiler
 from flexpack.training.optim import build_optimizer
 from flexpack.training.step import accumulate, train_step  # noqa: F401  (accumulate: public here too)
 from flexpack.training.validation import make_validator
-
-
-def lr_at(step: int, base_lr: float, sched: ScheduleConfig, resumed_at: int | None = None) -> float:
-    """LR of optimizer step ``step`` (0-based): warmup, cosine/constant, re-warmup after a resume."""
-    if step < sched.warmup_steps:
-        lr = base_lr * (step + (0 if sched.warmup_from_zero else 1)) / sched.warmup_steps
-    elif sched.decay == "constant":
-        lr = base_lr
-    else:
-        progress = min(1.0, (step - sched.warmup_steps) / max(1, sched.steps - sched.warmup_steps))
-        lr = base_lr * (sched.min_lr_ratio + (1 - sched.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-    s, n = (step - resumed_at if resumed_at is not None else -1), sched.rewarmup_steps  # s-th step after the resume
-    if 0 <= s < n and sched.rewarmup_mode == "ramp":
-        lr *= min(1.0, (s + 1) / n)
-    elif 0 <= s < n:
-        lr *= sched.rewarmup_from + (1 - sched.rewarmup_from) * s / n
-    return lr
 
 
 def _stream(loader: Any, sampler: Any) -> Iterator[tuple[Batch, dict]]:
