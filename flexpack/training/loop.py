@@ -48,6 +48,7 @@ from flexpack.run.cpu_threads import cpu_threads
 from flexpack.run.hooks import HookContext, HookFactory
 from flexpack.run.root import Run
 from flexpack.run.state import checkpoint, faults, resume, runfolder
+from flexpack.training import resume_note
 from flexpack.training.ema import make_ema
 from flexpack.training.lr_schedule import lr_at
 from flexpack.training.observe import tracking
@@ -122,11 +123,13 @@ def _train(cfg: TrainConfig, found: Path | None, stop: faults.GracefulStop, stop
     o, folder = cfg.optim, Path(cfg.runtime.out_dir)
     opt = build_optimizer(model, o, log=rank == 0, fused=device.type == "cuda")  # no decay on norms, biases, ...
     ema = make_ema(model, o.ema_decay)
-    start, resumed_at = 0, None
+    start, resumed_at, old_world = 0, None, size
     if found is not None:
-        start = resumed_at = int(resume.restore(found, cfg, model, opt, run, rank, ema=ema)["step"])
+        state = resume.restore(found, cfg, model, opt, run, rank, ema=ema)
+        start = resumed_at = int(state["step"])
+        old_world = int(state.get("world_size", size))
     if rank == 0:
-        _prepare_run(folder, cfg, start, size)
+        _prepare_run(folder, cfg, start, size, old_world)
     loader = torch.utils.data.DataLoader(run.dataset, batch_sampler=run.sampler, collate_fn=run.collate,
                                          num_workers=cfg.data.num_workers, pin_memory=device.type == "cuda")
     stream = _stream(loader, run.sampler)
@@ -233,9 +236,10 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _prepare_run(run: Path, cfg: TrainConfig, start: int, size: int) -> None:
+def _prepare_run(run: Path, cfg: TrainConfig, start: int, size: int, old_world: int) -> None:
     """Rank 0, before the first step: clear interrupted saves, cut metrics.jsonl back to ``start``
-    (the weights' step), record this start in the config history (:mod:`flexpack.run.state.runfolder`)."""
+    (the weights' step), record this start in the config history (:mod:`flexpack.run.state.runfolder`);
+    a resume with changed settings says which and what they do (:mod:`flexpack.training.resume_note`)."""
     runfolder.mark(run)
     for tmp in checkpoint.remove_temporary(run / "checkpoints"):
         why = "an interrupted save" if tmp.name.startswith((".tmp-", ".old-")) else "an interrupted pruning"
@@ -244,10 +248,12 @@ def _prepare_run(run: Path, cfg: TrainConfig, start: int, size: int) -> None:
         print(f"{run}/metrics.jsonl: removed {dropped} line(s) after step {start} (steps of a run that was "
               "stopped before checkpointing them)", file=sys.stderr)
     changed = runfolder.record_start(run, cfg.to_dict(), start_step=start, world_size=size)
-    if changed and start > 0:
-        print(f"resuming at step {start} with changed config: "
-              + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items())
-              + f" (recorded in {run}/config_history.jsonl)", file=sys.stderr)
+    if start > 0 and (changed or old_world != size):
+        what = ("changed config: " + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()) if changed
+                else f"{size} rank(s) instead of {old_world}")
+        notes = resume_note.effects(cfg, changed, step=start, world=size, old_world=old_world)
+        print(f"resuming at step {start} with {what} (recorded in {run}/config_history.jsonl)"
+              + "".join(f"\n  {line}" for line in notes), file=sys.stderr)
 
 
 def _log(step: int, lr: float, sums: torch.Tensor, norm: torch.Tensor, batches: Sequence[Batch], tpf: int,
