@@ -14,7 +14,10 @@ from flexpack.errors import UserError, one_line
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("root", type=Path, help="folder to create (must not exist)")
+    parser.add_argument("root", type=Path, help="folder to create (must not exist, but see --exist-ok)")
+    parser.add_argument("--exist-ok", action="store_true",
+                        help="a LeRobot dataset already at ROOT is kept as it is and nothing is written "
+                             "(any other folder there is still refused)")
     parser.add_argument("--episodes", type=int, default=8)
     parser.add_argument("--min-frames", type=int, default=9)
     parser.add_argument("--max-frames", type=int, default=41)
@@ -33,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.exist_ok and (args.root / "meta" / "info.json").is_file():  # e.g. `make demo`'s dataset
+        print(f"kept {args.root}: it holds a LeRobot dataset already (--exist-ok); nothing written")
+        return 0
     try:
         lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else None
     except ValueError:
