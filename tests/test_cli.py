@@ -119,3 +119,11 @@ def test_config_argument_takes_a_run_checkpoint_or_export_folder(tmp_path, capsy
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"flexpack config: error: {other}: a folder, but not a run folder")
     assert common.load(None).to_dict() == TrainConfig().to_dict()
+
+
+def test_sample_of_a_config_file_needs_a_checkpoint(capsys):
+    config = ROOT / "configs" / "tiny_cpu.toml"
+    assert main(["sample", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"flexpack sample: error: {config} is a config file: add --checkpoint RUN (a run, checkpoint or "
+                   "export folder) for the weights\n")
