@@ -115,7 +115,7 @@ def _default_out(source: Path, label: str, mode: str) -> Path:
 
 def run(args: argparse.Namespace) -> int:
     from flexpack.run.checks import resolve_device
-    from flexpack.run.cpu_threads import set_cpu_threads
+    from flexpack.run.cpu_threads import cpu_threads
     from flexpack.sampling.evaluate import PairPlan, checkpoint_normalizer, dataset_for, evaluate, table
     from flexpack.sampling.solver import SampleOptions, context_chunk
 
@@ -141,14 +141,14 @@ def run(args: argparse.Namespace) -> int:
     val = args.val or (args.episodes is None and bool(cfg.data.val_fraction or cfg.data.val_episodes))
     dataset = dataset_for(cfg, args.episodes, val=val)
     model, saved, label = load_weights(cfg, source, ema=args.ema)
-    set_cpu_threads(cfg.runtime.cpu_threads, device, model)
     normalizer = checkpoint_normalizer(dataset, saved, label)
     model.to(device)
     out = args.out or _default_out(Path(source), label, args.mode)
     options = SampleOptions(steps=args.steps, solver=args.solver,
                             dtype=cfg.runtime.dtype if device.type == "cuda" else "float32")
-    metrics, files = evaluate(model, cfg, dataset, plan, options, device=device, normalizer=normalizer, out=out,
-                              plots=args.plots)
+    with cpu_threads(cfg.runtime.cpu_threads, device, model):  # a tiny model: one thread, said so
+        metrics, files = evaluate(model, cfg, dataset, plan, options, device=device, normalizer=normalizer, out=out,
+                                  plots=args.plots)
     print(f"{label}: {metrics['mode']} of {len(metrics['episodes'])} episode(s), {metrics['pairs']} pair(s), "
           f"horizon {metrics['horizon']}, {args.steps} {args.solver} steps")
     print(table(metrics))
