@@ -46,7 +46,7 @@ demo: $(STAMP)
 	$(BIN)/flexpack stats --dataset $(OUT)/demo-data --mode pad --batch-size 4 --pool-factor 2 \
 	    --pad-multiple 4 --plot $(OUT)/stats_pad.png
 	@$(BIN)/flexpack plot $(OUT)/demo-run
-	@$(BIN)/python -m flexpack.tools.demo $(OUT) --bin $(BIN)
+	@$(BIN)/python -m flexpack.commands.demo_summary $(OUT) --bin $(BIN)
 
 # Lint (ruff, pyproject's [tool.ruff] rules), then the fast CPU tests, 3-4 min on 2 cores (GPU tests skip
 # themselves without CUDA). Tests marked `slow` (over ~30 s each: several processes, whole runs, compilation)

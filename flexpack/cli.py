@@ -11,24 +11,26 @@ import argparse
 import importlib
 import sys
 
+from flexpack import __version__
 from flexpack.errors import is_user_error, one_line
 
-# subcommand -> (module, one-line help). Each module defines ``add_arguments(parser)`` and
-# ``run(args) -> int``; modules are imported lazily so ``flexpack stats`` never imports lerobot.
+# subcommand -> (module, one-line help). Each module of flexpack/commands/ defines ``add_arguments(parser)``
+# and ``run(args) -> int``; only the module of the command given is imported, and it imports the library
+# (torch, lerobot, ...) inside ``run``: ``flexpack CMD --help`` stays under a second (tests/test_cli.py).
 COMMANDS: dict[str, tuple[str, str]] = {
     "stats": ("flexpack.commands.stats", "waste, shapes and rank balance of a sampler on episode lengths"),
-    "make-dataset": ("flexpack.data.synthetic", "write a synthetic LeRobot dataset"),
-    "encode": ("flexpack.data.encode", "encode a LeRobot dataset's videos into the latent cache"),
-    "check-dataset": ("flexpack.data.check", "list every problem of a dataset and its latent cache"),
+    "make-dataset": ("flexpack.commands.make_dataset", "write a synthetic LeRobot dataset"),
+    "encode": ("flexpack.commands.encode", "encode a LeRobot dataset's videos into the latent cache"),
+    "check-dataset": ("flexpack.commands.check_dataset", "list every problem of a dataset and its latent cache"),
     "train": ("flexpack.commands.train",
               "train a WanVA on a LeRobot dataset from a TOML/JSON config (torchrun for FSDP2)"),
-    "verify": ("flexpack.tools.verify",
+    "verify": ("flexpack.commands.verify",
                "check packed == per-episode outputs, loss and gradients; exit 1 on mismatch"),
-    "plot": ("flexpack.training.observe.plot",
+    "plot": ("flexpack.commands.plot",
              "write a PNG of a run's loss curves and throughput from its metrics.jsonl"),
     "sample": ("flexpack.commands.sample",
                "sample episodes of a trained run (forecast or rollout) and score them against baselines"),
-    "export": ("flexpack.tools.export", "write a run's newest checkpoint as a diffusers folder plus action stream"),
+    "export": ("flexpack.commands.export", "write a run's newest checkpoint as a diffusers folder plus action stream"),
     "config": ("flexpack.commands.config",
                "print the resolved training config, its defaults as TOML, or docs/CONFIG.md"),
 }
@@ -45,6 +47,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
         epilog="A bad input is one line 'flexpack CMD: error: ...' and exit status 2; --debug shows its traceback.")
     parser.add_argument("--debug", action="store_true",
                         help="show the traceback of every error (by default only bugs show one)")
+    parser.add_argument("--version", action="version", version=f"flexpack {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     wanted = next((a for a in argv if not a.startswith("-")), None)
     for name, (module, help_text) in COMMANDS.items():

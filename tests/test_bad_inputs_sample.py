@@ -211,7 +211,7 @@ def test_sample_run_reads_the_runs_current_config_not_its_first(capsys, run2, ti
     (run / "config.json").write_text(json.dumps(first))
     code, err = run_cli(capsys, "sample", str(run), "--checkpoint", str(run), "--out", str(tmp_path / "s"), *FAST)
     assert code == 0, err
-    assert f"sample: config {run / 'checkpoints' / 'step_00000004' / 'config.json'} (the run's current one" in err
+    assert f"config {run / 'checkpoints' / 'step_00000004' / 'config.json'} (the run's current one" in err
     assert resume.current_config(run) == run / "checkpoints" / "step_00000004" / "config.json"
     assert resume.current_config(run / "checkpoints" / "step_00000002") == \
         run / "checkpoints" / "step_00000002" / "config.json"

@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
+
+from flexpack.commands.common import add_config, add_set, load
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     show = sub.add_parser("show", help="the resolved config: every key, its value, default and doc",
                           description="Print the resolved config: every key, its value, its default and its doc.")
-    show.add_argument("config", type=Path, nargs="?", default=None, help="TOML or JSON config (default: the defaults)")
-    show.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                      help="override a config value, e.g. --set schedule.steps=40 (repeatable)")
+    add_config(show, folders="a run, checkpoint or export folder (its config); default: the defaults", optional=True)
+    add_set(show)
     sub.add_parser("defaults", help="a complete commented TOML of the defaults (loads back to exactly them)")
     sub.add_parser("markdown", help="the config reference as Markdown (docs/CONFIG.md)")
 
@@ -27,9 +27,7 @@ def run(args: argparse.Namespace) -> int:
     from flexpack.tools import config_doc
 
     if args.action == "show":
-        from flexpack.run.config import load_config
-
-        text = config_doc.render_show(load_config(args.config, args.overrides))
+        text = config_doc.render_show(load(args.config, args.overrides))
     elif args.action == "defaults":
         text = config_doc.render_defaults()
     else:

@@ -1,4 +1,4 @@
-"""``flexpack sample CONFIG --checkpoint RUN``: sample episodes from a trained model and score them.
+"""``flexpack sample RUN`` (or ``CONFIG --checkpoint RUN``): sample episodes from a trained model and score them.
 
 Open-loop forecast (default): from ground-truth history at ``--cuts`` evenly spaced cut points per
 episode, predict the next ``--horizon`` latent frames (video latents and actions together).
@@ -18,15 +18,19 @@ import json
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
-
+from flexpack.commands.common import add_config, add_set, load
 from flexpack.run import bounds
 from flexpack.run.bounds import check_count
-from flexpack.sampling.evaluate import MODES, PairPlan, checkpoint_normalizer, dataset_for, evaluate, table
-from flexpack.sampling.schedule import SOLVERS
-from flexpack.sampling.solver import SampleOptions
+
+if TYPE_CHECKING:
+    from torch import nn
+
+# the choices of --mode and --solver, named here so that building the parser imports no torch (--help);
+# tests/test_cli.py checks they are sampling.evaluate.MODES and sampling.schedule.SOLVERS
+MODES = ("forecast", "rollout")
+SOLVERS = ("euler", "heun")
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -40,12 +44,11 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", type=Path,
-                        help="TOML/JSON training config, or a run folder (config.json) or export folder holding one")
-    parser.add_argument("--checkpoint", required=True,
-                        help="a run folder (its newest checkpoint), a checkpoint folder, or an export folder")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config value (repeatable)")
+    add_config(parser, folders="a run, checkpoint or export folder (its config; also the default --checkpoint)")
+    parser.add_argument("--checkpoint", default=None,
+                        help="a run folder (its newest checkpoint), a checkpoint folder, or an export folder "
+                             "(default: CONFIG where it is one of those)")
+    add_set(parser)
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--episodes", type=_int_list, default=None, metavar="LIST",
                        help="dataset episode indices, e.g. 0,3,7 "
@@ -69,32 +72,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default runtime.device)")
 
 
-def _config_file(path: Path) -> Path:
-    """The config file behind the ``config`` argument: a file as given; an export's ``flexpack_config.json``
-    (its ``config.json`` is the diffusers one); a run's or a checkpoint's current config
-    (:func:`flexpack.run.state.resume.current_config`: not the run's first, stale after a restart)."""
-    if not path.is_dir():
-        return path
-    if (path / "flexpack_config.json").is_file():
-        return path / "flexpack_config.json"
-    from flexpack.run.state.resume import current_config
-
-    found = current_config(path)
-    if found is None:
-        raise FileNotFoundError(f"{path}: holds neither config.json (a run or checkpoint folder) "
-                                "nor flexpack_config.json (an export)")
-    first = path / "config.json"
-    if found != first and first.is_file() and first.read_bytes() != found.read_bytes():
-        print(f"sample: config {found} (the run's current one; {first} is its first start's)", file=sys.stderr)
-    return found
-
-
 def load_weights(cfg: Any, source: str | Path, *, ema: bool = False) -> tuple[nn.Module, dict[str, Any] | None, str]:
     """The config's model with the weights of a run / checkpoint / export folder; returns
     (model, the action statistics it was trained with or None, a label naming the weights)."""
     from flexpack.run.checks import check_state_shapes
     from flexpack.run.model import build_model
     from flexpack.run.state import checkpoint
+    from flexpack.run.state.locate import load_newest
 
     path = Path(source)
     if not path.exists():
@@ -112,8 +96,6 @@ def load_weights(cfg: Any, source: str | Path, *, ema: bool = False) -> tuple[nn
         model.load_state_dict(loaded.state_dict())
         norm = json.loads((path / "normalization.json").read_text())
         return model, {k: norm[k] for k in ("mode", "low", "high")}, str(folder)
-    from flexpack.tools.export_io import load_newest
-
     tried: list[Path] = []
 
     def weights(found: Path) -> dict[str, Any]:
@@ -159,30 +141,35 @@ def check_flags(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from flexpack.run.checks import resolve_device
-    from flexpack.run.config import load_config
+    from flexpack.run.cpu_threads import cpu_threads
+    from flexpack.sampling.evaluate import PairPlan, checkpoint_normalizer, dataset_for, evaluate, table
+    from flexpack.sampling.solver import SampleOptions, context_chunk
 
     check_flags(args)
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         raise ValueError(f"--out {args.out} is a file; sample writes its metrics and plots into a folder")
     if args.cut_points and args.mode == "rollout":
         raise ValueError("--cut-points applies to --mode forecast (a rollout starts from the first chunk)")
-    cfg = load_config(_config_file(args.config), args.overrides)
+    source = args.checkpoint or args.config
+    if args.checkpoint is None and not args.config.is_dir():
+        raise ValueError(f"{args.config} is a config file: add --checkpoint RUN (a run, checkpoint or export folder) "
+                         "for the weights")
+    cfg = load(args.config, args.overrides)
     device = resolve_device(args.device or cfg.runtime.device)
     plan = PairPlan(mode=args.mode, cuts=args.cuts, horizon=args.horizon, cut_points=tuple(args.cut_points),
                     seed=args.seed)
-    from flexpack.sampling.solver import context_chunk
-
     context_chunk(cfg)  # a one-σ-per-episode model fails here, before any loading
     val = args.val or (args.episodes is None and bool(cfg.data.val_fraction or cfg.data.val_episodes))
     dataset = dataset_for(cfg, args.episodes, val=val)
-    model, saved, label = load_weights(cfg, args.checkpoint, ema=args.ema)
+    model, saved, label = load_weights(cfg, source, ema=args.ema)
     normalizer = checkpoint_normalizer(dataset, saved, label)
     model.to(device)
-    out = args.out or _default_out(Path(args.checkpoint), label, args.mode)
+    out = args.out or _default_out(Path(source), label, args.mode)
     options = SampleOptions(steps=args.steps, solver=args.solver,
                             dtype=cfg.runtime.dtype if device.type == "cuda" else "float32")
-    metrics, files = evaluate(model, cfg, dataset, plan, options, device=device, normalizer=normalizer, out=out,
-                              plots=args.plots)
+    with cpu_threads(cfg.runtime.cpu_threads, device, model):  # a tiny model: one thread, said so
+        metrics, files = evaluate(model, cfg, dataset, plan, options, device=device, normalizer=normalizer, out=out,
+                                  plots=args.plots)
     print(f"{label}: {metrics['mode']} of {len(metrics['episodes'])} episode(s), {metrics['pairs']} pair(s), "
           f"horizon {metrics['horizon']}, {args.steps} {args.solver} steps")
     print(table(metrics))

@@ -10,33 +10,35 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.distributed as dist
-
+from flexpack.commands.common import add_config, add_set, load
 from flexpack.run.checks import positive_int
-from flexpack.run.config import TrainConfig, load_config
-from flexpack.run.hooks import HookFactory
-from flexpack.run.state import faults
-from flexpack.sampling.hook import make_sample_hook
-from flexpack.training import loop
-from flexpack.training.observe import tracking
-from flexpack.training.validation import make_validator
 
-HOOKS: tuple[HookFactory, ...] = (make_validator, make_sample_hook)
+if TYPE_CHECKING:  # imported when the command runs: building the parser stays cheap (--help)
+    from flexpack.run.config import TrainConfig
+    from flexpack.run.hooks import HookFactory
+    from flexpack.training.loop import TrainResult
 
 
-def train(cfg: TrainConfig, **kwargs: Any) -> loop.TrainResult:
+def hooks() -> tuple[HookFactory, ...]:
+    """What runs after each step of ``flexpack train``: the validation loss and sampling of held-out episodes."""
+    from flexpack.sampling.hook import make_sample_hook
+    from flexpack.training.validation import make_validator
+
+    return (make_validator, make_sample_hook)
+
+
+def train(cfg: TrainConfig, **kwargs: Any) -> TrainResult:
     """:func:`flexpack.training.loop.train` with validation and sampling hooks (what ``flexpack train`` runs)."""
-    return loop.train(cfg, hooks=HOOKS, **kwargs)
+    from flexpack.training import loop
+
+    return loop.train(cfg, hooks=hooks(), **kwargs)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", type=Path, help="TOML or JSON config (configs/tiny_cpu.toml, ...)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config value, e.g. --set schedule.steps=40 (repeatable)")
+    add_config(parser, folders="a run folder (resumes that run with its config)")
+    add_set(parser)
     parser.add_argument("--stop-after", type=positive_int, default=None,
                         help="stop (with a checkpoint) after this step")
     parser.add_argument("--force", action="store_true",
@@ -44,7 +46,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, [*args.overrides, *(["runtime.adopt_dir=true"] if args.force else [])])
+    import torch
+    import torch.distributed as dist
+
+    from flexpack.run.state import faults
+    from flexpack.training.observe import tracking
+
+    cfg = load(args.config, [*args.overrides, *(["runtime.adopt_dir=true"] if args.force else [])])
     started, rank = False, int(os.environ.get("RANK", "0"))
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")

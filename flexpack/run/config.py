@@ -255,8 +255,11 @@ class RuntimeConfig:
     profile_steps: int = 0  # steps profiled by torch.profiler into RUN/profile/; 0 = off; LINGBOT_PROFILE wins if set
     profile_warmup: int = 2  # steps run before the profiled ones (compilation); LINGBOT_PROFILE_WARMUP wins if set
     seed: int = 0  # seed of the model init and the noise draws
-    log_every: int = 1  # optimizer steps between metrics.jsonl lines
-    progress: bool = True  # show a progress bar on rank 0
+    # torch threads on a CPU device (flexpack.run.cpu_threads): N, or "auto": OMP_NUM_THREADS where set, else
+    # 1 for a model under 10M parameters (its ops are too small for a thread pool), else one per core
+    cpu_threads: int | str = "auto"
+    log_every: int = 1  # optimizer steps between metrics.jsonl lines and plain log lines (a terminal: >= 10)
+    progress: bool = True  # a progress bar on rank 0 where stderr is a terminal (log lines print either way)
     tensorboard: bool = True  # event files under RUN/tb/ (flexpack.training.observe.tracking)
     wandb: bool = False  # also log to Weights & Biases (needs the wandb package; WANDB_MODE=offline works)
     wandb_project: str = "flexpack"  # W&B project of the run
@@ -288,6 +291,8 @@ class RuntimeConfig:
         if not self.out_dir:
             raise ValueError("runtime.out_dir is empty: set it to the run folder")
         _positive("runtime", log_every=self.log_every)
+        if self.cpu_threads != "auto" and not (type(self.cpu_threads) is int and self.cpu_threads >= 1):
+            raise ValueError(f"runtime.cpu_threads must be \"auto\" or a thread count >= 1, got {self.cpu_threads!r}")
         if self.compile not in (True, False, "auto"):
             raise ValueError(f"runtime.compile must be true, false or 'auto', got {self.compile!r}")
         if isinstance(self.activation_checkpointing, str) and self.activation_checkpointing != "selective":

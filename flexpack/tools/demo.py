@@ -1,6 +1,6 @@
 """The closing block of ``make demo``: what ran, where each output is, what to try next.
 
-    python -m flexpack.tools.demo OUT [--bin .venv/bin]
+    python -m flexpack.commands.demo_summary OUT [--bin .venv/bin]
 
 Lists only outputs that exist (a step that did not run leaves no line): the dataset with its
 latent cache and pooled statistics, the run folder, its newest checkpoint, ``metrics.jsonl``,
@@ -10,7 +10,6 @@ latent cache and pooled statistics, the run folder, its newest checkpoint, ``met
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -112,18 +111,3 @@ def summary(out: str | Path, *, run: str | Path | None = None, data: str | Path 
         "  docs/USAGE.md, 'Train on your data': the same steps on a LeRobot dataset with the real Wan2.2 VAE.",
     ]
     return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m flexpack.tools.demo", description=__doc__.splitlines()[0])
-    p.add_argument("out", type=Path, help="the demo's output folder (make demo: out)")
-    p.add_argument("--run", type=Path, default=None, help="run folder (default OUT/demo-run)")
-    p.add_argument("--data", type=Path, default=None, help="dataset folder (default OUT/demo-data)")
-    p.add_argument("--bin", default=".venv/bin", help="where the flexpack command is")
-    args = p.parse_args(argv)
-    print(summary(args.out, run=args.run, data=args.data, bin_dir=args.bin))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -27,7 +27,6 @@ diffusers checkpoints); :func:`load_export` reads a folder back into a :class:`W
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -118,8 +117,9 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike, *, ema: bool = Fa
     from flexpack.atomic import write_failure
     from flexpack.errors import UserError
     from flexpack.run.config import save_config
+    from flexpack.run.state.locate import load_newest
     from flexpack.tools.export_io import load_checkpoint as _load
-    from flexpack.tools.export_io import load_newest, ordinary_modes, remove_stale
+    from flexpack.tools.export_io import ordinary_modes, remove_stale
 
     run, out = Path(run), Path(out)
     _check_out(out)
@@ -187,48 +187,3 @@ def load_export(folder: str | os.PathLike, *, attn: Any = None) -> torch.nn.Modu
             for name, t in action.items():
                 model.get_parameter(name).copy_(t)
     return model
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run", type=Path, help="run folder (runtime.out_dir of flexpack train)")
-    parser.add_argument("out", type=Path, help="new or empty folder to write")
-    parser.add_argument("--ema", action="store_true", help="also write the EMA weights (OUT/ema/, same layout)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                        help="dtype of the exported weights")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a value of the checkpoint's config, e.g. --set data.root=DATASET (repeatable)")
-    parser.add_argument("--no-policy", action="store_true",
-                        help="skip the LeRobot-style policy folder (OUT/lerobot_policy)")
-    parser.add_argument("--push-to-hub", metavar="REPO", default=None,
-                        help="upload OUT to this Hugging Face model repo (org/name) once written")
-    parser.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
-
-
-def run(args: argparse.Namespace) -> int:
-    from flexpack.errors import UserError, one_line
-
-    try:
-        import diffusers  # noqa: F401  (checked before any work: the diffusers folder is the export's core)
-    except ImportError:
-        raise UserError("flexpack export needs diffusers: pip install 'flexpack[hf]'") from None
-    if args.push_to_hub:
-        try:
-            import huggingface_hub  # noqa: F401
-        except ImportError:
-            raise UserError("--push-to-hub needs huggingface_hub: pip install 'flexpack[hub]'") from None
-    out = export_run(args.run, args.out, ema=args.ema, dtype=getattr(torch, args.dtype), overrides=args.overrides,
-                     policy=not args.no_policy)
-    print(f"exported {args.run} -> {out} (load: diffusers.WanTransformer3DModel.from_pretrained({str(out)!r}); "
-          f"model card {out / 'README.md'})")
-    if args.push_to_hub:
-        from flexpack.tools.export_extras import push_to_hub
-
-        try:
-            where = push_to_hub(out, args.push_to_hub, private=args.private)
-        except Exception as exc:  # network, auth, offline mode: the export itself is complete
-            raise UserError(f"{out} is exported, but the upload to {args.push_to_hub} failed ({type(exc).__name__}: "
-                            f"{one_line(exc)}); retry with: python -c \"from flexpack.tools.export_extras import "
-                            f"push_to_hub; push_to_hub('{out}', '{args.push_to_hub}')\" (HF_HUB_OFFLINE unset, "
-                            "logged in with hf auth login)") from exc
-        print(f"pushed {out} -> {args.push_to_hub}: {where}")
-    return 0

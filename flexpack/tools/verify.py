@@ -35,16 +35,13 @@ metadata silently dropped at the model boundary): the model gets a layout whose 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import math
 import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from flexpack.errors import UserError
@@ -190,6 +187,7 @@ def verify_config(cfg: Any, *, micro_batches: int = 2, checkpoint_dir: str | Non
     from flexpack.parallel.parallelize import is_sharded, world
     from flexpack.run.build import build_run
     from flexpack.run.checks import resolve_device
+    from flexpack.run.cpu_threads import cpu_threads
     from flexpack.run.state import checkpoint
 
     device = resolve_device(cfg.runtime.device) if run is None else run.device
@@ -201,7 +199,7 @@ def verify_config(cfg: Any, *, micro_batches: int = 2, checkpoint_dir: str | Non
     model, compiled = data.build_model(), data.parallel.compile  # as training builds it
     if checkpoint_dir:
         # pick_checkpoint says which one and why a newer one was skipped
-        from flexpack.tools.export_io import pick_checkpoint
+        from flexpack.run.state.locate import pick_checkpoint
 
         found = pick_checkpoint(Path(checkpoint_dir), "verify")
         state = checkpoint.load(found, model, restore_rng=False)  # a checkpoint of another shape: one line
@@ -213,70 +211,17 @@ def verify_config(cfg: Any, *, micro_batches: int = 2, checkpoint_dir: str | Non
     report = VerifyReport(tol=TOLERANCES[cfg.runtime.dtype] if tol is None else Tolerance.uniform(tol), setup=(
         f"{device} ({name}), runtime.dtype {cfg.runtime.dtype} ({mode}), blocks {'compiled' if compiled else 'eager'}, "
         f"attention {m.attn_backend}, float8 {cfg.runtime.float8}, {world()[1]} rank(s){', FSDP2' if sharded else ''}"))
-    for i, indices in enumerate(data.sampler):
-        if i >= micro_batches:
-            break
-        # as the model takes them (a video-only model gets no actions): the per-episode passes collate
-        # these items themselves
-        items = data.collate.items([data.dataset[j] for j in indices])
-        # compiled blocks: the episodes alone in the run's pack shape (one graph), as training would see them;
-        # float8: that shape holds a multiple of 16 tokens, which its GEMMs need (float8.check_tokens)
-        verify_batch(model, items, data.collate, cfg.objective, seed=cfg.runtime.seed, forward=data.forward,
-                     drop_packing=drop_packing, report=report,
-                     autocast=torch.bfloat16 if bf16 and not sharded else None,
-                     alone_collate=data.collate if compiled or cfg.runtime.float8 != "off" else None)
+    with cpu_threads(cfg.runtime.cpu_threads, device, model, say=world()[0] == 0):
+        for i, indices in enumerate(data.sampler):
+            if i >= micro_batches:
+                break
+            # as the model takes them (a video-only model gets no actions): the per-episode passes collate
+            # these items themselves
+            items = data.collate.items([data.dataset[j] for j in indices])
+            # compiled blocks: the episodes alone in the run's pack shape (one graph), as training would see them;
+            # float8: that shape holds a multiple of 16 tokens, which its GEMMs need (float8.check_tokens)
+            verify_batch(model, items, data.collate, cfg.objective, seed=cfg.runtime.seed, forward=data.forward,
+                         drop_packing=drop_packing, report=report,
+                         autocast=torch.bfloat16 if bf16 and not sharded else None,
+                         alone_collate=data.collate if compiled or cfg.runtime.float8 != "off" else None)
     return report
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", type=Path, help="TOML or JSON training config")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config value (repeatable)")
-    parser.add_argument("--checkpoint", default=None,
-                        help="weights: a checkpoint folder or a run folder (its newest checkpoint); "
-                             "default: fresh init")
-    parser.add_argument("--micro-batches", type=int, default=2, help="micro-batches of the sampler to check")
-    parser.add_argument("--tol", type=float, default=None,
-                        help="one max relative error for outputs, losses and gradients (default per runtime.dtype: "
-                             + "; ".join(f"{k}: {v}" for k, v in TOLERANCES.items()) + ")")
-    parser.add_argument("--drop-packing", action="store_true",
-                        help="feed the model a layout with all doc ids 0 (the bug this check catches); must fail")
-    parser.add_argument("--synthetic", action="store_true",
-                        help="in-memory random episodes shaped for the model instead of data.root (no dataset needed)")
-    parser.add_argument("--synthetic-hw", type=int, nargs=2, default=None, metavar=("H", "W"),
-                        help="latent height and width of --synthetic episodes (default: one patch)")
-    parser.add_argument("--synthetic-text", type=int, default=16, metavar="L",
-                        help="text tokens per --synthetic episode")
-
-
-def run(args: argparse.Namespace) -> int:
-    import os
-
-    from flexpack.parallel.parallelize import world
-    from flexpack.run.config import load_config
-
-    if args.micro_batches < 1:
-        raise ValueError(f"--micro-batches must be >= 1, got {args.micro_batches}")
-    if args.tol is not None and not (math.isfinite(args.tol) and args.tol > 0):  # tol <= 0 fails a correct model
-        raise ValueError(f"--tol must be a finite number > 0 (a max relative error), got {args.tol!r}")
-    if not args.synthetic and (args.synthetic_hw is not None or args.synthetic_text != 16):
-        raise ValueError("--synthetic-hw and --synthetic-text shape --synthetic episodes; add --synthetic")
-    cfg = load_config(args.config, args.overrides)
-    started = False
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():  # torchrun: FSDP2 as training
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        started = True
-    try:
-        run = None
-        if args.synthetic:
-            from flexpack.run.memory_data import synthetic_run
-
-            run = synthetic_run(cfg, hw=args.synthetic_hw, text_len=args.synthetic_text)
-        report = verify_config(cfg, micro_batches=args.micro_batches, checkpoint_dir=args.checkpoint, tol=args.tol,
-                               drop_packing=args.drop_packing, run=run)
-    finally:
-        if started:
-            dist.destroy_process_group()
-    if world()[0] == 0 and int(os.environ.get("RANK", "0")) == 0:
-        print(report.table())
-    return 0 if report.ok else 1

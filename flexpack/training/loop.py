@@ -20,6 +20,8 @@ Order of one optimizer step (nanoGPT's): lr → checkpoint → micro-steps → c
 - One step (:func:`~flexpack.training.step.train_step`) queues its work without waiting for the GPU;
   on CUDA in pack mode each block is compiled once for all layers (``runtime.compile``). The host
   reads device values at logged steps only (loss, grad norm, throughput: :mod:`flexpack.training.observe.metrics`).
+- What a person reads: a progress bar on a terminal and a plain line every ``runtime.log_every`` steps in a
+  log file (:mod:`flexpack.training.observe.console`).
 - ``runtime.profile_steps = n`` profiles n steps (:mod:`flexpack.training.observe.profiling`); metrics also go to
   TensorBoard / W&B (:mod:`flexpack.training.observe.tracking`).
 """
@@ -27,7 +29,6 @@ Order of one optimizer step (nanoGPT's): lr → checkpoint → micro-steps → c
 from __future__ import annotations
 
 import gc
-import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,41 +37,27 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from tqdm import tqdm
 
 from flexpack.packing.collate import Batch
 from flexpack.parallel import float8
 from flexpack.parallel.parallelize import world
 from flexpack.run.build import build_run
 from flexpack.run.checks import preflight
-from flexpack.run.config import ScheduleConfig, TrainConfig
+from flexpack.run.config import TrainConfig
+from flexpack.run.cpu_threads import cpu_threads
 from flexpack.run.hooks import HookContext, HookFactory
 from flexpack.run.root import Run
 from flexpack.run.state import checkpoint, faults, resume, runfolder
+from flexpack.training import resume_note
 from flexpack.training.ema import make_ema
+from flexpack.training.lr_schedule import lr_at
 from flexpack.training.observe import tracking
+from flexpack.training.observe.console import Console
 from flexpack.training.observe.metrics import StepMeter
 from flexpack.training.observe.profiling import StepProfiler
 from flexpack.training.optim import build_optimizer
 from flexpack.training.step import accumulate, train_step  # noqa: F401  (accumulate: public here too)
 from flexpack.training.validation import make_validator
-
-
-def lr_at(step: int, base_lr: float, sched: ScheduleConfig, resumed_at: int | None = None) -> float:
-    """LR of optimizer step ``step`` (0-based): warmup, cosine/constant, re-warmup after a resume."""
-    if step < sched.warmup_steps:
-        lr = base_lr * (step + (0 if sched.warmup_from_zero else 1)) / sched.warmup_steps
-    elif sched.decay == "constant":
-        lr = base_lr
-    else:
-        progress = min(1.0, (step - sched.warmup_steps) / max(1, sched.steps - sched.warmup_steps))
-        lr = base_lr * (sched.min_lr_ratio + (1 - sched.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-    s, n = (step - resumed_at if resumed_at is not None else -1), sched.rewarmup_steps  # s-th step after the resume
-    if 0 <= s < n and sched.rewarmup_mode == "ramp":
-        lr *= min(1.0, (s + 1) / n)
-    elif 0 <= s < n:
-        lr *= sched.rewarmup_from + (1 - sched.rewarmup_from) * s / n
-    return lr
 
 
 def _stream(loader: Any, sampler: Any) -> Iterator[tuple[Batch, dict]]:
@@ -138,11 +125,13 @@ def _train(cfg: TrainConfig, found: Path | None, stop: faults.GracefulStop, stop
     o, folder = cfg.optim, Path(cfg.runtime.out_dir)
     opt = build_optimizer(model, o, log=rank == 0, fused=device.type == "cuda")  # no decay on norms, biases, ...
     ema = make_ema(model, o.ema_decay)
-    start, resumed_at = 0, None
+    start, resumed_at, old_world = 0, None, size
     if found is not None:
-        start = resumed_at = int(resume.restore(found, cfg, model, opt, run, rank, ema=ema)["step"])
+        state = resume.restore(found, cfg, model, opt, run, rank, ema=ema)
+        start = resumed_at = int(state["step"])
+        old_world = int(state.get("world_size", size))
     if rank == 0:
-        _prepare_run(folder, cfg, start, size)
+        _prepare_run(folder, cfg, start, size, old_world)
     loader = torch.utils.data.DataLoader(run.dataset, batch_sampler=run.sampler, collate_fn=run.collate,
                                          num_workers=cfg.data.num_workers, pin_memory=device.type == "cuda")
     stream = _stream(loader, run.sampler)
@@ -163,11 +152,12 @@ def _train(cfg: TrainConfig, found: Path | None, stop: faults.GracefulStop, stop
         guard.flush()  # never the weights of a non-finite step
         return saver.save(step, model, opt, sampler_state=sampler_state, extra=extra, config=cfg.to_dict(), ema=ema)
 
-    bar = tqdm(total=cfg.schedule.steps, initial=start, desc="train", unit="step",
-               disable=rank != 0 or not cfg.runtime.progress)
+    console = Console(total=cfg.schedule.steps, start=start, end=end, log_every=cfg.runtime.log_every,
+                      progress=cfg.runtime.progress, rank=rank)  # a bar on a terminal, plain lines in a log
     with (StepProfiler.for_training(cfg, rank, steps_left=end - step, first_step=step, model=run.model,
                                     geometry=run.geometry, device=device) as prof,
-          tracking.MetricSinks(folder, cfg, rank=rank, start_step=start) as sinks, _QuietGC() as gc_pause):
+          tracking.MetricSinks(folder, cfg, rank=rank, start_step=start) as sinks, _QuietGC() as gc_pause,
+          cpu_threads(cfg.runtime.cpu_threads, device, model, say=rank == 0)):  # a tiny model: one thread, said
         while step < end and not signum:
             gc_pause.step(step)
             prof.step()
@@ -194,7 +184,7 @@ def _train(cfg: TrainConfig, found: Path | None, stop: faults.GracefulStop, stop
             signum, nonfinite = guard.signum, guard.skipped
             meter.add(batches)
             step += 1
-            bar.update(1)
+            console.update()
             result.lrs.append(lr)
             result.episodes += [b.layout.episode_index.tolist() for b in batches]
             if step % cfg.runtime.log_every == 0 or step == end or nonfinite:
@@ -203,13 +193,15 @@ def _train(cfg: TrainConfig, found: Path | None, stop: faults.GracefulStop, stop
                 result.losses.append(rec["loss"])
                 result.metrics.append(rec)
                 sinks.log(rec)
-                bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{lr:.2e}", tok_s=f"{rec['tokens_per_s']:.0f}")
+                console.row(rec)
             for hook in after:
                 if (report := hook.after_step(model, step, ema=ema)) is not None:
                     sinks.log(report.row)
+                    console.row(report.row)
                     if report.images:
                         sinks.log_images(step, dict(report.images))
-    bar.close()
+            console.end_step(step)
+    console.close()
     result.step = step
     guard.flush()
     if step > start:
@@ -246,9 +238,10 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _prepare_run(run: Path, cfg: TrainConfig, start: int, size: int) -> None:
+def _prepare_run(run: Path, cfg: TrainConfig, start: int, size: int, old_world: int) -> None:
     """Rank 0, before the first step: clear interrupted saves, cut metrics.jsonl back to ``start``
-    (the weights' step), record this start in the config history (:mod:`flexpack.run.state.runfolder`)."""
+    (the weights' step), record this start in the config history (:mod:`flexpack.run.state.runfolder`);
+    a resume with changed settings says which and what they do (:mod:`flexpack.training.resume_note`)."""
     runfolder.mark(run)
     for tmp in checkpoint.remove_temporary(run / "checkpoints"):
         why = "an interrupted save" if tmp.name.startswith((".tmp-", ".old-")) else "an interrupted pruning"
@@ -257,10 +250,12 @@ def _prepare_run(run: Path, cfg: TrainConfig, start: int, size: int) -> None:
         print(f"{run}/metrics.jsonl: removed {dropped} line(s) after step {start} (steps of a run that was "
               "stopped before checkpointing them)", file=sys.stderr)
     changed = runfolder.record_start(run, cfg.to_dict(), start_step=start, world_size=size)
-    if changed and start > 0:
-        print(f"resuming at step {start} with changed config: "
-              + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items())
-              + f" (recorded in {run}/config_history.jsonl)", file=sys.stderr)
+    if start > 0 and (changed or old_world != size):
+        what = ("changed config: " + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()) if changed
+                else f"{size} rank(s) instead of {old_world}")
+        notes = resume_note.effects(cfg, changed, step=start, world=size, old_world=old_world)
+        print(f"resuming at step {start} with {what} (recorded in {run}/config_history.jsonl)"
+              + "".join(f"\n  {line}" for line in notes), file=sys.stderr)
 
 
 def _log(step: int, lr: float, sums: torch.Tensor, norm: torch.Tensor, batches: Sequence[Batch], tpf: int,

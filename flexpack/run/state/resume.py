@@ -70,7 +70,9 @@ def current_config(folder: str | Path) -> Path | None:
     folder = Path(folder)
     if (folder / checkpoint.MANIFEST).is_file() and (folder / "config.json").is_file():
         return folder / "config.json"
-    newest = checkpoint.latest(folder / "checkpoints")  # damaged ones are said where the weights are picked
+    # sizes only (a full content check reads every shard); the weights are checked where they are loaded,
+    # and a damaged one is said there
+    newest = checkpoint.latest(folder / "checkpoints", content=False)
     if newest is not None and (newest / "config.json").is_file():
         return newest / "config.json"
     return folder / "config.json" if (folder / "config.json").is_file() else None

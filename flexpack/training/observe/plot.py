@@ -6,10 +6,8 @@ validation losses) plot alike. The PNG is written atomically (default ``RUN/metr
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -96,18 +94,3 @@ def plot_metrics(run: str | os.PathLike, out: str | os.PathLike | None = None) -
     finally:
         plt.close(fig)
     return out
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run", type=Path, help="run folder (runtime.out_dir) or a metrics.jsonl file")
-    parser.add_argument("--out", type=Path, default=None, help="PNG to write (default RUN/metrics.png)")
-
-
-def run(args: argparse.Namespace) -> int:
-    try:
-        out = plot_metrics(args.run, args.out)
-    except ValueError as exc:
-        print(f"flexpack plot: error: {exc}", file=sys.stderr)
-        return 2
-    print(f"wrote {out}")
-    return 0

@@ -177,5 +177,5 @@ def outputs(run: str | os.PathLike, checkpoint: Path | None, cfg: Any) -> str:
     rows.append(("checkpoint", str(checkpoint) if checkpoint else "none"))
     rows.append(("plot", f"flexpack plot {run}"))
     if checkpoint:
-        rows.append(("sample", f"flexpack sample {run} --checkpoint {run}"))
+        rows.append(("sample", f"flexpack sample {run}"))
     return "\n".join(f"  {name:<12} {value}" for name, value in rows)

@@ -1,0 +1,58 @@
+"""``flexpack export RUN OUT``: a run's newest checkpoint as a diffusers folder plus the action stream
+(:func:`flexpack.tools.export.export_run`)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from flexpack.commands.common import add_set
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run", type=Path, help="a run folder (runtime.out_dir of flexpack train: its newest intact "
+                        "checkpoint) or a checkpoint folder")
+    parser.add_argument("out", type=Path, help="new or empty folder to write")
+    parser.add_argument("--ema", action="store_true", help="also write the EMA weights (OUT/ema/, same layout)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="dtype of the exported weights")
+    add_set(parser, of="the checkpoint's config", example="data.root=DATASET")
+    parser.add_argument("--no-policy", action="store_true",
+                        help="skip the LeRobot-style policy folder (OUT/lerobot_policy)")
+    parser.add_argument("--push-to-hub", metavar="REPO", default=None,
+                        help="upload OUT to this Hugging Face model repo (org/name) once written")
+    parser.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
+
+
+def run(args: argparse.Namespace) -> int:
+    from flexpack.errors import UserError, one_line
+
+    try:
+        import diffusers  # noqa: F401  (checked before any work: the diffusers folder is the export's core)
+    except ImportError:
+        raise UserError("flexpack export needs diffusers: pip install 'flexpack[hf]'") from None
+    if args.push_to_hub:
+        try:
+            import huggingface_hub  # noqa: F401
+        except ImportError:
+            raise UserError("--push-to-hub needs huggingface_hub: pip install 'flexpack[hub]'") from None
+    import torch
+
+    from flexpack.tools.export import export_run
+
+    out = export_run(args.run, args.out, ema=args.ema, dtype=getattr(torch, args.dtype), overrides=args.overrides,
+                     policy=not args.no_policy)
+    print(f"exported {args.run} -> {out} (load: diffusers.WanTransformer3DModel.from_pretrained({str(out)!r}); "
+          f"model card {out / 'README.md'})")
+    if args.push_to_hub:
+        from flexpack.tools.export_extras import push_to_hub
+
+        try:
+            where = push_to_hub(out, args.push_to_hub, private=args.private)
+        except Exception as exc:  # network, auth, offline mode: the export itself is complete
+            raise UserError(f"{out} is exported, but the upload to {args.push_to_hub} failed ({type(exc).__name__}: "
+                            f"{one_line(exc)}); retry with: python -c \"from flexpack.tools.export_extras import "
+                            f"push_to_hub; push_to_hub('{out}', '{args.push_to_hub}')\" (HF_HUB_OFFLINE unset, "
+                            "logged in with hf auth login)") from exc
+        print(f"pushed {out} -> {args.push_to_hub}: {where}")
+    return 0
