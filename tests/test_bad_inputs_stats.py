@@ -104,6 +104,8 @@ def test_check_dataset_and_train_refuse_a_broken_statistics_file(capsys, tiny_da
 def _run_with(folder: Path, root: Path, normalizer: dict) -> Path:
     """A run folder whose checkpoint carries ``normalizer`` as the statistics its weights were trained with."""
     cfg = tiny_config(root, folder)
+    folder.mkdir(parents=True)
+    runfolder.mark(folder)  # a run folder flexpack wrote: its marker, as train leaves it
     runfolder.record_start(folder, cfg.to_dict(), start_step=0, world_size=1)
     checkpoint.save(folder / "checkpoints", 2, build_model(cfg), None, config=cfg.to_dict(),
                     extra={"action_normalizer": normalizer})
