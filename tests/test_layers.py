@@ -115,7 +115,8 @@ def test_top_level_reexports():
 
 
 SAMPLING_MAY_IMPORT_FROM_TRAINING = {"flow.objective", "flow.noise", "build", "runstate.checkpoint", "export",
-                                     "runstate.resume", "checks", "config", "holdout", "parallel", "plan"}
+                                     "runstate.resume", "runstate.trained", "checks", "config", "holdout", "parallel",
+                                     "plan"}
 
 
 def test_sampling_imports_only_the_training_parts_it_needs():

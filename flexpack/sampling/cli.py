@@ -124,6 +124,17 @@ def _default_out(source: Path, label: str, mode: str) -> Path:
     return base / "samples" / f"{mode}_{Path(label).name}"
 
 
+def _check_trained(cfg: Any, args: argparse.Namespace) -> None:
+    """A config (or ``--set``) that disagrees with what ``--checkpoint`` trained is one line: sampling it would
+    build another model or mask around the weights (:mod:`flexpack.training.runstate.trained`)."""
+    from flexpack.training.config import load_config
+    from flexpack.training.runstate.trained import check_trained, run_config
+
+    source = run_config(Path(args.checkpoint))
+    given = str(args.config) + (" with --set " + " ".join(args.overrides) if args.overrides else "")
+    check_trained(cfg, load_config(source), given_from=given, trained_from=source, command="sample")
+
+
 def run(args: argparse.Namespace) -> int:
     from flexpack.training.checks import resolve_device
     from flexpack.training.config import load_config
@@ -139,6 +150,7 @@ def run(args: argparse.Namespace) -> int:
     if args.cut_points and args.mode == "rollout":
         raise ValueError("--cut-points applies to --mode forecast (a rollout starts from the first chunk)")
     cfg = load_config(_config_file(args.config), args.overrides)
+    _check_trained(cfg, args)
     device = resolve_device(args.device or cfg.runtime.device)
     plan = PairPlan(mode=args.mode, cuts=args.cuts, horizon=args.horizon, cut_points=tuple(args.cut_points),
                     seed=args.seed)

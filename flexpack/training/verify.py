@@ -246,12 +246,14 @@ def verify_config(cfg: Any, *, micro_batches: int = 2, checkpoint_dir: str | Non
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", type=Path, help="TOML or JSON training config")
+    parser.add_argument("config", type=Path, nargs="?", default=None,
+                        help="TOML or JSON training config; with --checkpoint it may be left out (the run's own "
+                             "config is used) and must otherwise agree with what the run trained")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config value (repeatable)")
     parser.add_argument("--checkpoint", default=None,
-                        help="weights: a checkpoint folder or a run folder (its newest checkpoint); "
-                             "default: fresh init")
+                        help="weights: a checkpoint folder or a run folder (its newest checkpoint), verified with "
+                             "the config it was trained with; default: fresh init")
     parser.add_argument("--micro-batches", type=int, default=2, help="micro-batches of the sampler to check")
     parser.add_argument("--tol", type=float, default=None,
                         help="one max relative error for outputs, losses and gradients (default per runtime.dtype: "
@@ -266,10 +268,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="text tokens per --synthetic episode")
 
 
+def trained_config(config: Path | None, overrides: Sequence[str], checkpoint: str | None) -> tuple[Any, Path | None]:
+    """(config, checkpoint folder) of a verify call. With a checkpoint: the config it was trained with
+    (:func:`~flexpack.training.runstate.runfolder.run_config`, as ``export`` reads it), said on stderr; a
+    ``config`` or ``--set`` that disagrees with it on what was trained is one line
+    (:func:`~flexpack.training.runstate.trained.check_trained`), not a check of another model."""
+    from flexpack.training.config import load_config
+    from flexpack.training.export_io import pick_checkpoint
+    from flexpack.training.runstate.trained import check_trained, run_config
+
+    if checkpoint is None:
+        if config is None:
+            raise UserError("verify needs a CONFIG, or --checkpoint RUN to verify a trained run with its own config")
+        return load_config(config, overrides), None
+    found = pick_checkpoint(Path(checkpoint), "verify")
+    source = run_config(Path(checkpoint), found)
+    trained = load_config(source)
+    cfg = load_config(config if config is not None else source, overrides)
+    given = (str(config) if config is not None else "the run's config") + (" with --set " + " ".join(overrides)
+                                                                            if overrides else "")
+    check_trained(cfg, trained, given_from=given, trained_from=source, command="verify")
+    m = cfg.model
+    print(f"verify: config of {source} ({'agreeing with ' + str(config) if config is not None else 'the run'}"
+          f"): model.mask {m.mask!r}, chunk {m.chunk_size}, {cfg.model.wan_config().num_layers} layers, "
+          f"{cfg.data.action_steps} action steps, teacher forcing {cfg.objective.teacher_forcing}", file=sys.stderr)
+    return cfg, found
+
+
 def run(args: argparse.Namespace) -> int:
     import os
 
-    from flexpack.training.config import load_config
     from flexpack.training.parallel import world
 
     if args.micro_batches < 1:
@@ -278,7 +306,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--tol must be a finite number > 0 (a max relative error), got {args.tol!r}")
     if not args.synthetic and (args.synthetic_hw is not None or args.synthetic_text != 16):
         raise ValueError("--synthetic-hw and --synthetic-text shape --synthetic episodes; add --synthetic")
-    cfg = load_config(args.config, args.overrides)
+    cfg, checkpoint = trained_config(args.config, args.overrides, args.checkpoint)
     started = False
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():  # torchrun: FSDP2 as training
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
@@ -289,7 +317,7 @@ def run(args: argparse.Namespace) -> int:
             from flexpack.training.memory_data import synthetic_data
 
             data = synthetic_data(cfg, hw=args.synthetic_hw, text_len=args.synthetic_text)
-        report = verify_config(cfg, micro_batches=args.micro_batches, checkpoint_dir=args.checkpoint, tol=args.tol,
+        report = verify_config(cfg, micro_batches=args.micro_batches, checkpoint_dir=checkpoint, tol=args.tol,
                                drop_packing=args.drop_packing, data=data)
     finally:
         if started:
