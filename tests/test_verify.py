@@ -212,7 +212,7 @@ def test_fsdp2_under_torchrun_passes_and_catches_dropped_packing(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (verify in the GPU training configuration)")
-@pytest.mark.parametrize("backend", ["flex", "auto"])
+@pytest.mark.parametrize("backend", ["flex", pytest.param("auto", marks=pytest.mark.fa4)])
 def test_verify_on_cuda_in_the_training_configuration(capsys, backend):
     """CUDA, bf16 autocast, compiled blocks, Triton flex (or FA4 via auto where installed), head dim
     128: packed == per-episode within the bf16 tolerances; dropped packing fails."""
