@@ -72,6 +72,9 @@ def run_diffusers(args, name: str, lengths: list[int], batches: list[list[int]],
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), weight_decay=0.01,
                             fused=device.type == "cuda")
     fwd = model
+    # each variant of each set compiles a new model with the same forward code: past dynamo's default limit of 8
+    # entries per code object it would fall back to eager silently
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     if compile_ == "whole":  # after the float8 conversion, as flexpack compiles its converted blocks
         fwd = torch.compile(model, dynamic=True)
     elif compile_ == "regional":  # diffusers' own recipe: each repeated block, dynamic shapes

@@ -10,9 +10,9 @@
 # Shards split by what they need: 1/2 runs `pytest -m "gpu and not fa4"` (Triton flex, the compiled block-mask
 # builder, compiled step, float8 with torchao, profiling, the host-sync checks), 2/2 runs `-m "gpu and fa4"` (the
 # FA4 backend against a float64 reference, FA4 in the step, verify and sampling, diffusers' VAE), so the wheels a
-# call carries (at most 64 MiB: FA4 comes in two halves, tools/gpu-wheels.sh's layout) are the ones its tests use.
+# call carries (at most 64 MiB: FA4 comes in two halves, scripts/gpu_wheels.sh) are the ones its tests use.
 # Each call copies the wheel folders it carries to /tmp/.gpuwheels-*/ and installs every complete set found there
-# into /tmp/site (pip --no-index --no-deps), so a later call on the same machine has them without carrying them
+# into /tmp/site (scripts/gpu_wheels.sh), so a later call on the same machine has them without carrying them
 # again; .gpuwheels-l/ (lerobot and what its dataset code imports, benchmarks/wan5b_carry.sh) is installed too
 # where the machine lacks a distribution, but no GPU test needs lerobot.
 #
@@ -75,47 +75,9 @@ phase() {
   record "$name" "$rc" "$expected" "$((SECONDS - t0))" ""
 }
 
-install_wheels() {
-  local d w=/tmp/w
-  for d in .gpuwheels-a .gpuwheels-b .gpuwheels-l .whl; do  # carried this call: kept for the next one
-    [ -d "$d" ] && { rm -rf "/tmp/$d"; cp -r "$d" "/tmp/$d"; echo "kept $d in /tmp/$d"; }
-  done
-  rm -rf "$w"; mkdir -p "$w" /tmp/site
-  cp /tmp/.whl/*.whl "$w"/ 2>/dev/null
-  if [ -f /tmp/.gpuwheels-a/cu13.partaa ] && [ -f /tmp/.gpuwheels-b/cu13.partab ]; then
-    cp /tmp/.gpuwheels-a/*.whl /tmp/.gpuwheels-b/*.whl "$w"/
-    cat /tmp/.gpuwheels-a/cu13.partaa /tmp/.gpuwheels-b/cu13.partab > "$w/$(cat /tmp/.gpuwheels-a/cu13.name)"
-  else  # FA4 without the CuTe DSL library would fail at import; diffusers comes with the second half
-    echo "FA4 not complete here (.gpuwheels-a: $(ls -d /tmp/.gpuwheels-a 2>/dev/null || echo none), .gpuwheels-b:" \
-         "$(ls -d /tmp/.gpuwheels-b 2>/dev/null || echo none)): not installed"
-  fi
-  if ls "$w"/*.whl >/dev/null 2>&1; then
-    ls -1 "$w"
-    "$PY" -m pip install -q --no-index --no-deps --upgrade --target /tmp/site "$w"/*.whl || return 1
-  else
-    echo "no complete wheel set carried or kept: none installed"
-  fi
-  [ -d /tmp/.gpuwheels-l ] || return 0
-  "$PY" - /tmp/.gpuwheels-l <<'EOF'  # lerobot's wheels: only distributions this machine lacks
-import importlib.metadata as md, pathlib, subprocess, sys
-def have(dist):
-    try:
-        md.distribution(dist)
-        return True
-    except md.PackageNotFoundError:
-        return False
-need = [str(w) for w in sorted(pathlib.Path(sys.argv[1]).glob("*.whl")) if not have(w.name.split("-")[0])]
-print(f"lerobot wheels: installing {[pathlib.Path(w).name.split('-')[0] for w in need]}")
-if need:
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", "/tmp/site",
-                    *need], check=True)
-EOF
-}
-export -f install_wheels
-export PY
 
 say "flexpack GPU suite, shard $SHARD (-m '$MARK'), in $root -> $OUT (budget ${BUDGET}s)"
-phase wheels 0 120 bash -c install_wheels >> "$log" 2>&1
+phase wheels 0 120 env PYTHON="$PY" bash scripts/gpu_wheels.sh >> "$log" 2>&1
 export PYTHONPATH="/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$root${PYTHONPATH:+:$PYTHONPATH}"
 phase requirements 0 60 "$PY" - $NEED >> "$log" 2>&1 <<'EOF'
 import importlib, sys
