@@ -7,13 +7,17 @@ Run on the H200 (see BENCHMARKS.md):
 For each case (document mask for packs of 1, 4, 6, 8 episodes; chunk-causal, 8 episodes;
 teacher forcing, 2-6 episodes x 2 copies, chunk 4) and each variant of the compiled builder
 (``graphs``: replayed CUDA graph, the default; ``launches``: the compiled kernels launched one by
-one) the builder is warmed up, then all cases and variants are timed in interleaved rounds (wall
+one; ``fixed``: graphs on the fixed segment grid of the pack's shape, as WanVA builds its masks, one cell per
+frame instead of the power of two above the segment count) the builder is warmed up, then all cases and
+variants are timed in interleaved rounds (wall
 clock of a synchronized ``prepare``, the way a training step pays for it), so that drift hits
 every one alike. Reported per case and variant: the median over all timed calls, the 90th
 percentile, the minimum and maximum, kernel launches per build and GPU kernel time per build
 (torch.profiler); and per variant the worst case (``worst``: the case with the highest median, the
 highest p90 and the single slowest call). An eager fallback of the compiled builder (a warning)
-is an error here: every case must run compiled.
+is an error here: every case must run compiled. ``--cases`` and ``--variants`` pick a subset:
+
+    python benchmarks/blockmask_build.py --cases document_8,teacher_forcing_4,text_8 --variants graphs,fixed
 """
 
 from __future__ import annotations
@@ -77,13 +81,26 @@ def main() -> None:
     ap.add_argument("--cap-frames", type=int, default=2080)
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--runs", type=int, default=10, help="timed calls per case, variant and round")
+    ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
+    ap.add_argument("--variants", default="graphs,launches", help="comma-separated: graphs, launches, fixed")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "blockmask_build_h200.json"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/blockmask_build.py needs CUDA")
     rng = random.Random(0)
     todo = cases(load_latent_frames(Path(args.frames_file)), args.cap_frames, rng)
-    variants = {"graphs": FlexAttnFunc("flex"), "launches": FlexAttnFunc("flex", graph_block_mask=False)}
+    if args.cases:
+        wanted = args.cases.split(",")
+        unknown = sorted(set(wanted) - {name for name, *_ in todo})
+        if unknown:
+            ap.error(f"--cases: unknown {unknown}; cases: {', '.join(name for name, *_ in todo)}")
+        todo = [c for c in todo if c[0] in wanted]
+    every = {"graphs": lambda: FlexAttnFunc("flex"), "launches": lambda: FlexAttnFunc("flex", graph_block_mask=False),
+             "fixed": lambda: FlexAttnFunc("flex", fixed_segments=True)}
+    bad = sorted(set(args.variants.split(",")) - set(every))
+    if bad:
+        ap.error(f"--variants: unknown {bad}; use {', '.join(every)}")
+    variants = {v: every[v]() for v in args.variants.split(",")}
     # a shape that does not compile would be timed eagerly: fail instead
     warnings.filterwarnings(
         "error", message=r".*(building eagerly|capturing the block-mask build as a CUDA graph failed).*")
@@ -104,7 +121,8 @@ def main() -> None:
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "tokens": todo[0][1].num_tokens,
               "rounds": args.rounds, "runs": args.runs, "cases": {}}
     for name, lay, kind, kw in todo:
-        result["cases"][name] = {"segment_bounds": list(variants["graphs"].prepare(lay, kind, **kw).segment_bounds())}
+        result["cases"][name] = {f"segment_bounds_{v}": list(a.prepare(lay, kind, **kw).segment_bounds())
+                                 for v, a in variants.items()}
         for v, attn in variants.items():
             ts = sorted(times[(name, v)])
             launches, gpu_ms = profile_build(attn, lay, kind, kw)
@@ -114,7 +132,9 @@ def main() -> None:
             print(f"{name:<20} {v:<9} median {row['median_ms']:.3f} ms  p90 {row['p90_ms']:.3f}"
                   f"  min {row['min_ms']:.3f}  max {row['max_ms']:.3f}  launches {launches:.0f}  GPU {gpu_ms:.3f} ms")
         c = result["cases"][name]
-        c["ratio_median_launches_over_graphs"] = c["launches"]["median_ms"] / c["graphs"]["median_ms"]
+        for v in ("launches", "fixed"):
+            if v in c and "graphs" in c:
+                c[f"ratio_median_{v}_over_graphs"] = c[v]["median_ms"] / c["graphs"]["median_ms"]
     result["worst"] = {}
     for v in variants:
         rows = {name: result["cases"][name][v] for name, *_ in todo}

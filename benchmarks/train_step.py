@@ -4,22 +4,35 @@ What ``flexpack train`` runs for a step (model from a TrainConfig via ``build_mo
 ``parallelize``, ``train_step`` = ``accumulate`` + clip + fused AdamW, items through the real
 collate, per-episode device noise) is timed on 65,536-token packs, against diffusers'
 ``WanTransformer3DModel`` of the same shape trained one episode per step (eager and
-``torch.compile(dynamic=True)``) on the same episodes, and against flexpack's pad mode. Latents
+``torch.compile(dynamic=True)``, in bf16 and with the same layers in float8: ``benchmarks/diffusers_step.py``)
+on the same episodes, and against flexpack's pad mode. Latents
 are synthetic (no lerobot), text is 512 tokens per episode, no actions; fp32 weights with bf16
 autocast everywhere. MFU counts useful FLOPs only (``flexpack.training.observe.flops``: attention on
 unmasked pairs, forward + backward 3× the forward, no recompute) against an 8192³ bf16 matmul
 measured in the same run.
 
-    python benchmarks/train_step.py --out $OUT/train_step_h200.json                # both sets, all variants
+    python benchmarks/train_step.py --out $OUT/train_step_h200.json                # ref and short, all variants
     python benchmarks/train_step.py --sets short --variants pack-compiled,diffusers-compiled
+    python benchmarks/train_step.py --sets veryshort,long \
+        --variants pack-compiled,pack-float8-tensorwise,diffusers-compiled,diffusers-float8-compiled
     python benchmarks/train_step.py --smoke                                        # CPU, tiny shapes: API check
     python benchmarks/train_step.py \
         --variants pack-compiled,pack-float8-rowwise,pack-float8-tensorwise,diffusers-compiled
     python benchmarks/train_step.py --layers 30 --activation-checkpointing selective --variants pack-float8-rowwise
     python benchmarks/train_step.py --variants pack-compiled,loop-compiled         # flexpack train vs its bare step
 
-``pack-float8-MODE``: the compiled step with ``runtime.float8 = MODE``; where one ran, the set's ``pack`` figures
-are the fastest float8 step and its ``float8`` key has the mode, its tokens/s and the bf16 step's. ``loop-*``:
+Sets (latent frames per episode): ``ref`` (103-362), ``short`` (56-146), ``veryshort`` (14-40, ~70 episodes a
+pack), ``long`` (8-600, a long tail), ``wan5b`` (``train_wan5b.sh``'s 13 episodes); see :func:`length_sets`.
+
+``pack-float8-MODE``: the compiled step with ``runtime.float8 = MODE``; ``diffusers-float8-{compiled,regional,eager}``:
+diffusers with torchao's tensorwise float8 in the layers flexpack converts. Float8 variants need an sm89+ GPU
+(refused in one line elsewhere, except ``--smoke``, which emulates them on the CPU). Per set the JSON compares
+like with like: ``pack_vs_diffusers_compiled`` is the bf16 packed step over diffusers compiled in bf16,
+``pack_float8_vs_diffusers_float8`` the fastest float8 packed step over diffusers compiled in float8
+(``comparisons`` holds both rows); ``pack_tokens_per_s`` is the fastest packed step (``pack_variant`` names it) and
+the ``float8`` key has its mode, its tokens/s and the bf16 step's. ``packing_waste`` and
+``packing_waste_incl_repeats``: pad tokens of the set's packs, repeated (tail-padding) episodes counted as used and
+as waste; ``text_slots``: the run's text key slots (empty slots cost key and value projections). ``loop-*``:
 ``benchmarks/loop_vs_step.py``; with one, the bare variants time the packs of the loop's first measured window
 (``--steps`` = ``--loop-log-every``), so ``loop_vs_step`` compares the same packs.
 ``--activation-checkpointing`` (true / N / selective) applies to every flexpack variant.
@@ -49,21 +62,49 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flexpack.packing.lengths import read_frames_file  # noqa: E402
 from flexpack.parallel.parallelize import compiled_graphs  # noqa: E402
 from flexpack.run.config import TrainConfig, from_dict  # noqa: E402
-from flexpack.run.root import geometry_for, run_for  # noqa: E402
-from flexpack.training.observe.flops import batch_flops, measured_bf16_peak, useful_flops  # noqa: E402
+from flexpack.run.root import run_for  # noqa: E402
+from flexpack.training.observe.flops import batch_flops, measured_bf16_peak  # noqa: E402
 from flexpack.training.optim import build_optimizer  # noqa: E402
 from flexpack.training.step import train_step  # noqa: E402
 
 REF = Path(__file__).resolve().parents[1] / "data" / "episode_frames_ref.txt"
 WAN5B = Path(__file__).resolve().parents[1] / "data" / "episode_frames_wan5b.txt"  # train_wan5b.sh's dataset
+DATA = Path(__file__).resolve().parents[1] / "data"
+SETS = ("ref", "short", "veryshort", "long", "wan5b")
 VARIANTS = ("pack-compiled", "pack-float8-tensorwise", "pack-float8-rowwise", "pack-eager", "diffusers-compiled",
-            "diffusers-regional", "diffusers-eager", "pad-eager")
-# also: loop-compiled, loop-float8-MODE: the same packs through `flexpack train` (benchmarks/loop_vs_step.py)
+            "diffusers-regional", "diffusers-eager", "diffusers-float8-compiled", "pad-eager")
+# also: diffusers-float8-regional / -eager; loop-compiled, loop-float8-MODE: the same packs through `flexpack train`
+# (benchmarks/loop_vs_step.py)
 
 
 def float8_of(variant: str) -> str:
     """runtime.float8 of a variant name (``pack-float8-rowwise`` → ``rowwise``); float8 variants are compiled."""
     return variant.split("float8-", 1)[1] if "float8-" in variant else "off"
+
+
+def known_variant(name: str) -> bool:
+    """Whether ``--variants`` names something this script runs."""
+    if name.startswith("diffusers-"):
+        from diffusers_step import variant
+
+        try:
+            variant(name)
+            return True
+        except ValueError:
+            return False
+    if name.startswith("loop-"):  # the loop of a packed variant
+        return "pack-" + name.removeprefix("loop-") in VARIANTS
+    return name.removesuffix("-textflash") in VARIANTS
+
+
+def float8_refused(device: torch.device) -> str | None:
+    """Why float8 matmuls cannot run on ``device`` (None where they can)."""
+    if device.type != "cuda":
+        return f"this run is on {device.type}"
+    cap = torch.cuda.get_device_capability(device)
+    if cap < (8, 9):
+        return f"{torch.cuda.get_device_name(device)} is {cap[0]}.{cap[1]}"
+    return None
 
 
 def parse_ac(text: str) -> bool | int | str:
@@ -76,12 +117,18 @@ def parse_ac(text: str) -> bool | int | str:
 
 def length_sets(smoke: bool) -> dict[str, list[int]]:
     """Latent frames per episode: the reference lengths (F 103-362), a short-episode set (F 56-146,
-    uniform, seeded: real robot datasets often have 50-150 latent frames) and ``wan5b``, the 13
-    episodes of ``benchmarks/train_wan5b.sh``'s dataset (F 69-350) repeated 40 times, as its epochs do."""
+    uniform, seeded: real robot datasets often have 50-150 latent frames), ``veryshort`` (F 14-40, ~70
+    episodes per 65,536-token pack: ``data/episode_frames_veryshort.txt``), ``long`` (F 8-600, log-normal
+    with a long tail: ``data/episode_frames_long.txt``) and ``wan5b``, the 13 episodes of
+    ``benchmarks/train_wan5b.sh``'s dataset (F 69-350) repeated 40 times, as its epochs do.
+    ``smoke``: tiny lengths for 512-token packs of 4-token frames (veryshort: ~68 episodes a pack, whose count
+    crosses 64 between packs)."""
     if smoke:
-        return {"ref": [5, 7, 3, 9, 4, 6, 8, 5] * 12, "short": [2, 3, 4, 2, 3] * 40, "wan5b": [9, 8, 7, 2] * 20}
+        return {"ref": [5, 7, 3, 9, 4, 6, 8, 5] * 12, "short": [2, 3, 4, 2, 3] * 40, "wan5b": [9, 8, 7, 2] * 20,
+                "veryshort": [1, 2, 3, 1, 2, 1, 4, 1] * 40, "long": [1, 2, 30, 3, 12, 40, 1, 6] * 12}
     return {"ref": read_frames_file(REF), "short": np.random.default_rng(0).integers(56, 147, 1280).tolist(),
-            "wan5b": read_frames_file(WAN5B) * 40}
+            "veryshort": read_frames_file(DATA / "episode_frames_veryshort.txt"),
+            "long": read_frames_file(DATA / "episode_frames_long.txt"), "wan5b": read_frames_file(WAN5B) * 40}
 
 
 def config(args: argparse.Namespace, mode: str, compile_: bool, float8: str = "off") -> TrainConfig:
@@ -237,92 +284,6 @@ def _event_times(step, n: int, device: torch.device) -> tuple[list[float], list]
     return [events[k].elapsed_time(events[k + 1]) / 1e3 for k in range(n)], out
 
 
-def run_diffusers(args, lengths: list[int], batches: list[list[int]], items: Items, compile_: bool,
-                  device: torch.device, peak: float) -> dict:
-    import diffusers
-
-    train_cfg = config(args, "pack", False)
-    cfg = train_cfg.model.wan_config()
-    geometry = geometry_for(cfg, items.shape[1:], train_cfg)  # the flexpack variants' tokens per frame
-    torch.manual_seed(0)
-    with device:
-        model = diffusers.WanTransformer3DModel(
-            patch_size=cfg.patch_size, num_attention_heads=cfg.num_heads, attention_head_dim=cfg.head_dim,
-            in_channels=cfg.in_channels, out_channels=cfg.out_dim, text_dim=cfg.text_dim, freq_dim=cfg.freq_dim,
-            ffn_dim=cfg.ffn_dim, num_layers=cfg.num_layers, cross_attn_norm=cfg.cross_attn_norm,
-            qk_norm="rms_norm_across_heads", eps=cfg.eps, rope_max_seq_len=1024)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), weight_decay=0.01,
-                            fused=device.type == "cuda")
-    fwd = model
-    if compile_ == "whole":
-        fwd = torch.compile(model, dynamic=True)
-    elif compile_ == "regional":  # diffusers' own recipe: each repeated block, dynamic shapes
-        model.compile_repeated_blocks(fullgraph=True, dynamic=True)
-    tpf = geometry.tokens_per_frame
-
-    inputs: dict[int, tuple] = {}
-
-    def load(i: int) -> tuple:  # made before timing, as the packs are collated before timing
-        if i not in inputs:
-            it = items[i]
-            inputs[i] = (it["latent"][None].to(device).float(), it["text"][None].to(device))
-        return inputs[i]
-
-    def step(i: int) -> torch.Tensor:
-        x, text = load(i)
-        noise = torch.randn_like(x)
-        sigma = torch.rand((), device=device)
-        x_t = (1 - sigma) * x + sigma * noise
-        with torch.autocast(device.type, torch.bfloat16):
-            pred = fwd(hidden_states=x_t, timestep=(sigma * 1000)[None], encoder_hidden_states=text,
-                       return_dict=False)[0]
-        loss = (pred.float() - (noise - x)).square().mean()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    # warm-up: several different lengths (a dynamic-shape compile settles after the second shape)
-    warm_eps = sorted({i for b in batches[: args.warmup] for i in b}, key=lambda i: lengths[i])
-    for i in warm_eps[:: max(1, len(warm_eps) // 6)]:
-        step(i)
-    _sync(device)
-    graphs0 = _dynamo_graphs()
-    _peak_reset(device)
-    timed = batches[args.warmup:]
-    for b in timed:
-        for i in b:
-            load(i)
-    # pass 1, as flexpack's: every timed episode once, a sync around each step. It gives the host
-    # time to queue one episode step, and it is the first step at each episode length: PyTorch
-    # builds per-shape state then (attention plans, kernel specializations), which a training run
-    # pays once per length; the timed pass 2 runs on warm lengths, as flexpack's pass 2 does.
-    first = [[_host_and_wall(lambda: step(i), device) for i in b] for b in timed]  # (host, wall) per episode
-    first_host = [h for pack in first for h, _ in pack]
-    first_wall = [sum(w for _, w in pack) for pack in first]
-    host = [_host_and_wall(lambda: step(i), device)[0] for i in timed[0][:3]]  # at warm lengths
-    # the same episodes as the timed packs, one optimizer step each, queued without syncs
-    times, losses = _event_times(lambda k: [step(i) for i in timed[k]], len(timed), device)
-    losses = [float(x) for group in losses for x in group]
-    tokens = [sum(lengths[i] for i in b) * tpf for b in timed]
-    flops = [useful_flops(cfg, [lengths[i] for i in b], items.L, video_tokens=geometry.video_tokens,
-                          action_tokens=geometry.action_tokens, copies=geometry.copies) for b in timed]
-    out = _medians(times, host, tokens, flops, peak)
-    out.update(first_pass_tokens_per_s=statistics.median(n / t for n, t in zip(tokens, first_wall)),
-               first_pass_host_ms=1e3 * statistics.median(first_host),
-               peak_mem_gb=_peak_gb(device), finite=all(np.isfinite(losses)), episodes=sum(len(b) for b in timed),
-               recompiles_after_warmup=_dynamo_graphs() - graphs0, compile=compile_ or "eager")
-    return out
-
-
-def _dynamo_graphs() -> int:
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])
-
-
 def profile_split(fn, device: torch.device) -> dict:
     """Share of CUDA kernel time per category in one step (attention / gemm / elementwise / other)."""
     from torch.profiler import ProfilerActivity, profile
@@ -356,7 +317,7 @@ def profile_split(fn, device: torch.device) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--sets", default="ref,short", help="comma-separated: ref, short, wan5b")
+    p.add_argument("--sets", default="ref,short", help="comma-separated: " + ", ".join(SETS))
     p.add_argument("--action-channels", type=int, default=0,
                    help="model.action_channels of the flexpack variants (4 action tokens per frame); diffusers has "
                         "no actions, so its variants need 0")
@@ -387,9 +348,13 @@ def main() -> None:
         args.loop_log_every = args.loop_steps = args.steps
     has_loop = any(v.startswith("loop") for v in args.variants.split(","))
     variants = [v for v in args.variants.split(",") if not (args.no_diffusers and v.startswith("diffusers"))]
-    unknown = set(args.sets.split(",")) - {"ref", "short", "wan5b"}
+    unknown = set(args.sets.split(",")) - set(SETS)
     if unknown:
-        p.error(f"--sets: unknown set(s) {sorted(unknown)}; use ref, short, wan5b")
+        p.error(f"--sets: unknown set(s) {sorted(unknown)}; use {', '.join(SETS)}")
+    bad = [v for v in variants if not known_variant(v)]
+    if bad:
+        p.error(f"--variants: unknown variant(s) {bad}; use {', '.join(VARIANTS)} (or diffusers-float8-regional, "
+                "diffusers-float8-eager, loop-compiled, loop-float8-MODE)")
     if args.action_channels < 0:
         p.error(f"--action-channels must be >= 0, got {args.action_channels}")
     if args.action_channels and any(v.startswith("diffusers") for v in variants):
@@ -399,6 +364,11 @@ def main() -> None:
         p.error(f"--steps ({args.steps}) must equal --loop-log-every ({args.loop_log_every}) with a loop-* variant: "
                 "the bare step times the packs of the loop's first measured window")
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    why = None if args.smoke else float8_refused(device)
+    f8 = [v for v in variants if "float8" in v]
+    if f8 and why:
+        p.error(f"{', '.join(f8)}: float8 matmuls need an NVIDIA GPU of compute capability 8.9 or newer; {why} "
+                "(drop them from --variants; --smoke emulates them on the CPU)")
     peak = measured_bf16_peak(device) if device.type == "cuda" else 1e12
     C, H, W, L, Dt = (4, 4, 4, 6, 32) if args.smoke else (48, 8, 16, 512, 4096)  # 32 video tokens per frame
     results = json.loads(args.out.read_text()) if args.out.exists() else {}
@@ -420,15 +390,19 @@ def main() -> None:
         res = results[set_name] = {"command": " ".join(sys.argv), "bf16_matmul_tflops": peak / 1e12}  # one run per set
         res["episodes_per_pack"] = statistics.mean(len(b) for b in batches)
         res["frames"] = [min(lengths), max(lengths)]
+        waste = packs.sampler.stats()  # the epoch the packs come from
+        res.update(packing_waste=waste.waste, packing_waste_incl_repeats=waste.waste_incl_repeats,
+                   packs_per_epoch=waste.micro_batches, text_slots=packs.text_slots)
         args.pad_batch = max(1, round(args.max_tokens / (statistics.mean(lengths) * tpf)))
         for v in variants:
             t0 = time.perf_counter()
             held = torch.cuda.memory_allocated(device) / 1e9 if device.type == "cuda" else None  # a leak shows here
             try:
                 if v.startswith("diffusers"):
-                    how = {"diffusers-compiled": "whole", "diffusers-regional": "regional"}.get(v, False)
+                    from diffusers_step import run_diffusers
+
                     n = args.warmup + (args.diffusers_steps or args.steps)
-                    r = run_diffusers(args, lengths, batches[:n], items, how, device, peak)
+                    r = run_diffusers(args, v, lengths, batches[:n], items, device, peak)
                 elif v.startswith("loop"):
                     from loop_vs_step import run_loop
 
@@ -469,12 +443,17 @@ def main() -> None:
 
 
 def _summarize(res: dict) -> None:
-    """The issue's flat keys per length set, from whatever variants have numbers."""
+    """The issue's flat keys per length set, from whatever variants have numbers (see the module docstring)."""
     def tok(v):
         return res.get(v, {}).get("tokens_per_s")
+
+    def fastest(names):
+        return max((v for v in names if tok(v)), key=tok, default=None)
+
     bf16 = res.get("pack-compiled", {}) if tok("pack-compiled") else res.get("pack-eager", {})
-    f8 = max((v for v in res if v.startswith("pack-float8-") and tok(v)), key=tok, default=None)
-    pack = res[f8] if f8 else bf16  # the issue's `pack`: the float8 step where one ran
+    f8 = fastest(v for v in res if v.startswith("pack-float8-"))
+    pack_v = fastest(v for v in ("pack-compiled", "pack-eager", f8) if v)
+    pack = res.get(pack_v, {}) if pack_v else {}
     if f8:
         res["float8"] = {"mode": float8_of(f8), "tokens_per_s": tok(f8), "bf16_tokens_per_s": bf16.get("tokens_per_s"),
                          "speedup_vs_bf16": tok(f8) / bf16["tokens_per_s"] if bf16.get("tokens_per_s") else None,
@@ -485,15 +464,27 @@ def _summarize(res: dict) -> None:
         step = bare.get("tokens_per_s_total") if same else None
         res[v]["loop_vs_step"] = same / step if step else None
         res.setdefault("loop_vs_step", {})[v] = res[v]["loop_vs_step"]
-    compiled = max((tok(v) or 0.0 for v in ("diffusers-compiled", "diffusers-regional")), default=0.0) or None
-    res.update(pack_tokens_per_s=pack.get("tokens_per_s"), diffusers_compiled_tokens_per_s=compiled,
+    d_bf16 = fastest(("diffusers-compiled", "diffusers-regional"))
+    d_f8 = fastest(("diffusers-float8-compiled", "diffusers-float8-regional"))
+    # like for like: both compiled, both bf16 or both float8 (diffusers in tensorwise; flexpack's fastest mode)
+    rows = {"bf16": ("pack-compiled" if tok("pack-compiled") else None, d_bf16), "float8": (f8, d_f8)}
+    res["comparisons"] = {k: {"pack_variant": a, "pack_tokens_per_s": tok(a) if a else None, "diffusers_variant": b,
+                              "diffusers_tokens_per_s": tok(b) if b else None,
+                              "ratio": tok(a) / tok(b) if a and b else None} for k, (a, b) in rows.items()}
+    packed = [res[v] for v in res if v.startswith(("pack-", "pad-")) and tok(v)]
+    res.update(pack_variant=pack_v, pack_tokens_per_s=tok(pack_v) if pack_v else None,
+               pack_bf16_tokens_per_s=tok(rows["bf16"][0]) if rows["bf16"][0] else None,
+               pack_float8_tokens_per_s=tok(f8) if f8 else None,
+               diffusers_compiled_tokens_per_s=tok(d_bf16) if d_bf16 else None,
+               diffusers_float8_tokens_per_s=tok(d_f8) if d_f8 else None,
                diffusers_eager_tokens_per_s=tok("diffusers-eager"), pad_tokens_per_s=tok("pad-eager"),
+               pack_vs_diffusers_compiled=res["comparisons"]["bf16"]["ratio"],
+               pack_float8_vs_diffusers_float8=res["comparisons"]["float8"]["ratio"],
                mfu_pack=pack.get("mfu"),  # useful FLOPs over the measured bf16 peak: the bf16-equivalent MFU
                peak_mem_gb_pack=pack.get("peak_mem_gb"),
-               recompiles_after_warmup=pack.get("recompiles_after_warmup"),
+               # the most any packed or padded variant of the set compiled after its warm-up
+               recompiles_after_warmup=max((r.get("recompiles_after_warmup") or 0 for r in packed), default=None),
                host_ms_per_step=pack.get("host_ms_per_step"))
-    if pack.get("tokens_per_s") and compiled:
-        res["pack_vs_diffusers_compiled"] = pack["tokens_per_s"] / compiled
 
 
 if __name__ == "__main__":

@@ -195,7 +195,7 @@ def test_auto_on_cpu_uses_flex_for_long_forward_only_calls_without_a_dense_mask(
 # ------------------------------------------------------------------ GPU (run on the H200)
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("backend", ["flex", "flex-flash", "sdpa-loop", "varlen"])
+@pytest.mark.parametrize("backend", ["flex", pytest.param("flex-flash", marks=pytest.mark.fa4), "sdpa-loop", "varlen"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_gpu_backends_forward_backward(backend: str, kind: str) -> None:
     if backend == "flex-flash" and not has_flash():

@@ -20,6 +20,7 @@ pytest.importorskip("lerobot")
 
 from flexpack.run.model import build_model  # noqa: E402
 from flexpack.run.state import checkpoint, resume, runfolder  # noqa: E402
+from flexpack.run.state.trained import run_config  # noqa: E402
 from flexpack.tools.export_extras import final_losses, sample_metrics  # noqa: E402
 from helpers import ROOT, TINY, run_cli, set_args, tiny_config, tiny_sets  # noqa: E402
 
@@ -212,8 +213,9 @@ def test_sample_run_reads_the_runs_current_config_not_its_first(capsys, run2, ti
     code, err = run_cli(capsys, "sample", str(run), "--checkpoint", str(run), "--out", str(tmp_path / "s"), *FAST)
     assert code == 0, err
     assert f"config {run / 'checkpoints' / 'step_00000004' / 'config.json'} (the run's current one" in err
-    assert resume.current_config(run) == run / "checkpoints" / "step_00000004" / "config.json"
-    assert resume.current_config(run / "checkpoints" / "step_00000002") == \
-        run / "checkpoints" / "step_00000002" / "config.json"
+    assert run_config(run) == run / "checkpoints" / "step_00000004" / "config.json"
+    assert run_config(run / "checkpoints" / "step_00000002") == run / "checkpoints" / "step_00000002" / "config.json"
     shutil.rmtree(run / "checkpoints")
-    assert resume.current_config(run) == run / "config.json" and resume.current_config(tmp_path / "none") is None
+    assert run_config(run) == run / "config.json"
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        run_config(tmp_path / "none")

@@ -1,6 +1,7 @@
 """The compiled block-mask builder: its binary searches equal torch.searchsorted, it compiles (CPU
-inductor here, CUDA on the GPU) without falling back to eager, and on CUDA it compiles for every
-shape the samplers produce at the token budgets of the configs."""
+inductor here, CUDA on the GPU) without falling back to eager, and on CUDA it builds every shape the
+samplers produce at the token budgets of the configs, on the model's fixed segment grids: one compiled
+signature per mask and pack shape, whatever the episode count."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from flexpack.attention.blockmask import (
     fast_block_mask,
     prefix_sum,
 )
-from flexpack.attention.masks import make_mask, text_slots
+from flexpack.attention.masks import make_mask
 from flexpack.packing.layout import SequenceLayout
 from test_blockmask import assert_same_block_mask, layout_for
 
@@ -94,7 +95,7 @@ def reference_frames() -> list[int]:
     return [(int(x) - 1) // 4 + 1 for x in lines if x.strip() and not x.startswith("#")]
 
 
-def sampler_packs(budget_frames: int, per_count: int = 2) -> list[list[int]]:
+def sampler_packs(budget_frames: int, per_count: int = 1) -> list[list[int]]:
     """Packs (latent frames per episode) that the token-budget sampler draws from the reference
     episode lengths in its first epoch: up to ``per_count`` packs of every episode count it makes,
     every smaller count drawn from the same lengths, and a single cropped episode (crop=True)
@@ -143,11 +144,13 @@ def sweep_cases() -> list[tuple[str, SequenceLayout, str, dict, int]]:
                               (2, (("teacher_forcing", {"chunk_size": 4}),
                                    ("teacher_forcing", {"chunk_size": 4, "window": 2})))):
             cap = frames // copies  # teacher forcing: the clean copy takes half the budget
-            for lens in sampler_packs(cap):
+            packs = sampler_packs(cap)
+            slots = max(len(p) for p in packs)  # the run's text slots: the most episodes a pack holds
+            for lens in packs:
                 sl = SequenceLayout.from_rows([lens], cap, text_len=[7 + i % 5 for i in range(len(lens))])
                 for kind, kw in kinds:
                     if kind == "text":
-                        kw = {"text_tokens": TEXT_TOKENS, "text_slots": text_slots(len(lens))}
+                        kw = {"text_tokens": TEXT_TOKENS, "text_slots": slots}
                     name = f"pack-{kind}{kw.get('window', '')}-{budget}-{len(lens)}eps"
                     cases.append((name, sl, kind, dict(kw, copies=copies), len(lens)))
     for lens in pad_rows():  # pad mode: one episode per row, padded to a multiple of 8 frames
@@ -183,11 +186,12 @@ def test_sweep_parts_cover_every_case() -> None:
 @pytest.mark.parametrize("part", PARTS)
 def test_compiled_builder_compiles_every_sampler_shape_on_cuda(part: str) -> None:
     """Every (mask, budget, episode count) the samplers produce builds through the compiled builder
-    and its CUDA graph, as training runs it (FlexAttnFunc.prepare), with no eager fallback (the
-    fallback warning is an error here) and the eager builder's result."""
+    and its CUDA graph, as training runs it (FlexAttnFunc.prepare on the fixed grids WanVA uses), with no
+    eager fallback (the fallback warning is an error here), the eager builder's result, and one compiled
+    signature per mask (and window) and shape, however many episode counts share it."""
     from flexpack.attention.flex import FlexAttnFunc
 
-    attn = FlexAttnFunc("flex")
+    attn = FlexAttnFunc("flex", fixed_segments=True)
     cases = [c for c in sweep_cases() if part_of(c[0], c[1], c[3]) == part]
     assert cases
     with warnings.catch_warnings():
@@ -207,3 +211,5 @@ def test_compiled_builder_compiles_every_sampler_shape_on_cuda(part: str) -> Non
     assert builders and all(b.compile for b in builders)
     graphs = [g for b in builders for g in b._graphs.values()]
     assert graphs and all(g is not None for g in graphs)  # every signature replays a CUDA graph
+    shapes = {(kind, tuple(sl.frame_doc.shape)) for _, sl, kind, _, _ in cases}  # a window is a closure value
+    assert sum(len(b._compiled) for b in builders) == len(shapes) < len(cases)  # not one per episode count

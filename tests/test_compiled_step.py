@@ -55,6 +55,8 @@ def test_compiled_blocks_equal_eager_compile_once_and_keep_packing_exact(one_thr
         assert max(float((a - b).abs().max() / b.abs().max().clamp(min=1e-12)) for a, b in zip(g_c, g_e)) < 10 * tol
         # one graph (forward + backward) serves both blocks (one checkpointed); new layouts do not recompile
         assert BLOCK_GRAPHS.n - before <= 1
+    if device == "cuda":  # on CUDA test_verify.py's CUDA case checks packed == per-episode with compiled blocks
+        return
     # packed == per-episode through the compiled blocks (the singles' shape compiles once more)
     its = [{k: v.to(device) if torch.is_tensor(v) else v for k, v in it.items()} for it in items([4, 4], 9)]
     report = verify_batch(compiled, its, PackCollate(8), cfg)

@@ -6,6 +6,7 @@ import torch
 
 
 @pytest.mark.gpu
+@pytest.mark.fa4  # diffusers: a wheel of the suite's second shard
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_bf16_encode_on_cuda_matches_fp32_on_cpu(tiny_vae):
     from flexpack.data.encoders import WanVAEEncoder

@@ -134,8 +134,8 @@ def test_packed_sampling_equals_each_pair_alone(mask):
 
 def test_sampling_builds_masks_on_shape_fixed_segment_grids():
     """Every mask the sampler prepares has segment bounds fixed by the pack's shape (packs with
-    different episode counts share one compiled builder on CUDA); the model's attention is back to
-    count-rounded bounds afterwards."""
+    different episode counts share one compiled builder on CUDA), as the model's own attention builds
+    them in training too."""
     cfg = _cfg("document")
     torch.manual_seed(0)
     model = build_model(cfg).eval()
@@ -151,7 +151,7 @@ def test_sampling_builds_masks_on_shape_fixed_segment_grids():
     assert seen and all(fixed for fixed, _ in seen)
     grids = {b for _, b in seen}
     assert len(grids) == len({kind for kind, _ in grids}) == 2  # per mask (self, text) one grid for every pack
-    assert not real(SequenceLayout.from_rows([[3]], 8, text_len=[1]).tokens(TPF - 1, 1), "document").fixed_bounds
+    assert real(SequenceLayout.from_rows([[3]], 8, text_len=[1]).tokens(TPF - 1, 1), "document").fixed_bounds
 
 
 def test_rollout_packed_equals_alone_and_stages_chain():

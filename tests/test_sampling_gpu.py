@@ -14,7 +14,8 @@ from flexpack.sampling.pairs import make_pair
 from flexpack.sampling.solver import PackedSampler, SampleOptions
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+# attn_backend 'auto': FA4 where installed, as sampling runs on a GPU machine
+pytestmark = [pytest.mark.gpu, pytest.mark.fa4, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 TPF = 5
 
 MASKS = {
@@ -52,7 +53,7 @@ def test_compiled_packed_sampling_never_recompiles_across_lengths_and_equals_alo
         before = compiled_graphs()  # here: the eager single-pair runs below compile attention for their own lengths
         sampler.run(pairs)
         assert compiled_graphs() == before, f"recompiled for lengths {lengths}"
-        for p in pairs[:3]:
+        for p in pairs[:1]:  # each single compiles attention for its own length: one a set suffices
             (alone,) = [make_pair(it, p.cut, 4) for it in _items(lengths, seed) if it["episode_index"] == p.episode]
             PackedSampler(eager, cfg, TPF, dev, opts, max_tokens=TPF * alone.frames).run([alone])
             err = (p.pred_latent - alone.pred_latent).abs().max() / alone.pred_latent.abs().max()

@@ -121,7 +121,7 @@ def no_syncs():
     return check
 
 
-@pytest.mark.parametrize("backend", ["auto", "flex"])
+@pytest.mark.parametrize("backend", [pytest.param("auto", marks=pytest.mark.fa4), "flex"])
 @pytest.mark.parametrize("mask", ["document", "teacher_forcing"])
 def test_packed_step_has_no_host_syncs_after_warmup(no_syncs, mask, backend):
     """``auto``: FA4 (FLASH) where installed, else Triton flex; ``flex``: Triton flex."""
@@ -133,6 +133,7 @@ def test_packed_step_has_no_host_syncs_after_warmup(no_syncs, mask, backend):
     assert max(out["episodes"]) > 1
 
 
+@pytest.mark.fa4
 def test_one_episode_packs_have_no_host_syncs_after_warmup(no_syncs):
     """One episode per pack: FlexAttnFunc picks the per-episode SDPA path for its document mask,
     which needs the episode runs on the host (from the layout's host copy), and the compiled

@@ -158,10 +158,15 @@ def test_bad_backend_for_dtype_and_checkpoint_of_another_shape_are_one_line(caps
     assert "attn_backend = 'flex-flash' (FA4) takes bfloat16 inputs" in err and "runtime.dtype = 'float32'" in err
     other = WanVA(wan_config("tiny", in_channels=48, text_dim=64, action_channels=6, dim=96,  # tiny_cpu: dim 64
                              ffn_dim=96))
+    from flexpack.run.config import load_config, save_config
+
     checkpoint.save(tmp_path / "checkpoints", 3, other, None)
+    save_config(load_config(TINY), tmp_path / "config.json")  # a run whose config does not match its weights
     rc, out, err = _verify(capsys, "--checkpoint", str(tmp_path))
-    assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1 and err.startswith("flexpack verify: error: ")
-    assert "shape" in err
+    said, error = err.strip().splitlines()  # which config verify uses, then the one-line error
+    assert rc == 2 and out == "" and said.startswith("verify: config of ")
+    assert error.startswith("flexpack verify: error: ")
+    assert "shape" in error
     from flexpack.cli import main
 
     assert main(["verify", TINY, "--synthetic-hw", "2", "2"]) == 2  # shapes synthetic episodes only
@@ -209,7 +214,7 @@ def test_fsdp2_under_torchrun_passes_and_catches_dropped_packing(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (verify in the GPU training configuration)")
-@pytest.mark.parametrize("backend", ["flex", "auto"])
+@pytest.mark.parametrize("backend", ["flex", pytest.param("auto", marks=pytest.mark.fa4)])
 def test_verify_on_cuda_in_the_training_configuration(capsys, backend):
     """CUDA, bf16 autocast, compiled blocks, Triton flex (or FA4 via auto where installed), head dim
     128: packed == per-episode within the bf16 tolerances; dropped packing fails."""

@@ -18,8 +18,11 @@ Backends (all return zeros, never NaN, for query rows that may attend nothing, e
 Compilation: one compiled FlexAttention per (kernel options, shape), ``dynamic=False``, each with
 its own dynamo cache; a new shape compiles once, new layouts of the same shape do not (block-mask
 contents and the mask's closure tensors are graph inputs). The block-mask builder compiles once per
-(mask kind, shape, power-of-two bucket of segment counts): a handful of graphs over a training run,
-each also captured once as a CUDA graph that later builds replay (captures are not compiles).
+(mask kind, shape, segment grid), each also captured once as a CUDA graph that later builds replay
+(captures are not compiles). With ``fixed_segments`` (what :class:`~flexpack.models.WanVA` uses, so
+training, verify and sampling) the grid follows the layout's shape alone: one builder graph per mask
+and pack shape, whatever number of episodes a pack holds; without it the grid is the power of two
+above the mask's segment count (smaller grids, one more compile whenever a pack crosses a power of two).
 :func:`compile_count` counts every graph compiled here.
 """
 
@@ -36,7 +39,7 @@ from torch import Tensor
 from torch.autograd.profiler import record_function
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from flexpack.attention.blockmask import BlockMaskBuilder, compile_fresh
+from flexpack.attention.blockmask import MAX_SEGMENTS, BlockMaskBuilder, compile_fresh
 from flexpack.attention.masks import MASK_KINDS, MaskMod, dense_mask, make_mask, next_pow2
 from flexpack.packing.layout import SequenceLayout, TokenLayout, to_device
 
@@ -147,14 +150,16 @@ class PreparedMask:
     def segment_bounds(self) -> tuple[int, int]:
         """Static (q, kv) segment counts for the block-mask builder: the mask's host-side bounds
         rounded up to a power of two (>= 64), so that shapes, and compiles, change rarely; at
-        most one cell per (copy, row, frame) (times the mask's ``segments_per_cell``, 2 for lingbot).
-        With ``fixed_bounds`` always that maximum: one shape per layout shape, whatever the layout holds."""
+        most one cell per (copy, row, frame) (times the mask's ``segments_per_cell``, 2 for lingbot). With
+        ``fixed_bounds`` always that maximum: one shape per layout shape, whatever the layout holds (unless that
+        grid is larger than the builder takes, :data:`~flexpack.attention.blockmask.MAX_SEGMENTS` a side: then
+        the rounded bound)."""
         lay = self.layout
         per_cell = getattr(self.mask_mod, "segments_per_cell", 1)  # lingbot: video and action runs of a frame
         cells = lay.frames.num_rows * lay.frames.frames_per_row * lay.copies * per_cell + 1
         kv_cells = self.kv_segments or cells
         seg = getattr(self.mask_mod, "segments", None)
-        if seg is None or self.fixed_bounds:
+        if seg is None or (self.fixed_bounds and max(cells, kv_cells) <= MAX_SEGMENTS):
             return cells, kv_cells
         return min(max(64, next_pow2(seg[0])), cells), min(max(64, next_pow2(seg[1])), kv_cells)
 
@@ -199,10 +204,14 @@ class FlexAttnFunc:
         compile_block_mask: bool | None = None,
         range_masks: bool = True,
         graph_block_mask: bool | None = None,
+        fixed_segments: bool = False,
     ) -> None:
-        """``range_masks``: inside partial blocks the flex kernels evaluate the mask as key ranges
-        per query (:func:`flexpack.attention.blockmask.range_mask_mod`, same values); ``False`` evaluates
-        the mask_mod of :mod:`flexpack.attention.masks` there instead (kept for comparison).
+        """``fixed_segments``: build every block mask on the segment grid of the layout's shape (see
+        :meth:`fixed_segment_bounds`, which turns it on for a block of code), so that no number of
+        episodes per pack compiles the builder anew. ``range_masks``: inside partial blocks the flex
+        kernels evaluate the mask as key ranges per query (:func:`flexpack.attention.blockmask.range_mask_mod`,
+        same values); ``False`` evaluates the mask_mod of :mod:`flexpack.attention.masks` there instead (kept
+        for comparison).
         ``compile_block_mask`` / ``graph_block_mask``: compile the block-mask builder (default: on
         CUDA) and replay each compiled signature as a CUDA graph (default: when compiled on CUDA);
         see :class:`~flexpack.attention.blockmask.BlockMaskBuilder`."""
@@ -216,17 +225,18 @@ class FlexAttnFunc:
         self._graph_bm = graph_block_mask
         self._range_masks = range_masks
         self._builders: dict[bool, BlockMaskBuilder] = {}
-        self._fixed_bounds = False
+        self._fixed_bounds = fixed_segments
 
     @contextmanager
     def fixed_segment_bounds(self) -> Iterator[None]:
         """Within this block, block masks are built on segment grids sized by the layout's shape
         alone (one cell per frame and copy), not by the power of two above the mask's segment count.
 
-        Training tolerates the few builder compiles the power-of-two rounding causes (a new bound
-        compiles once); a sampler that must not compile after its warm-up, whatever number of
-        episodes a pack holds, builds every pack on one grid. The grid is larger (build time grows
-        with it), so this is not the default."""
+        A run that must not compile after its warm-up, whatever number of episodes a pack holds,
+        builds every pack on one grid (``fixed_segments=True`` does so for every call). The grid is
+        larger (one cell per frame: 2,049 a side for a 65,536-token pack of 32-token frames, against
+        64-128 for a document mask of a few dozen episodes), so a build does more work
+        (``benchmarks/blockmask_build.py`` times both grids)."""
         before, self._fixed_bounds = self._fixed_bounds, True
         try:
             yield

@@ -57,9 +57,9 @@ def config_source(path: Path) -> tuple[Path, tuple[str, ...]]:
     if not path.is_dir():
         return path, ()
     if is_run_folder(path):
-        from flexpack.run.state.resume import current_config
+        from flexpack.run.state.trained import run_config
 
-        found = current_config(path)  # its newest checkpoint's config: every restart's changes included
+        found = run_config(path)  # its newest checkpoint's config: every restart's changes included
         first = path / "config.json"
         if found != first and first.read_bytes() != found.read_bytes():
             print(f"config {found} (the run's current one; {first} is its first start's)", file=sys.stderr)

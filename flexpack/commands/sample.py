@@ -139,6 +139,16 @@ def check_flags(args: argparse.Namespace) -> None:
         check_count("--cut-points", c, 1, bounds.HORIZON, unit="latent frames of context")
 
 
+def check_trained_config(cfg: Any, source: Path, given: str) -> None:
+    """A config (or ``--set``) that disagrees with what the weights at ``source`` were trained with is one line:
+    sampling it would build another model or mask around the weights (:mod:`flexpack.run.state.trained`)."""
+    from flexpack.run.config import load_config
+    from flexpack.run.state.trained import check_trained, run_config
+
+    trained = run_config(source)
+    check_trained(cfg, load_config(trained), given_from=given, trained_from=trained, command="sample")
+
+
 def run(args: argparse.Namespace) -> int:
     from flexpack.run.checks import resolve_device
     from flexpack.run.cpu_threads import cpu_threads
@@ -155,6 +165,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.config} is a config file: add --checkpoint RUN (a run, checkpoint or export folder) "
                          "for the weights")
     cfg = load(args.config, args.overrides)
+    given = str(args.config) + (" with --set " + " ".join(args.overrides) if args.overrides else "")
+    check_trained_config(cfg, Path(source), given)
     device = resolve_device(args.device or cfg.runtime.device)
     plan = PairPlan(mode=args.mode, cuts=args.cuts, horizon=args.horizon, cut_points=tuple(args.cut_points),
                     seed=args.seed)

@@ -5,16 +5,20 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
+from pathlib import Path
+from typing import Any
 
 from flexpack.commands.common import add_config, add_set, load
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_config(parser)
+    add_config(parser, optional=True)
     add_set(parser)
     parser.add_argument("--checkpoint", default=None,
-                        help="weights: a checkpoint folder or a run folder (its newest checkpoint); "
-                             "default: fresh init")
+                        help="weights: a checkpoint folder or a run folder (its newest checkpoint), verified with "
+                             "the config it was trained with (CONFIG may then be left out, and must otherwise agree "
+                             "with what the run trained); default: fresh init")
     parser.add_argument("--micro-batches", type=int, default=2, help="micro-batches of the sampler to check")
     parser.add_argument("--tol", type=float, default=None,
                         help="one max relative error for outputs, losses and gradients (default: the tolerances of "
@@ -27,6 +31,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="latent height and width of --synthetic episodes (default: one patch)")
     parser.add_argument("--synthetic-text", type=int, default=16, metavar="L",
                         help="text tokens per --synthetic episode")
+
+
+def trained_config(args: argparse.Namespace) -> tuple[Any, Path | None]:
+    """(config, checkpoint folder) of a verify call. With ``--checkpoint``: the config it was trained with
+    (:func:`~flexpack.run.state.trained.run_config`, as ``export`` reads it), said on stderr; a CONFIG or
+    ``--set`` that disagrees with it on what was trained is one line
+    (:func:`~flexpack.run.state.trained.check_trained`), not a check of another model."""
+    from flexpack.errors import UserError
+    from flexpack.run.state.locate import pick_checkpoint
+    from flexpack.run.state.trained import check_trained, run_config
+
+    if args.checkpoint is None:
+        if args.config is None:
+            raise UserError("verify needs a CONFIG, or --checkpoint RUN to verify a trained run with its own config")
+        return load(args.config, args.overrides), None
+    found = pick_checkpoint(Path(args.checkpoint), "verify")
+    source = run_config(Path(args.checkpoint), found)
+    cfg = load(args.config if args.config is not None else source, args.overrides)
+    given = (str(args.config) if args.config is not None else "the run's config") + (
+        " with --set " + " ".join(args.overrides) if args.overrides else "")
+    check_trained(cfg, load(source), given_from=given, trained_from=source, command="verify")
+    m = cfg.model
+    print(f"verify: config of {source} ({'agreeing with ' + str(args.config) if args.config is not None else 'the run'}"
+          f"): model.family {m.family!r}, model.mask {m.mask!r}, chunk {m.chunk_size}, "
+          f"{m.resolved().num_layers} layers, {cfg.data.action_steps} action steps, "
+          f"teacher forcing {cfg.objective.teacher_forcing}", file=sys.stderr)
+    return cfg, found
 
 
 def run(args: argparse.Namespace) -> int:
@@ -44,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--tol must be a finite number > 0 (a max relative error), got {args.tol!r}")
     if not args.synthetic and (args.synthetic_hw is not None or args.synthetic_text != 16):
         raise ValueError("--synthetic-hw and --synthetic-text shape --synthetic episodes; add --synthetic")
-    cfg = load(args.config, args.overrides)
+    cfg, checkpoint = trained_config(args)
     started = False
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():  # torchrun: FSDP2 as training
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
@@ -55,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
             from flexpack.run.memory_data import synthetic_run
 
             run = synthetic_run(cfg, hw=args.synthetic_hw, text_len=args.synthetic_text)
-        report = verify_config(cfg, micro_batches=args.micro_batches, checkpoint_dir=args.checkpoint, tol=args.tol,
+        report = verify_config(cfg, micro_batches=args.micro_batches, checkpoint_dir=checkpoint, tol=args.tol,
                                drop_packing=args.drop_packing, run=run)
     finally:
         if started:

@@ -73,7 +73,8 @@ class WanVA(nn.Module):
     Args:
         config: shape and options.
         attn: the attention callable (``prepare(layout, mask, ...)`` and ``__call__(q, k, v, prepared)``);
-            default ``FlexAttnFunc(config.attn_backend)``.
+            default ``FlexAttnFunc(config.attn_backend, fixed_segments=True)``: block masks on the
+            segment grid of the pack's shape, so that no episode count compiles the mask builder anew.
     """
 
     def __init__(self, config: WanVAConfig, *, attn: Any = None) -> None:
@@ -95,7 +96,7 @@ class WanVA(nn.Module):
             # imported late: attention may pull in compile machinery
             from ..attention.flex import FlexAttnFunc
 
-            attn = FlexAttnFunc(cfg.attn_backend)
+            attn = FlexAttnFunc(cfg.attn_backend, fixed_segments=True)
         self.attn = attn
 
     # -------------------------------------------------------------- public entry points
@@ -123,8 +124,9 @@ class WanVA(nn.Module):
             action_timestep: same shape, for action tokens; defaults to ``timestep``.
             mask: self-attention mask name for ``FlexAttnFunc.prepare`` (``"document"``,
                 ``"chunk_causal"``, ``"teacher_forcing"``, ...).
-            text_slots: at least this many text key slots (default: the next power of two of the
-                episode count); a fixed value for a whole run keeps one compiled shape per pack.
+            text_slots: text key slots when the micro-batch has at most that many episodes (more
+                episodes: the next power of two of their count, as without it); a fixed value that bounds
+                every micro-batch of a run keeps one compiled shape per pack.
         """
         cfg = self.config
         layout = batch.layout if layout is None else layout
@@ -282,10 +284,10 @@ class WanVA(nn.Module):
         if text is not None:
             if text.ndim != 3 or text.shape[0] != tl.text_len.shape[0]:
                 raise ValueError(f"text must be (E={tl.text_len.shape[0]}, L, Dt), got {tuple(text.shape)}")
-            # keys padded to a power-of-two number of episode slots: one compiled shape per slot
-            # count rather than per episode count (the extra slots are masked out)
+            # keys padded to the run's slot count (or a power of two of episode slots): one compiled shape
+            # per slot count rather than per episode count (the extra slots are masked out)
             E, L = text.shape[:2]
-            slots = max(text_slots(E), min_text_slots or 0)
+            slots = min_text_slots if min_text_slots and E <= min_text_slots else text_slots(E)
             text_SD = F.pad(self.text_embed(text.to(emb.dtype)), (0, 0, 0, 0, 0, slots - E)).flatten(0, 1)  # (S*L, D)
             text_mask = self.attn.prepare(tl, "text", text_tokens=L, text_slots=slots)
 

@@ -191,6 +191,12 @@ class _EpochBatchSampler:
         """Most samples in one of this rank's batches of ``epoch`` (default: the current one)."""
         return max((len(b) for b in self._plan(epoch)[self.rank]), default=0)
 
+    def most_per_batch(self) -> int:
+        """Most samples any batch of any epoch, rank or resumed plan can hold (a bound from the
+        arguments alone, >= every ``max_batch_size``): what a run sizes per-episode shapes by so
+        that no later epoch needs a larger one."""
+        raise NotImplementedError
+
     def __len__(self) -> int:
         """Batches this rank yields in the current epoch (the same on every rank)."""
         return len(self._plan()[self.rank])
@@ -351,6 +357,9 @@ class LengthBucketBatchSampler(_EpochBatchSampler):
     def padded_frames(self, batch: Sequence[int]) -> int:
         return _round_up(max(self.lengths[i] for i in batch), self.pad_multiple)
 
+    def most_per_batch(self) -> int:
+        return min(self.batch_size, len(self.lengths))
+
     def _shape(self, batch: Sequence[int]) -> tuple[int, int]:
         return len(batch), self.padded_frames(batch)
 
@@ -431,6 +440,17 @@ class TokenBudgetBatchSampler(_EpochBatchSampler):
 
     def padded_frames(self, batch: Sequence[int]) -> int:
         return self.budget_frames
+
+    def most_per_batch(self) -> int:
+        """The most episodes whose (effective) lengths fit one budget together: the shortest ones. A pack
+        never holds an episode twice (tail-padding bins repeat episodes of other packs), so no pack of
+        any epoch holds more."""
+        used = count = 0
+        for n in sorted(self.effective_lengths):
+            if used + n > self.budget_frames:
+                break
+            used, count = used + n, count + 1
+        return count
 
     def _shape(self, batch: Sequence[int]) -> tuple[int, int]:
         return 1, self.budget_frames

@@ -21,7 +21,7 @@ torchao's float8 training (``convert_to_float8_training``; the optional extra ``
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -101,10 +101,13 @@ def layer_filter(module: nn.Module, fqn: str, *, min_dim: int | None = None) -> 
 
 
 def convert(model: nn.Module, mode: str, *, fsdp: bool = False, emulate: bool = False,
-            min_dim: int | None = None) -> list[str]:
+            min_dim: int | None = None, name_of: Callable[[str], str] | None = None) -> list[str]:
     """Swap the blocks' qualifying ``nn.Linear`` layers for torchao ``Float8Linear`` in place;
     returns their names. ``fsdp``: float8 all-gather of the weights (tensorwise only: torchao has it
-    for dynamic tensorwise scales). ``emulate``: float8 numerics without float8 kernels (tests on CPU)."""
+    for dynamic tensorwise scales). ``emulate``: float8 numerics without float8 kernels (tests on CPU).
+    ``name_of``: the WanVA name :func:`layer_filter` judges for a module's name in ``model``, so that
+    another implementation of the model (diffusers' Wan, through its WanVA names) gets the same
+    layers converted."""
     check_mode(mode)
     if mode == "off":
         return []
@@ -119,7 +122,7 @@ def convert(model: nn.Module, mode: str, *, fsdp: bool = False, emulate: bool = 
     names: list[str] = []
 
     def keep(module: nn.Module, fqn: str) -> bool:
-        ok = layer_filter(module, fqn, min_dim=min_dim)
+        ok = layer_filter(module, name_of(fqn) if name_of else fqn, min_dim=min_dim)
         if ok:
             names.append(fqn)
         return ok

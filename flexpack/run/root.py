@@ -65,6 +65,8 @@ class BatchSampler(Protocol):
 
     def max_batch_size(self) -> int: ...
 
+    def most_per_batch(self) -> int: ...
+
 
 @dataclass(frozen=True, kw_only=True)
 class ForwardOptions:
@@ -262,12 +264,11 @@ def batching(cfg: TrainConfig, lengths: Sequence[int], geometry: TokenGeometry, 
 
 
 def run_text_slots(sampler: BatchSampler) -> int:
-    """Text key slots for a run: the next power of two of the most episodes in one micro-batch of
-    the sampler's first epoch. A later micro-batch with more episodes gets more slots (one more
-    compiled shape), never fewer."""
-    from flexpack.attention.masks import text_slots
-
-    return text_slots(max(1, sampler.max_batch_size()))
+    """Text key slots for a run: the most episodes any micro-batch of any epoch can hold
+    (``sampler.most_per_batch()``: in pack mode the shortest episodes that fit one budget), so that
+    the text keys keep one shape, and the compiled blocks one graph, for the whole run. Not rounded
+    up: every empty slot costs its text tokens' key and value projections in every block."""
+    return max(1, sampler.most_per_batch())
 
 
 def check_fits_model(dataset: EpisodeDataset, model: Any, cfg: TrainConfig) -> tuple[int, int]:

@@ -26,11 +26,10 @@ def load_checkpoint(
     from flexpack.models import WanVA
     from flexpack.run.config import load_config
     from flexpack.run.state import checkpoint
+    from flexpack.run.state.trained import run_config
     from flexpack.training.ema import EMA
 
-    source = found / "config.json" if (found / "config.json").is_file() else run / "config.json"
-    if not source.is_file():
-        raise FileNotFoundError(f"{found}: no config.json in the checkpoint nor in {run}")
+    source = run_config(run, found)
     if ema and not checkpoint.has_ema(found):
         raise ValueError(f"{found}: holds no EMA weights (trained with optim.ema_decay = 0); export without --ema")
     cfg = load_config(source, overrides)

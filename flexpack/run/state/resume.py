@@ -62,22 +62,6 @@ def find(cfg: TrainConfig, rank: int = 0) -> Path | None:
     return found
 
 
-def current_config(folder: str | Path) -> Path | None:
-    """The config file of a run folder as it is now: the ``config.json`` of its newest intact checkpoint
-    (the config its newest weights were trained under, every restart's changes included), else the run's
-    first ``config.json`` (no checkpoint yet). For a checkpoint folder, its own ``config.json``. None when
-    the folder holds neither. ``sample`` and ``verify`` given a run folder read its config through this."""
-    folder = Path(folder)
-    if (folder / checkpoint.MANIFEST).is_file() and (folder / "config.json").is_file():
-        return folder / "config.json"
-    # sizes only (a full content check reads every shard); the weights are checked where they are loaded,
-    # and a damaged one is said there
-    newest = checkpoint.latest(folder / "checkpoints", content=False)
-    if newest is not None and (newest / "config.json").is_file():
-        return newest / "config.json"
-    return folder / "config.json" if (folder / "config.json").is_file() else None
-
-
 def step_of(path: Path) -> int:
     return int(json.loads((path / "train_state.json").read_text())["step"])
 
