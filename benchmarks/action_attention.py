@@ -44,8 +44,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flexpack.attention.blockmask import BLOCK, block_structure, fast_block_mask, unmasked_pairs  # noqa: E402
+from flexpack.attention.blockmask import fast_block_mask  # noqa: E402
+from flexpack.attention.blockmask_check import block_structure, unmasked_pairs  # noqa: E402
 from flexpack.attention.masks import document_mask  # noqa: E402
+from flexpack.attention.segments import BLOCK  # noqa: E402
 from flexpack.packing.batch_sampler import TokenBudgetBatchSampler  # noqa: E402
 from flexpack.packing.layout import PAD, SequenceLayout, TokenLayout  # noqa: E402
 

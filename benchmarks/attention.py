@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from flexpack.attention.blockmask import unmasked_pairs  # noqa: E402
+from flexpack.attention.blockmask_check import unmasked_pairs  # noqa: E402
 from flexpack.attention.flex import AUTO_CUDA, FlexAttnFunc, compile_count, compiled_flex_attention, has_flash  # noqa: E402
 from flexpack.packing.layout import SequenceLayout, TokenLayout  # noqa: E402
 

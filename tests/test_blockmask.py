@@ -9,13 +9,8 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import and_masks, create_block_mask
 
-from flexpack.attention.blockmask import (
-    BlockMaskBuilder,
-    _ordered,
-    block_structure,
-    fast_block_mask,
-    range_mask_mod,
-)
+from flexpack.attention.blockmask import BlockMaskBuilder, fast_block_mask
+from flexpack.attention.blockmask_check import block_structure
 from flexpack.attention.masks import (
     all_of,
     dense_mask,
@@ -24,6 +19,7 @@ from flexpack.attention.masks import (
     teacher_forcing_mask,
     valid_frame_mask,
 )
+from flexpack.attention.segments import _ordered, range_mask_mod
 from flexpack.packing.layout import SequenceLayout, TokenLayout
 
 KINDS = ("document", "valid", "chunk_causal", "teacher_forcing", "text")
@@ -121,8 +117,8 @@ def test_fixed_segment_bounds_depend_on_the_shape_alone() -> None:
 def test_host_segment_bounds_cover_the_real_counts(kind: str) -> None:
     """The bounds computed on the host (no sync) are >= the real segment counts, tight, and the
     prepared block mask built on them equals create_block_mask's."""
-    from flexpack.attention.blockmask import _num_segments
     from flexpack.attention.flex import FlexAttnFunc
+    from flexpack.attention.segments import num_segments
 
     attn = FlexAttnFunc("flex", compile_block_mask=False)
     rng = random.Random(200 + KINDS.index(kind))
@@ -130,7 +126,7 @@ def test_host_segment_bounds_cover_the_real_counts(kind: str) -> None:
         lay, kw, kv_len = layout_for(rng, kind, big=trial % 2 == 0)
         prep = attn.prepare(lay, kind, **kw)
         mod = prep.mask_mod
-        real = (_num_segments(mod.q_keys), _num_segments(mod.kv_keys))
+        real = (num_segments(mod.q_keys), num_segments(mod.kv_keys))
         assert real[0] <= mod.segments[0] and real[1] <= mod.segments[1], (trial, mod.segments, real)
         if kind != "valid":  # valid counts a (never used here) invalid tail per copy
             assert mod.segments[0] <= real[0] + 1, (trial, mod.segments, real)

@@ -13,15 +13,9 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
-from flexpack.attention.blockmask import (
-    SCAN_CHUNK,
-    BlockMaskBuilder,
-    _ordered,
-    count_below,
-    fast_block_mask,
-    prefix_sum,
-)
+from flexpack.attention.blockmask import BlockMaskBuilder, fast_block_mask
 from flexpack.attention.masks import make_mask
+from flexpack.attention.segments import SCAN_CHUNK, _ordered, count_below, prefix_sum
 from flexpack.packing.layout import SequenceLayout
 from test_blockmask import assert_same_block_mask, layout_for
 

@@ -11,8 +11,9 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
 from flexpack.attention import flex
-from flexpack.attention.blockmask import _num_segments, fast_block_mask
+from flexpack.attention.blockmask import fast_block_mask
 from flexpack.attention.masks import dense_mask, lingbot_mask, make_mask
+from flexpack.attention.segments import num_segments
 from flexpack.packing.layout import SequenceLayout, TokenLayout
 from lingbot_ref import LU, eager_flex
 from test_blockmask import assert_same_block_mask
@@ -124,7 +125,7 @@ def test_block_mask_from_segments_equals_create_block_mask() -> None:
         with attn.fixed_segment_bounds():
             assert_same_block_mask(attn.prepare(tl, "lingbot", chunk_size=chunk, window=window).block_mask(), want)
         per_frame = lingbot_mask(tl, 1, 0)  # the most segments any chunk size gives
-        real, most = _num_segments(mod.q_keys), _num_segments(per_frame.q_keys)
+        real, most = num_segments(mod.q_keys), num_segments(per_frame.q_keys)
         assert real <= most <= mod.segments[0] <= most + 1, (trial, real, most, mod.segments)
         assert per_frame.segments == mod.segments  # whatever the chunk size
 

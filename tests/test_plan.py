@@ -142,7 +142,7 @@ def test_segment_index_rides_on_the_layout_and_keys_the_noise(collate):
 
 
 def test_unmasked_pairs_counts_the_dense_mask():
-    from flexpack.attention.blockmask import unmasked_pairs
+    from flexpack.attention.blockmask_check import unmasked_pairs
     from flexpack.attention.masks import make_mask
     from flexpack.packing.layout import SequenceLayout
 

@@ -57,7 +57,8 @@ def test_verify_checkpoint_uses_the_runs_config_and_says_so(capsys, tmp_path, on
     run, found = trained_run(tmp_path, *CHUNKED)
     rc, out, err = _verify(capsys, "--checkpoint", str(run))
     assert rc == 0 and "OK: max rel err" in out, err
-    assert f"verify: config of {found / 'config.json'} (the run): model.family 'wanva', model.mask 'chunk_causal', chunk 2" in err
+    assert (f"verify: config of {found / 'config.json'} (the run): model.family 'wanva', "
+            "model.mask 'chunk_causal', chunk 2") in err
     # the run's own config passed as CONFIG agrees; keys that say where and how to run may differ
     rc, out, err = _verify(capsys, str(found / "config.json"), "--checkpoint", str(run),
                            "--set", "runtime.dtype='bfloat16'", "--set", "data.max_tokens=48")
