@@ -101,6 +101,8 @@ def test_upstream_transformer_folder_and_the_streaming_loader(tmp_path) -> None:
                 r"\(a checkpoint of another width\?\)"),
     ("layout", r"camera_layout 'robotwin_tshape'; flexpack's latent cache joins cameras on width"),
     ("cameras", r"the model joins cameras \['observation.images.image'\] on width in this order"),
+    ("columns", r"'action' has 6 columns, but model.overrides.used_action_channel_ids = \[0, 1, 2, 3, 4, 5, 6\] "
+                r"places 7: channel\(s\) \[6\] would have no column"),
 ])
 def test_bad_checkpoints_are_one_line_and_exit_2(tiny_dataset, tmp_path, capsys, change, message) -> None:
     policy = tmp_path / "policy"
@@ -117,6 +119,9 @@ def test_bad_checkpoints_are_one_line_and_exit_2(tiny_dataset, tmp_path, capsys,
         raw["camera_layout"] = "robotwin_tshape"
     elif change == "width":
         extra = ["model.overrides.num_heads=4"]
+    elif change == "columns":  # the checkpoint's 7 channels (the tiny config's action_channels = 6 replaced)
+        raw["used_action_channel_ids"] = list(range(7))
+        extra = ["model.overrides={in_channels=48, text_dim=64, attn_backend='dense'}"]
     elif change == "tensors":  # a config.json of another width than its weights
         raw["num_attention_heads"] = 1
     cfg_file.write_text(json.dumps(raw))
