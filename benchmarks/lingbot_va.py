@@ -4,10 +4,10 @@ LeRobot (``lerobot.policies.lingbot_va``): ``LingBotVAPolicy.training_loss_from_
 latents and text embeddings (its per-step VAE and UMT5 encoding is not charged), with its compiled flex
 attention and ``init_mask`` (a ``create_block_mask`` over the whole batch every step), on batches of
 ``frame_chunk_size`` (4-latent-frame) clips, then backward, grad clipping and its AdamW (bf16 weights, as its
-``dtype`` default builds the policy). The batch is the largest that fits: a probe batch measures the memory
-per clip, the batch that fills ~90 % of the GPU is tried (smaller on out-of-memory), and the faster of the
-two is reported (``--lerobot-batch`` skips the search). Its clips are all one shape, so one measurement
-serves every length set.
+``dtype`` default builds the policy). Batches tried: a probe (``--lerobot-probe``), four times it, and the largest
+that fits (the batch that fills ~90 % of the GPU by the probe's memory per clip, smaller on out-of-memory); the
+fastest is reported, with every batch tried (``--lerobot-batch`` skips the search). Its clips are all one shape,
+so one measurement serves every length set.
 
 flexpack: ``train_step`` of the ``lingbot-va`` family (fp32 weights, bf16 autocast, compiled blocks,
 Triton flex attention with the block mask built from the layout, fused AdamW) on packs of whole episodes of
@@ -206,6 +206,23 @@ def run_lerobot(args, B: int, policy, opt, cfg, shape: tuple[int, int, int, int]
             "backward": not args.smoke}
 
 
+def search_batches(attempt, probe: int, static: float, total: float, most: int) -> None:
+    """Run ``attempt(B)`` (a result with ``peak_mem_gb``, or None when out of memory) at the ``probe`` batch, at
+    four times it where the largest batch is at least eight times it (LeRobot's mask build grows with the
+    square of the batch, so a smaller batch may be faster), and at the largest that fits: the batch that fills
+    90 % of ``total`` bytes by the probe's memory per clip over the ``static`` bytes (at most ``most``), then
+    0.75x as long as it runs out of memory."""
+    first = attempt(probe)
+    if first is None:
+        return
+    per_clip = max((first["peak_mem_gb"] * 1e9 - static) / probe, 1.0)
+    B = min(int((0.9 * total - static) / per_clip), most) // 8 * 8
+    if B >= 8 * probe:
+        attempt(4 * probe)
+    while B > probe and attempt(B) is None:
+        B = int(B * 0.75) // 8 * 8
+
+
 def lerobot_side(args, shape, device: torch.device) -> dict:
     """LeRobot's step at the largest batch that fits (see the module docstring), or ``--lerobot-batch``."""
     from lerobot.policies.lingbot_va.utils import FlexAttnFunc
@@ -234,17 +251,12 @@ def lerobot_side(args, shape, device: torch.device) -> dict:
             torch.cuda.empty_cache()
             return None
 
-    if args.lerobot_batch:
-        attempt(args.lerobot_batch)
+    if args.lerobot_batch or device.type != "cuda":
+        attempt(args.lerobot_batch or args.lerobot_probe)
     else:
-        static = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-        probe = attempt(args.lerobot_probe)
-        if probe is not None and device.type == "cuda":
-            per_clip = max((probe["peak_mem_gb"] * 1e9 - static) / probe["batch"], 1.0)
-            total = torch.cuda.get_device_properties(device).total_memory
-            B = int((0.9 * total - static) / per_clip) // 8 * 8
-            while B > probe["batch"] and attempt(B) is None:
-                B = int(B * 0.75) // 8 * 8
+        static = torch.cuda.memory_allocated(device)
+        search_batches(attempt, args.lerobot_probe, static, torch.cuda.get_device_properties(device).total_memory,
+                       args.lerobot_max_batch)
     ok = [r for r in tried.values() if "error" not in r]
     best = max(ok, key=lambda r: r["tokens_per_s"]) if ok else {}
     return {**best, "largest_batch_that_fits": max((r["batch"] for r in ok), default=None),
@@ -280,6 +292,7 @@ def main() -> None:
                    help="runtime.activation_checkpointing of flexpack (--layers 30 needs it)")
     p.add_argument("--lerobot-batch", type=int, default=0, help="LeRobot's batch of clips; 0 = the largest that fits")
     p.add_argument("--lerobot-probe", type=int, default=16, help="the probe batch of the search")
+    p.add_argument("--lerobot-max-batch", type=int, default=4096, help="the search's upper bound")
     p.add_argument("--lerobot-steps", type=int, default=4, help="timed LeRobot steps per batch size")
     p.add_argument("--no-lerobot", action="store_true", help="flexpack only (e.g. without lerobot installed)")
     p.add_argument("--full-5b-metrics", type=Path, default=None, help="a flexpack train run's metrics.jsonl: full_5b")

@@ -18,7 +18,7 @@ from flexpack.packing.layout import SequenceLayout
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from lingbot_va import full_5b, lingbot_pairs  # noqa: E402
+from lingbot_va import full_5b, lingbot_pairs, search_batches  # noqa: E402
 
 SET_KEYS = {"flexpack_tokens_per_s", "lerobot_tokens_per_s", "flexpack_vs_lerobot", "mfu", "peak_mem_gb",
             "recompiles_after_warmup", "command"}
@@ -34,6 +34,21 @@ def test_pairs_are_the_masks_own() -> None:
         T = tl.num_tokens
         want = int(dense_mask(make_mask(tl, "lingbot", chunk_size=chunk, window=window), T, T).sum())
         assert lingbot_pairs(frames, nv, na, chunk, window) == want, (frames, nv, na, chunk, window)
+
+
+def test_lerobot_batch_search() -> None:
+    """The probe, four times it, then the batch that fills 90 % by the probe's memory per clip, 0.75x on OOM."""
+    tried = []
+
+    def attempt(B):  # 1 GB static, 0.1 GB per clip, fits up to 500 clips
+        tried.append(B)
+        return {"peak_mem_gb": 1.0 + 0.1 * B} if B <= 500 else None
+
+    search_batches(attempt, 16, 1e9, 100e9, 4096)
+    assert tried == [16, 64, 888, 664, 496]  # (90 - 1) / 0.1 = 890 -> 888, then 0.75x twice
+    tried.clear()
+    search_batches(attempt, 16, 1e9, 100e9, 100)  # capped: no point between
+    assert tried == [16, 96]
 
 
 def test_full_5b_from_metrics(tmp_path) -> None:
