@@ -32,14 +32,18 @@ def test_train_resume_and_verify_on_the_demo_data(tiny_dataset, tmp_path, capsys
     """The CLI trains the tiny config as it stands (its overrides mapped onto the family); a run stopped
     and resumed gives the uninterrupted run's losses; verify passes on the trained weights and fails
     with --drop-packing."""
-    sets = [*tiny_sets(tiny_dataset, tmp_path / "a", "schedule.steps=4", "schedule.rewarmup_steps=0"), *LINGBOT]
+    held = ["data.val_episodes=[5]", "runtime.eval_every=2"]  # the validation loss runs the family's objective too
+    sets = [*tiny_sets(tiny_dataset, tmp_path / "a", "schedule.steps=4", "schedule.rewarmup_steps=0", *held), *LINGBOT]
     code, err = run_cli(capsys, "train", str(TINY), *set_args(sets))
     assert code == 0, err
     full = losses(tmp_path / "a")
     assert len(full) == 4 and all(torch.isfinite(torch.tensor(full)))
     saved = json.loads((tmp_path / "a" / "config.json").read_text())["model"]
     assert (saved["family"], saved["mask"]) == ("lingbot-va", "lingbot")
-    cfg = tiny_config(tiny_dataset, tmp_path / "b", "schedule.steps=4", "schedule.rewarmup_steps=0", *LINGBOT)
+    rows = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    val = [r["val_loss"] for r in rows if "val_loss" in r]
+    assert len(val) == 2 and all(v > 0 for v in val)
+    cfg = tiny_config(tiny_dataset, tmp_path / "b", "schedule.steps=4", "schedule.rewarmup_steps=0", *held, *LINGBOT)
     first = train(cfg, stop_after=2)
     second = train(cfg)
     assert (first.step, second.start_step, second.step) == (2, 2, 4)
