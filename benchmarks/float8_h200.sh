@@ -133,21 +133,7 @@ done
 [[ " $STAGES " == *" verify8 "* ]] && tail -n 30 "$LOGS"/verify8_*.log
 if [[ " $STAGES " == *" cli "* ]]; then
   L=.gpuwheels-l; [[ -d $L ]] || L=/tmp/.gpuwheels-l
-  python3 - "$L" <<'PY'  # installs only the wheels whose distribution this machine lacks
-import importlib.metadata as md, pathlib, subprocess, sys
-def have(dist):
-    try:
-        md.distribution(dist)
-        return True
-    except md.PackageNotFoundError:
-        return False
-wheels = sorted(pathlib.Path(sys.argv[1]).glob("*.whl"))
-need = [str(w) for w in wheels if not have(w.name.split("-")[0])]
-print(f"lerobot wheels: {len(wheels)} carried, installing {[pathlib.Path(w).name.split('-')[0] for w in need]}")
-if need:
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", "/tmp/site",
-                    *need], check=True)
-PY
+  python3 benchmarks/install_wheels.py "$L"  # only the wheels whose distribution this machine lacks
   export WORK=${WORK:-/tmp/wan5b} HF_HUB_OFFLINE=1
   if [[ ! -f $WORK/data/.encoded && -f .gpudata/wan5b-data.tar.gz ]]; then
     mkdir -p "$WORK" && tar -xzf .gpudata/wan5b-data.tar.gz -C "$WORK"

@@ -18,21 +18,7 @@ STAGES=${STAGES:-bench}
 JSON=$OUT/lingbot_va_h200.json
 mkdir -p "$OUT" /tmp/site
 [[ -d .gpuwheels-l ]] && { rm -rf /tmp/.gpuwheels-l; cp -r .gpuwheels-l /tmp/.gpuwheels-l; }
-python3 - .gpuwheels-lv /tmp/.gpuwheels-l .whl <<'PY'  # installs only the wheels whose distribution is missing
-import importlib.metadata as md, pathlib, subprocess, sys
-def have(dist):
-    try:
-        md.distribution(dist)
-        return True
-    except md.PackageNotFoundError:
-        return False
-wheels = {w.name.split("-")[0].lower(): w for d in sys.argv[1:] for w in sorted(pathlib.Path(d).glob("*.whl"))}
-need = [str(w) for name, w in wheels.items() if not have(name) and not (pathlib.Path("/tmp/site") / name).exists()]
-print(f"wheels: {len(wheels)} carried, installing {[pathlib.Path(w).name.split('-')[0] for w in need]}")
-if need:
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", "/tmp/site",
-                    *need], check=True)
-PY
+python3 benchmarks/install_wheels.py .gpuwheels-lv /tmp/.gpuwheels-l .whl
 export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 export TORCHINDUCTOR_FX_GRAPH_CACHE=1 PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 if [[ " $STAGES " == *" bench "* ]]; then

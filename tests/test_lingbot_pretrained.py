@@ -5,10 +5,7 @@ resume, in one process and through the streaming loader of the sharded path; bad
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
+import re
 from pathlib import Path
 
 import pytest
@@ -25,9 +22,8 @@ from flexpack.run.config import save_config  # noqa: E402
 from flexpack.run.model import build_model  # noqa: E402
 from flexpack.run.pretrained import load_pretrained  # noqa: E402
 from flexpack.training.loop import train  # noqa: E402
-from helpers import TINY, run_cli, set_args, tiny_config, tiny_sets  # noqa: E402
+from helpers import TINY, run_cli, set_args, tiny_config, tiny_sets, torchrun_worker  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 LINGBOT = ["model.family=lingbot-va", "model.preset=lingbot-va-tiny"]
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -131,8 +127,6 @@ def test_bad_checkpoints_are_one_line_and_exit_2(tiny_dataset, tmp_path, capsys,
     assert code == 2, err
     line = err.strip().splitlines()[-1]
     assert line.startswith("flexpack train: error: ") and len(err.strip().splitlines()) == 1, err
-    import re
-
     assert re.search(message, line), line
 
 
@@ -142,20 +136,11 @@ def test_fsdp2_start_from_a_lerobot_policy(tiny_dataset, tmp_path) -> None:
     """Under FSDP2 (2 CPU ranks over gloo) each rank streams its shards of the policy's tensors; the sharded
     start equals the single-process one and training takes its steps (the frozen text projection of the
     action embedder shares an FSDP group with trained tensors)."""
-    torchrun = str(Path(sys.executable).with_name("torchrun"))
-    if not Path(torchrun).exists():
-        torchrun = shutil.which("torchrun")
-    if torchrun is None:
-        pytest.skip("torchrun not found next to the interpreter or on PATH")
     save_policy(tmp_path / "policy", seed=2)
     cfg = tiny_config(tiny_dataset, tmp_path / "run", *LINGBOT, f'model.pretrained="{tmp_path / "policy"}"',
                       "schedule.steps=2", "checkpoint.every=1")
     save_config(cfg, tmp_path / "cfg.json")
-    cmd = [torchrun, "--standalone", "--nproc_per_node", "2", str(ROOT / "tests" / "dist_pretrained_worker.py"),
-           str(tmp_path / "cfg.json"), str(tmp_path)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    torchrun_worker("dist_pretrained_worker.py", tmp_path / "cfg.json", tmp_path, cwd=tmp_path)
     r0 = json.loads((tmp_path / "rank0.json").read_text())
     assert r0["param_types"] == ["DTensor"] and r0["steps"] == 2
     single = build_model(cfg).state_dict()
