@@ -106,18 +106,22 @@ def test_collate_pads_text_to_the_prompt_length_all_attended(tmp_path) -> None:
 
 def test_dataset_actions_scattered_at_used_channels(tiny_dataset) -> None:
     """The dataset's 6 action columns land at used_action_channel_ids of the 30-d action space, the mask True
-    exactly there (and where the step exists); normalized to [-1, 1] from the pooled q01/q99."""
+    exactly there (and where the step exists); normalized to [-1, 1] from the pooled q01/q99. Latent frame f
+    carries the actions taken at video frames 4f-4 .. 4f-1 (WanVA's alignment: 4f-3 .. 4f), frame 0 none."""
     ids = [9, 2, 17, 0, 29, 5]
     ds = open_dataset(cfg(f"model.overrides={{used_action_channel_ids={ids}, in_channels=48, text_dim=64}}",
                           root=str(tiny_dataset)))
     base = open_dataset(load_config(TINY, tiny_sets(tiny_dataset, "unused")))  # WanVA: column j -> channel j
     it, ref = ds[1], base[1]
     assert it["action"].shape == (30, *ref["action"].shape[1:])
-    assert torch.equal(it["action"][ids], ref["action"][:6])
-    assert torch.equal(it["action_mask"][ids], ref["action_mask"][:6])
     others = [c for c in range(30) if c not in ids]
     assert not it["action_mask"][others].any() and it["action"][others].abs().sum() == 0
-    assert it["action_mask"][ids][:, 1:].all() and it["action"].abs().max() <= 1.0
+    assert it["action_mask"][ids][:, 1:].all() and not it["action_mask"][:, 0].any()
+    assert it["action"].abs().max() <= 1.0
+    # in video-frame order: WanVA's steps are the actions of frames 0, 1, ..., 4F-4; LingBot-VA's of 0 .. 4F-5
+    ours = it["action"][ids].flatten(1)[:, it["action_mask"][ids].flatten(1)[0]]
+    wan = ref["action"][:6].flatten(1)[:, ref["action_mask"][:6].flatten(1)[0]]
+    assert ours.shape[1] == wan.shape[1] - 1 and torch.equal(ours, wan[:, :-1])
 
 
 def test_missing_action_columns_and_cameras_are_one_line(tiny_dataset) -> None:

@@ -23,14 +23,16 @@ class DataConventions:
     family). ``action_dim``: the action width of a batch; ``action_channels``: the channel of each of
     the dataset's action columns, in column order (None: column j -> channel j); ``cameras``: the
     camera keys the latents must join along width, in that order (empty: the dataset's, or
-    ``data.cameras``); ``action_steps``: the action steps per latent frame the model was built for
-    (None: ``data.action_steps`` decides); ``text_tokens``: every episode's text padded with zero rows
-    to this many tokens, all of them attended (``text_len`` = it; None: each text's own length). The
-    ``*_key`` fields name the config key behind each rule, for error messages."""
+    ``data.cameras``); ``action_offset``: video frames every action step is taken earlier than flexpack's
+    default alignment (``flexpack.data.actions``); ``action_steps``: the action steps per latent frame the
+    model was built for (None: ``data.action_steps`` decides); ``text_tokens``: every episode's text
+    padded with zero rows to this many tokens, all of them attended (``text_len`` = it; None: each text's
+    own length). The ``*_key`` fields name the config key behind each rule, for error messages."""
 
     action_dim: int
     action_channels: tuple[int, ...] | None = None
     cameras: tuple[str, ...] = ()
+    action_offset: int = 0
     action_steps: int | None = None
     text_tokens: int | None = None
     action_channels_key: str = ""

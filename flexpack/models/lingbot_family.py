@@ -25,8 +25,10 @@ objective weights each step by its noise grid, draws a step per frame and always
 
 Data (:func:`conventions`): a batch's actions are ``action_dim`` wide, the dataset's columns placed at
 ``used_action_channel_ids`` (the action mask True there); the latents join ``obs_cam_keys`` on width in
-that order (empty: the dataset's cameras); ``data.action_steps`` must be ``action_per_frame``; every
-episode's text is zero padded to ``max_sequence_length`` tokens, all attended, as LeRobot encodes a prompt.
+that order (empty: the dataset's cameras); ``data.action_steps`` must be ``action_per_frame``; latent frame
+``f``'s action steps are the actions taken at video frames ``4f-4 .. 4f-1`` (:data:`ACTION_OFFSET`), frame 0
+has none; every episode's text is zero padded to ``max_sequence_length`` tokens, all attended, as LeRobot
+encodes a prompt.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ from .lingbot_config import LingbotConfig
 
 NAME = "lingbot-va"
 
+# latent frame f carries the actions taken at video frames 4f-4 .. 4f-1, the ones that lead to its frames (as the
+# LingBot-VA training data aligns them and LeRobot's select_action executes a predicted frame's actions); frame 0 none
+ACTION_OFFSET = 1
 # the fields a LeRobot checkpoint's config decides (its tensors' shapes; rope_max_seq_len shapes nothing)
 SHAPE_FIELDS = ("patch_size", "num_attention_heads", "attention_head_dim", "in_channels", "out_channels",
                 "action_dim", "text_dim", "freq_dim", "ffn_dim", "num_layers", "cross_attn_norm", "eps")
@@ -95,7 +100,8 @@ def apply_objective(config: LingbotConfig, objective: Any, overridden: frozenset
 def conventions(config: LingbotConfig) -> DataConventions:
     """The data a ``lingbot-va`` model trains on (see the module docstring)."""
     return DataConventions(action_dim=config.action_dim, action_channels=tuple(config.used_action_channel_ids),
-                           cameras=tuple(config.obs_cam_keys), action_steps=config.action_per_frame,
+                           cameras=tuple(config.obs_cam_keys), action_offset=ACTION_OFFSET,
+                           action_steps=config.action_per_frame,
                            text_tokens=config.max_sequence_length,
                            action_channels_key="model.overrides.used_action_channel_ids",
                            cameras_key="obs_cam_keys (model.pretrained's config.json or model.overrides)",

@@ -39,8 +39,8 @@ def open_dataset(cfg: TrainConfig, episodes: Sequence[int] | None = None, *,
         cameras = check_conventions(cfg, conv)
     return LatentEpisodeDataset(
         d.root, latents_dir=d.latents_dir, action_dim=conv.action_dim, action_steps=d.action_steps,
-        stride=d.stride, cameras=cameras, normalize=d.normalize, action_channels=(
-            list(conv.action_channels) if conv.action_channels is not None else None),
+        stride=d.stride, cameras=cameras, normalize=d.normalize, action_offset=conv.action_offset,
+        action_channels=list(conv.action_channels) if conv.action_channels is not None else None,
         segments=d.segments if segments is None else segments,
         episodes=list(episodes) if episodes is not None else None, action_stats=d.action_stats,
     )
