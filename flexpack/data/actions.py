@@ -13,7 +13,7 @@ same formula keeps every (s/A)-th action, the last of each group of s/A frames. 
 v is at or past the episode's end are absent too (with F = (n−1)//s + 1 they never are; the
 trailing (n−1) % s frames of an episode have no latent frame and their actions are dropped).
 An ``offset`` of ``o`` video frames takes every step ``o`` frames earlier, ``v(f, a) − o``: with
-``o = 1`` (LingBot-VA) latent frame ``f`` carries the actions taken at video frames ``s(f−1) … s·f − 1``,
+``o = 1`` latent frame ``f`` carries the actions taken at video frames ``s(f−1) … s·f − 1``,
 the ones that lead to its video frames, and latent frame 0 none.
 
 Channels: the dataset's action columns go into the model's fixed action width ``Ca``; by default

@@ -87,8 +87,7 @@ class LatentEpisodeDataset(torch.utils.data.Dataset):
                 ``"lerobot"`` = ``meta/stats.json`` (see :mod:`flexpack.data.action_stats`).
             action_key: the feature holding actions.
             action_channels: model channel of each dataset action column (default 0..D−1).
-            action_offset: video frames every action step is taken earlier (``flexpack.data.actions``;
-                LingBot-VA: 1).
+            action_offset: video frames every action step is taken earlier (``flexpack.data.actions``).
             episodes: subset of episode indices (default: all, in metadata order).
             segments: ``"auto"`` = one item per task run in episodes with several runs, else the
                 whole episode; ``True`` = one item per task run everywhere; ``False`` = whole

@@ -264,6 +264,30 @@ def lingbot_loss(pred: Any, sample: LingbotSample, batch: Any, *, latent_weight:
                     count.clone(), latent_weight, action_weight)
 
 
+@dataclass(frozen=True)
+class LingbotObjective:
+    """This objective as the step, validation and verify call it (:mod:`flexpack.flow.objectives`): its
+    fields from the family's config, the two loss parts weighted by ``objective.latent_weight`` /
+    ``action_weight`` (LeRobot: 1 and 1)."""
+
+    cfg: LingbotObjectiveConfig
+    latent_weight: float = 1.0
+    action_weight: float = 1.0
+
+    @classmethod
+    def from_config(cls, objective: Any, model: LingbotObjectiveConfig) -> "LingbotObjective":
+        return cls(model, objective.latent_weight, objective.action_weight)
+
+    def sample(self, batch: Any, seeds: Sequence[int]) -> LingbotSample:
+        return lingbot_sample(batch, self.cfg, lingbot_draws(batch, self.cfg, seeds))
+
+    def loss(self, pred: Any, sample: LingbotSample, batch: Any) -> FlowLoss:
+        return lingbot_loss(pred, sample, batch, latent_weight=self.latent_weight, action_weight=self.action_weight)
+
+    def counts(self, batch: Any) -> tuple[Tensor, Tensor]:
+        return lingbot_loss_counts(batch)
+
+
 def lingbot_training_loss(
     model: Any, batch: Any, cfg: LingbotObjectiveConfig, seeds: Sequence[int], **model_kwargs: Any
 ) -> FlowLoss:

@@ -110,7 +110,7 @@ class FlowSample:
         sigma / action_sigma: (R, Fr) shifted noise levels of the noisy copy.
         target_latent: (R, C, Fr, H, W) ``ε − x``; target_action: (R, Ca, Fr, A) or None.
         chunk_size / window: the mask's per-call chunk size and window (None here: the run's forward
-            options decide; an objective that draws them per episode sets them, as LingBot-VA's does).
+            options decide; an objective that draws them per episode sets them).
     """
 
     inputs: Any

@@ -1,15 +1,14 @@
-"""The objectives model families train with, by name (``ModelFamily.objective``).
+"""The objectives model families train with: ``ModelFamily.objective`` names one as ``"module:Class"``.
 
 An objective turns a collated batch into model inputs and targets (:meth:`Objective.sample`, noise keyed
 per episode by ``seeds`` from :func:`flexpack.flow.noise.noise_seeds`), scores the model's prediction
 (:meth:`Objective.loss`, a :class:`~flexpack.flow.objective.FlowLoss`) and says, before any forward, how
 much of a batch counts (:meth:`Objective.counts`, summed over micro-batches for exact accumulation). The
-step, validation and ``flexpack verify`` call these three and nothing else, whatever the family:
-
-- ``"flow"`` (:class:`FlowObjective`): flexpack's flow matching (:mod:`flexpack.flow.objective`), from
-  the ``objective`` config section;
-- ``"lingbot"`` (:class:`LingbotObjective`): LeRobot ``lingbot_va``'s (:mod:`flexpack.flow.lingbot`), from
-  the family's config, the two loss parts weighted by ``objective.latent_weight`` / ``action_weight``.
+step, validation and ``flexpack verify`` call these three and nothing else, whatever the family. An
+objective class is built by ``Class.from_config(objective section, the family's resolved model config)``;
+:class:`FlowObjective` is flexpack's flow matching (:mod:`flexpack.flow.objective`) over the ``objective``
+config section, the default of every family; a family with an objective of its own names its class
+(:func:`objective_for` imports it).
 
 A sample's ``model_kwargs()`` and its ``chunk_size`` / ``window`` (None, or one per episode) are what the
 model call takes besides the run's forward options (:class:`~flexpack.run.root.ForwardOptions`).
@@ -17,18 +16,12 @@ model call takes besides the run's forward options (:class:`~flexpack.run.root.F
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 from torch import Tensor
 
-from flexpack.flow.lingbot import (
-    LingbotObjectiveConfig,
-    lingbot_draws,
-    lingbot_loss,
-    lingbot_loss_counts,
-    lingbot_sample,
-)
 from flexpack.flow.noise import episode_flow_sample
 from flexpack.flow.objective import FlowLoss, FlowMatchingConfig, flow_loss, loss_counts
 
@@ -52,6 +45,10 @@ class FlowObjective:
 
     cfg: FlowMatchingConfig
 
+    @classmethod
+    def from_config(cls, objective: FlowMatchingConfig, model: Any) -> "FlowObjective":
+        return cls(objective)
+
     @property
     def latent_weight(self) -> float:
         return self.cfg.latent_weight
@@ -70,37 +67,15 @@ class FlowObjective:
         return loss_counts(batch)
 
 
-@dataclass(frozen=True)
-class LingbotObjective:
-    """LeRobot ``lingbot_va``'s objective per episode, its fields from the family's config."""
-
-    cfg: LingbotObjectiveConfig
-    latent_weight: float = 1.0
-    action_weight: float = 1.0
-
-    def sample(self, batch: Any, seeds: Sequence[int]) -> Any:
-        return lingbot_sample(batch, self.cfg, lingbot_draws(batch, self.cfg, seeds))
-
-    def loss(self, pred: Any, sample: Any, batch: Any) -> FlowLoss:
-        return lingbot_loss(pred, sample, batch, latent_weight=self.latent_weight, action_weight=self.action_weight)
-
-    def counts(self, batch: Any) -> tuple[Tensor, Tensor]:
-        return lingbot_loss_counts(batch)
-
-
-# objective name -> (objective config section, the family's resolved model config) -> Objective
-OBJECTIVES: dict[str, Callable[[FlowMatchingConfig, Any], Objective]] = {
-    "flow": lambda objective, model: FlowObjective(objective),
-    "lingbot": lambda objective, model: LingbotObjective(model, objective.latent_weight, objective.action_weight),
-}
-
-
-def objective_for(name: str, objective: FlowMatchingConfig, model: Any) -> Objective:
-    """The objective ``name`` (a family's ``objective``) over the config's ``objective`` section and the
-    resolved model config."""
-    if name not in OBJECTIVES:
-        raise ValueError(f"unknown objective {name!r}; known: {sorted(OBJECTIVES)}")
-    return OBJECTIVES[name](objective, model)
+def objective_for(spec: str, objective: FlowMatchingConfig, model: Any) -> Objective:
+    """The objective ``spec`` (a family's ``objective``, ``"module:Class"``) over the config's ``objective``
+    section and the resolved model config."""
+    module, _, name = spec.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"objective {spec!r} cannot be loaded ({exc}); expected 'module:Class'") from None
+    return cls.from_config(objective, model)
 
 
 def as_objective(cfg: FlowMatchingConfig | Objective) -> Objective:

@@ -5,7 +5,7 @@ and presets, how a config is built from a preset and overrides, the model class,
 config and tensors map onto the family's (weight converters), which tensors a checkpoint may lack
 and how they start, the block container that ``parallel/`` wraps, compiles and shards block by block,
 the self-attention masks it trains with, how many copies of an episode it sees (noisy, or noisy and
-clean), the objective it trains with (by name: :mod:`flexpack.flow.objectives`), the data conventions
+clean), the objective it trains with (``"module:Class"``: :mod:`flexpack.flow.objectives`), the data conventions
 of its datasets (:class:`DataConventions`: action space, cameras, text length), the sampler (by name;
 None: the family does not sample yet) and the export formats it writes. The run
 (:mod:`flexpack.run.root`), the geometry, the collate, the objective and the sampler ask the family;
@@ -60,7 +60,7 @@ class ModelFamily:
     masks: tuple[str, ...] = ("document",)  # self-attention masks (model.mask); the first is the default
     chunk_masks: tuple[str, ...] = ()  # the masks that take model.chunk_size
     copies: int | None = None  # copies of every frame: None = 2 under objective.teacher_forcing, else 1
-    objective: str = "flow"  # the objective it trains with (flexpack.flow.objectives)
+    objective: str = "flexpack.flow.objectives:FlowObjective"  # "module:Class" of its objective (flow/objectives.py)
     # the objective section applied to the resolved config (config, objective section, the field names
     # model.overrides sets) -> config; ValueError for keys that do not apply. None: nothing to apply
     apply_objective: Callable[[Any, Any, frozenset[str]], Any] | None = None
@@ -158,7 +158,8 @@ def _lingbot_va() -> ModelFamily:
                        aliases=ALIASES, refused=REFUSED, read_checkpoint_config=config_from_lerobot,
                        shape_fields=SHAPE_FIELDS, checkpoint_defaults=LEROBOT_TRAINING, checkpoint_files=lingbot_files,
                        convert_tensor=convert_tensor, load_checkpoint=load_checkpoint,
-                       masks=("lingbot",), copies=COPIES, objective="lingbot", apply_objective=apply_objective,
+                       masks=("lingbot",), copies=COPIES, objective="flexpack.flow.lingbot:LingbotObjective",
+                       apply_objective=apply_objective,
                        conventions=conventions, sampler=None, export_formats=("lerobot",))
 
 

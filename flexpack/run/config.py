@@ -92,20 +92,19 @@ class ModelConfig:
     """A model family's preset with field overrides, and the self-attention mask of the forward.
 
     ``family`` picks the registry entry (:mod:`flexpack.models.registry`): ``"wanva"`` (flexpack's
-    Wan DiT with an action stream) or ``"lingbot-va"`` (LeRobot's ``lingbot_va`` policy; how the config's
-    keys apply to it: :mod:`flexpack.models.lingbot_family`). ``pretrained``: a checkpoint of that family
-    to start from (WanVA: a diffusers ``WanTransformer3DModel`` folder or ``.safetensors`` file;
-    lingbot-va: a LeRobot ``lingbot_va`` policy folder or an upstream ``transformer/`` folder); its
-    config.json gives the shape, the preset and overrides the rest (:mod:`flexpack.run.pretrained`).
+    Wan DiT with an action stream) or another registered family (docs/USAGE.md says how the config's keys
+    apply to each: the entry maps, converts or refuses them). ``pretrained``: a checkpoint of that family
+    to start from (WanVA: a diffusers ``WanTransformer3DModel`` folder or ``.safetensors`` file; each
+    family reads its own layout); its config.json gives the shape, the preset and overrides the rest
+    (:mod:`flexpack.run.pretrained`).
     """
 
-    family: str = "wanva"  # model family (registry entry): "wanva" or "lingbot-va"
-    preset: str = "tiny"  # the family's preset: "tiny" or "wan2.2-5b" (wanva); "lingbot-va-tiny" or "lingbot-va-5b"
+    family: str = "wanva"  # model family: an entry of flexpack.models.registry (families() lists them)
+    preset: str = "tiny"  # the family's preset (wanva: "tiny" or "wan2.2-5b")
     # any field of the family's config (or an alias it takes) but activation_checkpointing (a runtime key)
     overrides: dict[str, Any] = field(default_factory=dict)
     pretrained: str = ""  # "" = random init
-    # self-attention mask ("" = the family's first): wanva "document", "chunk_causal" or "teacher_forcing";
-    # lingbot-va "lingbot"
+    # self-attention mask, "" = the family's first (wanva: "document", "chunk_causal" or "teacher_forcing")
     mask: str = ""
     chunk_size: int | None = None  # latent frames per chunk of the chunk_causal / teacher_forcing masks (wanva)
 

@@ -1,16 +1,15 @@
 """``model.pretrained``: start training from a checkpoint of the model's family (WanVA: a diffusers
-``WanTransformer3DModel`` checkpoint; lingbot-va: a LeRobot policy folder or an upstream ``transformer/``
-folder). What a checkpoint's files, config and tensors mean is the family's
-(:mod:`flexpack.models.registry`: ``checkpoint_files``, ``read_checkpoint_config``, ``shape_fields``,
-``checkpoint_defaults``, ``convert_tensor``, ``fresh_tensors``, ``load_checkpoint``); this module reads the
-files and fills the model.
+``WanTransformer3DModel`` checkpoint; each family reads its own layout). What a checkpoint's files, config
+and tensors mean is the family's (:mod:`flexpack.models.registry`: ``checkpoint_files``,
+``read_checkpoint_config``, ``shape_fields``, ``checkpoint_defaults``, ``convert_tensor``, ``fresh_tensors``,
+``load_checkpoint``); this module reads the files and fills the model.
 
 Shape. A folder (or a ``.safetensors`` file with a ``config.json`` beside it; a diffusers pipeline
 folder stands for its ``transformer/``) defines the shape:
 its config replaces the preset's shape fields, while the preset and ``model.overrides`` still give
 the options a video checkpoint cannot know (``action_channels``, ``attn_backend``, activation
-checkpointing). The family's ``checkpoint_defaults`` (lingbot-va: the action channels, cameras, action steps
-per frame and noise shifts of a LeRobot policy) come from the checkpoint's config where it has them and
+checkpointing). The family's ``checkpoint_defaults`` (training fields a checkpoint's config records, such as the
+action channels and cameras a policy was trained with) come from the checkpoint's config where it has them and
 ``model.overrides`` does not set them. An override of a shape field that contradicts the checkpoint is an
 error naming both values. A lone ``.safetensors`` file without config.json takes the config's shape and is
 checked tensor by tensor.

@@ -127,7 +127,7 @@ class ModelCollate:
 
 def full_text(item: dict, tokens: int) -> dict:
     """``item`` with its text as ``tokens`` rows, the first ``text_len`` its own and the rest zeros, and
-    ``text_len = tokens`` (every row attended, as LeRobot's ``lingbot_va`` attends its zero-padded prompt)."""
+    ``text_len = tokens`` (every row attended, for a model trained on prompts padded so and attended whole)."""
     if "text" not in item:
         return item
     text = item["text"]

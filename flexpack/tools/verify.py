@@ -7,8 +7,8 @@ For each micro-batch checked, the model (same weights) runs twice:
 - **alone**: every episode as its own micro-batch (unpadded; with compiled blocks in the run's
   pack shape, so that no episode length compiles a graph of its own).
 
-Both paths see identical x_t: σ and noise (and, for LingBot-VA, the chunk size and window of the mask)
-are drawn per episode from a seed of the episode alone, by the run's objective (the model family's:
+Both paths see identical x_t: σ and noise (and, where the objective draws them, the mask's chunk size
+and window) are drawn per episode from a seed of the episode alone, by the run's objective (the model family's:
 :mod:`flexpack.flow.objectives`). Compared, per episode: the model's
 video and action predictions, and the episode's loss; for the micro-batch: the total loss
 (batched ``FlowLoss.loss`` vs Σ ``accumulation_loss`` of the episodes alone) and the gradients,
