@@ -4,7 +4,10 @@ tiny training config of short runs, and running the command line and watching a 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -62,3 +65,19 @@ def wait_for_steps(proc: subprocess.Popen, out: Path, n: int, timeout: float = 1
             proc.kill()
             raise AssertionError(f"no {n} metrics lines after {timeout} s")
         time.sleep(0.02)
+
+
+def torchrun_worker(worker: str, *args: str | Path, cwd: Path, ranks: int = 2) -> subprocess.CompletedProcess:
+    """Run ``tests/WORKER ARGS`` under torchrun with ``ranks`` CPU ranks (one thread each) and assert it
+    succeeded, showing the end of its output; skips the calling test where torchrun is missing."""
+    import pytest
+
+    exe = Path(sys.executable).with_name("torchrun")
+    torchrun = str(exe) if exe.exists() else shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun not found next to the interpreter or on PATH")
+    cmd = [torchrun, "--standalone", "--nproc_per_node", str(ranks), str(ROOT / "tests" / worker), *map(str, args)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=cwd)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc

@@ -5,11 +5,6 @@ equals a single-process evaluation of the same weights."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,34 +19,25 @@ from flexpack.run.config import load_config, save_config  # noqa: E402
 from flexpack.run.model import build_model  # noqa: E402
 from flexpack.run.state import checkpoint  # noqa: E402
 from flexpack.training.validation import Validator  # noqa: E402
+from helpers import TINY, torchrun_worker  # noqa: E402
 from hf_tiny import tiny_diffusers  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 
 @pytest.mark.slow  # two torchrun ranks training: ~11 s
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in")
 def test_fsdp2_pretrained_start_ema_and_validation(tmp_path):
-    torchrun = str(TORCHRUN) if TORCHRUN.exists() else shutil.which("torchrun")
-    if torchrun is None:
-        pytest.skip("torchrun not found next to the interpreter or on PATH")
     root = make_synthetic_dataset(tmp_path / "ds", lengths=[25, 21, 17, 13, 9, 9], seed=6)
     encode_dataset(root, progress=False)
     tiny_diffusers(seed=8).save_pretrained(tmp_path / "transformer", max_shard_size="40KB")
     decay = 0.8
-    cfg = load_config(ROOT / "configs" / "tiny_cpu.toml", [
+    cfg = load_config(TINY, [
         f'data.root="{root}"', f'runtime.out_dir="{tmp_path / "run"}"', "runtime.progress=false",
         f'model.pretrained="{tmp_path / "transformer"}"', "runtime.activation_checkpointing=true",
         "schedule.steps=2", "schedule.warmup_steps=1", "optim.accum_steps=1", "data.max_tokens=60",
         "checkpoint.every=1", "checkpoint.keep=3", f"optim.ema_decay={decay}", "data.val_episodes=[0, 3]",
         "runtime.eval_every=2"])
     save_config(cfg, tmp_path / "cfg.json")
-    cmd = [torchrun, "--standalone", "--nproc_per_node", "2", str(ROOT / "tests" / "dist_pretrained_worker.py"),
-           str(tmp_path / "cfg.json"), str(tmp_path)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    torchrun_worker("dist_pretrained_worker.py", tmp_path / "cfg.json", tmp_path, cwd=tmp_path)
     r0 = json.loads((tmp_path / "rank0.json").read_text())
     assert r0["param_types"] == ["DTensor"] and r0["local_numel"] < 0.6 * r0["full_numel"] and r0["steps"] == 2
 

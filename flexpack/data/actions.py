@@ -12,6 +12,9 @@ same formula keeps every (s/A)-th action, the last of each group of s/A frames. 
 0 only step ``A − 1`` exists (v = 0); its other steps have v < 0 and are absent. Steps whose
 v is at or past the episode's end are absent too (with F = (n−1)//s + 1 they never are; the
 trailing (n−1) % s frames of an episode have no latent frame and their actions are dropped).
+An ``offset`` of ``o`` video frames takes every step ``o`` frames earlier, ``v(f, a) − o``: with
+``o = 1`` latent frame ``f`` carries the actions taken at video frames ``s(f−1) … s·f − 1``,
+the ones that lead to its video frames, and latent frame 0 none.
 
 Channels: the dataset's action columns go into the model's fixed action width ``Ca``; by default
 column j -> channel j, or column j -> ``channels[j]``. The mask (Ca, F, A) is True exactly where
@@ -31,14 +34,14 @@ import torch
 from flexpack.data.stats_check import CONSTANT_WIDTH as _EPS
 
 
-def step_frames(frames: int, action_steps: int, stride: int) -> np.ndarray:
-    """Video frame index v(f, a) of every action step, shape (F, A); negative = absent."""
+def step_frames(frames: int, action_steps: int, stride: int, offset: int = 0) -> np.ndarray:
+    """Video frame index v(f, a) − ``offset`` of every action step, shape (F, A); negative = absent."""
     if action_steps < 1 or stride % action_steps:
         raise ValueError(f"action_steps must divide stride ({stride}), got action_steps={action_steps}")
     k = stride // action_steps
     f = np.arange(frames)[:, None]
     a = np.arange(action_steps)[None, :]
-    return stride * (f - 1) + (a + 1) * k
+    return stride * (f - 1) + (a + 1) * k - offset
 
 
 @dataclass(frozen=True)
@@ -105,10 +108,12 @@ def align_actions(
     stride: int,
     action_dim: int,
     channels: np.ndarray,
+    offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Place an episode's (already normalized) actions (T, D) into (Ca, F, A) plus its mask."""
+    """Place an episode's (already normalized) actions (T, D) into (Ca, F, A) plus its mask (``offset``:
+    video frames every step is taken earlier, see the module docstring)."""
     T, D = actions_TD.shape
-    v_FA = step_frames(frames, action_steps, stride)
+    v_FA = step_frames(frames, action_steps, stride, offset)
     present_FA = (v_FA >= 0) & (v_FA < T)
     src_FAD = actions_TD[np.clip(v_FA, 0, max(T - 1, 0))]  # (F, A, D)
     action = np.zeros((action_dim, frames, action_steps), dtype=np.float32)

@@ -71,6 +71,7 @@ class LatentEpisodeDataset(torch.utils.data.Dataset):
         segments: bool | str = "auto",
         video_backend: str = "pyav",
         action_stats: str = "pooled",
+        action_offset: int = 0,
     ) -> None:
         """
         Args:
@@ -86,6 +87,7 @@ class LatentEpisodeDataset(torch.utils.data.Dataset):
                 ``"lerobot"`` = ``meta/stats.json`` (see :mod:`flexpack.data.action_stats`).
             action_key: the feature holding actions.
             action_channels: model channel of each dataset action column (default 0..D−1).
+            action_offset: video frames every action step is taken earlier (``flexpack.data.actions``).
             episodes: subset of episode indices (default: all, in metadata order).
             segments: ``"auto"`` = one item per task run in episodes with several runs, else the
                 whole episode; ``True`` = one item per task run everywhere; ``False`` = whole
@@ -97,6 +99,7 @@ class LatentEpisodeDataset(torch.utils.data.Dataset):
         meta = self.source.meta
         self.cameras = resolve_cameras(self.source.video_keys, cameras, self.source.info_file)
         self.stride, self.action_steps, self.action_dim = stride, action_steps, action_dim
+        self.action_offset = action_offset
         if action_steps < 1 or stride % action_steps:
             raise ValueError(f"action_steps must divide stride ({stride}), got {action_steps}")
         if action_key not in meta.features:
@@ -189,7 +192,7 @@ class LatentEpisodeDataset(torch.utils.data.Dataset):
         frames = latent.shape[1]
         action, mask = align_actions(
             self.normalizer(actions_TD), frames=frames, action_steps=self.action_steps,
-            stride=self.stride, action_dim=self.action_dim, channels=self.channels,
+            stride=self.stride, action_dim=self.action_dim, channels=self.channels, offset=self.action_offset,
         )
         f0, f1 = (0, frames) if seg is None else (seg.f0, seg.f1)
         return {

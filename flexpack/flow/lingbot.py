@@ -235,9 +235,11 @@ def lingbot_loss_counts(batch: Any) -> tuple[Tensor, Tensor]:
     return n, n.clone()
 
 
-def lingbot_loss(pred: Any, sample: LingbotSample, batch: Any) -> FlowLoss:
+def lingbot_loss(pred: Any, sample: LingbotSample, batch: Any, *, latent_weight: float = 1.0,
+                 action_weight: float = 1.0) -> FlowLoss:
     """LeRobot's ``_flow_matching_loss`` over valid frames of ``pred`` (``video`` (R, C, Fr, H, W),
-    ``action`` (R, Ca, Fr, A) or None); see the module docstring for the normalization."""
+    ``action`` (R, Ca, Fr, A) or None); see the module docstring for the normalization. ``latent_weight``
+    / ``action_weight`` weight the two parts (LeRobot: 1 and 1)."""
     if pred.video.shape != sample.target_latent.shape:
         raise ValueError(f"pred.video shape {tuple(pred.video.shape)} != target {tuple(sample.target_latent.shape)}")
     valid = batch.layout.frame_valid.to(pred.video.device)
@@ -258,7 +260,32 @@ def lingbot_loss(pred: Any, sample: LingbotSample, batch: Any) -> FlowLoss:
         act_sum = torch.where(valid, a_frame, 0.0).sum()
     denom = count.to(lat_sum.device).clamp(min=1)
     lat_loss, act_loss = lat_sum / denom, act_sum / denom
-    return FlowLoss(lat_loss + act_loss, lat_loss, act_loss, lat_sum, act_sum, count, count.clone(), 1.0, 1.0)
+    return FlowLoss(latent_weight * lat_loss + action_weight * act_loss, lat_loss, act_loss, lat_sum, act_sum, count,
+                    count.clone(), latent_weight, action_weight)
+
+
+@dataclass(frozen=True)
+class LingbotObjective:
+    """This objective as the step, validation and verify call it (:mod:`flexpack.flow.objectives`): its
+    fields from the family's config, the two loss parts weighted by ``objective.latent_weight`` /
+    ``action_weight`` (LeRobot: 1 and 1)."""
+
+    cfg: LingbotObjectiveConfig
+    latent_weight: float = 1.0
+    action_weight: float = 1.0
+
+    @classmethod
+    def from_config(cls, objective: Any, model: LingbotObjectiveConfig) -> "LingbotObjective":
+        return cls(model, objective.latent_weight, objective.action_weight)
+
+    def sample(self, batch: Any, seeds: Sequence[int]) -> LingbotSample:
+        return lingbot_sample(batch, self.cfg, lingbot_draws(batch, self.cfg, seeds))
+
+    def loss(self, pred: Any, sample: LingbotSample, batch: Any) -> FlowLoss:
+        return lingbot_loss(pred, sample, batch, latent_weight=self.latent_weight, action_weight=self.action_weight)
+
+    def counts(self, batch: Any) -> tuple[Tensor, Tensor]:
+        return lingbot_loss_counts(batch)
 
 
 def lingbot_training_loss(

@@ -112,6 +112,8 @@ class FlowSample:
         timestep / action_timestep: (R, Fr) or (2, R, Fr) model timesteps.
         sigma / action_sigma: (R, Fr) shifted noise levels of the noisy copy.
         target_latent: (R, C, Fr, H, W) ``ε − x``; target_action: (R, Ca, Fr, A) or None.
+        chunk_size / window: the mask's per-call chunk size and window (None here: the run's forward
+            options decide; an objective that draws them per episode sets them).
     """
 
     inputs: Any
@@ -121,6 +123,8 @@ class FlowSample:
     action_sigma: Tensor
     target_latent: Tensor
     target_action: Tensor | None
+    chunk_size: Tensor | None = None
+    window: Tensor | None = None
 
     def model_kwargs(self) -> dict[str, Tensor]:
         return {"timestep": self.timestep, "action_timestep": self.action_timestep}

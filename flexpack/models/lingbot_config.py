@@ -7,9 +7,9 @@ LeRobot's ``training_loss_from_streams`` does: action steps per latent frame, th
 the noisy-condition probability, the ranges chunk size and window are drawn from, and the action
 channels a dataset fills.
 
-Token geometry of one latent frame (what a registry entry hands the collate and the sampler):
-``(H // ph) * (W // pw)`` video tokens, ``action_per_frame`` action tokens, and two copies of every
-frame (noisy and clean, :data:`COPIES`).
+Token geometry of one latent frame (the run derives it, asking the registry entry:
+:mod:`flexpack.models.lingbot_family`): ``(H // ph) * (W // pw)`` video tokens, ``action_per_frame``
+action tokens, and two copies of every frame (noisy and clean, :data:`COPIES`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import math
 from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping
 
-from ..packing.geometry import TokenGeometry
 from .rope import rope_bands
 from .wan_config import WanVAConfig
 
@@ -53,13 +52,18 @@ class LingbotConfig:
     window_range: tuple[int, int] = (4, 64)  # attention window in block ids (2 per chunk) drawn uniformly from
     used_action_channel_ids: tuple[int, ...] = tuple(range(7))  # action channels a dataset fills, in order
     num_train_timesteps: int = 1000  # the noise grid's size (the model's timestep scale)
+    # data conventions (LeRobot's policy config): text tokens per prompt (UMT5's, zero padded and all
+    # attended), and the cameras joined on width in this order (empty: the dataset's cameras)
+    max_sequence_length: int = 512
+    obs_cam_keys: tuple[str, ...] = ()
     # flexpack options
     attn_backend: str = "auto"
     activation_checkpointing: bool = False  # inside forward, for direct users (as WanVAConfig's)
 
     def __post_init__(self) -> None:
         for name in ("num_attention_heads", "attention_head_dim", "in_channels", "out_channels", "action_dim",
-                     "text_dim", "freq_dim", "ffn_dim", "num_layers", "action_per_frame", "num_train_timesteps"):
+                     "text_dim", "freq_dim", "ffn_dim", "num_layers", "action_per_frame", "num_train_timesteps",
+                     "max_sequence_length"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"lingbot-va config: {name} must be positive, got {getattr(self, name)}")
         hd = self.attention_head_dim
@@ -91,21 +95,27 @@ class LingbotConfig:
     def dim(self) -> int:
         return self.num_attention_heads * self.attention_head_dim
 
+    # the shape names generic code reads (flexpack.models.registry)
+    @property
+    def num_heads(self) -> int:
+        return self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.attention_head_dim
+
+    @property
+    def out_dim(self) -> int:
+        return self.out_channels
+
+    @property
+    def action_channels(self) -> int:
+        """The width of the action stream: LeRobot's whole action space (``action_dim``)."""
+        return self.action_dim
+
     @property
     def patch_volume(self) -> int:
         return math.prod(self.patch_size)
-
-    def video_tokens(self, latent_hw: tuple[int, int]) -> int:
-        """Video tokens of one latent frame of height and width ``latent_hw``."""
-        (h, w), (_, ph, pw) = latent_hw, self.patch_size
-        if h % ph or w % pw:
-            raise ValueError(f"latent (H, W)={tuple(latent_hw)} is not a multiple of the patch {self.patch_size[1:]}")
-        return (h // ph) * (w // pw)
-
-    def geometry(self, latent_hw: tuple[int, int], max_tokens: int | None = None) -> TokenGeometry:
-        """Tokens of one latent frame: its patches, ``action_per_frame`` action tokens, two copies."""
-        return TokenGeometry(video_tokens=self.video_tokens(latent_hw), action_tokens=self.action_per_frame,
-                             copies=COPIES, max_tokens=max_tokens)
 
     def wan_shape(self) -> WanVAConfig:
         """The :class:`WanVAConfig` of the same transformer (the blocks are Wan's)."""
@@ -122,6 +132,7 @@ class LingbotConfig:
         out = {f: getattr(self, f) for f in LEROBOT_SHAPE + LEROBOT_TRAINING}
         out["patch_size"] = list(self.patch_size)
         out["used_action_channel_ids"] = list(self.used_action_channel_ids)
+        out["obs_cam_keys"] = list(self.obs_cam_keys)
         return out
 
 
@@ -130,7 +141,9 @@ LEROBOT_SHAPE = ("patch_size", "num_attention_heads", "attention_head_dim", "in_
                  "action_dim", "text_dim", "freq_dim", "ffn_dim", "num_layers", "cross_attn_norm", "eps",
                  "rope_max_seq_len")
 # policy config.json only
-LEROBOT_TRAINING = ("action_per_frame", "snr_shift", "action_snr_shift", "used_action_channel_ids")
+LEROBOT_TRAINING = ("action_per_frame", "snr_shift", "action_snr_shift", "used_action_channel_ids",
+                    "max_sequence_length", "obs_cam_keys")
+CAMERA_LAYOUT = "width_concat"  # LeRobot's camera_layout flexpack's latent cache has (cameras joined on width)
 
 
 PRESETS: dict[str, LingbotConfig] = {
@@ -165,10 +178,16 @@ def config_from_lerobot(cfg: Mapping[str, Any], *, source: str = "config", **ove
     cls_name = cfg.get("_class_name")
     if cls_name is not None and cls_name != "WanTransformer3DModel":
         raise ValueError(f"{source}: a {cls_name!r} config, not LingBot-VA's WanTransformer3DModel")
+    layout = cfg.get("camera_layout", CAMERA_LAYOUT)
+    if layout != CAMERA_LAYOUT:
+        raise ValueError(f"{source}: camera_layout {layout!r}; flexpack's latent cache joins cameras on width "
+                         f"({CAMERA_LAYOUT!r}) only")
     kw: dict[str, Any] = {k: cfg[k] for k in LEROBOT_SHAPE + LEROBOT_TRAINING if k in cfg}
     if "patch_size" in kw:
         kw["patch_size"] = tuple(int(p) for p in kw["patch_size"])
     if "used_action_channel_ids" in kw:
         kw["used_action_channel_ids"] = tuple(int(i) for i in kw["used_action_channel_ids"])
+    if "obs_cam_keys" in kw:
+        kw["obs_cam_keys"] = tuple(str(k) for k in kw["obs_cam_keys"])
     kw.update(overrides)
     return LingbotConfig(**kw)

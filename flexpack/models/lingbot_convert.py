@@ -132,6 +132,17 @@ def build_from_lerobot(
     return model
 
 
+def lingbot_files(path: str | os.PathLike) -> tuple[list[str], str | None]:
+    """(weight files, ``config.json`` or None) of a LeRobot ``lingbot_va`` policy folder (``model.safetensors``),
+    an upstream ``transformer/`` folder (``diffusion_pytorch_model*.safetensors``) or one ``.safetensors`` file."""
+    path = os.fspath(path)
+    policy = os.path.join(path, POLICY_WEIGHTS)
+    if os.path.isdir(path) and os.path.isfile(policy):
+        cfg_path = os.path.join(path, "config.json")
+        return [policy], cfg_path if os.path.isfile(cfg_path) else None
+    return diffusers_files(path)
+
+
 def lerobot_files(path: str | os.PathLike) -> tuple[list[str], dict[str, Any], str]:
     """(weight files, config dict, config file) of a LeRobot ``lingbot_va`` policy folder
     (``config.json`` + ``model.safetensors``) or an upstream ``transformer/`` folder (``config.json`` +
@@ -143,9 +154,32 @@ def lerobot_files(path: str | os.PathLike) -> tuple[list[str], dict[str, Any], s
                          "transformer/ folder expected)")
     with open(cfg_path) as f:
         cfg = json.load(f)
-    policy = os.path.join(path, POLICY_WEIGHTS)
-    files = [policy] if os.path.isfile(policy) else diffusers_files(path)[0]
-    return files, cfg, cfg_path
+    return lingbot_files(path)[0], cfg, cfg_path
+
+
+def convert_tensor(name: str, t: Tensor) -> tuple[str, Tensor] | None:
+    """One LeRobot tensor (``transformer.``-prefixed or bare) under its :class:`LingbotVA` name and shape;
+    None without a counterpart (the streaming loader of :mod:`flexpack.run.pretrained` names it)."""
+    new = lingbot_name(name.removeprefix(POLICY_PREFIX))
+    if new is not None and _modulation(new) and t.ndim == 3 and t.shape[0] == 1:
+        t = t.reshape(t.shape[-2:])
+    return None if new is None else (new, t)
+
+
+def load_checkpoint(path: str | os.PathLike, cfg: LingbotConfig) -> LingbotVA:
+    """A :class:`LingbotVA` of ``cfg`` holding the weights of a LeRobot policy folder, a ``transformer/``
+    folder or a ``.safetensors`` file (on the CPU, in the checkpoint's dtype)."""
+    files, _ = lingbot_files(path)
+    return build_from_lerobot(_read(files), cfg, source=files[0])
+
+
+def _read(files: list[str]) -> dict[str, Tensor]:
+    from safetensors.torch import load_file
+
+    sd: dict[str, Tensor] = {}
+    for fn in files:
+        sd.update(load_file(fn))
+    return sd
 
 
 def load_lerobot(
@@ -154,11 +188,6 @@ def load_lerobot(
 ) -> LingbotVA:
     """A :class:`LingbotVA` from a LeRobot policy folder or an upstream ``transformer/`` folder; the
     config is read from its ``config.json`` (``overrides`` replace :class:`LingbotConfig` fields)."""
-    from safetensors.torch import load_file
-
     files, raw, cfg_path = lerobot_files(path)
     cfg = config_from_lerobot(raw, source=cfg_path, **overrides)
-    sd: dict[str, Tensor] = {}
-    for fn in files:
-        sd.update(load_file(fn))
-    return build_from_lerobot(sd, cfg, attn=attn, device=device, dtype=dtype, source=files[0])
+    return build_from_lerobot(_read(files), cfg, attn=attn, device=device, dtype=dtype, source=files[0])

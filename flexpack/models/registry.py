@@ -5,8 +5,11 @@ and presets, how a config is built from a preset and overrides, the model class,
 config and tensors map onto the family's (weight converters), which tensors a checkpoint may lack
 and how they start, the block container that ``parallel/`` wraps, compiles and shards block by block,
 the self-attention masks it trains with, how many copies of an episode it sees (noisy, or noisy and
-clean), and the export formats it writes. The run (:mod:`flexpack.run.root`), the geometry, the collate,
-the objective and the sampler ask the family; nothing else branches on a family's name.
+clean), the objective it trains with (``"module:Class"``: :mod:`flexpack.flow.objectives`), the data conventions
+of its datasets (:class:`DataConventions`: action space, cameras, text length), the sampler (by name;
+None: the family does not sample yet) and the export formats it writes. The run
+(:mod:`flexpack.run.root`), the geometry, the collate, the objective and the sampler ask the family;
+nothing else branches on a family's name.
 
 Every family config offers the shape properties generic code reads (``patch_size``, ``in_channels``,
 ``out_dim``, ``action_channels``, ``text_dim``, ``dim``, ``num_heads``, ``head_dim``, ``ffn_dim``,
@@ -22,6 +25,12 @@ from typing import Any, Callable, Mapping
 
 from torch import Tensor, nn
 
+from .conventions import Alias, DataConventions
+
+
+def _wan_conventions(config: Any) -> DataConventions:
+    return DataConventions(action_dim=max(config.action_channels, 1))
+
 
 @dataclass(frozen=True, kw_only=True)
 class ModelFamily:
@@ -32,10 +41,15 @@ class ModelFamily:
     presets: Mapping[str, Any]  # preset name -> config
     model_class: type[nn.Module]  # ``model_class(config)`` builds a randomly initialized model
     # override names as configs write them (e.g. ``action_channels``) -> the family's own field
-    aliases: Mapping[str, str] = field(default_factory=dict)
+    aliases: Mapping[str, str | Alias] = field(default_factory=dict)
+    refused: Mapping[str, str] = field(default_factory=dict)  # override names this family refuses -> why
     # a checkpoint's config.json -> a config of the family's shape (pretrained weights)
     read_checkpoint_config: Callable[[Mapping[str, Any]], Any] | None = None
     shape_fields: tuple[str, ...] = ()  # the fields a checkpoint's config decides
+    # fields a checkpoint's config.json gives where it has them and model.overrides does not set them
+    checkpoint_defaults: tuple[str, ...] = ()
+    # (weight files, config.json or None) of a checkpoint file or folder
+    checkpoint_files: Callable[[str], tuple[list[str], str | None]] | None = None
     # one checkpoint tensor under the model's name (and shape), or None when the model has no counterpart
     convert_tensor: Callable[[str, Tensor], tuple[str, Tensor] | None] | None = None
     # the tensors a checkpoint of this family may lack, freshly drawn from the global RNG (by name)
@@ -43,8 +57,15 @@ class ModelFamily:
     # a whole checkpoint (file or folder) as a model of ``config``, built without a random init first
     load_checkpoint: Callable[[str, Any], nn.Module] | None = None
     blocks: str = "blocks"  # the ModuleList of transformer blocks (parallelize, float8, checkpointing)
-    masks: tuple[str, ...] = ("document",)  # self-attention masks (model.mask) the family trains with
-    copies_with_teacher_forcing: bool = True  # a clean copy exactly under objective.teacher_forcing
+    masks: tuple[str, ...] = ("document",)  # self-attention masks (model.mask); the first is the default
+    chunk_masks: tuple[str, ...] = ()  # the masks that take model.chunk_size
+    copies: int | None = None  # copies of every frame: None = 2 under objective.teacher_forcing, else 1
+    objective: str = "flexpack.flow.objectives:FlowObjective"  # "module:Class" of its objective (flow/objectives.py)
+    # the objective section applied to the resolved config (config, objective section, the field names
+    # model.overrides sets) -> config; ValueError for keys that do not apply. None: nothing to apply
+    apply_objective: Callable[[Any, Any, frozenset[str]], Any] | None = None
+    conventions: Callable[[Any], DataConventions] = _wan_conventions  # what its datasets look like
+    sampler: str | None = "flow"  # how flexpack sample / runtime.sample_every sample it; None: not yet
     export_formats: tuple[str, ...] = ()
 
     def config(self, preset: str, **overrides: Any) -> Any:
@@ -55,18 +76,39 @@ class ModelFamily:
         return dataclasses.replace(self.presets[preset], **self.fields(overrides))
 
     def fields(self, overrides: Mapping[str, Any]) -> dict[str, Any]:
-        """``overrides`` under the family's field names (an alias and its field together are refused)."""
+        """``overrides`` under the family's field names, converted where an :class:`Alias` says so (an
+        alias and its field together, and a refused name, are errors)."""
         out: dict[str, Any] = {}
+        given: dict[str, str] = {}  # field -> the override key that set it
         for key, value in overrides.items():
-            name = self.aliases.get(key, key)
+            if key in self.refused:
+                raise ValueError(f"model.overrides.{key} does not apply to model.family = {self.name!r}: "
+                                 f"{self.refused[key]}")
+            alias = self.aliases.get(key, key)
+            name = alias if isinstance(alias, str) else alias.field
             if name in out:
-                raise ValueError(f"model.overrides sets {name} twice (as {key!r} and as {name!r})")
-            out[name] = value
+                raise ValueError(f"model.overrides sets {name} twice (as {given[name]!r} and as {key!r})")
+            out[name] = value if isinstance(alias, str) or alias.convert is None else alias.convert(value)
+            given[name] = key
         return out
 
     def field_names(self) -> set[str]:
-        """Override names this family takes: its config's fields and the aliases."""
-        return {f.name for f in dataclasses.fields(self.config_class)} | set(self.aliases)
+        """Override names this family takes: its config's fields, the aliases and the refused names
+        (refused with their reason by :meth:`fields`)."""
+        return {f.name for f in dataclasses.fields(self.config_class)} | set(self.aliases) | set(self.refused)
+
+    def override_type(self, key: str, hints: Mapping[str, Any]) -> Any:
+        """The type an override ``key`` must have (``hints``: the config class's type hints)."""
+        if key in self.refused:
+            return Any
+        alias = self.aliases.get(key, key)
+        if isinstance(alias, str):
+            return hints[alias]
+        return hints[alias.field] if alias.type is None else alias.type
+
+    def copies_of(self, teacher_forcing: bool) -> int:
+        """Copies of every frame the model sees (:attr:`copies`)."""
+        return self.copies if self.copies is not None else 2 if teacher_forcing else 1
 
     def build(self, config: Any) -> nn.Module:
         return self.model_class(config)
@@ -94,14 +136,32 @@ def families() -> list[str]:
 def _wanva() -> ModelFamily:
     from .wan import WanVA, action_stream_init
     from .wan_config import PRESETS, WanVAConfig
-    from .wan_convert import SHAPE_FIELDS, config_from_diffusers, convert_tensor
+    from .wan_convert import SHAPE_FIELDS, config_from_diffusers, convert_tensor, diffusers_files
 
     return ModelFamily(name="wanva", config_class=WanVAConfig, presets=PRESETS, model_class=WanVA,
                        read_checkpoint_config=config_from_diffusers, shape_fields=SHAPE_FIELDS,
+                       checkpoint_files=diffusers_files,
                        convert_tensor=convert_tensor, fresh_tensors=action_stream_init,
                        load_checkpoint=lambda path, config: WanVA.from_diffusers_file(path, config),
                        masks=("document", "chunk_causal", "teacher_forcing"),
+                       chunk_masks=("chunk_causal", "teacher_forcing"),
                        export_formats=("diffusers", "lerobot_policy"))
 
 
+def _lingbot_va() -> ModelFamily:
+    from .lingbot import LingbotVA
+    from .lingbot_config import COPIES, LEROBOT_TRAINING, PRESETS, LingbotConfig, config_from_lerobot
+    from .lingbot_convert import convert_tensor, lingbot_files, load_checkpoint
+    from .lingbot_family import ALIASES, NAME, REFUSED, SHAPE_FIELDS, apply_objective, conventions
+
+    return ModelFamily(name=NAME, config_class=LingbotConfig, presets=PRESETS, model_class=LingbotVA,
+                       aliases=ALIASES, refused=REFUSED, read_checkpoint_config=config_from_lerobot,
+                       shape_fields=SHAPE_FIELDS, checkpoint_defaults=LEROBOT_TRAINING, checkpoint_files=lingbot_files,
+                       convert_tensor=convert_tensor, load_checkpoint=load_checkpoint,
+                       masks=("lingbot",), copies=COPIES, objective="flexpack.flow.lingbot:LingbotObjective",
+                       apply_objective=apply_objective,
+                       conventions=conventions, sampler=None, export_formats=("lerobot",))
+
+
 register("wanva", _wanva)
+register("lingbot-va", _lingbot_va)

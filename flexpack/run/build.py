@@ -8,10 +8,12 @@ same micro-batches.
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
 
+from flexpack.models.registry import DataConventions
 from flexpack.run.checks import config_terms
 from flexpack.run.config import TrainConfig
 from flexpack.run.root import EpisodeDataset, Run, Split, run_for
@@ -22,19 +24,57 @@ SPLITS = ("train", "val")
 def open_dataset(cfg: TrainConfig, episodes: Sequence[int] | None = None, *,
                  segments: bool | str | None = None) -> EpisodeDataset:
     """The config's ``LatentEpisodeDataset`` over ``episodes`` (dataset episode indices; all by default);
-    ``segments`` overrides ``data.segments`` (sampling takes whole episodes). The model's
-    ``action_channels`` are the dataset's action width."""
+    ``segments`` overrides ``data.segments`` (sampling takes whole episodes). The action width, the
+    channels the dataset's action columns fill and the cameras are the model family's data conventions
+    (:class:`~flexpack.models.registry.DataConventions`; WanVA: its ``action_channels``, column j ->
+    channel j, ``data.cameras``)."""
     from flexpack.data import LatentEpisodeDataset
 
-    d, m = cfg.data, cfg.model.resolved()
+    d, m, fam = cfg.data, cfg.model.resolved(), cfg.model.model_family()
     if not d.root:
         raise ValueError("data.root is empty: set it to a LeRobot dataset folder with a latent cache")
+    conv = fam.conventions(m)
+    cameras = list(d.cameras) if d.cameras else None
+    if conv.action_channels is not None or conv.cameras:
+        cameras = check_conventions(cfg, conv)
     return LatentEpisodeDataset(
-        d.root, latents_dir=d.latents_dir, action_dim=max(m.action_channels, 1), action_steps=d.action_steps,
-        stride=d.stride, cameras=list(d.cameras) if d.cameras else None, normalize=d.normalize,
+        d.root, latents_dir=d.latents_dir, action_dim=conv.action_dim, action_steps=d.action_steps,
+        stride=d.stride, cameras=cameras, normalize=d.normalize, action_offset=conv.action_offset,
+        action_channels=list(conv.action_channels) if conv.action_channels is not None else None,
         segments=d.segments if segments is None else segments,
         episodes=list(episodes) if episodes is not None else None, action_stats=d.action_stats,
     )
+
+
+def check_conventions(cfg: TrainConfig, conv: DataConventions) -> list[str] | None:
+    """The dataset's action columns and cameras against the model family's conventions, each mismatch in
+    one line naming the file, the config key and what is missing; returns the cameras to read (in order)."""
+    from flexpack.data.episodes import EpisodeSource
+    from flexpack.data.problems import resolve_cameras
+
+    src = EpisodeSource(cfg.data.root)
+    if conv.action_channels is not None and "action" in src.meta.features:
+        columns = int(math.prod(src.meta.features["action"]["shape"]))
+        want = list(conv.action_channels)
+        if columns != len(want):
+            missing = want[columns:]
+            what = (f"channel(s) {missing} would have no column" if missing
+                    else f"column(s) {list(range(len(want), columns))} would have no channel")
+            raise ValueError(f"{src.info_file}: 'action' has {columns} columns, but {conv.action_channels_key} = "
+                             f"{want} places {len(want)}: {what}; set it to the {columns} channels the dataset "
+                             f"fills (model.overrides.action_channels = {columns} fills channels 0..{columns - 1})")
+    cameras = list(cfg.data.cameras) if cfg.data.cameras else None
+    if conv.cameras:
+        keys = src.video_keys
+        absent = [c for c in conv.cameras if c not in keys]
+        chosen = resolve_cameras(keys, cameras, src.info_file) if cameras else list(conv.cameras)
+        if absent or chosen != list(conv.cameras):
+            got = f"data.cameras = {chosen}" if cameras else f"the dataset's cameras {keys}"
+            raise ValueError(f"{src.info_file}: the model joins cameras {list(conv.cameras)} on width in this order "
+                             f"({conv.cameras_key}), but {got}"
+                             + (f" lack {absent}" if absent else "") + "; encode the dataset with those cameras")
+        cameras = chosen
+    return cameras
 
 
 def split_of(cfg: TrainConfig) -> Split:

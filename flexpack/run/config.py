@@ -9,6 +9,7 @@ falling back to a plain string), e.g. ``schedule.steps=40`` or ``model.overrides
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -93,18 +94,21 @@ class ModelConfig:
     """A model family's preset with field overrides, and the self-attention mask of the forward.
 
     ``family`` picks the registry entry (:mod:`flexpack.models.registry`): ``"wanva"`` (flexpack's
-    Wan DiT with an action stream). ``pretrained``: a checkpoint of that family to start from (WanVA:
-    a diffusers ``WanTransformer3DModel`` folder or ``.safetensors`` file); its config.json gives the
-    shape, the preset and overrides the rest (:mod:`flexpack.run.pretrained`).
+    Wan DiT with an action stream) or another registered family (docs/USAGE.md says how the config's keys
+    apply to each: the entry maps, converts or refuses them). ``pretrained``: a checkpoint of that family
+    to start from (WanVA: a diffusers ``WanTransformer3DModel`` folder or ``.safetensors`` file; each
+    family reads its own layout); its config.json gives the shape, the preset and overrides the rest
+    (:mod:`flexpack.run.pretrained`).
     """
 
-    family: str = "wanva"  # model family (registry entry): "wanva"
-    preset: str = "tiny"  # the family's preset: "tiny" or "wan2.2-5b" (wanva)
+    family: str = "wanva"  # model family: an entry of flexpack.models.registry (families() lists them)
+    preset: str = "tiny"  # the family's preset (wanva: "tiny" or "wan2.2-5b")
     # any field of the family's config (or an alias it takes) but activation_checkpointing (a runtime key)
     overrides: dict[str, Any] = field(default_factory=dict)
     pretrained: str = ""  # "" = random init
-    mask: str = "document"  # self-attention mask: "document", "chunk_causal" or "teacher_forcing"
-    chunk_size: int | None = None  # latent frames per chunk of the chunk_causal / teacher_forcing masks
+    # self-attention mask, "" = the family's first (wanva: "document", "chunk_causal" or "teacher_forcing")
+    mask: str = ""
+    chunk_size: int | None = None  # latent frames per chunk of the chunk_causal / teacher_forcing masks (wanva)
 
     def __post_init__(self) -> None:
         if "activation_checkpointing" in self.overrides:  # one setting, applied from outside the model
@@ -114,15 +118,23 @@ class ModelConfig:
                              "count or 'selective')")
         # resolved once, here: unknown preset or override fields raise at load time, and with
         # model.pretrained its config.json is read once per config, not once per caller
-        object.__setattr__(self, "_resolved", self._resolve())
-        if self.mask not in self.model_family().masks:
-            raise ValueError(f"model.mask must be one of {self.model_family().masks} for model.family = "
+        object.__setattr__(self, "_base", self._resolve())
+        object.__setattr__(self, "_resolved", self._base)
+        fam = self.model_family()
+        if not self.mask:  # the family's default mask, written into the config (and its saved copy)
+            object.__setattr__(self, "mask", fam.masks[0])
+        if self.mask not in fam.masks:
+            raise ValueError(f"model.mask must be one of {fam.masks} for model.family = "
                              f"{self.family!r}, got {self.mask!r}")
-        if self.mask != "document" and (self.chunk_size is None or self.chunk_size <= 0):
+        if self.mask in fam.chunk_masks and (self.chunk_size is None or self.chunk_size <= 0):
             raise ValueError(f"model.mask={self.mask!r} needs a positive model.chunk_size, got {self.chunk_size!r}")
-        if self.mask == "document" and self.chunk_size is not None:
-            raise ValueError(f"model.chunk_size={self.chunk_size!r} has no effect with model.mask='document'; "
-                             "set model.mask to 'chunk_causal' or 'teacher_forcing', or drop chunk_size")
+        if self.mask not in fam.chunk_masks and self.chunk_size is not None:
+            if not fam.chunk_masks:
+                raise ValueError(f"model.chunk_size={self.chunk_size!r} does not apply to model.family = "
+                                 f"{self.family!r} (its chunk size is drawn per episode, see "
+                                 "model.overrides.chunk_range); drop model.chunk_size")
+            raise ValueError(f"model.chunk_size={self.chunk_size!r} has no effect with model.mask={self.mask!r}; "
+                             f"set model.mask to {' or '.join(repr(m) for m in fam.chunk_masks)}, or drop chunk_size")
 
     def model_family(self) -> Any:
         """The :class:`~flexpack.models.registry.ModelFamily` of ``model.family``."""
@@ -137,6 +149,18 @@ class ModelConfig:
 
     wan_config = resolved  # the name under which callers of the WanVA family know it
 
+    def with_objective(self, objective: Any) -> "ModelConfig":
+        """This model config with the objective section applied to its resolved config where the family
+        says so (:attr:`~flexpack.models.registry.ModelFamily.apply_objective`); from the resolved config
+        before any objective, so applying another objective later gives that objective's config."""
+        fam = self.model_family()
+        if fam.apply_objective is None:
+            return self
+        out = copy.copy(self)
+        overridden = frozenset(fam.fields(self.overrides))
+        object.__setattr__(out, "_resolved", fam.apply_objective(self._base, objective, overridden))
+        return out
+
     def _resolve(self) -> Any:
         fam = self.model_family()
         known = fam.field_names()
@@ -145,7 +169,7 @@ class ModelConfig:
             raise ValueError(f"model.overrides has unknown {fam.config_class.__name__} fields {unknown} "
                              f"(known: {sorted(known)})")
         hints = typing.get_type_hints(fam.config_class)
-        kw = {k: _check_type(v, hints[fam.aliases.get(k, k)], f"model.overrides.{k}")
+        kw = {k: _check_type(v, fam.override_type(k, hints), f"model.overrides.{k}")
               for k, v in self.overrides.items()}
         prefix = f"{fam.config_class.__name__}."
         try:
@@ -329,6 +353,12 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_finite(self)  # every float of every section, model.overrides included
+        # the objective section as the model family reads it (some families map its keys onto their fields)
+        object.__setattr__(self, "model", self.model.with_objective(self.objective))
+        fam = self.model.model_family()
+        if self.runtime.sample_every and fam.sampler is None:
+            raise ValueError(f"runtime.sample_every={self.runtime.sample_every}: model.family = {self.model.family!r} "
+                             "cannot be sampled by flexpack yet; set runtime.sample_every = 0")
         if self.objective.teacher_forcing and self.model.mask != "teacher_forcing":
             raise ValueError(f"objective.teacher_forcing needs model.mask = 'teacher_forcing', got {self.model.mask!r}")
         if self.model.mask == "teacher_forcing" and not self.objective.teacher_forcing:

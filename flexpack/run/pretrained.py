@@ -1,14 +1,17 @@
 """``model.pretrained``: start training from a checkpoint of the model's family (WanVA: a diffusers
-``WanTransformer3DModel`` checkpoint). What a checkpoint's config and tensors mean is the family's
-(:mod:`flexpack.models.registry`: ``read_checkpoint_config``, ``shape_fields``, ``convert_tensor``,
-``fresh_tensors``, ``load_checkpoint``); this module reads the files and fills the model.
+``WanTransformer3DModel`` checkpoint; each family reads its own layout). What a checkpoint's files, config
+and tensors mean is the family's (:mod:`flexpack.models.registry`: ``checkpoint_files``,
+``read_checkpoint_config``, ``shape_fields``, ``checkpoint_defaults``, ``convert_tensor``, ``fresh_tensors``,
+``load_checkpoint``); this module reads the files and fills the model.
 
 Shape. A folder (or a ``.safetensors`` file with a ``config.json`` beside it; a diffusers pipeline
 folder stands for its ``transformer/``) defines the shape:
 its config replaces the preset's shape fields, while the preset and ``model.overrides`` still give
 the options a video checkpoint cannot know (``action_channels``, ``attn_backend``, activation
-checkpointing). An override of a shape field that contradicts the checkpoint is an error naming
-both values. A lone ``.safetensors`` file without config.json takes the config's shape and is
+checkpointing). The family's ``checkpoint_defaults`` (training fields a checkpoint's config records, such as the
+action channels and cameras a policy was trained with) come from the checkpoint's config where it has them and
+``model.overrides`` does not set them. An override of a shape field that contradicts the checkpoint is an
+error naming both values. A lone ``.safetensors`` file without config.json takes the config's shape and is
 checked tensor by tensor.
 
 Loading. One process: :meth:`WanVA.from_diffusers_file` (built on the meta device, adopting the
@@ -42,12 +45,13 @@ def transformer_path(path: str | os.PathLike) -> str:
     return str(sub) if (sub / "config.json").is_file() else os.fspath(path)
 
 
-def checkpoint_files(path: str | os.PathLike) -> tuple[list[str], str | None]:
-    """Weight files and config.json of ``model.pretrained`` (FileNotFoundError naming the path)."""
-    from flexpack.models.wan_convert import diffusers_files
-
+def checkpoint_files(path: str | os.PathLike, family: ModelFamily) -> tuple[list[str], str | None]:
+    """Weight files and config.json of ``model.pretrained`` as the family lays its checkpoints out
+    (FileNotFoundError naming the path)."""
+    if family.checkpoint_files is None:
+        raise ValueError(f"model.pretrained: the {family.name} family cannot load checkpoints")
     try:
-        return diffusers_files(transformer_path(path))
+        return family.checkpoint_files(transformer_path(path))
     except ValueError as exc:
         raise FileNotFoundError(f"model.pretrained: {exc}") from None
 
@@ -70,12 +74,13 @@ def pretrained_config(path: str, base: Any, overrides: Mapping[str, Any], family
     """``base`` (preset + overrides) with the checkpoint's shape; ValueError on a contradicting override."""
     from dataclasses import replace
 
-    files, cfg_path = checkpoint_files(path)
+    files, cfg_path = checkpoint_files(path, family)
     _check_headers(files)
     if cfg_path is None or family.read_checkpoint_config is None:
         return base  # a bare .safetensors file: the config's shape, checked against every tensor on load
+    raw = json.loads(Path(cfg_path).read_text())
     try:
-        ckpt = family.read_checkpoint_config(json.loads(Path(cfg_path).read_text()))
+        ckpt = family.read_checkpoint_config(raw)
     except (ValueError, TypeError, KeyError) as exc:
         raise ValueError(f"{cfg_path}: not a checkpoint config of the {family.name} family: {exc}") from None
     for name in family.shape_fields:
@@ -86,7 +91,9 @@ def pretrained_config(path: str, base: Any, overrides: Mapping[str, Any], family
             mine, theirs = base.out_dim, ckpt.out_dim
         if mine != theirs:
             raise ValueError(f"model.overrides.{name}={overrides[name]!r} but {cfg_path} has {name}={theirs!r}")
-    return replace(base, **{name: getattr(ckpt, name) for name in family.shape_fields})
+    # what the checkpoint was trained with (LeRobot: action channels, cameras ...) where the config leaves it open
+    kept = {name: getattr(ckpt, name) for name in family.checkpoint_defaults if name in raw and name not in overrides}
+    return replace(base, **{name: getattr(ckpt, name) for name in family.shape_fields}, **kept)
 
 
 def load_single(family: ModelFamily, path: str, cfg: Any, seed: int) -> nn.Module:
@@ -119,7 +126,7 @@ def load_pretrained(model: nn.Module, path: str, cfg: Any, family: ModelFamily, 
     convert_tensor = family.convert_tensor
     if convert_tensor is None:
         raise ValueError(f"model.pretrained: the {family.name} family cannot load checkpoints")
-    files, _ = checkpoint_files(path)
+    files, _ = checkpoint_files(path, family)
     model.to_empty(device=device)  # FSDP2 allocates only each rank's shards
     params = {plain_name(n): p for n, p in model.named_parameters()}
     filled: set[str] = set()

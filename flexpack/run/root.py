@@ -6,12 +6,14 @@ from a :class:`~flexpack.run.config.TrainConfig`:
 - the model family (:mod:`flexpack.models.registry`) and its resolved model config (``model.pretrained``'s
   ``config.json`` read once, when the config is loaded);
 - the :class:`~flexpack.packing.geometry.TokenGeometry`: video and action tokens of a latent frame,
-  copies (2 under teacher forcing) and the pack's frame budget;
+  copies (the family's: 2 under teacher forcing, or always 2) and the pack's frame budget;
+- the :class:`~flexpack.flow.objectives.Objective` the family trains with (its sample, loss and counts);
 - where it runs: the device, this rank and the world size, the bf16 autocast rule, and the
   :class:`~flexpack.parallel.parallelize.ParallelOptions` the model is wrapped with (:meth:`Run.build_model`);
 - the :class:`ForwardOptions` of every model call (mask, chunk size, text slots);
 - the train / held-out :class:`Split`, and the :class:`Data` of one split: the dataset, the sampler of
-  ``data.mode`` and the collate matching it (:class:`ModelCollate`).
+  ``data.mode`` and the collate matching it (:class:`ModelCollate`: the items as the family's data
+  conventions want them).
 
 The train loop, one step, validation, ``verify``, sampling, the step meter, the profiler and the
 benchmarks take these from the run instead of deriving them again. The dataset is a LeRobot-backed
@@ -28,7 +30,8 @@ from typing import Any, ContextManager, Iterator, Protocol, Sequence
 import torch
 from torch import nn
 
-from flexpack.models.registry import ModelFamily
+from flexpack.flow.objectives import Objective, objective_for
+from flexpack.models.registry import DataConventions, ModelFamily
 from flexpack.packing.collate import Batch, PackCollate, PadCollate
 from flexpack.packing.geometry import TokenGeometry
 from flexpack.parallel.parallelize import ParallelOptions
@@ -80,15 +83,19 @@ class ForwardOptions:
     text_slots: int | None = None
 
     def __call__(self, model: nn.Module, sample: Any, layout: Any = None) -> Any:
-        """``model`` on a :class:`~flexpack.flow.objective.FlowSample`'s inputs and timesteps
-        (``layout``: default the batch's own)."""
-        return self.call(model, sample.inputs, layout, timestep=sample.timestep, action_timestep=sample.action_timestep)
+        """``model`` on an objective's sample: its inputs and timesteps, and its per-episode chunk sizes and
+        windows where it draws them (``layout``: default the batch's own)."""
+        return self.call(model, sample.inputs, layout, timestep=sample.timestep, action_timestep=sample.action_timestep,
+                         chunk_size=sample.chunk_size, window=sample.window)
 
     def call(self, model: nn.Module, inputs: Any, layout: Any = None, *, timestep: torch.Tensor,
-             action_timestep: torch.Tensor | None = None) -> Any:
-        """``model(inputs, layout, ...)`` with these options (the sampler's solver steps call it so)."""
+             action_timestep: torch.Tensor | None = None, chunk_size: torch.Tensor | None = None,
+             window: torch.Tensor | None = None) -> Any:
+        """``model(inputs, layout, ...)`` with these options (the sampler's solver steps call it so);
+        ``chunk_size`` (default: ``model.chunk_size``) and ``window``: per call, e.g. one per episode."""
         return model(inputs, layout, timestep=timestep, action_timestep=action_timestep, mask=self.mask,
-                     chunk_size=self.chunk_size, text_slots=self.text_slots)
+                     chunk_size=self.chunk_size if chunk_size is None else chunk_size, window=window,
+                     text_slots=self.text_slots)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,19 +109,37 @@ class Split:
 
 class ModelCollate:
     """A sampler's collate for one model: items lose their actions where the model has no action
-    channels (a video-only model gets no action stream), then ``collate`` builds the Batch."""
+    channels (a video-only model gets no action stream) and, where the family's data conventions say
+    so (``text_tokens``), get their text zero padded to that many tokens, all of them attended; then
+    ``collate`` builds the Batch."""
 
-    def __init__(self, collate: PackCollate | PadCollate, actions: bool) -> None:
-        self.collate, self.actions = collate, actions
+    def __init__(self, collate: PackCollate | PadCollate, actions: bool, text_tokens: int | None = None) -> None:
+        self.collate, self.actions, self.text_tokens = collate, actions, text_tokens
 
     def items(self, items: Sequence[dict]) -> list[dict]:
         """``items`` as the model takes them."""
-        if self.actions:
-            return list(items)
-        return [{k: v for k, v in it.items() if k not in ACTION_KEYS} for it in items]
+        out = list(items) if self.actions else [{k: v for k, v in it.items() if k not in ACTION_KEYS} for it in items]
+        if self.text_tokens is not None:
+            out = [full_text(it, self.text_tokens) for it in out]
+        return out
 
     def __call__(self, items: Sequence[dict]) -> Batch:
         return self.collate(self.items(items))
+
+
+def full_text(item: dict, tokens: int) -> dict:
+    """``item`` with its text as ``tokens`` rows, the first ``text_len`` its own and the rest zeros, and
+    ``text_len = tokens`` (every row attended, for a model trained on prompts padded so and attended whole)."""
+    if "text" not in item:
+        return item
+    text = item["text"]
+    n = int(item.get("text_len", text.shape[0]))
+    if n > tokens:
+        raise ValueError(f"episode {item.get('episode_index', '?')}: its text has {n} tokens, more than the model's "
+                         f"{tokens} (the text length it was trained with)")
+    out = text.new_zeros(tokens, text.shape[1])
+    out[:n] = text[:n]
+    return {**item, "text": out, "text_len": tokens}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -133,6 +158,7 @@ class Run:
     config: TrainConfig
     family: ModelFamily
     model: Any  # the family's resolved model config (WanVAConfig for "wanva")
+    objective: Objective  # the family's objective (flexpack.flow.objectives)
     geometry: TokenGeometry
     device: torch.device
     rank: int = 0
@@ -185,7 +211,7 @@ class Run:
         """(sampler, collate) of ``data.mode`` over episode ``lengths`` with this run's geometry."""
         sampler, collate = batching(self.config, lengths, self.geometry, self.rank if rank is None else rank,
                                     self.world_size if world_size is None else world_size)
-        return sampler, ModelCollate(collate, actions=self.model.action_channels > 0)
+        return sampler, model_collate(collate, self.model, self.family)
 
     def with_dataset(self, dataset: EpisodeDataset) -> "Run":
         """This run over other episodes (the held-out ones, say): their own sampler and collate, the same
@@ -230,6 +256,12 @@ def parallel_options(cfg: TrainConfig, device: torch.device) -> ParallelOptions:
                            param_dtype=torch.bfloat16 if r.dtype == "bfloat16" else None)
 
 
+def model_collate(collate: PackCollate | PadCollate, model: Any, family: ModelFamily) -> ModelCollate:
+    """``collate`` for ``model`` of ``family``: actions where it has them, text as its conventions want it."""
+    return ModelCollate(collate, actions=model.action_channels > 0,
+                        text_tokens=family.conventions(model).text_tokens)
+
+
 def forward_options(cfg: TrainConfig, text_slots: int | None = None) -> ForwardOptions:
     """The config's :class:`ForwardOptions` (``model.mask``, ``model.chunk_size``)."""
     return ForwardOptions(mask=cfg.model.mask, chunk_size=cfg.model.chunk_size, text_slots=text_slots)
@@ -237,13 +269,24 @@ def forward_options(cfg: TrainConfig, text_slots: int | None = None) -> ForwardO
 
 def geometry_for(model: Any, latent_hw: tuple[int, int], cfg: TrainConfig) -> TokenGeometry:
     """The token geometry of latents of ``latent_hw`` (H, W) for ``model`` under ``cfg``: the
-    frame's patches, ``data.action_steps`` action tokens (none for a model without actions), two
-    copies under ``objective.teacher_forcing``, ``data.max_tokens`` per pack in pack mode."""
+    frame's patches, ``data.action_steps`` action tokens (none for a model without actions; the
+    family's, where its conventions fix them), the family's copies (``objective.teacher_forcing``
+    decides where the family leaves it open), ``data.max_tokens`` per pack in pack mode."""
+    family = cfg.model.model_family()
+    check_action_steps(family.conventions(model), cfg, family)
     _, ph, pw = model.patch_size
     return TokenGeometry(video_tokens=(latent_hw[0] // ph) * (latent_hw[1] // pw),
                          action_tokens=cfg.data.action_steps if model.action_channels else 0,
-                         copies=2 if cfg.objective.teacher_forcing else 1,
+                         copies=family.copies_of(cfg.objective.teacher_forcing),
                          max_tokens=cfg.data.max_tokens if cfg.data.mode == "pack" else None)
+
+
+def check_action_steps(conv: DataConventions, cfg: TrainConfig, family: ModelFamily) -> None:
+    """``data.action_steps`` against the action steps per latent frame the family's model takes, in one line."""
+    if conv.action_steps is not None and cfg.data.action_steps != conv.action_steps:
+        raise ValueError(f"data.action_steps = {cfg.data.action_steps}, but the {family.name} model takes "
+                         f"{conv.action_steps} action steps per latent frame ({conv.action_steps_key}); set "
+                         f"data.action_steps = {conv.action_steps}")
 
 
 def batching(cfg: TrainConfig, lengths: Sequence[int], geometry: TokenGeometry, rank: int = 0,
@@ -284,6 +327,9 @@ def check_fits_model(dataset: EpisodeDataset, model: Any, cfg: TrainConfig) -> t
             f"(in_channels={model.in_channels}, patch={model.patch_size}, text_dim={model.text_dim}); "
             "set model.overrides"
         )
+    tokens = cfg.model.model_family().conventions(model).text_tokens
+    if tokens is not None:
+        full_text(item, tokens)  # a text longer than the model's is refused here, before any batch
     return H, W
 
 
@@ -300,7 +346,7 @@ def run_for(dataset: EpisodeDataset, cfg: TrainConfig, *, rank: int = 0, world_s
     if cfg.data.mode == "pack":
         check_token_budget(cfg, dataset, geometry)
     sampler, collate = batching(cfg, dataset.lengths(), geometry, rank, world_size)
-    data = Data(dataset=dataset, sampler=sampler, collate=ModelCollate(collate, actions=model.action_channels > 0))
-    return Run(config=cfg, family=family, model=model, geometry=geometry, device=device, rank=rank,
-               world_size=world_size, forward=forward_options(cfg, run_text_slots(sampler)), split=split or Split(),
-               data=data)
+    data = Data(dataset=dataset, sampler=sampler, collate=model_collate(collate, model, family))
+    return Run(config=cfg, family=family, model=model, objective=objective_for(family.objective, cfg.objective, model),
+               geometry=geometry, device=device, rank=rank, world_size=world_size,
+               forward=forward_options(cfg, run_text_slots(sampler)), split=split or Split(), data=data)

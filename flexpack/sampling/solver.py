@@ -55,6 +55,8 @@ def context_chunk(cfg: Any) -> int:
     """Frames that share one σ in training (cut points sit on multiples of it). Raises the one-line
     error for a model trained with one σ per episode, which cannot be conditioned on history."""
     o, m = cfg.objective, cfg.model
+    if m.model_family().sampler is None:  # the family's registry entry says how it samples, where it does
+        raise ValueError(f"model.family = {m.family!r} cannot be sampled by flexpack yet")
     if o.chunk_size is None:
         raise ValueError("objective.chunk_size is unset: the model was trained with one σ per episode and can only "
                          "generate whole episodes jointly, not condition on history (train with a per-frame or "

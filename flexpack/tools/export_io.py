@@ -33,6 +33,10 @@ def load_checkpoint(
     if ema and not checkpoint.has_ema(found):
         raise ValueError(f"{found}: holds no EMA weights (trained with optim.ema_decay = 0); export without --ema")
     cfg = load_config(source, overrides)
+    formats = cfg.model.model_family().export_formats
+    if "diffusers" not in formats:  # what this export writes; other formats hang off the family's entry
+        raise ValueError(f"{found}: a model.family = {cfg.model.family!r} checkpoint; flexpack export writes the "
+                         f"'diffusers' format, this family's are {list(formats)} (not written by flexpack export yet)")
     wcfg = cfg.model.wan_config()
     with torch.device("meta"):
         model = WanVA(wcfg)

@@ -7,8 +7,9 @@ For each micro-batch checked, the model (same weights) runs twice:
 - **alone**: every episode as its own micro-batch (unpadded; with compiled blocks in the run's
   pack shape, so that no episode length compiles a graph of its own).
 
-Both paths see identical x_t: σ and noise are drawn per episode from a generator seeded by the
-episode alone (:func:`flexpack.flow.noise.episode_flow_sample`). Compared, per episode: the model's
+Both paths see identical x_t: σ and noise (and, where the objective draws them, the mask's chunk size
+and window) are drawn per episode from a seed of the episode alone, by the run's objective (the model family's:
+:mod:`flexpack.flow.objectives`). Compared, per episode: the model's
 video and action predictions, and the episode's loss; for the micro-batch: the total loss
 (batched ``FlowLoss.loss`` vs Σ ``accumulation_loss`` of the episodes alone) and the gradients,
 per parameter group (the embeddings, each block, the heads). Errors are ``max |a − b| / max |b|``;
@@ -45,8 +46,9 @@ import torch
 from torch import nn
 
 from flexpack.errors import UserError
-from flexpack.flow.noise import episode_flow_sample, noise_seeds
-from flexpack.flow.objective import FlowMatchingConfig, flow_loss, loss_counts
+from flexpack.flow.noise import noise_seeds
+from flexpack.flow.objective import FlowMatchingConfig
+from flexpack.flow.objectives import Objective, as_objective
 from flexpack.packing.collate import Batch, PackCollate
 from flexpack.run.root import ForwardOptions, Run
 from flexpack.tools.verify_report import (  # noqa: F401  (the report's names are verify's public API too)
@@ -80,7 +82,7 @@ def verify_batch(
     model: nn.Module,
     items: Sequence[dict],
     collate: Any,
-    cfg: FlowMatchingConfig,
+    cfg: FlowMatchingConfig | Objective,
     *,
     seed: int = 0,
     forward: ForwardOptions = ForwardOptions(),
@@ -90,11 +92,13 @@ def verify_batch(
     alone_collate: Any = None,
 ) -> VerifyReport:
     """Check one micro-batch of ``items`` (dataset items) collated by ``collate``; appends to ``report``.
+    ``cfg``: the objective (a run's), or a :class:`FlowMatchingConfig` for flexpack's flow matching.
 
     Collated batches move to the model's device. ``autocast``: run the forwards under
     ``torch.autocast`` of that dtype (training's bf16 on one process). ``alone_collate``: the
     collate of the per-episode passes (default: exactly the episode's frames as collated, no padding)."""
     report = report or VerifyReport()
+    objective = as_objective(cfg)
     device = _device(model)
     amp = (lambda: torch.autocast(device.type, autocast)) if autocast is not None else contextlib.nullcontext
 
@@ -105,13 +109,13 @@ def verify_batch(
     # carry the same keys, so both paths draw the same x_t
     seeds = noise_seeds(batch.layout, seed)
     episodes = [e if e >= 0 else slot for slot, e in enumerate(batch.layout.episode_index.tolist())]
-    sample = episode_flow_sample(batch, cfg, seeds)
+    sample = objective.sample(batch, seeds)
     layout = batch.layout
     if drop_packing:  # the bug: every frame in episode 0, padding included
         layout = replace(layout, frame_doc=torch.zeros_like(layout.frame_doc))
     with amp():
         pred = forward(model, sample, layout)
-    full = flow_loss(pred, sample, batch, cfg)
+    full = objective.loss(pred, sample, batch)
     full.loss.backward()
     g_batched = _grads(model)
 
@@ -120,14 +124,14 @@ def verify_batch(
     rows, starts = layout.episode_row.tolist(), layout.episode_start.tolist()
     frames = batch.layout.episode_frames.tolist()  # as collated: a cropped episode keeps its first frames
     singles = [(alone_collate or PackCollate(n, crop=True))([it]).to(device) for it, n in zip(items, frames)]
-    counts = [loss_counts(b) for b in singles]
+    counts = [objective.counts(b) for b in singles]
     totals = (float(sum(c[0] for c in counts)), float(sum(c[1] for c in counts)))
     accumulated = 0.0
     for e, (single, s_seed) in enumerate(zip(singles, seeds)):
-        s_sample = episode_flow_sample(single, cfg, [s_seed])
+        s_sample = objective.sample(single, [s_seed])
         with amp():
             s_pred = forward(model, s_sample)
-        part = flow_loss(s_pred, s_sample, single, cfg)
+        part = objective.loss(s_pred, s_sample, single)
         share = part.accumulation_loss(totals)
         share.backward()
         accumulated += float(share.detach())
@@ -139,8 +143,8 @@ def verify_batch(
         s_action = None if s_pred.action is None else s_pred.action[:, :, :n].detach()
         # the batched prediction in the single's frames (a padded single: its padding frames are
         # outside the loss), so the episode's loss is computed the same way on both paths
-        cut = flow_loss(type(pred)(video=_into(s_pred.video, video), action=_into(s_pred.action, action)),
-                        s_sample, single, cfg)
+        cut = objective.loss(type(pred)(video=_into(s_pred.video, video), action=_into(s_pred.action, action)),
+                             s_sample, single)
         report.rows.append(EpisodeRow(
             episode=episodes[e], frames=n, video_err=_rel(video, s_video),
             action_err=0.0 if action is None else _rel(action, s_action),
@@ -220,7 +224,7 @@ def verify_config(cfg: Any, *, micro_batches: int = 2, checkpoint_dir: str | Non
             items = data.collate.items([data.dataset[j] for j in indices])
             # compiled blocks: the episodes alone in the run's pack shape (one graph), as training would see them;
             # float8: that shape holds a multiple of 16 tokens, which its GEMMs need (float8.check_tokens)
-            verify_batch(model, items, data.collate, cfg.objective, seed=cfg.runtime.seed, forward=data.forward,
+            verify_batch(model, items, data.collate, data.objective, seed=cfg.runtime.seed, forward=data.forward,
                          drop_packing=drop_packing, report=report,
                          autocast=torch.bfloat16 if bf16 and not sharded else None,
                          alone_collate=data.collate if compiled or cfg.runtime.float8 != "off" else None)

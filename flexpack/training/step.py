@@ -3,7 +3,8 @@
 :func:`accumulate` runs the step's micro-batches forward and backward; :func:`train_step` adds
 clipping and the optimizer update (AdamW from :func:`flexpack.training.optim.build_optimizer`).
 The model is called with the run's forward options (:class:`~flexpack.run.root.ForwardOptions`:
-mask, chunk size, text slots) under its autocast rule (:meth:`~flexpack.run.root.Run.autocast`).
+mask, chunk size, text slots) under its autocast rule (:meth:`~flexpack.run.root.Run.autocast`); the
+run's objective (the model family's: :mod:`flexpack.flow.objectives`) makes its inputs and its loss.
 Nothing here waits for the GPU: loss counts come from the host-side layout, the batch and its
 layout go to the device from pinned memory without blocking and host-side code reads the layout's
 host copy (:mod:`flexpack.packing.transfer`), noise is drawn on the device
@@ -20,8 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flexpack.flow.noise import episode_flow_sample, noise_seeds
-from flexpack.flow.objective import flow_loss, loss_counts
+from flexpack.flow.noise import noise_seeds
 from flexpack.packing.collate import Batch
 from flexpack.parallel import float8
 from flexpack.parallel.parallelize import is_sharded
@@ -34,8 +34,8 @@ def accumulate(model: nn.Module, batches: Sequence[Batch], run: Run, *, step: in
     """Forward + backward one optimizer step's micro-batches (on the host, before ``.to(device)``);
     returns this rank's (loss, latent, action) shares as a device tensor, detached (summed over
     ranks they are the step's loss and its parts)."""
-    cfg, device, size, forward = run.config, run.device, run.world_size, run.forward
-    counts = torch.stack([torch.stack(loss_counts(b)).float().cpu() for b in batches]).sum(0)
+    cfg, device, size, forward, objective = run.config, run.device, run.world_size, run.forward, run.objective
+    counts = torch.stack([torch.stack(objective.counts(b)).float().cpu() for b in batches]).sum(0)
     if size > 1:
         dist.all_reduce(counts)  # the objective is over every rank's episodes
     totals = (float(counts[0]), float(counts[1]))
@@ -48,10 +48,10 @@ def accumulate(model: nn.Module, batches: Sequence[Batch], run: Run, *, step: in
         prof.phase("data")
         batch = batch.to(device, non_blocking=True)
         prof.phase("forward", batch)
-        sample = episode_flow_sample(batch, cfg.objective, seeds)
+        sample = objective.sample(batch, seeds)
         with run.autocast():
             pred = forward(model, sample)
-        fl = flow_loss(pred, sample, batch, cfg.objective)
+        fl = objective.loss(pred, sample, batch)
         share = fl.accumulation_loss(totals)
         prof.phase("backward")
         (share * size).backward()  # FSDP averages gradients over ranks; the objective sums them

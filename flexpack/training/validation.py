@@ -8,7 +8,7 @@ without communicating, and adding episodes to a dataset moves few of them.
 
 Loss. Every ``runtime.eval_every`` steps :class:`Validator` runs the model without gradients over
 every held-out item once and logs ``val_loss``, ``val_latent_loss`` and ``val_action_loss`` (the
-training objective: sums over all items divided by all counts, so the result does not depend on
+training objective, the run's: sums over all items divided by all counts, so the result does not depend on
 batching or rank count) to ``metrics.jsonl``. σ and noise are drawn per item from
 ``(VAL_TAG, episode, segment)`` alone — not from the step or the run seed — so the numbers are
 comparable across steps and across runs. The held-out episodes have their own plan
@@ -26,8 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flexpack.flow.noise import episode_flow_sample, noise_seeds
-from flexpack.flow.objective import flow_loss
+from flexpack.flow.noise import noise_seeds
 from flexpack.packing.geometry import TokenGeometry
 from flexpack.run.build import open_dataset
 from flexpack.run.checks import config_terms
@@ -76,23 +75,23 @@ class Validator:
     @torch.no_grad()
     def evaluate(self, model: nn.Module) -> dict[str, float]:
         run = self.run
-        cfg, ds = run.config, run.dataset
+        ds = run.dataset
         sums = torch.zeros(4, dtype=torch.float64)  # latent sum, action sum, latent count, action count
         for j in range(self.rounds):
             real = j < len(self.batches)
             batch = run.collate([ds[i] for i in (self.batches[j] if real else self.filler)])
             seeds = noise_seeds(batch.layout, VAL_TAG)
             batch = batch.to(run.device)
-            sample = episode_flow_sample(batch, cfg.objective, seeds)
+            sample = run.objective.sample(batch, seeds)
             with run.autocast():  # as in training
                 pred = self.forward(model, sample)
-            fl = flow_loss(pred, sample, batch, cfg.objective)
+            fl = run.objective.loss(pred, sample, batch)
             if real:
                 sums += torch.stack([fl.latent_sum, fl.action_sum, fl.latent_count, fl.action_count]).double().cpu()
         if run.world_size > 1:
             dist.all_reduce(sums)
         lat, act = float(sums[0] / sums[2].clamp(min=1)), float(sums[1] / sums[3].clamp(min=1))
-        o = cfg.objective
+        o = run.objective
         return {"val_loss": o.latent_weight * lat + o.action_weight * act, "val_latent_loss": lat,
                 "val_action_loss": act}
 
