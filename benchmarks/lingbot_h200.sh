@@ -10,16 +10,15 @@
 #   OUT=/path STAGES="bench" benchmarks/lingbot_h200.sh        # carry .gpuwheels-lv (benchmarks/lingbot_carry.sh)
 #   OUT=/path STAGES="cli" benchmarks/lingbot_h200.sh          # carry .gpuwheels-l and .gpudata (wan5b_carry.sh) in
 #                                                              # two calls on one warm machine, as float8_h200.sh's cli
-# Wheels: every distribution of .gpuwheels-lv/, .gpuwheels-l/ (or a copy at /tmp/.gpuwheels-l) and .whl/ that the
-# machine lacks is installed with pip --no-index --no-deps into /tmp/site. The JSON is $OUT/lingbot_va_h200.json.
+# Wheels: scripts/gpu_wheels.sh (what this call carries or an earlier call on the machine kept in /tmp). The JSON is
+# $OUT/lingbot_va_h200.json.
 set -uo pipefail
 OUT=${OUT:?set OUT to the output folder}
 STAGES=${STAGES:-bench}
 JSON=$OUT/lingbot_va_h200.json
 mkdir -p "$OUT" /tmp/site
-[[ -d .gpuwheels-l ]] && { rm -rf /tmp/.gpuwheels-l; cp -r .gpuwheels-l /tmp/.gpuwheels-l; }
-python3 benchmarks/install_wheels.py .gpuwheels-lv /tmp/.gpuwheels-l .whl
-export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+bash scripts/gpu_wheels.sh  # carried or kept wheels into /tmp/site (FA4 once both halves are there)
+export PYTHONPATH=$PWD:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 export TORCHINDUCTOR_FX_GRAPH_CACHE=1 PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 if [[ " $STAGES " == *" bench "* ]]; then
   # shellcheck disable=SC2086

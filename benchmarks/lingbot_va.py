@@ -47,6 +47,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from diffusers_step import _dynamo_graphs  # noqa: E402
 from flexpack.flow.lingbot import lingbot_draws  # noqa: E402
 from flexpack.flow.noise import noise_seeds  # noqa: E402
 from flexpack.parallel.parallelize import compiled_graphs  # noqa: E402
@@ -57,7 +58,6 @@ from flexpack.training.optim import build_optimizer  # noqa: E402
 from flexpack.training.step import train_step  # noqa: E402
 from train_step import (  # noqa: E402
     Items,
-    _dynamo_graphs,
     _event_times,
     _peak_gb,
     _peak_reset,

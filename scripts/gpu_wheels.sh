@@ -6,15 +6,16 @@
 #                                  two (cu13.partaa in -a with its name in cu13.name, cu13.partab in -b), joined
 #                                  here: a call carries at most 64 MiB, so the halves usually come in two calls;
 #   .whl/                          any other wheel (torchao, ...);
-#   .gpuwheels-l/                  lerobot and its dataset dependencies (benchmarks/wan5b_carry.sh): only the
-#                                  distributions the machine lacks.
+#   .gpuwheels-l/                  lerobot and its dataset dependencies (benchmarks/wan5b_carry.sh),
+#   .gpuwheels-lv/                 what LeRobot's lingbot_va imports (benchmarks/lingbot_carry.sh): of these two only
+#                                  the distributions the machine lacks (benchmarks/install_wheels.py).
 # Every folder carried is kept in /tmp/<folder> for later calls on the same machine, and every complete set kept
 # there is installed, so the second call completes FA4 with the first call's half. Used by scripts/gpu_suite.sh and
 # benchmarks/h200_issue32.sh.
 set -uo pipefail
 PY=${PYTHON:-python3}
 w=/tmp/w
-for d in .gpuwheels-a .gpuwheels-b .gpuwheels-l .whl; do  # carried this call: kept for the next one
+for d in .gpuwheels-a .gpuwheels-b .gpuwheels-l .gpuwheels-lv .whl; do  # carried this call: kept for the next one
   [ -d "$d" ] && { rm -rf "/tmp/$d"; cp -r "$d" "/tmp/$d"; echo "kept $d in /tmp/$d"; }
 done
 rm -rf "$w"; mkdir -p "$w" /tmp/site
@@ -32,22 +33,5 @@ if ls "$w"/*.whl >/dev/null 2>&1; then
 else
   echo "no complete wheel set carried or kept: none installed"
 fi
-[ -d /tmp/.gpuwheels-l ] || exit 0
-"$PY" - /tmp/.gpuwheels-l <<'EOF'  # lerobot's wheels: only distributions this machine lacks
-import importlib.metadata as md, pathlib, subprocess, sys
-
-
-def have(dist):
-    try:
-        md.distribution(dist)
-        return True
-    except md.PackageNotFoundError:
-        return False
-
-
-need = [str(w) for w in sorted(pathlib.Path(sys.argv[1]).glob("*.whl")) if not have(w.name.split("-")[0])]
-print(f"lerobot wheels: installing {[pathlib.Path(w).name.split('-')[0] for w in need]}")
-if need:
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", "/tmp/site",
-                    *need], check=True)
-EOF
+lacking=(); for d in /tmp/.gpuwheels-l /tmp/.gpuwheels-lv; do [ -d "$d" ] && lacking+=("$d"); done
+[ ${#lacking[@]} -eq 0 ] || "$PY" benchmarks/install_wheels.py "${lacking[@]}"
