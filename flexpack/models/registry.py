@@ -66,6 +66,9 @@ class ModelFamily:
     apply_objective: Callable[[Any, Any, frozenset[str]], Any] | None = None
     conventions: Callable[[Any], DataConventions] = _wan_conventions  # what its datasets look like
     sampler: str | None = "flow"  # how flexpack sample / runtime.sample_every sample it; None: not yet
+    # config fields that say how the family samples, not what it trains (a sample may set them; the
+    # trained-config check skips them)
+    sampling_fields: tuple[str, ...] = ()
     export_formats: tuple[str, ...] = ()
 
     def config(self, preset: str, **overrides: Any) -> Any:
@@ -150,17 +153,20 @@ def _wanva() -> ModelFamily:
 
 def _lingbot_va() -> ModelFamily:
     from .lingbot import LingbotVA
-    from .lingbot_config import COPIES, LEROBOT_TRAINING, PRESETS, LingbotConfig, config_from_lerobot
+    from .lingbot_config import (COPIES, LEROBOT_INFERENCE, LEROBOT_TRAINING, PRESETS, LingbotConfig,
+                                 config_from_lerobot)
     from .lingbot_convert import convert_tensor, lingbot_files, load_checkpoint
     from .lingbot_family import ALIASES, NAME, REFUSED, SHAPE_FIELDS, apply_objective, conventions
 
     return ModelFamily(name=NAME, config_class=LingbotConfig, presets=PRESETS, model_class=LingbotVA,
                        aliases=ALIASES, refused=REFUSED, read_checkpoint_config=config_from_lerobot,
-                       shape_fields=SHAPE_FIELDS, checkpoint_defaults=LEROBOT_TRAINING, checkpoint_files=lingbot_files,
+                       shape_fields=SHAPE_FIELDS, checkpoint_defaults=LEROBOT_TRAINING + LEROBOT_INFERENCE,
+                       checkpoint_files=lingbot_files,
                        convert_tensor=convert_tensor, load_checkpoint=load_checkpoint,
                        masks=("lingbot",), copies=COPIES, objective="flexpack.flow.lingbot:LingbotObjective",
                        apply_objective=apply_objective,
-                       conventions=conventions, sampler=None, export_formats=("lerobot",))
+                       conventions=conventions, sampler=None, sampling_fields=LEROBOT_INFERENCE,
+                       export_formats=("lerobot",))
 
 
 register("wanva", _wanva)
