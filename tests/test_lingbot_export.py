@@ -154,3 +154,63 @@ def test_fields_cameras_and_statistics_lerobot_has_no_place_for(tiny_dataset, tm
                                                           "activation_checkpointing"))
     with pytest.raises(ValueError, match="LeRobot's lingbot_va config has no field 'noisy_cond_prob'"):
         export_lerobot.check_config(cfg)
+
+
+def save_frozen_modules(folder: Path, text_dim: int) -> Path:
+    """A local wan_pretrained_path: a tiny random Wan2.2-style VAE (48 latent channels, 16 pixels and 4 frames per
+    latent cell, patchified by 2 as Wan2.2's), a tiny random UMT5 encoder of width ``text_dim`` and a T5 tokenizer
+    built from a small vocabulary, in vae/, text_encoder/, tokenizer/ (nothing downloaded)."""
+    from diffusers import AutoencoderKLWan
+    from transformers import T5TokenizerFast, UMT5Config, UMT5EncoderModel
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    AutoencoderKLWan(base_dim=8, decoder_base_dim=8, z_dim=48, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+                     temperal_downsample=[False, True, True], is_residual=True, in_channels=12, out_channels=12,
+                     patch_size=2, scale_factor_spatial=16, latents_mean=(torch.randn(48, generator=g) * 0.1).tolist(),
+                     latents_std=(1 + torch.rand(48, generator=g)).tolist()).save_pretrained(folder / "vae")
+    words = "pick up the red cube open drawer push button twice stack blue block on green one".split()
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)] + [(f"\u2581{w}", -1.0 - i) for i, w in enumerate(words)]
+    tok = T5TokenizerFast(vocab=vocab, extra_ids=0)
+    tok.save_pretrained(folder / "tokenizer")
+    UMT5EncoderModel(UMT5Config(vocab_size=len(vocab), d_model=text_dim, d_kv=16, d_ff=2 * text_dim, num_layers=1,
+                                num_heads=2)).save_pretrained(folder / "text_encoder")
+    return folder
+
+
+def test_lerobot_runs_the_export_end_to_end(lingbot_run, tmp_path, capsys) -> None:
+    """LeRobot's own factory loads the export (make_policy over the dataset's metadata, make_pre_post_processors)
+    with frozen modules from a local wan_pretrained_path, and select_action on fake observations (the dataset's
+    camera size, its task) gives finite actions of the dataset's action shape, unnormalized by the postprocessor
+    with the run's q01 / q99: the first chunk from one observation, the next after its observations and actions
+    went back into the KV cache (its streaming VAE and UMT5 included)."""
+    from lerobot.configs.policies import PreTrainedConfig
+    from lerobot.datasets.lerobot_dataset import LeRobotDatasetMetadata
+    from lerobot.policies.factory import make_policy
+
+    cfg, run = lingbot_run
+    frozen = save_frozen_modules(tmp_path / "wan", text_dim=64)
+    out = tmp_path / "policy"
+    code, err = run_cli(capsys, "export", str(run), str(out), "--wan-pretrained-path", str(frozen))
+    assert code == 0, err
+    config = PreTrainedConfig.from_pretrained(out)
+    config.pretrained_path, config.dtype, config.device = out, "float32", "cpu"
+    meta = LeRobotDatasetMetadata("local/tiny", root=cfg.data.root)
+    policy = make_policy(config, ds_meta=meta)
+    pre, post = make_pre_post_processors(config, pretrained_path=str(out),
+                                         preprocessor_overrides={"device_processor": {"device": "cpu"}})
+    *_, stats = _processors(out)
+    lo, hi = (torch.as_tensor(stats[k], dtype=torch.float32) for k in ("q01", "q99"))
+    g = torch.Generator().manual_seed(0)
+    chunk = (config.frame_chunk_size - 1) * config.action_per_frame  # the first chunk drops its given frame
+    policy.reset()
+    actions = []
+    for _ in range(chunk + 2):  # the whole first chunk, then the first actions of the next
+        obs = {CAM: torch.rand(3, 32, 32, generator=g), "task": "pick up the red cube"}
+        raw = policy.select_action(pre(obs))
+        actions.append((raw, post(raw)))
+    for raw, act in actions:
+        assert raw.shape == act.shape == (1, 6) and torch.isfinite(act).all()
+        assert torch.allclose(act, (raw + 1) / 2 * (hi - lo) + lo, atol=1e-5)  # QUANTILES, the run's statistics
+    assert policy._frame_st_id == config.frame_chunk_size  # the observed chunk went back into the cache
+    assert not torch.allclose(actions[0][0], actions[chunk][0])  # a new chunk
