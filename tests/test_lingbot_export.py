@@ -128,6 +128,33 @@ def test_a_full_disk_leaves_nothing(lingbot_run, tmp_path, capsys, monkeypatch) 
     assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".tmp-*"))
 
 
+def test_flexpack_sample_runs_the_run_and_its_export(lingbot_run, tmp_path, capsys) -> None:
+    """`flexpack sample` on the family (LeRobot's two streams with guidance, packed): the run and its LeRobot
+    export give the same metrics (metrics.json as WanVA's: the model against the baselines); rollout runs; the
+    sampling fields (LeRobot's step counts and guidance) may be set at sample time, --steps is one line."""
+    _, run = lingbot_run
+    fast = ["--set", "model.overrides.num_inference_steps=3", "--set", "model.overrides.action_num_inference_steps=4"]
+    out = tmp_path / "policy"
+    assert run_cli(capsys, "export", str(run), str(out))[0] == 0
+    got = {}
+    for name, src, extra in (("run", run, []), ("export", out, []), ("plain", run, ["--set",
+                             "model.overrides.guidance_scale=1"]), ("rollout", run, ["--mode", "rollout"])):
+        code, err = run_cli(capsys, "sample", str(src), "--horizon", "4", "--plots", "0", "--out",
+                            str(tmp_path / name), *fast, *extra)
+        assert code == 0, err
+        got[name] = json.loads((tmp_path / name / "metrics.json").read_text())
+    m = got["run"]
+    assert {"action_mse", "action_mse_raw", "latent_mse", "baselines", "per_episode", "pair_list"} <= set(m)
+    assert set(m["baselines"]) == {"last", "mean"} and m["steps"] == 3 and m["pairs"] == 2 and m["mode"] == "forecast"
+    assert m["model_calls"] == 2 * (2 * 3 + 4)  # 2 packs of one pair (60-token packs), video guided, actions not
+    assert got["export"]["action_mse"] == pytest.approx(m["action_mse"], rel=1e-6)
+    assert got["export"]["latent_mse"] == pytest.approx(m["latent_mse"], rel=1e-6)
+    assert got["plain"]["model_calls"] == 2 * (3 + 4) and got["plain"]["latent_mse"] != m["latent_mse"]
+    assert got["rollout"]["mode"] == "rollout" and got["rollout"]["pairs"] == 4
+    code, err = run_cli(capsys, "sample", str(run), "--steps", "3", "--out", str(tmp_path / "x"))
+    assert code == 2 and "samples with its config's solver steps" in err and err.count("\n") == 1, err
+
+
 @pytest.mark.parametrize("sets, msg", [
     (["objective.num_train_timesteps=500"], "num_train_timesteps = 500, but LeRobot's lingbot_va policy needs 1000"),
     (["data.stride=8"], "data.stride = 8 video frames"),
