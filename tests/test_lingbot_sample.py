@@ -184,3 +184,44 @@ def test_guidance_off_runs_no_negative_pass(setup) -> None:
     pair = make_pair(torch.randn(48, 8, H, W, generator=gen), torch.randn(30, 8, A, generator=gen), 4, prompt)
     sampler = run_ours(plain, model, [pair], None)
     assert sampler.forwards == 5 + 7
+
+
+def test_negative_prompt_is_the_empty_prompt_of_the_caches_encoder(tiny_dataset, tmp_path, monkeypatch) -> None:
+    """The negative prompt is "" through the text encoder the cache names (its text files' header); an encoder
+    that cannot be loaded is one line naming the file and how to sample without guidance."""
+    from flexpack.data import cache
+    from flexpack.data.text import HashTextEncoder, text_encoder_named
+    from flexpack.run.build import open_dataset
+    from flexpack.sampling import lingbot
+
+    ds = open_dataset(tiny_config(tiny_dataset, tmp_path, *LINGBOT))
+    emb, n = lingbot.negative_prompt(ds)
+    want, m = HashTextEncoder().encode("")
+    assert n == m == 1 and torch.equal(emb, want)
+    assert text_encoder_named("hash:8x4").encode("a b")[0].shape == (4, 8)
+    with pytest.raises(ValueError, match="expected umt5:PATH:MAX_LEN"):
+        text_encoder_named("umt5:/models/umt5")
+    real = cache.read_text_header
+    monkeypatch.setattr(cache, "read_text_header", lambda f: replace(real(f), encoder=f"umt5:{tmp_path}/gone:512"))
+    with pytest.raises(ValueError, match=r"task_000000.safetensors: classifier-free guidance needs the negative "
+                                         r"prompt through its text encoder .*guidance_scale=1"):
+        lingbot.negative_prompt(ds)
+
+
+def test_inference_fields_come_from_a_lerobot_config() -> None:
+    """LeRobot's inference fields of a policy config.json are the family's (a pretrained policy samples as it was
+    configured); the registry lists them as sampling fields, which a trained-config check does not compare."""
+    from flexpack.models.lingbot_config import LEROBOT_INFERENCE, config_from_lerobot
+    from flexpack.models.registry import family
+    from flexpack.run.state.trained import differences
+
+    m = config_from_lerobot({"type": "lingbot_va", "frame_chunk_size": 2, "attn_window": 8, "num_inference_steps": 3,
+                             "action_num_inference_steps": 4, "guidance_scale": 2.5, "action_guidance_scale": 1.5})
+    assert [getattr(m, k) for k in LEROBOT_INFERENCE] == [2, 8, 3, 4, 2.5, 1.5]
+    assert family("lingbot-va").sampling_fields == LEROBOT_INFERENCE
+    a = tiny_config("unused", "unused", *LINGBOT)
+    b = tiny_config("unused", "unused", *LINGBOT, "model.overrides.guidance_scale=1.0")
+    c = tiny_config("unused", "unused", *LINGBOT, "objective.shift=4.0")
+    assert differences(b, a) == {} and "model.snr_shift" in differences(c, a)
+    with pytest.raises(ValueError, match="guidance_scale and action_guidance_scale must be finite and >= 0"):
+        tiny_config("unused", "unused", *LINGBOT, "model.overrides.guidance_scale=-1.0")
