@@ -148,6 +148,8 @@ class LingbotSampler(PackedSampler):
         forward = forward_options(self.cfg, self.text_slots)
         n_valid = int(lay.episode_frames.sum()) * self.tpf
         zero_t = torch.zeros(target.shape, device=dev)
+        # one chunk size and window per episode, as training passes them (the same mask build, compiled once)
+        chunk, window = (torch.full((lay.num_episodes,), v, dtype=torch.int64, device=dev) for v in (C, self.window))
         texts = (batch.text, None if self.negative is None else
                  self.negative.to(dev, batch.text.dtype).expand(batch.text.shape[0], -1, -1))
         bf16 = self.opt.dtype == "bfloat16"
@@ -157,7 +159,7 @@ class LingbotSampler(PackedSampler):
                              action=torch.stack([noisy_a, a]), text=text)
             with torch.autocast(dev.type, torch.bfloat16) if bf16 else contextlib.nullcontext():
                 out = forward.call(self.model, inputs, timestep=torch.stack([t_v, zero_t]),
-                                   action_timestep=torch.stack([t_a, zero_t]), chunk_size=C, window=self.window)
+                                   action_timestep=torch.stack([t_a, zero_t]), chunk_size=chunk, window=window)
             self.forwards += 1
             self.tokens += 2 * n_valid
             return out
