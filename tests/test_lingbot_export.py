@@ -170,10 +170,13 @@ def test_configs_lerobot_cannot_represent(tiny_dataset, tmp_path, sets, msg) -> 
 def test_fields_cameras_and_statistics_lerobot_has_no_place_for(tiny_dataset, tmp_path, monkeypatch) -> None:
     cfg = tiny_config(tiny_dataset, tmp_path, *LINGBOT)
     export_lerobot.check_config(cfg)  # the tiny run itself is representable
-    norm = {"mode": "quantile"}
+    norm = {"mode": "quantile", "low": [0.0] * 6}
     assert export_lerobot.policy_layout(cfg, norm)["obs_cam_keys"] == [CAM]
     with pytest.raises(ValueError, match="with 'meanstd' statistics"):
-        export_lerobot.policy_layout(cfg, {"mode": "meanstd"})
+        export_lerobot.policy_layout(cfg, {**norm, "mode": "meanstd"})
+    with pytest.raises(ValueError, match=r"statistics cover 5 columns, but used_action_channel_ids = \[0, 1, 2, 3, "
+                                         r"4, 5\] places 6: the actions do not map"):
+        export_lerobot.policy_layout(cfg, {**norm, "low": [0.0] * 5})
     other = tiny_config(tiny_dataset, tmp_path, *LINGBOT, 'model.overrides.obs_cam_keys=["observation.images.top"]')
     with pytest.raises(ValueError, match="'observation.images.top' is not in the dataset"):
         export_lerobot.policy_layout(other, norm)

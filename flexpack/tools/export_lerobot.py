@@ -22,7 +22,8 @@ What LeRobot's policy cannot represent is refused in one line before anything is
 before the weights are read, :func:`policy_layout` against the dataset): latents of other than 48 channels (its
 sampler draws 48), a noise grid of other than 1000 steps, another temporal stride than the Wan VAE's 4 video
 frames per latent frame or another count of action steps per latent frame (its ``select_action`` runs one
-action per video frame), actions the run did not normalize with q01 / q99, cameras of different frame sizes or
+action per video frame), actions the run did not normalize with q01 / q99 or whose columns are not the used
+channels, cameras of different frame sizes or
 sizes off the VAE's 16-pixel grid, a latent cache whose grid is not the cameras' frames / 16, and any
 LingbotConfig field LeRobot's config has no place for. The fields of LeRobot's trainer that its config lacks
 (``noisy_cond_prob``, ``chunk_range``, ``window_range``) and how flexpack runs (``attn_backend``,
@@ -85,6 +86,10 @@ def policy_layout(cfg: Any, norm: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"--format lerobot: the run normalized its actions with {norm['mode']!r} statistics, but "
                          "LeRobot's lingbot_va postprocessor maps actions with q01 / q99 (QUANTILES); train with "
                          "data.action_stats = 'pooled' (or a meta/stats.json with q01 / q99)")
+    if len(norm["low"]) != len(m.used_action_channel_ids):
+        raise ValueError(f"--format lerobot: the checkpoint's action statistics cover {len(norm['low'])} columns, but "
+                         f"used_action_channel_ids = {list(m.used_action_channel_ids)} places "
+                         f"{len(m.used_action_channel_ids)}: the actions do not map onto the policy's output")
     src = EpisodeSource(cfg.data.root)
     given = list(m.obs_cam_keys) or (list(cfg.data.cameras) if cfg.data.cameras else None)
     cams = resolve_cameras(src.video_keys, given, src.info_file)
