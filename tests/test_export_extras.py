@@ -146,6 +146,6 @@ def test_missing_extras_are_one_line_naming_the_extra(exported, tmp_path, monkey
     assert "--push-to-hub needs huggingface_hub: pip install 'flexpack[hub]'" in capsys.readouterr().err
     monkeypatch.setitem(sys.modules, "diffusers", None)
     assert cli_main(["export", str(tmp / "run"), str(tmp_path / "b")]) == 2
-    assert ("flexpack export: error: flexpack export needs diffusers: pip install 'flexpack[hf]'"
+    assert ("flexpack export: error: flexpack export --format diffusers needs diffusers: pip install 'flexpack[hf]'"
             in capsys.readouterr().err)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # nothing written

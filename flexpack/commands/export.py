@@ -1,9 +1,11 @@
-"""``flexpack export RUN OUT``: a run's newest checkpoint as a diffusers folder plus the action stream
-(:func:`flexpack.tools.export.export_run`)."""
+"""``flexpack export RUN OUT``: a run's newest checkpoint as a folder the ecosystem loads, in a format its
+model family can be written in: ``diffusers`` (WanVA: a diffusers folder plus the action stream) or ``lerobot``
+(lingbot-va: a LeRobot ``lingbot_va`` policy folder) (:func:`flexpack.tools.export.export_run`)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from flexpack.commands.common import add_set
@@ -13,12 +15,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run", type=Path, help="a run folder (runtime.out_dir of flexpack train: its newest intact "
                         "checkpoint) or a checkpoint folder")
     parser.add_argument("out", type=Path, help="new or empty folder to write")
+    parser.add_argument("--format", dest="fmt", default=None, metavar="FORMAT",
+                        help="diffusers (wanva) or lerobot (lingbot-va: a LeRobot lingbot_va policy folder); "
+                             "default: the run's model family's first format")
     parser.add_argument("--ema", action="store_true", help="also write the EMA weights (OUT/ema/, same layout)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="dtype of the exported weights")
     add_set(parser, of="the checkpoint's config", example="data.root=DATASET")
     parser.add_argument("--no-policy", action="store_true",
-                        help="skip the LeRobot-style policy folder (OUT/lerobot_policy)")
+                        help="skip the LeRobot-style policy folder (OUT/lerobot_policy; --format diffusers)")
+    parser.add_argument("--wan-pretrained-path", default=None, metavar="PATH",
+                        help="--format lerobot: the policy's wan_pretrained_path, a Hub repo or local folder with "
+                             "vae/, text_encoder/, tokenizer/ (default: LeRobot's, robbyant/lingbot-va-base)")
     parser.add_argument("--push-to-hub", metavar="REPO", default=None,
                         help="upload OUT to this Hugging Face model repo (org/name) once written")
     parser.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
@@ -27,10 +35,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from flexpack.errors import UserError, one_line
 
-    try:
-        import diffusers  # noqa: F401  (checked before any work: the diffusers folder is the export's core)
-    except ImportError:
-        raise UserError("flexpack export needs diffusers: pip install 'flexpack[hf]'") from None
     if args.push_to_hub:
         try:
             import huggingface_hub  # noqa: F401
@@ -39,11 +43,12 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from flexpack.tools.export import export_run
+    from flexpack.tools.export_io import WRITERS
 
     out = export_run(args.run, args.out, ema=args.ema, dtype=getattr(torch, args.dtype), overrides=args.overrides,
-                     policy=not args.no_policy)
-    print(f"exported {args.run} -> {out} (load: diffusers.WanTransformer3DModel.from_pretrained({str(out)!r}); "
-          f"model card {out / 'README.md'})")
+                     policy=not args.no_policy, fmt=args.fmt, wan_pretrained_path=args.wan_pretrained_path)
+    fmt = json.loads((out / "export.json").read_text())["format"]
+    print(f"exported {args.run} -> {out} ({fmt}; load: {WRITERS[fmt].load.format(out=str(out))})")
     if args.push_to_hub:
         from flexpack.tools.export_extras import push_to_hub
 

@@ -57,7 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="the config's held-out episodes (data.val_fraction / val_episodes)")
     parser.add_argument("--mode", choices=MODES, default="forecast",
                         help="open-loop forecast or autoregressive rollout")
-    parser.add_argument("--steps", type=int, default=10, help="solver steps from noise to data (default 10)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="solver steps from noise to data (default 10; lingbot-va: its num_inference_steps and "
+                             "action_num_inference_steps, set with --set model.overrides.KEY=N)")
     parser.add_argument("--solver", choices=SOLVERS, default="euler", help="euler (default) or heun (2nd order)")
     parser.add_argument("--cuts", type=int, default=4, help="cut points per episode in forecast mode (default 4)")
     parser.add_argument("--cut-points", type=_int_list, default=(), metavar="LIST",
@@ -85,13 +87,16 @@ def load_weights(cfg: Any, source: str | Path, *, ema: bool = False) -> tuple[nn
         raise FileNotFoundError(f"{path}: no such run, checkpoint or export folder")
     cfg = replace(cfg, model=replace(cfg.model, pretrained=""))  # the weights come from the checkpoint
     model = build_model(cfg)
-    if (path / "action_stream.json").is_file():  # an export folder
-        from flexpack.tools.export import load_export
-
+    if (path / "flexpack_config.json").is_file():  # an export folder
         folder = path / "ema" if ema else path
-        if ema and not (folder / "action_stream.json").is_file():
+        if ema and not folder.is_dir():
             raise ValueError(f"{path}: --ema but the export has no ema/ folder (exported without --ema)")
-        loaded = load_export(folder)
+        if (path / "action_stream.json").is_file():  # the diffusers format
+            from flexpack.tools.export import load_export
+
+            loaded = load_export(folder)
+        else:  # another format: the family reads its own checkpoints (lingbot-va: a LeRobot policy folder)
+            loaded = cfg.model.model_family().load_checkpoint(str(folder), cfg.model.resolved())
         check_state_shapes(folder, loaded.state_dict(), model)
         model.load_state_dict(loaded.state_dict())
         norm = json.loads((path / "normalization.json").read_text())
@@ -121,14 +126,15 @@ def _default_out(source: Path, label: str, mode: str) -> Path:
     base = source
     if source.parent.name == "checkpoints" and (source / "train_state.json").is_file():
         base = source.parent.parent  # never inside checkpoints/: that folder holds checkpoints only
-    elif not ((source / "action_stream.json").is_file() or (source / "checkpoints").is_dir()):
+    elif not ((source / "flexpack_config.json").is_file() or (source / "checkpoints").is_dir()):
         base = source.parent
     return base / "samples" / f"{mode}_{Path(label).name}"
 
 
 def check_flags(args: argparse.Namespace) -> None:
     """Every count of the command line in its range (:mod:`flexpack.run.bounds`), before any work."""
-    check_count("--steps", args.steps, 1, bounds.SOLVER_STEPS, unit="solver steps from noise to data")
+    if args.steps is not None:
+        check_count("--steps", args.steps, 1, bounds.SOLVER_STEPS, unit="solver steps from noise to data")
     check_count("--cuts", args.cuts, 1, bounds.CUTS, unit="cut points per episode")
     if args.horizon is not None:
         check_count("--horizon", args.horizon, 1, bounds.HORIZON, unit="latent frames")
@@ -149,11 +155,23 @@ def check_trained_config(cfg: Any, source: Path, given: str) -> None:
     check_trained(cfg, load_config(trained), given_from=given, trained_from=trained, command="sample")
 
 
+def solver_steps(sampler: Any, cfg: Any, given: int | None) -> int:
+    """``--steps`` (default 10), or where the family's sampler takes its steps from the model config (lingbot-va:
+    LeRobot's fields), those; ``--steps`` given there is one line naming the fields."""
+    if not hasattr(sampler, "config_steps"):
+        return 10 if given is None else given
+    if given is not None:
+        raise ValueError(f"--steps {given}: model.family = {cfg.model.family!r} samples with its config's solver steps "
+                         "(LeRobot's num_inference_steps for the video, action_num_inference_steps for the actions); "
+                         "set them with --set model.overrides.num_inference_steps=N")
+    return sampler.config_steps(cfg)
+
+
 def run(args: argparse.Namespace) -> int:
     from flexpack.run.checks import resolve_device
     from flexpack.run.cpu_threads import cpu_threads
     from flexpack.sampling.evaluate import PairPlan, checkpoint_normalizer, dataset_for, evaluate, table
-    from flexpack.sampling.solver import SampleOptions, context_chunk
+    from flexpack.sampling.solver import SampleOptions, context_chunk, sampler_class
 
     check_flags(args)
     if args.out is not None and args.out.exists() and not args.out.is_dir():
@@ -171,19 +189,20 @@ def run(args: argparse.Namespace) -> int:
     plan = PairPlan(mode=args.mode, cuts=args.cuts, horizon=args.horizon, cut_points=tuple(args.cut_points),
                     seed=args.seed)
     context_chunk(cfg)  # a one-σ-per-episode model fails here, before any loading
+    steps = solver_steps(sampler_class(cfg), cfg, args.steps)
     val = args.val or (args.episodes is None and bool(cfg.data.val_fraction or cfg.data.val_episodes))
     dataset = dataset_for(cfg, args.episodes, val=val)
     model, saved, label = load_weights(cfg, source, ema=args.ema)
     normalizer = checkpoint_normalizer(dataset, saved, label)
     model.to(device)
     out = args.out or _default_out(Path(source), label, args.mode)
-    options = SampleOptions(steps=args.steps, solver=args.solver,
+    options = SampleOptions(steps=steps, solver=args.solver,
                             dtype=cfg.runtime.dtype if device.type == "cuda" else "float32")
     with cpu_threads(cfg.runtime.cpu_threads, device, model):  # a tiny model: one thread, said so
         metrics, files = evaluate(model, cfg, dataset, plan, options, device=device, normalizer=normalizer, out=out,
                                   plots=args.plots)
     print(f"{label}: {metrics['mode']} of {len(metrics['episodes'])} episode(s), {metrics['pairs']} pair(s), "
-          f"horizon {metrics['horizon']}, {args.steps} {args.solver} steps")
+          f"horizon {metrics['horizon']}, {steps} {args.solver} steps")
     print(table(metrics))
     print(f"wrote {out / 'metrics.json'}" + (f" and {len(files)} plot(s) in {out}" if files else ""))
     return 0

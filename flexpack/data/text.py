@@ -57,6 +57,17 @@ def make_text_encoder(spec: str, *, device: str = "cpu", max_len: int = 512) -> 
     raise ValueError(f"unknown text encoder {spec!r}; use 'hash', 'hash:DIMxLEN', 'umt5:PATH' or 'hf:PATH'")
 
 
+def text_encoder_named(name: str, *, device: str = "cpu") -> TextEncoder:
+    """The encoder whose ``name`` a text cache records (``hash:DIMxLEN``, ``umt5:PATH:LEN``, ``hf:PATH:LEN``)."""
+    kind, _, rest = name.partition(":")
+    if kind in ("umt5", "hf"):
+        path, _, max_len = rest.rpartition(":")
+        if not max_len.isdigit():
+            raise ValueError(f"text encoder name {name!r}: expected {kind}:PATH:MAX_LEN")
+        return make_text_encoder(f"{kind}:{path}", device=device, max_len=int(max_len))
+    return make_text_encoder(name)
+
+
 def encode_texts(encoder: TextEncoder, texts: list[str], batch_size: int = 16) -> list[tuple[torch.Tensor, int]]:
     """Encode ``texts`` ``batch_size`` at a time (``encode_batch`` where the encoder has it)."""
     batch = getattr(encoder, "encode_batch", None)

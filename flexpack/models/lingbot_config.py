@@ -56,6 +56,15 @@ class LingbotConfig:
     # attended), and the cameras joined on width in this order (empty: the dataset's cameras)
     max_sequence_length: int = 512
     obs_cam_keys: tuple[str, ...] = ()
+    # inference (LeRobot's policy config; flexpack sample and the LeRobot export): latent frames per predicted
+    # chunk, the attention window in block ids, solver steps of the video and the action stream, and the
+    # classifier-free guidance scale of each (<= 1: no guidance, the prompt's prediction alone)
+    frame_chunk_size: int = 4
+    attn_window: int = 30
+    num_inference_steps: int = 20
+    action_num_inference_steps: int = 50
+    guidance_scale: float = 5.0
+    action_guidance_scale: float = 1.0
     # flexpack options
     attn_backend: str = "auto"
     activation_checkpointing: bool = False  # inside forward, for direct users (as WanVAConfig's)
@@ -63,7 +72,8 @@ class LingbotConfig:
     def __post_init__(self) -> None:
         for name in ("num_attention_heads", "attention_head_dim", "in_channels", "out_channels", "action_dim",
                      "text_dim", "freq_dim", "ffn_dim", "num_layers", "action_per_frame", "num_train_timesteps",
-                     "max_sequence_length"):
+                     "max_sequence_length", "frame_chunk_size", "attn_window", "num_inference_steps",
+                     "action_num_inference_steps"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"lingbot-va config: {name} must be positive, got {getattr(self, name)}")
         hd = self.attention_head_dim
@@ -83,6 +93,10 @@ class LingbotConfig:
                                  f"got {getattr(self, name)}")
         if not 0.0 <= self.noisy_cond_prob <= 1.0:
             raise ValueError(f"lingbot-va config: noisy_cond_prob must be in [0, 1], got {self.noisy_cond_prob}")
+        if not (math.isfinite(self.guidance_scale) and math.isfinite(self.action_guidance_scale)
+                and self.guidance_scale >= 0 and self.action_guidance_scale >= 0):
+            raise ValueError(f"lingbot-va config: guidance_scale and action_guidance_scale must be finite and >= 0, "
+                             f"got {self.guidance_scale}, {self.action_guidance_scale}")
         if not (self.snr_shift > 0 and self.action_snr_shift > 0):
             raise ValueError(f"lingbot-va config: snr_shift and action_snr_shift must be positive, got "
                              f"{self.snr_shift}, {self.action_snr_shift}")
@@ -129,7 +143,7 @@ class LingbotConfig:
 
     def lerobot_fields(self) -> dict[str, Any]:
         """The fields a LeRobot ``LingBotVAConfig`` (or ``WanTransformer3DModel``) takes under the same names."""
-        out = {f: getattr(self, f) for f in LEROBOT_SHAPE + LEROBOT_TRAINING}
+        out = {f: getattr(self, f) for f in LEROBOT_SHAPE + LEROBOT_TRAINING + LEROBOT_INFERENCE}
         out["patch_size"] = list(self.patch_size)
         out["used_action_channel_ids"] = list(self.used_action_channel_ids)
         out["obs_cam_keys"] = list(self.obs_cam_keys)
@@ -143,6 +157,9 @@ LEROBOT_SHAPE = ("patch_size", "num_attention_heads", "attention_head_dim", "in_
 # policy config.json only
 LEROBOT_TRAINING = ("action_per_frame", "snr_shift", "action_snr_shift", "used_action_channel_ids",
                     "max_sequence_length", "obs_cam_keys")
+# policy config.json only: how the policy samples (flexpack sample reads them too; they shape nothing trained)
+LEROBOT_INFERENCE = ("frame_chunk_size", "attn_window", "num_inference_steps", "action_num_inference_steps",
+                     "guidance_scale", "action_guidance_scale")
 CAMERA_LAYOUT = "width_concat"  # LeRobot's camera_layout flexpack's latent cache has (cameras joined on width)
 
 
@@ -182,7 +199,7 @@ def config_from_lerobot(cfg: Mapping[str, Any], *, source: str = "config", **ove
     if layout != CAMERA_LAYOUT:
         raise ValueError(f"{source}: camera_layout {layout!r}; flexpack's latent cache joins cameras on width "
                          f"({CAMERA_LAYOUT!r}) only")
-    kw: dict[str, Any] = {k: cfg[k] for k in LEROBOT_SHAPE + LEROBOT_TRAINING if k in cfg}
+    kw: dict[str, Any] = {k: cfg[k] for k in LEROBOT_SHAPE + LEROBOT_TRAINING + LEROBOT_INFERENCE if k in cfg}
     if "patch_size" in kw:
         kw["patch_size"] = tuple(int(p) for p in kw["patch_size"])
     if "used_action_channel_ids" in kw:

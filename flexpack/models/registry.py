@@ -6,8 +6,9 @@ config and tensors map onto the family's (weight converters), which tensors a ch
 and how they start, the block container that ``parallel/`` wraps, compiles and shards block by block,
 the self-attention masks it trains with, how many copies of an episode it sees (noisy, or noisy and
 clean), the objective it trains with (``"module:Class"``: :mod:`flexpack.flow.objectives`), the data conventions
-of its datasets (:class:`DataConventions`: action space, cameras, text length), the sampler (by name;
-None: the family does not sample yet) and the export formats it writes. The run
+of its datasets (:class:`DataConventions`: action space, cameras, text length), the sampler (``"flow"``, a
+``"module:Class"`` of :mod:`flexpack.sampling`, or None: the family does not sample yet), the config fields that
+only say how it samples, and the export formats it can be written in (:mod:`flexpack.tools.export_io`). The run
 (:mod:`flexpack.run.root`), the geometry, the collate, the objective and the sampler ask the family;
 nothing else branches on a family's name.
 
@@ -65,7 +66,13 @@ class ModelFamily:
     # model.overrides sets) -> config; ValueError for keys that do not apply. None: nothing to apply
     apply_objective: Callable[[Any, Any, frozenset[str]], Any] | None = None
     conventions: Callable[[Any], DataConventions] = _wan_conventions  # what its datasets look like
-    sampler: str | None = "flow"  # how flexpack sample / runtime.sample_every sample it; None: not yet
+    # how flexpack sample / runtime.sample_every sample it: "flow" (flexpack.sampling.solver's), a sampler's
+    # "module:Class", or None: not yet
+    sampler: str | None = "flow"
+    sample_during_training: bool = True  # runtime.sample_every may sample it (else flexpack sample only)
+    # config fields that say how the family samples, not what it trains (a sample may set them; the
+    # trained-config check skips them)
+    sampling_fields: tuple[str, ...] = ()
     export_formats: tuple[str, ...] = ()
 
     def config(self, preset: str, **overrides: Any) -> Any:
@@ -150,17 +157,27 @@ def _wanva() -> ModelFamily:
 
 def _lingbot_va() -> ModelFamily:
     from .lingbot import LingbotVA
-    from .lingbot_config import COPIES, LEROBOT_TRAINING, PRESETS, LingbotConfig, config_from_lerobot
+    from .lingbot_config import (
+        COPIES,
+        LEROBOT_INFERENCE,
+        LEROBOT_TRAINING,
+        PRESETS,
+        LingbotConfig,
+        config_from_lerobot,
+    )
     from .lingbot_convert import convert_tensor, lingbot_files, load_checkpoint
     from .lingbot_family import ALIASES, NAME, REFUSED, SHAPE_FIELDS, apply_objective, conventions
 
     return ModelFamily(name=NAME, config_class=LingbotConfig, presets=PRESETS, model_class=LingbotVA,
                        aliases=ALIASES, refused=REFUSED, read_checkpoint_config=config_from_lerobot,
-                       shape_fields=SHAPE_FIELDS, checkpoint_defaults=LEROBOT_TRAINING, checkpoint_files=lingbot_files,
+                       shape_fields=SHAPE_FIELDS, checkpoint_defaults=LEROBOT_TRAINING + LEROBOT_INFERENCE,
+                       checkpoint_files=lingbot_files,
                        convert_tensor=convert_tensor, load_checkpoint=load_checkpoint,
                        masks=("lingbot",), copies=COPIES, objective="flexpack.flow.lingbot:LingbotObjective",
                        apply_objective=apply_objective,
-                       conventions=conventions, sampler=None, export_formats=("lerobot",))
+                       conventions=conventions, sampler="flexpack.sampling.lingbot:LingbotSampler",
+                       sample_during_training=False, sampling_fields=LEROBOT_INFERENCE,
+                       export_formats=("lerobot",))
 
 
 register("wanva", _wanva)

@@ -356,9 +356,10 @@ class TrainConfig:
         # the objective section as the model family reads it (some families map its keys onto their fields)
         object.__setattr__(self, "model", self.model.with_objective(self.objective))
         fam = self.model.model_family()
-        if self.runtime.sample_every and fam.sampler is None:
+        if self.runtime.sample_every and (fam.sampler is None or not fam.sample_during_training):
             raise ValueError(f"runtime.sample_every={self.runtime.sample_every}: model.family = {self.model.family!r} "
-                             "cannot be sampled by flexpack yet; set runtime.sample_every = 0")
+                             "cannot be sampled during training yet (flexpack sample samples its checkpoints); set "
+                             "runtime.sample_every = 0")
         if self.objective.teacher_forcing and self.model.mask != "teacher_forcing":
             raise ValueError(f"objective.teacher_forcing needs model.mask = 'teacher_forcing', got {self.model.mask!r}")
         if self.model.mask == "teacher_forcing" and not self.objective.teacher_forcing:

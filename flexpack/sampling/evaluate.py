@@ -26,7 +26,7 @@ from torch import nn
 from flexpack.atomic import atomic_path
 from flexpack.sampling.metrics import Metrics
 from flexpack.sampling.pairs import Pair, check_cut, cut_points, make_pair
-from flexpack.sampling.solver import PackedSampler, SampleOptions, context_chunk
+from flexpack.sampling.solver import PackedSampler, SampleOptions, context_chunk, sampler_class
 
 MODES = ("forecast", "rollout")
 
@@ -175,8 +175,9 @@ def mean_action(dataset: Any) -> list[float] | None:
 
 
 def sample_pairs(model: nn.Module, cfg: Any, pairs: list[Pair], *, tpf: int, device: torch.device,
-                 options: SampleOptions, stage: int | None = None, text_slots: int | None = None) -> PackedSampler:
-    sampler = PackedSampler(model, cfg, tpf, device, options, text_slots=text_slots, stage=stage)
+                 options: SampleOptions, stage: int | None = None, text_slots: int | None = None,
+                 dataset: Any = None) -> PackedSampler:
+    sampler = sampler_class(cfg)(model, cfg, tpf, device, options, text_slots=text_slots, stage=stage, dataset=dataset)
     sampler.run(pairs)
     return sampler
 
@@ -275,7 +276,7 @@ def evaluate(model: nn.Module, cfg: Any, dataset: Any, plan: PairPlan, options: 
     model.eval()
     try:
         sampler = sample_pairs(model, cfg, pairs, tpf=tpf, device=device, options=options, stage=stage,
-                               text_slots=text_slots)
+                               text_slots=text_slots, dataset=dataset)
     finally:
         model.train(was)
     metrics = score(pairs, dataset, normalizer)

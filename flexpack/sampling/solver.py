@@ -35,6 +35,7 @@ ranks before the next stage.
 from __future__ import annotations
 
 import contextlib
+import importlib
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
@@ -55,13 +56,26 @@ def context_chunk(cfg: Any) -> int:
     """Frames that share one σ in training (cut points sit on multiples of it). Raises the one-line
     error for a model trained with one σ per episode, which cannot be conditioned on history."""
     o, m = cfg.objective, cfg.model
-    if m.model_family().sampler is None:  # the family's registry entry says how it samples, where it does
-        raise ValueError(f"model.family = {m.family!r} cannot be sampled by flexpack yet")
+    cls = sampler_class(cfg)  # the family's registry entry says how it samples, where it does
+    if cls is not PackedSampler:
+        return cls.context_chunk(cfg)
     if o.chunk_size is None:
         raise ValueError("objective.chunk_size is unset: the model was trained with one σ per episode and can only "
                          "generate whole episodes jointly, not condition on history (train with a per-frame or "
                          "per-chunk σ, objective.chunk_size = 1 or a chunk size)")
     return int(m.chunk_size) if m.mask != "document" else int(o.chunk_size)
+
+
+def sampler_class(cfg: Any) -> type["PackedSampler"]:
+    """The sampler of the config's model family (its registry entry's ``sampler``): :class:`PackedSampler`
+    for ``"flow"``, else the ``"module:Class"`` it names (a subclass, with its ``context_chunk(cfg)``)."""
+    spec = cfg.model.model_family().sampler
+    if spec is None:
+        raise ValueError(f"model.family = {cfg.model.family!r} cannot be sampled by flexpack yet")
+    if spec == "flow":
+        return PackedSampler
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def stage_frames(cfg: Any, horizon: int) -> int:
@@ -81,7 +95,8 @@ class PackedSampler:
 
     def __init__(self, model: nn.Module, cfg: Any, tokens_per_frame: int, device: torch.device,
                  options: SampleOptions = SampleOptions(), *, max_tokens: int | None = None,
-                 text_slots: int | None = None, stage: int | None = None) -> None:
+                 text_slots: int | None = None, stage: int | None = None, dataset: Any = None) -> None:
+        # dataset: the pairs' episodes, for a family's sampler that reads more of them (its negative prompt)
         context_chunk(cfg)
         check_solver(options.solver)
         self.model, self.cfg, self.tpf, self.device, self.opt = model, cfg, tokens_per_frame, device, options
@@ -112,11 +127,14 @@ class PackedSampler:
                 active = [p for p in pairs if p.done < p.horizon]
                 if not active:
                     return
-                todo = [(p, p.cut + p.done, min(self.stage or stage_frames(self.cfg, p.horizon), p.horizon - p.done))
-                        for p in active]
+                todo = [(p, p.cut + p.done, self.stage_count(p)) for p in active]
                 self._stage(todo)
                 for p, _, n in todo:
                     p.done += n
+
+    def stage_count(self, p: Pair) -> int:
+        """Target frames of ``p`` the next stage generates."""
+        return min(self.stage or stage_frames(self.cfg, p.horizon), p.horizon - p.done)
 
     def _stage(self, todo: list[tuple[Pair, int, int]]) -> None:
         rank, size = _world()

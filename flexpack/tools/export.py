@@ -1,6 +1,11 @@
 """``flexpack export RUN OUT``: a run's newest checkpoint as a folder the ecosystem loads.
 
-``OUT`` (a new or empty folder, written under a temporary name and renamed when complete)::
+``--format`` picks the layout among the formats the run's family can be written in (its registry entry's
+``export_formats``; :data:`flexpack.tools.export_io.WRITERS` maps each to its writer): ``diffusers`` (WanVA,
+below) or ``lerobot`` (lingbot-va: a LeRobot ``lingbot_va`` policy folder, :mod:`flexpack.tools.export_lerobot`).
+Every format gets ``flexpack_config.json`` and ``export.json`` beside its own files.
+
+``OUT`` (a new or empty folder, written under a temporary name and renamed when complete), ``diffusers``::
 
     config.json, diffusion_pytorch_model*.safetensors   the video transformer:
                                                         diffusers.WanTransformer3DModel.from_pretrained(OUT)
@@ -62,7 +67,8 @@ def _normalization(cfg: Any, state: dict[str, Any], where: str = "the checkpoint
         check_normalizer(saved, where=f"{where} (extra.action_normalizer)")
 
     key = "action"
-    action_dim = max(cfg.model.wan_config().action_channels, 1)
+    conv = cfg.model.model_family().conventions(cfg.model.resolved())  # the family's action width and channels
+    placed = None if conv.action_channels is None else list(conv.action_channels)
     if saved:  # the statistics the weights were trained with: no dataset needed (it may have moved)
         mode, low, high = saved["mode"], list(saved["low"]), list(saved["high"])
         columns = len(low)
@@ -80,7 +86,8 @@ def _normalization(cfg: Any, state: dict[str, Any], where: str = "the checkpoint
             norm = ActionNormalizer.from_stats(stats, columns, key)
         mode, low, high = norm.mode, norm.low.tolist(), norm.high.tolist()
     return {"action_key": key, "mode": mode, "low": low, "high": high,
-            "columns": columns, "channels": channel_map(columns, action_dim, None).tolist(),
+            "columns": columns,
+            "channels": channel_map(columns, conv.action_dim, placed).tolist(),
             "action_steps": cfg.data.action_steps, "stride": cfg.data.stride, "dataset": str(cfg.data.root),
             "formula": {"quantile": "2 (x - low) / (high - low) - 1, clipped to [-1, 1]",
                         "meanstd": "(x - low) / high", "none": "x"}[mode]}
@@ -111,22 +118,26 @@ def write_weights(folder: Path, state_dict: dict[str, torch.Tensor], wcfg: WanVA
 
 
 def export_run(run: str | os.PathLike, out: str | os.PathLike, *, ema: bool = False,
-               dtype: torch.dtype = torch.float32, overrides: Sequence[str] = (), policy: bool = True) -> Path:
-    """Export ``run``'s newest intact checkpoint into ``out`` (see the module docstring); returns ``out``.
-    ``overrides`` (``--set``) apply to the checkpoint's own config."""
+               dtype: torch.dtype = torch.float32, overrides: Sequence[str] = (), policy: bool = True,
+               fmt: str | None = None, wan_pretrained_path: str | None = None) -> Path:
+    """Export ``run``'s newest intact checkpoint into ``out`` in ``fmt`` (default: the family's first export
+    format; ``diffusers`` is the module docstring's layout, ``lerobot`` :mod:`flexpack.tools.export_lerobot`'s);
+    returns ``out``. ``overrides`` (``--set``) apply to the checkpoint's own config."""
     from flexpack.atomic import write_failure
     from flexpack.errors import UserError
     from flexpack.run.config import save_config
     from flexpack.run.state.locate import load_newest
+    from flexpack.tools.export_io import ExportJob, ExportOptions, export_format, ordinary_modes, remove_stale
     from flexpack.tools.export_io import load_checkpoint as _load
-    from flexpack.tools.export_io import ordinary_modes, remove_stale
 
     run, out = Path(run), Path(out)
     _check_out(out)
-    found, (cfg, model, averaged, state) = load_newest(run, "export", lambda f: _load(f, run, ema, overrides))
-    wcfg = cfg.model.wan_config()
-    norm = _normalization(cfg, state, str(found / "train_state.json"))
-    print(f"export: checkpoint {found} (step {int(state['step'])})", file=sys.stderr)
+    options = ExportOptions(fmt=fmt, dtype=dtype, ema=ema, policy=policy, wan_pretrained_path=wan_pretrained_path)
+    found, (cfg, model, averaged, state) = load_newest(run, "export", lambda f: _load(f, run, ema, overrides, options))
+    fmt, writer, _ = export_format(cfg, options, found)
+    job = ExportJob(run=run, found=found, cfg=cfg, model=model, averaged=averaged, state=state,
+                    norm=_normalization(cfg, state, str(found / "train_state.json")), options=options)
+    print(f"export: checkpoint {found} (step {job.step}, format {fmt})", file=sys.stderr)
 
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -137,19 +148,10 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike, *, ema: bool = Fa
     except OSError as exc:
         raise ValueError(f"{out}: cannot write the export there ({exc.strerror or exc}); choose another OUT") from None
     try:
-        write_weights(tmp, model.state_dict(), wcfg, action_steps=cfg.data.action_steps, dtype=dtype)
-        if averaged is not None:
-            (tmp / "ema").mkdir()
-            write_weights(tmp / "ema", averaged.full_state_dict(), wcfg, action_steps=cfg.data.action_steps,
-                          dtype=dtype)
-        (tmp / "normalization.json").write_text(json.dumps(norm, indent=2) + "\n")
+        writer(job, tmp)
         save_config(cfg, tmp / "flexpack_config.json")
-        from flexpack.tools.export_extras import write_extras
-
-        write_extras(tmp, run=run, cfg=cfg, wcfg=wcfg, state_dict=model.state_dict(), norm=norm,
-                     step=int(state["step"]), ema=ema, dtype=dtype, policy=policy)
         (tmp / "export.json").write_text(json.dumps(
-            {"run": str(run), "checkpoint": str(found), "step": int(state["step"]), "ema": ema}, indent=2) + "\n")
+            {"run": str(run), "checkpoint": str(found), "step": job.step, "ema": ema, "format": fmt}, indent=2) + "\n")
         ordinary_modes(tmp)
         if out.exists():
             out.rmdir()  # empty (checked above): the rename needs the name free
@@ -163,6 +165,23 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike, *, ema: bool = Fa
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def write_diffusers(job: Any, folder: Path) -> None:
+    """The ``diffusers`` format (the module docstring's layout but ``flexpack_config.json`` and
+    ``export.json``, which every format gets) into ``folder``."""
+    cfg, model, dtype = job.cfg, job.model, job.options.dtype
+    wcfg = cfg.model.wan_config()
+    write_weights(folder, model.state_dict(), wcfg, action_steps=cfg.data.action_steps, dtype=dtype)
+    if job.averaged is not None:
+        (folder / "ema").mkdir()
+        write_weights(folder / "ema", job.averaged.full_state_dict(), wcfg, action_steps=cfg.data.action_steps,
+                      dtype=dtype)
+    (folder / "normalization.json").write_text(json.dumps(job.norm, indent=2) + "\n")
+    from flexpack.tools.export_extras import write_extras
+
+    write_extras(folder, run=job.run, cfg=cfg, wcfg=wcfg, state_dict=model.state_dict(), norm=job.norm,
+                 step=job.step, ema=job.options.ema, dtype=dtype, policy=job.options.policy)
 
 
 def load_export(folder: str | os.PathLike, *, attn: Any = None) -> torch.nn.Module:

@@ -154,7 +154,7 @@ def _features(meta: Any, cfg: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     return inputs, action
 
 
-def _stats_tensors(norm: dict[str, Any], pooled: dict[str, Any], keys: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+def stats_tensors(norm: dict[str, Any], pooled: dict[str, Any], keys: list[str]) -> dict[str, dict[str, torch.Tensor]]:
     """Per feature: LeRobot's stat names as float32 tensors; the action's q01/q99 (or mean/std) are the
     checkpoint's, the rest the pooled statistics."""
     out: dict[str, dict[str, torch.Tensor]] = {}
@@ -198,7 +198,7 @@ def write_policy_folder(folder: Path, *, cfg: Any, wcfg: Any, state_dict: dict[s
     features = {k: PolicyFeature(type=FeatureType(v["type"]), shape=tuple(v["shape"]))
                 for k, v in {**inputs, **outputs}.items()}
     norm_map = {FeatureType(k): NormalizationMode(v) for k, v in mapping.items()}
-    stats = _stats_tensors(norm, pooled, [k for k in features if k in pooled or k == "action"])
+    stats = stats_tensors(norm, pooled, [k for k in features if k in pooled or k == "action"])
     pre = NormalizerProcessorStep(features=features, norm_map=norm_map, stats=stats)
     post = UnnormalizerProcessorStep(features={"action": features["action"]}, norm_map=norm_map, stats=stats)
     DataProcessorPipeline([pre], name="policy_preprocessor").save_pretrained(folder)

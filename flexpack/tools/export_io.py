@@ -1,29 +1,121 @@
 """Reading a run's checkpoint for ``export``, and writing files others can read.
 
+- :data:`WRITERS`, :func:`export_format`: the formats ``flexpack export`` writes (``--format``), each a
+  writer function; a family's registry entry says which formats it can be written in (``export_formats``).
+- :class:`ExportJob`: what a writer gets (the loaded checkpoint, its config and the command's options).
 - :func:`load_checkpoint`: the checkpoint's own ``config.json`` (not the run's first one: a run
   started over with another model keeps the first) with ``--set`` overrides, and a
-  single-process model (and EMA) holding its weights.
+  single-process model of the run's family (and EMA) holding its weights.
 - :func:`ordinary_modes`, :func:`remove_stale`: exported files readable by teammates (safetensors
   writes 0600), and the ``.tmp-OUT-PID`` folders of killed exports removed.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 
+@dataclass(frozen=True, kw_only=True)
+class Format:
+    """One format ``flexpack export`` writes: its writer (``"module:function"`` of an :class:`ExportJob` and a
+    folder), the checks of a config before any weight is read (``"module:function"`` of the config and the
+    options, or ""), the package it needs and how to load what it writes (``{out}``: the folder)."""
+
+    writer: str
+    check: str = ""
+    package: str = ""
+    extra: str = ""  # the flexpack extra that installs it (LeRobot's lingbot_va needs diffusers and transformers)
+    load: str = ""
+
+
+WRITERS: dict[str, Format] = {
+    "diffusers": Format(writer="flexpack.tools.export:write_diffusers", package="diffusers", extra="hf",
+                        load="diffusers.WanTransformer3DModel.from_pretrained({out!r}); model card {out}/README.md"),
+    "lerobot": Format(writer="flexpack.tools.export_lerobot:write_lerobot",
+                      check="flexpack.tools.export_lerobot:check_config",
+                      package="lerobot.policies.lingbot_va.modeling_lingbot_va", extra="hf",
+                      load="lerobot's LingBotVAPolicy.from_pretrained({out!r}) and make_pre_post_processors"),
+}
+
+
+def _function(target: str) -> Callable[..., Any]:
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExportOptions:
+    """The command's choices: the format (None: the family's first), the weights' dtype, ``--ema``, the
+    diffusers export's policy folder (``--no-policy``) and the LeRobot export's ``wan_pretrained_path``."""
+
+    fmt: str | None = None
+    dtype: torch.dtype = torch.float32
+    ema: bool = False
+    policy: bool = True
+    wan_pretrained_path: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExportJob:
+    """A loaded checkpoint to write: the run, the checkpoint folder, its config, the model (and EMA) holding
+    its weights, its ``train_state.json``, the action normalization and the options."""
+
+    run: Path
+    found: Path
+    cfg: Any
+    model: torch.nn.Module
+    averaged: Any
+    state: dict[str, Any]
+    norm: dict[str, Any]
+    options: ExportOptions
+
+    @property
+    def step(self) -> int:
+        return int(self.state["step"])
+
+
+def export_format(cfg: Any, options: ExportOptions, where: Path | str) -> tuple[str, Callable[..., Any], str]:
+    """(format, its writer, its load hint) for a checkpoint of ``cfg``: ``options.fmt`` or the family's first
+    format; one line for a format the family cannot be written in or flexpack does not write, for options that
+    do not apply to it, for a package it needs that is missing and for a config the format cannot represent
+    (the format's check), all before any weight is read."""
+    fam = cfg.model.model_family()
+    formats = list(fam.export_formats)
+    fmt = options.fmt or (formats[0] if formats else None)
+    if fmt not in formats or fmt not in WRITERS:
+        raise ValueError(f"{where}: a model.family = {cfg.model.family!r} checkpoint exports as "
+                         f"{[f for f in formats if f in WRITERS]}, not --format {fmt!r}")
+    if options.wan_pretrained_path is not None and fmt != "lerobot":
+        raise ValueError(f"--wan-pretrained-path applies to --format lerobot (LeRobot's frozen VAE and text encoder), "
+                         f"not to the {fmt!r} export")
+    if not options.policy and fmt != "diffusers":
+        raise ValueError(f"--no-policy applies to --format diffusers (its OUT/lerobot_policy/), not to the {fmt!r} "
+                         "export, which is a policy folder itself")
+    spec = WRITERS[fmt]
+    try:
+        importlib.import_module(spec.package)
+    except ImportError:
+        raise ValueError(f"flexpack export --format {fmt} needs {spec.package}: pip install "
+                         f"'flexpack[{spec.extra}]'") from None
+    if spec.check:
+        _function(spec.check)(cfg, options)
+    return fmt, _function(spec.writer), spec.load
+
+
 def load_checkpoint(
-    found: Path, run: Path, ema: bool, overrides: Sequence[str]
+    found: Path, run: Path, ema: bool, overrides: Sequence[str], options: ExportOptions | None = None
 ) -> tuple[Any, Any, Any, dict[str, Any]]:
     """The checkpoint's config (its own config.json, else the run's first) with ``overrides``, and a
-    single-process model (and EMA) with its weights; returns (config, model, ema or None, train_state)."""
-    from flexpack.models import WanVA
+    single-process model of its family (and EMA) with its weights; returns (config, model, ema or None,
+    train_state). The export format (``options``) is checked against the family before any weight is read."""
     from flexpack.run.config import load_config
     from flexpack.run.state import checkpoint
     from flexpack.run.state.trained import run_config
@@ -33,13 +125,9 @@ def load_checkpoint(
     if ema and not checkpoint.has_ema(found):
         raise ValueError(f"{found}: holds no EMA weights (trained with optim.ema_decay = 0); export without --ema")
     cfg = load_config(source, overrides)
-    formats = cfg.model.model_family().export_formats
-    if "diffusers" not in formats:  # what this export writes; other formats hang off the family's entry
-        raise ValueError(f"{found}: a model.family = {cfg.model.family!r} checkpoint; flexpack export writes the "
-                         f"'diffusers' format, this family's are {list(formats)} (not written by flexpack export yet)")
-    wcfg = cfg.model.wan_config()
+    export_format(cfg, options or ExportOptions(ema=ema), found)
     with torch.device("meta"):
-        model = WanVA(wcfg)
+        model = cfg.model.model_family().build(cfg.model.resolved())
     model.to_empty(device="cpu")  # every tensor is overwritten by the checkpoint
     averaged = EMA(model, 0.5) if ema else None  # the decay is irrelevant: only loaded, never updated
     state = checkpoint.load(found, model, restore_rng=False, ema=averaged)

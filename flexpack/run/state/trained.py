@@ -35,7 +35,8 @@ def trained_values(cfg: Any) -> dict[str, Any]:
     family), the whole objective, and the data keys of :data:`DATA_KEYS`."""
     d = cfg.to_dict()
     model = {k: v for k, v in d["model"].items() if k not in ("overrides", "pretrained", "preset")}
-    wan = {k: v for k, v in dataclasses.asdict(cfg.model.wan_config()).items() if k not in HOW_TO_RUN}
+    how = HOW_TO_RUN + cfg.model.model_family().sampling_fields  # the family's sampling knobs say how, not what
+    wan = {k: v for k, v in dataclasses.asdict(cfg.model.wan_config()).items() if k not in how}
     data = {k: d["data"][k] for k in DATA_KEYS if k in d["data"]}
     return {"model": {**model, **wan}, "objective": d["objective"], "data": data}
 

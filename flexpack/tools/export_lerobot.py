@@ -1,0 +1,161 @@
+"""``flexpack export RUN OUT --format lerobot``: a lingbot-va run as a LeRobot ``lingbot_va`` policy folder.
+
+``OUT`` is what LeRobot's ``LingBotVAPolicy.save_pretrained`` and its processors write, so
+``LingBotVAPolicy.from_pretrained(OUT)`` loads it with no missing or unexpected key and ``make_policy`` /
+``make_pre_post_processors`` (lerobot's factory) run it::
+
+    config.json                  LeRobot's LingBotVAConfig, written by lerobot's own encoder: the transformer's shape,
+                                 the run's training and inference fields (LingbotConfig.lerobot_fields), attn_mode
+                                 "torch" (inference), obs_cam_keys (the cameras the latents joined on width, in that
+                                 order), height / width (their frames), wan_pretrained_path, the cameras as VISUAL
+                                 input features and the action (its dataset columns) as the output feature;
+                                 device null (LeRobot picks where it loads)
+    model.safetensors            the transformer, transformer.* keys (lingbot_convert.to_lerobot_state_dict)
+    policy_preprocessor.json     make_lingbot_va_pre_post_processors' pipelines (their save_pretrained),
+    policy_postprocessor.json    whose QUANTILES statistics (q01 / q99 of the dataset's action columns, with their
+    + *.safetensors              state files) are those the checkpoint was trained with (data.action_stats: pooled by
+                                 default)
+    normalization.json           the same statistics as flexpack writes them (flexpack sample OUT reads them)
+    ema/                         with --ema: the same policy folder holding the EMA weights
+
+What LeRobot's policy cannot represent is refused in one line before anything is written (:func:`check_config`
+before the weights are read, :func:`policy_layout` against the dataset): latents of other than 48 channels (its
+sampler draws 48), a noise grid of other than 1000 steps, another temporal stride than the Wan VAE's 4 video
+frames per latent frame or another count of action steps per latent frame (its ``select_action`` runs one
+action per video frame), actions the run did not normalize with q01 / q99 or whose columns are not the used
+channels, cameras of different frame sizes or
+sizes off the VAE's 16-pixel grid, a latent cache whose grid is not the cameras' frames / 16, and any
+LingbotConfig field LeRobot's config has no place for. The fields of LeRobot's trainer that its config lacks
+(``noisy_cond_prob``, ``chunk_range``, ``window_range``) and how flexpack runs (``attn_backend``,
+``activation_checkpointing``) shape no inference and stay in ``flexpack_config.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# LingbotConfig fields with no LeRobot counterpart that inference never reads: LeRobot's trainer fixes them as
+# constants (noisy_cond_prob 0.5, chunk 1..4, window 4..64), and how flexpack runs the model
+TRAINING_ONLY = ("noisy_cond_prob", "chunk_range", "window_range", "attn_backend", "activation_checkpointing")
+FIXED = {"num_train_timesteps": 1000, "in_channels": 48, "out_channels": 48}  # what LeRobot's sampler assumes
+WHY = {"num_train_timesteps": "its schedulers scale timesteps by 1000",
+       "in_channels": "its sampler draws 48-channel latents (the Wan2.2 VAE's)",
+       "out_channels": "its sampler draws 48-channel latents (the Wan2.2 VAE's)"}
+VAE_STRIDE, VAE_PIXELS = 4, 16  # the Wan2.2 VAE: video frames per latent frame, pixels per latent cell
+
+
+def check_config(cfg: Any, options: Any = None) -> None:
+    """One line for a lingbot-va config LeRobot's ``lingbot_va`` policy cannot represent (the module docstring)."""
+    from lerobot.policies.lingbot_va.configuration_lingbot_va import LingBotVAConfig
+
+    m = cfg.model.resolved()
+    theirs = {f.name for f in dataclasses.fields(LingBotVAConfig)}
+    for f in dataclasses.fields(m):
+        if f.name in FIXED:
+            if getattr(m, f.name) != FIXED[f.name]:
+                raise ValueError(f"--format lerobot: {f.name} = {getattr(m, f.name)!r}, but LeRobot's lingbot_va "
+                                 f"policy needs {FIXED[f.name]} ({WHY[f.name]})")
+        elif f.name not in theirs and f.name not in TRAINING_ONLY:
+            raise ValueError(f"--format lerobot: LeRobot's lingbot_va config has no field {f.name!r} "
+                             f"(= {getattr(m, f.name)!r} here); this model cannot be written as a LeRobot policy")
+    if cfg.data.stride != VAE_STRIDE or m.action_per_frame != VAE_STRIDE:
+        raise ValueError(f"--format lerobot: data.stride = {cfg.data.stride} video frames and action_per_frame = "
+                         f"{m.action_per_frame} action steps per latent frame, but LeRobot's lingbot_va policy encodes "
+                         f"{VAE_STRIDE} video frames per latent frame and runs one action per video frame")
+    if not cfg.data.normalize:
+        raise ValueError("--format lerobot: data.normalize = false, but LeRobot's lingbot_va postprocessor maps the "
+                         "policy's actions from [-1, 1] with q01 / q99 (QUANTILES); train with data.normalize = true")
+
+
+def policy_layout(cfg: Any, norm: dict[str, Any]) -> dict[str, Any]:
+    """The dataset-side fields of the policy: ``obs_cam_keys``, ``height``, ``width``, the input and output
+    features, checked against the latent cache and the checkpoint's statistics (one line each)."""
+    from lerobot.configs.types import FeatureType, PolicyFeature
+
+    from flexpack.data import cache
+    from flexpack.data.episodes import EpisodeSource
+    from flexpack.data.problems import resolve_cameras
+
+    m = cfg.model.resolved()
+    if norm["mode"] != "quantile":
+        raise ValueError(f"--format lerobot: the run normalized its actions with {norm['mode']!r} statistics, but "
+                         "LeRobot's lingbot_va postprocessor maps actions with q01 / q99 (QUANTILES); train with "
+                         "data.action_stats = 'pooled' (or a meta/stats.json with q01 / q99)")
+    if len(norm["low"]) != len(m.used_action_channel_ids):
+        raise ValueError(f"--format lerobot: the checkpoint's action statistics cover {len(norm['low'])} columns, but "
+                         f"used_action_channel_ids = {list(m.used_action_channel_ids)} places "
+                         f"{len(m.used_action_channel_ids)}: the actions do not map onto the policy's output")
+    src = EpisodeSource(cfg.data.root)
+    given = list(m.obs_cam_keys) or (list(cfg.data.cameras) if cfg.data.cameras else None)
+    cams = resolve_cameras(src.video_keys, given, src.info_file)
+    shapes = {c: tuple(int(x) for x in src.meta.features[c]["shape"][:2]) for c in cams}  # (H, W, C) -> (H, W)
+    if len(set(shapes.values())) != 1 or any(h % VAE_PIXELS or w % VAE_PIXELS for h, w in shapes.values()):
+        raise ValueError(f"{src.info_file}: cameras {shapes} (height, width); LeRobot's lingbot_va policy resizes "
+                         f"every camera to one height x width, multiples of {VAE_PIXELS} (its VAE's grid), so these "
+                         "cameras do not map onto it")
+    (h, w), = set(shapes.values())
+    latents = Path(cfg.data.latents_dir) if cfg.data.latents_dir else cache.default_latents_dir(src.root)
+    file = cache.latent_path(latents, cams, src.episodes[0])
+    try:
+        head = cache.read_latent_header(file)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{file}: the latent cache the run trained on cannot be read ({exc}); --set data.root=DATASET "
+                         "(with its latents)") from None
+    want = (h // VAE_PIXELS, len(cams) * (w // VAE_PIXELS))
+    if (head.height, head.width) != want:
+        raise ValueError(f"{file}: latents of {head.height}x{head.width}, but LeRobot's lingbot_va policy encodes the "
+                         f"cameras {cams} ({h}x{w} each) into {want[0]}x{want[1]} (the Wan VAE's {VAE_PIXELS}-pixel "
+                         "grid, cameras joined on width)")
+    inputs = {c: PolicyFeature(type=FeatureType.VISUAL, shape=(3, h, w)) for c in cams}
+    outputs = {"action": PolicyFeature(type=FeatureType.ACTION, shape=(len(m.used_action_channel_ids),))}
+    return {"obs_cam_keys": cams, "height": h, "width": w, "input_features": inputs, "output_features": outputs}
+
+
+def policy_config(cfg: Any, layout: dict[str, Any], wan_pretrained_path: str | None) -> Any:
+    """LeRobot's ``LingBotVAConfig`` of the run (``wan_pretrained_path`` None: LeRobot's default)."""
+    from lerobot.policies.lingbot_va.configuration_lingbot_va import LingBotVAConfig
+
+    fields = cfg.model.resolved().lerobot_fields()
+    fields.update(layout, patch_size=tuple(fields["patch_size"]), attn_mode="torch", camera_layout="width_concat",
+                  device="cpu")  # device: null in the written config.json
+    if wan_pretrained_path is not None:
+        fields["wan_pretrained_path"] = wan_pretrained_path
+    return LingBotVAConfig(**fields)
+
+
+def write_policy(folder: Path, config: Any, state_dict: dict[str, torch.Tensor], norm: dict[str, Any],
+                 dtype: torch.dtype) -> None:
+    """One policy folder: config.json, model.safetensors, the processors, normalization.json."""
+    import draccus
+    from lerobot.configs.policies import PreTrainedConfig
+    from lerobot.policies.lingbot_va.processor_lingbot_va import make_lingbot_va_pre_post_processors
+    from safetensors.torch import save_file
+
+    from flexpack.models.lingbot_convert import to_lerobot_state_dict
+    from flexpack.tools.export_extras import stats_tensors
+
+    folder.mkdir(parents=True, exist_ok=True)
+    encoded = draccus.encode(config, PreTrainedConfig)  # as PreTrainedConfig._save_pretrained writes it
+    encoded["device"] = None  # LeRobot picks the device where the policy loads
+    (folder / "config.json").write_text(json.dumps(encoded, indent=4) + "\n")
+    weights = to_lerobot_state_dict({k: v.to(dtype) for k, v in state_dict.items()})
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
+    pre, post = make_lingbot_va_pre_post_processors(config, dataset_stats=stats_tensors(norm, {}, ["action"]))
+    pre.save_pretrained(folder)
+    post.save_pretrained(folder)
+    (folder / "normalization.json").write_text(json.dumps(norm, indent=2) + "\n")
+
+
+def write_lerobot(job: Any, folder: Path) -> None:
+    """The ``lerobot`` format of an :class:`~flexpack.tools.export_io.ExportJob` into ``folder``."""
+    cfg, opts = job.cfg, job.options
+    config = policy_config(cfg, policy_layout(cfg, job.norm), opts.wan_pretrained_path)
+    write_policy(folder, config, job.model.state_dict(), job.norm, opts.dtype)
+    if job.averaged is not None:
+        write_policy(folder / "ema", config, job.averaged.full_state_dict(), job.norm, opts.dtype)
