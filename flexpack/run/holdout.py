@@ -3,14 +3,18 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from flexpack.flow.noise import episode_seed
+
+if TYPE_CHECKING:
+    from flexpack.run.config import DataConfig
 
 VAL_TAG = 0x76616C  # "val": keeps validation draws apart from any training seed
 
 
-def split_episodes(episodes: Sequence[int], data_cfg: Any, where: str = "the dataset") -> tuple[list[int], list[int]]:
+def split_episodes(episodes: Sequence[int], data_cfg: DataConfig,
+                   where: str = "the dataset") -> tuple[list[int], list[int]]:
     """(training, held-out) episode indices, each in the dataset's order."""
     episodes = list(episodes)
     known = set(episodes)

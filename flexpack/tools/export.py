@@ -39,11 +39,14 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from flexpack.models.wan_config import WanVAConfig
+
+if TYPE_CHECKING:
+    from flexpack.run.config import TrainConfig
 
 ACTION_FORMAT = "flexpack-action-stream-v1"
 
@@ -53,7 +56,7 @@ def _check_out(out: Path) -> None:
         raise ValueError(f"{out}: exists and is not empty; export writes into a new or empty folder")
 
 
-def _normalization(cfg: Any, state: dict[str, Any], where: str = "the checkpoint") -> dict[str, Any]:
+def _normalization(cfg: TrainConfig, state: dict[str, Any], where: str = "the checkpoint") -> dict[str, Any]:
     """The action normalization of the run: the dataset's layout (columns, channels) from its
     metadata, the statistics the weights were trained with from the checkpoint where it carries them
     (``extra.action_normalizer``), else ``data.action_stats``'s (what LatentEpisodeDataset used)."""

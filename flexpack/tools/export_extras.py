@@ -23,9 +23,12 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from flexpack.run.config import TrainConfig
 
 POLICY_DIR = "lerobot_policy"
 POLICY_TYPE = "flexpack_wanva"
@@ -88,7 +91,8 @@ def sample_metrics(run: Path) -> tuple[Path | None, dict[str, float]]:
 
 
 # -- model card ------------------------------------------------------------------------------------
-def model_card(*, run: Path, cfg: Any, step: int, norm: dict[str, Any], ema: bool, dataset_info: dict[str, Any]) -> str:
+def model_card(*, run: Path, cfg: TrainConfig, step: int, norm: dict[str, Any], ema: bool,
+               dataset_info: dict[str, Any]) -> str:
     base = cfg.model.pretrained or f"none (random init, preset {cfg.model.preset!r})"
     losses = final_losses(run)
     sample_file, samples = sample_metrics(run)
@@ -139,7 +143,7 @@ def model_card(*, run: Path, cfg: Any, step: int, norm: dict[str, Any], ema: boo
 
 
 # -- LeRobot-style policy folder ---------------------------------------------------------------------
-def _features(meta: Any, cfg: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+def _features(meta: Any, cfg: TrainConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     """LeRobot ``PolicyFeature``s as JSON: cameras (3, H, W), the state, the action."""
     inputs: dict[str, Any] = {}
     cams = list(cfg.data.cameras) if cfg.data.cameras else list(meta.video_keys)
@@ -169,8 +173,9 @@ def stats_tensors(norm: dict[str, Any], pooled: dict[str, Any], keys: list[str])
     return {k: {n: t.float() for n, t in v.items()} for k, v in out.items()}
 
 
-def write_policy_folder(folder: Path, *, cfg: Any, wcfg: Any, state_dict: dict[str, torch.Tensor], norm: dict[str, Any],
-                        pooled: dict[str, Any], meta: Any, dtype: torch.dtype = torch.float32) -> Path:
+def write_policy_folder(folder: Path, *, cfg: TrainConfig, wcfg: Any, state_dict: dict[str, torch.Tensor],
+                        norm: dict[str, Any], pooled: dict[str, Any], meta: Any,
+                        dtype: torch.dtype = torch.float32) -> Path:
     """``folder`` as a LeRobot-style policy folder (see the module docstring)."""
     from dataclasses import asdict
 
@@ -224,7 +229,7 @@ def push_to_hub(folder: str | Path, repo_id: str, *, private: bool = False, api:
 
 
 # -- the one call from export ---------------------------------------------------------------------
-def write_extras(out: Path, *, run: Path, cfg: Any, wcfg: Any, state_dict: dict[str, torch.Tensor],
+def write_extras(out: Path, *, run: Path, cfg: TrainConfig, wcfg: Any, state_dict: dict[str, torch.Tensor],
                  norm: dict[str, Any], step: int, ema: bool, dtype: torch.dtype = torch.float32,
                  policy: bool = True) -> None:
     """The model card and (``policy``) the LeRobot-style policy folder inside the export folder ``out``."""

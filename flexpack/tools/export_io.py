@@ -18,9 +18,12 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+
+if TYPE_CHECKING:
+    from flexpack.run.config import TrainConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,7 +73,7 @@ class ExportJob:
 
     run: Path
     found: Path
-    cfg: Any
+    cfg: TrainConfig
     model: torch.nn.Module
     averaged: Any
     state: dict[str, Any]
@@ -82,7 +85,7 @@ class ExportJob:
         return int(self.state["step"])
 
 
-def export_format(cfg: Any, options: ExportOptions, where: Path | str) -> tuple[str, Callable[..., Any], str]:
+def export_format(cfg: TrainConfig, options: ExportOptions, where: Path | str) -> tuple[str, Callable[..., Any], str]:
     """(format, its writer, its load hint) for a checkpoint of ``cfg``: ``options.fmt`` or the family's first
     format; one line for a format the family cannot be written in or flexpack does not write, for options that
     do not apply to it, for a package it needs that is missing and for a config the format cannot represent

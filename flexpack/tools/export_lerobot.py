@@ -35,9 +35,12 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from flexpack.run.config import TrainConfig
 
 # LingbotConfig fields with no LeRobot counterpart that inference never reads: LeRobot's trainer fixes them as
 # constants (noisy_cond_prob 0.5, chunk 1..4, window 4..64), and how flexpack runs the model
@@ -49,7 +52,7 @@ WHY = {"num_train_timesteps": "its schedulers scale timesteps by 1000",
 VAE_STRIDE, VAE_PIXELS = 4, 16  # the Wan2.2 VAE: video frames per latent frame, pixels per latent cell
 
 
-def check_config(cfg: Any, options: Any = None) -> None:
+def check_config(cfg: TrainConfig, options: Any = None) -> None:
     """One line for a lingbot-va config LeRobot's ``lingbot_va`` policy cannot represent (the module docstring)."""
     from lerobot.policies.lingbot_va.configuration_lingbot_va import LingBotVAConfig
 
@@ -72,7 +75,7 @@ def check_config(cfg: Any, options: Any = None) -> None:
                          "policy's actions from [-1, 1] with q01 / q99 (QUANTILES); train with data.normalize = true")
 
 
-def policy_layout(cfg: Any, norm: dict[str, Any]) -> dict[str, Any]:
+def policy_layout(cfg: TrainConfig, norm: dict[str, Any]) -> dict[str, Any]:
     """The dataset-side fields of the policy: ``obs_cam_keys``, ``height``, ``width``, the input and output
     features, checked against the latent cache and the checkpoint's statistics (one line each)."""
     from lerobot.configs.types import FeatureType, PolicyFeature
@@ -116,7 +119,7 @@ def policy_layout(cfg: Any, norm: dict[str, Any]) -> dict[str, Any]:
     return {"obs_cam_keys": cams, "height": h, "width": w, "input_features": inputs, "output_features": outputs}
 
 
-def policy_config(cfg: Any, layout: dict[str, Any], wan_pretrained_path: str | None) -> Any:
+def policy_config(cfg: TrainConfig, layout: dict[str, Any], wan_pretrained_path: str | None) -> Any:
     """LeRobot's ``LingBotVAConfig`` of the run (``wan_pretrained_path`` None: LeRobot's default)."""
     from lerobot.policies.lingbot_va.configuration_lingbot_va import LingBotVAConfig
 

@@ -40,7 +40,7 @@ import contextlib
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 from torch import nn
@@ -62,6 +62,9 @@ from flexpack.tools.verify_report import (  # noqa: F401  (the report's names ar
     _rel,
     param_group,
 )
+
+if TYPE_CHECKING:
+    from flexpack.run.config import TrainConfig
 
 
 def _into(frame: torch.Tensor | None, part: torch.Tensor | None) -> torch.Tensor | None:
@@ -160,7 +163,7 @@ def verify_batch(
     return report
 
 
-def check_backend(cfg: Any, device: torch.device, model: Any = None) -> None:
+def check_backend(cfg: TrainConfig, device: torch.device, model: Any = None) -> None:
     """An attention backend that cannot run the config's dtype on ``device``, in one line.
     ``model``: the resolved model config (default: resolved here)."""
     from flexpack.attention.flex import has_flash
@@ -180,8 +183,8 @@ def check_backend(cfg: Any, device: torch.device, model: Any = None) -> None:
                         "set runtime.dtype = 'float32'")
 
 
-def verify_config(cfg: Any, *, micro_batches: int = 2, checkpoint_dir: str | None = None, tol: float | None = None,
-                  drop_packing: bool = False, run: Run | None = None) -> VerifyReport:
+def verify_config(cfg: TrainConfig, *, micro_batches: int = 2, checkpoint_dir: str | None = None,
+                  tol: float | None = None, drop_packing: bool = False, run: Run | None = None) -> VerifyReport:
     """Verify the first ``micro_batches`` micro-batches of the config's sampler (epoch 0, rank 0's
     share: under ``torchrun`` every rank checks the same ones, so the sharded model sees the same
     work on each) with the model as training builds it. ``tol``: one max relative error for all

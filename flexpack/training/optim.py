@@ -16,12 +16,15 @@ The grouping is by parameter name and shape, so it is the same for a plain and a
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from flexpack.parallel.parallelize import plain_name
+
+if TYPE_CHECKING:
+    from flexpack.run.config import OptimConfig
 
 NO_DECAY_PREFIXES = ("patch_embed.", "action_embed.", "time_embed.", "text_embed.")
 
@@ -66,7 +69,8 @@ def describe(groups: list[dict[str, Any]], *, names: bool = False) -> str:
     return "\n".join(lines)
 
 
-def build_optimizer(model: nn.Module, cfg: Any, *, log: bool = False, fused: bool = False) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg: OptimConfig, *, log: bool = False,
+                    fused: bool = False) -> torch.optim.Optimizer:
     """AdamW over :func:`param_groups` from an ``OptimConfig``; ``log`` prints the groups once;
     ``fused``: the fused CUDA kernel (one launch per step)."""
     groups = param_groups(model, cfg.weight_decay)

@@ -20,7 +20,7 @@ ranks with fewer micro-batches run a discarded one so FSDP's collectives stay ma
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -34,9 +34,12 @@ from flexpack.run.holdout import VAL_TAG
 from flexpack.run.hooks import HookContext, HookReport
 from flexpack.run.root import Run
 
+if TYPE_CHECKING:
+    from flexpack.run.config import DataConfig
+
 
 def _micro_batches(
-    lengths: Sequence[int], indices: Sequence[int], data_cfg: Any, geometry: TokenGeometry
+    lengths: Sequence[int], indices: Sequence[int], data_cfg: DataConfig, geometry: TokenGeometry
 ) -> list[list[int]]:
     """This rank's items grouped like the training collate wants them: packed in order up to the
     plan's frame budget (pack mode) or ``batch_size`` at a time (pad mode)."""

@@ -15,11 +15,14 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flexpack.errors import UserError
 from flexpack.run.state import checkpoint as ckpt
 from flexpack.run.state.runfolder import config_changes
+
+if TYPE_CHECKING:
+    from flexpack.run.config import TrainConfig
 
 # data keys that shape what the model saw: cameras (video tokens), action steps per frame (action tokens),
 # the latent stride and what one item is. How items are batched (data.mode, max_tokens, batch_size) may
@@ -29,7 +32,7 @@ DATA_KEYS = ("cameras", "action_steps", "stride", "segments")
 HOW_TO_RUN = ("attn_backend", "activation_checkpointing")  # WanVAConfig fields that say how, not what
 
 
-def trained_values(cfg: Any) -> dict[str, Any]:
+def trained_values(cfg: TrainConfig) -> dict[str, Any]:
     """The parts of a :class:`~flexpack.run.config.TrainConfig` that decide what a run trains: the
     resolved model (every WanVA field but how it runs, the mask and chunk, any further model key such as a
     family), the whole objective, and the data keys of :data:`DATA_KEYS`."""

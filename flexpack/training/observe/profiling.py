@@ -36,7 +36,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch.autograd.profiler import record_function
@@ -44,6 +44,9 @@ from torch.profiler import ProfilerActivity, profile, schedule
 
 from flexpack.atomic import atomic_path
 from flexpack.training.observe import profile_summary as ps
+
+if TYPE_CHECKING:
+    from flexpack.run.config import TrainConfig
 
 ENV, ENV_WARMUP = "LINGBOT_PROFILE", "LINGBOT_PROFILE_WARMUP"
 
@@ -169,7 +172,7 @@ class StepProfiler:
                              record_shapes=False, acc_events=True)
 
     @classmethod
-    def for_training(cls, cfg: Any, rank: int, *, steps_left: int, first_step: int, model: Any, geometry: Any,
+    def for_training(cls, cfg: TrainConfig, rank: int, *, steps_left: int, first_step: int, model: Any, geometry: Any,
                      device: torch.device) -> "StepProfiler":
         """The profiler of :func:`flexpack.training.loop.train`: steps, warm-up and the peak from the config
         (``LINGBOT_PROFILE`` / ``LINGBOT_PROFILE_WARMUP`` win where set); token counts, copies and FLOPs

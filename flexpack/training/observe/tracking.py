@@ -18,9 +18,12 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from flexpack.run.config import TrainConfig
 
 
 def _numeric(rec: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, float]]:
@@ -73,7 +76,7 @@ def wandb_run_id(run: Path) -> str:
     return new
 
 
-def check(cfg: Any) -> None:
+def check(cfg: TrainConfig) -> None:
     """Fail before any data or model work when a requested logger is not installed."""
     r = cfg.runtime
     if r.tensorboard:
@@ -95,7 +98,7 @@ class MetricSinks:
     appends the row to ``RUN/metrics.jsonl`` (an append-only log, one JSON object per line) and sends its
     numbers to TensorBoard / W&B where those are on. Only rank 0 writes; elsewhere ``log`` does nothing."""
 
-    def __init__(self, run: str | os.PathLike, cfg: Any, *, rank: int = 0, start_step: int = 0) -> None:
+    def __init__(self, run: str | os.PathLike, cfg: TrainConfig, *, rank: int = 0, start_step: int = 0) -> None:
         self.run, self.cfg, self.rank, self.start = Path(run), cfg, rank, start_step
         self.tb: Any = None
         self.wandb: Any = None
@@ -162,7 +165,7 @@ class MetricSinks:
             self.wandb = None
 
 
-def outputs(run: str | os.PathLike, checkpoint: Path | None, cfg: Any) -> str:
+def outputs(run: str | os.PathLike, checkpoint: Path | None, cfg: TrainConfig) -> str:
     """Where a finished ``train`` left its outputs, one line each."""
     run = Path(run)
     rows = [("run folder", str(run)), ("metrics", str(run / "metrics.jsonl"))]
