@@ -18,12 +18,9 @@ import uuid
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from flexpack.errors import UserError
-
-if TYPE_CHECKING:
-    from flexpack.run.config import TrainConfig
 
 _DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
 
@@ -112,7 +109,7 @@ def positive_int(text: str) -> int:
     return value
 
 
-def preflight(cfg: TrainConfig, stop_after: int | None = None) -> "torch.device":  # noqa: F821
+def preflight(cfg: Any, stop_after: int | None = None) -> "torch.device":  # noqa: F821
     """Everything about ``cfg`` that can fail without data or a model; returns the device."""
     # 0 is a library use (build, load, take no step: tests and tools); the CLI asks for >= 1
     if stop_after is not None and (isinstance(stop_after, bool) or not isinstance(stop_after, int) or stop_after < 0):
@@ -136,7 +133,7 @@ def device_memory(device: "torch.device") -> int:  # noqa: F821
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-def check_memory_ceiling(cfg: TrainConfig, device: "torch.device") -> None:  # noqa: F821
+def check_memory_ceiling(cfg: Any, device: "torch.device") -> None:  # noqa: F821
     """Pack mode: refuse a ``data.max_tokens`` that cannot fit, before any data or model work. The
     bound is deliberately loose: one hidden state (``dim`` values per token, in the run's dtype) of
     one micro-batch, a small part of what a step keeps, must fit the device's total memory."""
@@ -152,7 +149,7 @@ def check_memory_ceiling(cfg: TrainConfig, device: "torch.device") -> None:  # n
 
 
 @contextmanager
-def config_terms(cfg: TrainConfig) -> Iterator[None]:
+def config_terms(cfg: Any) -> Iterator[None]:
     """Re-word the data library's hints in config keys: the dataset takes ``action_dim`` from the
     model's ``action_channels``, which the user sets as ``model.overrides.action_channels``, and
     ``normalize`` from ``data.normalize``."""
@@ -171,7 +168,7 @@ def config_terms(cfg: TrainConfig) -> Iterator[None]:
         raise
 
 
-def check_token_budget(cfg: TrainConfig, dataset: Any, geometry: Any) -> None:
+def check_token_budget(cfg: Any, dataset: Any, geometry: Any) -> None:
     """Pack mode: every item fits ``data.max_tokens`` unless ``data.crop`` cuts it (named by episode).
     ``geometry``: the run's :class:`~flexpack.packing.geometry.TokenGeometry` (its too-long rule)."""
     d, tokens_per_frame = cfg.data, geometry.tokens_per_frame
