@@ -38,7 +38,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..attention.masks import text_slots
 from ..packing.layout import SequenceLayout, TokenLayout
-from .rope import rope_cos_sin
+from .rope import rope_cos_sin, rope_positions
 from .wan_blocks import MLP, TimeEmbed, WanBlock, layer_norm_fp32
 from .wan_config import WanVAConfig
 from .wan_convert import from_diffusers, from_diffusers_file
@@ -276,7 +276,7 @@ class WanVA(nn.Module):
         temb, mod = self.time_embed(t_grid[to_tokens].reshape(-1))
         temb_USD, mod_US6D = temb.view(U, S, D), mod.view(U, S, 6, D)
 
-        rope = rope_cos_sin(tl.frame, tl.hpos, tl.wpos, cfg.head_dim, cfg.rope_theta)
+        rope = rope_cos_sin(*rope_positions(tl, cfg.action_positions), cfg.head_dim, cfg.rope_theta)
         self_mask = self.attn.prepare(tl, mask, chunk_size=chunk_size, window=window)
         text_SD = text_mask = None
         if text is not None:

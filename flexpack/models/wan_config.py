@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .rope import rope_bands
+from .rope import ACTION_POSITIONS, rope_bands
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,6 +30,9 @@ class WanVAConfig:
     eps: float = 1e-6
     cross_attn_norm: bool = True
     rope_theta: float = 10000.0
+    # RoPE position of action tokens (flexpack.models.rope): "step" = each action step of a frame at its own
+    # fractional frame offset (LingBot-VA's rule); "frame" = at the frame's position (checkpoints made before it)
+    action_positions: str = "step"
     attn_backend: str = "auto"
     # checkpoint every block inside forward, for direct users of the model; training configs cannot set
     # it (model.overrides refuses it): there runtime.activation_checkpointing wraps blocks from outside
@@ -44,6 +47,9 @@ class WanVAConfig:
         rope_bands(self.dim // self.num_heads)  # raises for an odd head_dim
         if len(self.patch_size) != 3 or min(self.patch_size) <= 0:
             raise ValueError(f"WanVAConfig.patch_size must be 3 positive ints, got {self.patch_size}")
+        if self.action_positions not in ACTION_POSITIONS:
+            raise ValueError(f"WanVAConfig.action_positions must be one of {ACTION_POSITIONS}, "
+                             f"got {self.action_positions!r}")
         if self.action_channels < 0:
             raise ValueError(f"WanVAConfig.action_channels must be >= 0, got {self.action_channels}")
 
@@ -58,6 +64,26 @@ class WanVAConfig:
     @property
     def patch_volume(self) -> int:
         return math.prod(self.patch_size)
+
+
+# the rule of weights that record none: checkpoints and exports made before per-step action positions
+LEGACY_ACTION_POSITIONS = "frame"
+
+
+def check_action_positions(saved: str | None, config: Any, where: str) -> None:
+    """Refuse, in one line, weights whose action tokens were trained at other RoPE positions than
+    ``config`` (a model config) gives them: the model would run but compute something else.
+    ``saved``: the rule the weights record, None for none (:data:`LEGACY_ACTION_POSITIONS`).
+    Models without an action stream, or whose config has no such rule, pass."""
+    mine = getattr(config, "action_positions", None)
+    if mine is None or not getattr(config, "action_channels", 0):
+        return
+    rule = saved or LEGACY_ACTION_POSITIONS
+    if rule != mine:
+        why = " (it records no rule: made before per-step action positions)" if saved is None else ""
+        raise ValueError(f"{where}: its action tokens were trained with action_positions = {rule!r}{why}, the config "
+                         f"builds {mine!r}; to load it set model.overrides.action_positions = '{rule}' "
+                         f"(--set model.overrides.action_positions={rule})")
 
 
 PRESETS: dict[str, WanVAConfig] = {

@@ -79,6 +79,7 @@ def _config_file(path: Path) -> Path:
 def load_weights(cfg: Any, source: str | Path, *, ema: bool = False) -> tuple[nn.Module, dict[str, Any] | None, str]:
     """The config's model with the weights of a run / checkpoint / export folder; returns
     (model, the action statistics it was trained with or None, a label naming the weights)."""
+    from flexpack.models.wan_config import check_action_positions
     from flexpack.training.build import build_model
     from flexpack.training.checks import check_state_shapes
     from flexpack.training.runstate import checkpoint
@@ -95,6 +96,7 @@ def load_weights(cfg: Any, source: str | Path, *, ema: bool = False) -> tuple[nn
         if ema and not (folder / "action_stream.json").is_file():
             raise ValueError(f"{path}: --ema but the export has no ema/ folder (exported without --ema)")
         loaded = load_export(folder)
+        check_action_positions(loaded.config.action_positions, model.config, str(folder))
         check_state_shapes(folder, loaded.state_dict(), model)
         model.load_state_dict(loaded.state_dict())
         norm = json.loads((path / "normalization.json").read_text())

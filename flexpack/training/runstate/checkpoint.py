@@ -52,6 +52,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from flexpack.atomic import atomic_path
 from flexpack.errors import UserError
+from flexpack.models.wan_config import check_action_positions
 from flexpack.training.checks import check_state_shapes
 from flexpack.training.parallel import world
 from flexpack.training.runstate import manifest
@@ -356,6 +357,8 @@ def load(
     why = problem(path)
     if why is not None:
         raise ValueError(why)
+    extra = json.loads((path / "train_state.json").read_text()).get("extra") or {}
+    check_action_positions(extra.get("action_positions"), getattr(model, "config", None), str(path))
     shapes = tensor_shapes(path)
     # DCP fills only the keys the model asks for: a checkpoint of another shape must fail here, in one line
     saved = {k.removeprefix("model."): SimpleNamespace(shape=v) for k, v in shapes.items() if k.startswith("model.")}
