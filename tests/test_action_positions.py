@@ -98,30 +98,41 @@ def test_permuting_a_frames_action_steps_changes_the_output_only_under_the_step_
     assert same == (rule == "frame"), (rule, (permuted_back - out.action).abs().max())
 
 
+def _as_before_the_rule(path):
+    """A checkpoint as made before the rule was recorded: train_state.json without it (manifest redone)."""
+    from flexpack.training.runstate import manifest
+
+    state = json.loads((path / "train_state.json").read_text())
+    del state["action_positions"]
+    (path / "train_state.json").write_text(json.dumps(state))
+    (path / manifest.MANIFEST).write_text(json.dumps(manifest.describe(path)))
+    return path
+
+
 def test_checkpoints_record_their_rule_and_one_of_another_rule_is_refused_in_one_line(tmp_path):
     from flexpack.training.runstate import checkpoint
 
-    old, new = _model(action_positions="frame"), _model()
-    # a checkpoint from before the rule was recorded (no action_positions in train_state.json): the old rule
-    path = checkpoint.save(tmp_path / "ckpts", 1, old, None, extra={})
+    old = _model(action_positions="frame")
+    path = checkpoint.save(tmp_path / "new", 1, _model(), None)
+    assert json.loads((path / "train_state.json").read_text())["action_positions"] == "step"
+    checkpoint.load(path, _model(), restore_rng=False)
+    with pytest.raises(ValueError, match="trained with action_positions = 'step', the config builds 'frame'"):
+        checkpoint.load(path, _model(action_positions="frame"), restore_rng=False)
+    # a checkpoint from before the rule was recorded holds weights of the old rule: refused by a "step" model,
+    # with the override that loads it
+    legacy = _as_before_the_rule(checkpoint.save(tmp_path / "old", 1, old, None))
     with pytest.raises(ValueError, match=r"action_positions = 'frame' \(it records no rule.*"
                                          r"--set model.overrides.action_positions=frame\)") as err:
-        checkpoint.load(path, _model(), restore_rng=False)
+        checkpoint.load(legacy, _model(), restore_rng=False)
     assert "\n" not in str(err.value)
     fresh = _model(action_positions="frame")
     with torch.no_grad():
         for p in fresh.parameters():
             p.zero_()
-    checkpoint.load(path, fresh, restore_rng=False)  # with the old rule it loads
+    checkpoint.load(legacy, fresh, restore_rng=False)  # under the old rule it loads
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), old.state_dict().values()))
-    # a checkpoint that records "step" loads into a "step" model and is refused by a "frame" one
-    path2 = checkpoint.save(tmp_path / "ckpts2", 1, new, None, extra={"action_positions": "step"})
-    checkpoint.load(path2, _model(), restore_rng=False)
-    with pytest.raises(ValueError, match="trained with action_positions = 'step', the config builds 'frame'"):
-        checkpoint.load(path2, _model(action_positions="frame"), restore_rng=False)
-    assert json.loads((path2 / "train_state.json").read_text())["extra"]["action_positions"] == "step"
     # a model without actions has no rule to match
-    checkpoint.load(checkpoint.save(tmp_path / "c3", 1, _model(action_channels=0), None, extra={}),
-                    _model(action_channels=0), restore_rng=False)
+    no_actions = _as_before_the_rule(checkpoint.save(tmp_path / "c3", 1, _model(action_channels=0), None))
+    checkpoint.load(no_actions, _model(action_channels=0), restore_rng=False)
     with pytest.raises(ValueError, match="action_positions must be one of"):
         wan_config("tiny", action_positions="grid")

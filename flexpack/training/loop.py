@@ -147,9 +147,7 @@ def _train(cfg: TrainConfig, found: Path | None, stop: faults.GracefulStop, stop
     result = TrainResult(step=start, start_step=start, checkpoint=found, model=model)
     sampler_state, step, tpf, signum = data.sampler.state_dict(), start, data.tokens_per_frame, 0
     saver = checkpoint.Checkpointer(run / "checkpoints", keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
-    # the action tokens' RoPE rule travels with the weights: a load under another rule is refused (checkpoint.load)
-    extra = {"action_normalizer": resume.normalizer_state(data.dataset),
-             "action_positions": cfg.model.wan_config().action_positions}
+    extra = {"action_normalizer": resume.normalizer_state(data.dataset)}
     sampler_hook = make_sample_hook(cfg, device, normalizer=extra["action_normalizer"], rank=rank,
                                     dataset_normalizer=getattr(data.dataset, "normalizer", None))
 
