@@ -96,7 +96,7 @@ class ModelConfig:
     (:mod:`flexpack.training.pretrained`).
     """
 
-    preset: str = "tiny"  # WanVA preset: "tiny" or "wan2.2-5b"
+    preset: str = "tiny"  # WanVA preset: "tiny", "small" (the CPU demo: 48-channel latents) or "wan2.2-5b"
     # any WanVAConfig field but activation_checkpointing (a runtime key)
     overrides: dict[str, Any] = field(default_factory=dict)
     pretrained: str = ""  # "" = random init
