@@ -1,9 +1,11 @@
 """``flexpack sample CONFIG --checkpoint RUN``: sample episodes from a trained model and score them.
 
 Open-loop forecast (default): from ground-truth history at ``--cuts`` evenly spaced cut points per
-episode, predict the next ``--horizon`` latent frames (video latents and actions together).
-``--mode rollout``: from the first context chunk, generate the rest of each episode ``--horizon``
-frames (teacher forcing: one chunk) at a time, each stage conditioned on the model's own output.
+episode (each with at least ``--min-context`` latent frames of context), predict the next
+``--horizon`` latent frames (video latents and actions together), ``--samples`` times from
+different noise. ``--mode rollout``: from the first allowed cut, generate the rest of each episode
+``--horizon`` frames (teacher forcing: one chunk) at a time, each stage conditioned on the model's
+own output.
 
 Writes ``OUT/metrics.json`` (:mod:`flexpack.sampling.evaluate`) and plots, prints a short table of
 the model against the ``last`` and ``mean`` baselines and where the files are. The weights come
@@ -21,9 +23,19 @@ from typing import Any
 
 from torch import nn
 
-from flexpack.sampling.evaluate import MODES, PairPlan, checkpoint_normalizer, dataset_for, evaluate, table
+from flexpack.sampling.evaluate import (
+    DEFAULT_MIN_CONTEXT,
+    MODES,
+    PairPlan,
+    checkpoint_normalizer,
+    dataset_for,
+    evaluate,
+    table,
+)
 from flexpack.sampling.sampler import SampleOptions
 from flexpack.sampling.schedule import SOLVERS
+
+DEFAULT_SAMPLES = 4  # forecasts per (episode, cut) of flexpack sample (runtime.sample_draws: 1, for its cost)
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -58,6 +70,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="explicit cut points (latent frames of context) used for every episode")
     parser.add_argument("--horizon", type=int, default=None,
                         help="latent frames to generate per cut (rollout: per stage); default two context chunks, >= 4")
+    parser.add_argument("--samples", type=int, default=DEFAULT_SAMPLES, metavar="K",
+                        help=f"forecasts per (episode, cut point), each from its own noise, packed together (default "
+                             f"{DEFAULT_SAMPLES}): metrics.json adds the MSE of their mean (*_kmean), their spread and "
+                             "CRPS; one draw from a model that is rightly unsure scores worse than the mean baseline, "
+                             "the mean of K does not. The single-sample numbers are the first sample's")
+    parser.add_argument("--min-context", type=int, default=DEFAULT_MIN_CONTEXT, metavar="N",
+                        help=f"latent frames of context a cut point needs (default {DEFAULT_MIN_CONTEXT}): latent "
+                             "frame 0 holds the first video frame alone (causal VAE), so a one-frame context shows "
+                             "no motion and its forecast can only guess direction and speed; cut points with less "
+                             "context are not made (rollouts start at the first cut with N), per_cut in "
+                             "metrics.json shows each context length apart; 1 keeps them")
     parser.add_argument("--seed", type=int, default=0,
                         help="noise seed (default 0: the noise runtime.sample_every uses); another draws other noise")
     parser.add_argument("--ema", action="store_true", help="use the checkpoint's EMA weights")
@@ -143,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(_config_file(args.config), args.overrides)
     device = resolve_device(args.device or cfg.runtime.device)
     plan = PairPlan(mode=args.mode, cuts=args.cuts, horizon=args.horizon, cut_points=tuple(args.cut_points),
-                    seed=args.seed)
+                    seed=args.seed, samples=args.samples, min_context=args.min_context)
     from flexpack.sampling.sampler import context_chunk
 
     context_chunk(cfg)  # a one-σ-per-episode model fails here, before any loading
@@ -157,8 +180,9 @@ def run(args: argparse.Namespace) -> int:
                             dtype=cfg.runtime.dtype if device.type == "cuda" else "float32")
     metrics, files = evaluate(model, cfg, dataset, plan, options, device=device, normalizer=normalizer, out=out,
                               plots=args.plots)
-    print(f"{label}: {metrics['mode']} of {len(metrics['episodes'])} episode(s), {metrics['pairs']} pair(s), "
-          f"horizon {metrics['horizon']}, {args.steps} {args.solver} steps")
+    print(f"{label}: {metrics['mode']} of {len(metrics['episodes'])} episode(s), {metrics['pairs']} pair(s) x "
+          f"{args.samples} sample(s), context >= {args.min_context} latent frames, horizon {metrics['horizon']}, "
+          f"{args.steps} {args.solver} steps")
     print(table(metrics))
     print(f"wrote {out / 'metrics.json'}" + (f" and {len(files)} plot(s) in {out}" if files else ""))
     return 0

@@ -25,10 +25,16 @@ from torch import nn
 
 from flexpack.atomic import atomic_path
 from flexpack.sampling.metrics import Metrics
-from flexpack.sampling.pairs import Pair, check_cut, cut_points, make_pair
+from flexpack.sampling.pairs import Pair, check_cut, cut_points, first_cut, make_pair
 from flexpack.sampling.sampler import PackedSampler, SampleOptions, context_chunk
 
 MODES = ("forecast", "rollout")
+
+
+# Latent frames of context a cut point needs by default: latent frame 0 holds the first video frame
+# alone (the VAE is causal), so a one-frame context shows no motion, and a forecast from it can only
+# guess direction and speed (an ill-posed pair that says little about the model).
+DEFAULT_MIN_CONTEXT = 2
 
 
 @dataclass(frozen=True)
@@ -38,6 +44,14 @@ class PairPlan:
     horizon: int | None = None  # frames generated per pair (forecast) / per stage (rollout); None: default
     cut_points: tuple[int, ...] = ()  # explicit cut points (forecast), instead of ``cuts``
     seed: int = 0  # noise seed: the same pairs with another seed start from other noise
+    samples: int = 1  # forecasts per (episode, cut), each from its own noise (K-sample metrics)
+    min_context: int = DEFAULT_MIN_CONTEXT  # latent frames of context a cut point needs (rollouts start there)
+
+    def __post_init__(self) -> None:
+        if self.samples < 1:
+            raise ValueError(f"--samples must be >= 1 (forecasts per episode and cut point), got {self.samples}")
+        if self.min_context < 0:
+            raise ValueError(f"--min-context must be >= 0 latent frames, got {self.min_context}")
 
 
 def default_horizon(cfg: Any) -> int:
@@ -89,7 +103,8 @@ def tokens_per_frame(cfg: Any, dataset: Any) -> int:
 
 def build_pairs(cfg: Any, dataset: Any, plan: PairPlan, *, limit_pairs: int | None = None,
                 note: bool = True) -> list[Pair]:
-    """Pairs of every episode of ``dataset``: forecast cut points, or one rollout from the first chunk."""
+    """Pairs of every episode of ``dataset``: forecast cut points, or one rollout from the first allowed
+    cut; ``plan.samples`` consecutive pairs (samples 0..K-1, each its own noise) per (episode, cut)."""
     if plan.mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {plan.mode!r}")
     chunk = context_chunk(cfg)
@@ -99,6 +114,11 @@ def build_pairs(cfg: Any, dataset: Any, plan: PairPlan, *, limit_pairs: int | No
     if horizon % chunk:  # frames of one chunk share σ in training: never split one between context and target
         raise ValueError(f"--horizon {horizon} must be a multiple of the chunk the model was trained with "
                          f"({chunk} latent frames)")
+    low = [c for c in plan.cut_points if c < plan.min_context]
+    if low:
+        raise ValueError(f"cut points {low} have less context than --min-context {plan.min_context} latent frames; "
+                         "lower --min-context")
+    first = first_cut(chunk, plan.min_context)
     actions = cfg.model.wan_config().action_channels > 0
     # a pair is one document of a pack: automatic cut points and rollouts stay within one pack's frames
     budget = geometry(cfg, dataset).frame_budget
@@ -110,20 +130,20 @@ def build_pairs(cfg: Any, dataset: Any, plan: PairPlan, *, limit_pairs: int | No
         if F < F_full:
             cut_short.append(episode)
         if plan.mode == "rollout":
-            cuts = [chunk] if F > chunk else []
+            cuts = [first] if F > first else []
         elif plan.cut_points:
             for c in plan.cut_points:
                 check_cut(episode, F, c, horizon, chunk)
             cuts = list(plan.cut_points)
         else:
-            cuts = cut_points(F, plan.cuts, horizon, chunk)
+            cuts = cut_points(F, plan.cuts, horizon, chunk, plan.min_context)
         if not cuts:
             short.append(episode)
             continue
         item = dataset[i]
         for c in cuts:
-            pairs.append(make_pair(item, c, (F - c) if plan.mode == "rollout" else horizon, actions=actions,
-                                   noise_seed=plan.seed))
+            pairs += [make_pair(item, c, (F - c) if plan.mode == "rollout" else horizon, actions=actions,
+                                noise_seed=plan.seed, sample=k) for k in range(plan.samples)]
         if limit_pairs is not None and len(pairs) >= limit_pairs:
             break
     if cut_short and note:
@@ -132,11 +152,12 @@ def build_pairs(cfg: Any, dataset: Any, plan: PairPlan, *, limit_pairs: int | No
               f"{'rolled out' if plan.mode == 'rollout' else 'cut'} within their first {budget} frames",
               file=sys.stderr)
     if short and note:
-        print(f"note: episodes {short} are too short for one context chunk ({chunk} latent frames) plus the "
-              f"horizon ({horizon}); skipped", file=sys.stderr)
+        print(f"note: episodes {short} are too short for {first} latent frame(s) of context (one chunk of {chunk}, "
+              f"--min-context {plan.min_context}) plus the horizon ({horizon}); skipped", file=sys.stderr)
     if not pairs:
-        raise ValueError(f"no episode has room for a cut point: each needs at least {chunk + horizon} latent frames "
-                         f"(context chunk {chunk} + horizon {horizon}); lower --horizon")
+        raise ValueError(f"no episode has room for a cut point: each needs at least {first + horizon} latent frames "
+                         f"(context {first}: one chunk of {chunk}, min context {plan.min_context}; + horizon "
+                         f"{horizon}); lower --horizon or --min-context")
     return pairs
 
 
@@ -177,22 +198,42 @@ def sample_pairs(model: nn.Module, cfg: Any, pairs: list[Pair], *, tpf: int, dev
     return sampler
 
 
+HEADLINE = ("action_mse", "action_mse_kmean", "action_crps", "action_mse_raw", "latent_mse", "latent_mse_kmean")
+
+
+def samples_of(pairs: Sequence[Pair]) -> list[list[Pair]]:
+    """The pairs grouped by (episode, segment, cut): each group the K samples of one forecast, in order."""
+    groups: dict[tuple[int, int, int], list[Pair]] = {}
+    for p in pairs:
+        groups.setdefault((p.episode, p.segment, p.cut), []).append(p)
+    return list(groups.values())
+
+
+def _headline(r: dict[str, Any]) -> dict[str, Any]:
+    """The numbers of a group of pairs worth a line: the model's and each baseline's MSEs."""
+    out = {k: r[k] for k in HEADLINE}
+    out["pairs"] = r["pairs"]
+    for b in ("last", "mean"):
+        out.update({f"{b}_{k}": r["baselines"][b][k] for k in ("action_mse", "latent_mse")})
+    return out
+
+
 def score(pairs: Sequence[Pair], dataset: Any, normalizer: dict[str, Any] | None) -> dict[str, Any]:
-    """All pairs' metrics, plus ``per_episode``: the headline numbers of each episode's pairs (to find
-    the episodes a model gets wrong)."""
+    """All pairs' metrics (K samples per (episode, cut): :class:`Metrics`), plus ``per_episode`` and
+    ``per_cut`` (keyed by the cut point: latent frames of context): the headline numbers of each
+    episode's and each context length's pairs (which episodes a model gets wrong; how the error falls
+    as the context grows)."""
     mean = mean_action(dataset)
     metrics = Metrics(normalizer, dataset.channels, mean)
-    per: dict[int, Metrics] = {}
-    for p in pairs:
-        metrics.add(p)
-        per.setdefault(p.episode, Metrics(normalizer, dataset.channels, mean)).add(p)
+    per: dict[str, dict[str, Metrics]] = {"per_episode": {}, "per_cut": {}}
+    for group in samples_of(pairs):
+        metrics.add(*group)
+        p = group[0]
+        for kind, key in (("per_episode", p.episode), ("per_cut", p.cut)):
+            per[kind].setdefault(str(key), Metrics(normalizer, dataset.channels, mean)).add(*group)
     out = metrics.result()
-    keys = ("action_mse", "action_mse_raw", "latent_mse")
-    out["per_episode"] = {}
-    for e, m in per.items():
-        r = m.result()
-        out["per_episode"][str(e)] = {**{k: r[k] for k in keys}, "pairs": r["pairs"],
-                                      **{f"{b}_action_mse": r["baselines"][b]["action_mse"] for b in ("last", "mean")}}
+    for kind, parts in per.items():
+        out[kind] = {k: _headline(m.result()) for k, m in sorted(parts.items(), key=lambda kv: int(kv[0]))}
     return out
 
 
@@ -248,12 +289,18 @@ def write_report(out: Path, metrics: dict[str, Any]) -> Path:
     return out / "metrics.json"
 
 
+TABLE = ("action_mse", "action_mse_kmean", "action_crps", "action_spread", "action_l1", "action_mse_raw",
+         "action_l1_raw", "latent_mse", "latent_mse_kmean", "latent_crps", "latent_spread")
+
+
 def table(metrics: dict[str, Any]) -> str:
-    keys = ("action_mse", "action_l1", "action_mse_raw", "action_l1_raw", "latent_mse")
+    """The model against the ``last`` and ``mean`` baselines, one metric a line (``*_kmean``: the
+    K-sample mean's; ``*_crps``, ``*_spread``: of the K samples; the rest: the first sample's)."""
     b = metrics["baselines"]
     lines = [f"{'':>16} {'model':>11} {'last':>11} {'mean':>11}"]
-    for k in keys:
-        lines.append(f"{k:>16} {metrics[k]:>11.5g} {b['last'][k]:>11.5g} {b['mean'][k]:>11.5g}")
+    for k in TABLE:
+        if k in metrics:
+            lines.append(f"{k:>16} {metrics[k]:>11.5g} {b['last'][k]:>11.5g} {b['mean'][k]:>11.5g}")
     if "psnr" in metrics:
         lines.append(f"{'psnr (dB)':>16} {metrics['psnr']:>11.4g} {metrics['psnr_baseline_last']:>11.4g} {'':>11}")
     return "\n".join(lines)
@@ -278,7 +325,9 @@ def evaluate(model: nn.Module, cfg: Any, dataset: Any, plan: PairPlan, options: 
     metrics.update(episodes=sorted({p.episode for p in pairs}), steps=options.steps, solver=options.solver,
                    seed=plan.seed, mode=plan.mode, horizon=plan.horizon or default_horizon(cfg),
                    action_names=action_names(dataset),
-                   pair_list=[[p.episode, p.cut, p.horizon] for p in pairs], model_calls=sampler.forwards)
+                   min_context=plan.min_context,
+                   pair_list=[[p.episode, p.cut, p.horizon] for p in pairs if p.sample == 0],
+                   model_calls=sampler.forwards)
     files: dict[str, Path] = {}
     if write and out is not None:
         out.mkdir(parents=True, exist_ok=True)

@@ -256,15 +256,21 @@ class RuntimeConfig:
     sample_cuts: int = 2  # forecast cut points per episode
     sample_horizon: int = 0  # latent frames predicted per cut; 0 = two context chunks (at least 4)
     sample_plots: int = 2  # episodes plotted per sampling (0 = metrics only)
+    # forecasts per (episode, cut), each from its own noise, packed together: sample/*_kmean (MSE of their mean),
+    # *_spread and *_crps; 1 keeps the cost of one (flexpack sample --samples defaults to 4)
+    sample_draws: int = 1
+    # latent frames of context a cut point needs: frame 0 alone is one video frame and shows no motion
+    sample_min_context: int = 2
     sample_ema: bool = False  # sample with the EMA weights (needs optim.ema_decay > 0)
 
     def __post_init__(self) -> None:
         if self.eval_every < 0:
             raise ValueError(f"runtime.eval_every must be >= 0, got {self.eval_every!r}")
-        for name in ("sample_every", "sample_horizon", "sample_plots", "profile_steps", "profile_warmup"):
+        for name in ("sample_every", "sample_horizon", "sample_plots", "sample_min_context", "profile_steps",
+                     "profile_warmup"):
             if getattr(self, name) < 0:
                 raise ValueError(f"runtime.{name} must be >= 0, got {getattr(self, name)!r}")
-        for name in ("sample_steps", "sample_episodes", "sample_cuts"):
+        for name in ("sample_steps", "sample_episodes", "sample_cuts", "sample_draws"):
             if getattr(self, name) < 1:
                 raise ValueError(f"runtime.{name} must be >= 1, got {getattr(self, name)!r}")
         if self.dtype not in DTYPES:
