@@ -52,7 +52,7 @@ def forecast_table(metrics: Path) -> list[str]:
                 continue
             best = min(b["last"][key], b["mean"][key])
             rows.append(f"  {what + ' MSE':<11} {m[key]:>9.3g} {m.get(key + '_kmean', m[key]):>11.3g} "
-                        f"{b['last'][key]:>11.3g} {b['mean'][key]:>9.3g} {m[key] / best:>12.2f}x")
+                        f"{b['last'][key]:>11.3g} {b['mean'][key]:>9.3g} {m[key] / best:>12.2g}x")
         head = (f"Held-out forecast, {m['horizon']} latent frames ahead ({len(m['pair_list'])} cut points x {k} "
                 f"sample(s), {_rel(metrics)}):")
         cols = f"  {'':<11} {'model':>9} {f'mean of {k}':>11} {'last':>11} {'mean':>9} {'model/best':>13}"

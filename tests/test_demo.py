@@ -54,5 +54,5 @@ def test_summary_prints_the_forecast_against_both_baselines(tmp_path, monkeypatc
                        "out/demo-run/samples/metrics.json):")
     assert lines[head + 1].split() == ["model", "mean", "of", "4", "last", "mean", "model/best"]
     assert lines[head + 2].split() == ["action", "MSE", "0.04", "0.02", "1.25", "0.5", "0.08x"]  # 0.04 / 0.5
-    assert lines[head + 3].split() == ["latent", "MSE", "0.024", "0.018", "0.072", "0.03", "0.80x"]
+    assert lines[head + 3].split() == ["latent", "MSE", "0.024", "0.018", "0.072", "0.03", "0.8x"]
     assert "last: the last context action / latent frame repeated" in lines[head + 4]

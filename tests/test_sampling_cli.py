@@ -287,6 +287,15 @@ def test_pairs_stay_within_one_pack_and_explicit_cuts_are_checked(trained, capsy
     assert three[0].seed == pairs[0].seed and len({p.seed for p in three}) == len(three) == 12
     with pytest.raises(ValueError, match="--samples must be >= 1"):
         PairPlan(samples=0)
+    # the control: each pair forecasts from the next episode's history; its truth (and so the baselines) its own
+    foreign = build_pairs(cfg, ds, PairPlan(cuts=2, horizon=2, foreign_history=True))
+    items = {0: ds[0], 2: ds[1]}
+    for p, q in zip(foreign, pairs):
+        donor = items[2 if p.episode == 0 else 0]
+        assert torch.equal(p.pred_latent[:, :p.cut], donor["latent"][:, :p.cut].float())
+        assert torch.equal(p.pred_action[:, :p.cut], torch.where(p.action_mask[:, :p.cut],
+                                                                 donor["action"][:, :p.cut].float(), 0.0))
+        assert torch.equal(p.latent, q.latent) and (p.pred_latent[:, p.cut:] == 0).all() and p.seed == q.seed
     with pytest.raises(ValueError, match="cut point 0 of episode 0: must be a positive multiple"):
         build_pairs(cfg, ds, PairPlan(cut_points=(0,), horizon=2, min_context=0))
     with pytest.raises(ValueError, match="must be a multiple of the chunk the model was trained with"):

@@ -81,6 +81,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "no motion and its forecast can only guess direction and speed; cut points with less "
                              "context are not made (rollouts start at the first cut with N), per_cut in "
                              "metrics.json shows each context length apart; 1 keeps them")
+    parser.add_argument("--foreign-history", action="store_true",
+                        help="a control: each pair forecasts from another episode's history (the next one long "
+                             "enough; truth, text and noise its own); a model that reads its history scores worse "
+                             "than with its own, one that ignores it the same")
     parser.add_argument("--seed", type=int, default=0,
                         help="noise seed (default 0: the noise runtime.sample_every uses); another draws other noise")
     parser.add_argument("--ema", action="store_true", help="use the checkpoint's EMA weights")
@@ -166,7 +170,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(_config_file(args.config), args.overrides)
     device = resolve_device(args.device or cfg.runtime.device)
     plan = PairPlan(mode=args.mode, cuts=args.cuts, horizon=args.horizon, cut_points=tuple(args.cut_points),
-                    seed=args.seed, samples=args.samples, min_context=args.min_context)
+                    seed=args.seed, samples=args.samples, min_context=args.min_context,
+                    foreign_history=args.foreign_history)
     from flexpack.sampling.sampler import context_chunk
 
     context_chunk(cfg)  # a one-σ-per-episode model fails here, before any loading
@@ -182,7 +187,8 @@ def run(args: argparse.Namespace) -> int:
                               plots=args.plots)
     print(f"{label}: {metrics['mode']} of {len(metrics['episodes'])} episode(s), {metrics['pairs']} pair(s) x "
           f"{args.samples} sample(s), context >= {args.min_context} latent frames, horizon {metrics['horizon']}, "
-          f"{args.steps} {args.solver} steps")
+          f"{args.steps} {args.solver} steps" + (", control: each pair from another episode's history"
+                                                   if args.foreign_history else ""))
     print(table(metrics))
     print(f"wrote {out / 'metrics.json'}" + (f" and {len(files)} plot(s) in {out}" if files else ""))
     return 0

@@ -25,7 +25,7 @@ from torch import nn
 
 from flexpack.atomic import atomic_path
 from flexpack.sampling.metrics import Metrics
-from flexpack.sampling.pairs import Pair, check_cut, cut_points, first_cut, make_pair
+from flexpack.sampling.pairs import Pair, borrow_history, check_cut, cut_points, first_cut, make_pair
 from flexpack.sampling.sampler import PackedSampler, SampleOptions, context_chunk
 
 MODES = ("forecast", "rollout")
@@ -46,6 +46,7 @@ class PairPlan:
     seed: int = 0  # noise seed: the same pairs with another seed start from other noise
     samples: int = 1  # forecasts per (episode, cut), each from its own noise (K-sample metrics)
     min_context: int = DEFAULT_MIN_CONTEXT  # latent frames of context a cut point needs (rollouts start there)
+    foreign_history: bool = False  # control: each pair forecasts from the next episode's history (borrow_history)
 
     def __post_init__(self) -> None:
         if self.samples < 1:
@@ -146,6 +147,8 @@ def build_pairs(cfg: Any, dataset: Any, plan: PairPlan, *, limit_pairs: int | No
                                 noise_seed=plan.seed, sample=k) for k in range(plan.samples)]
         if limit_pairs is not None and len(pairs) >= limit_pairs:
             break
+    if plan.foreign_history:
+        _swap_histories(pairs, dataset, lengths)
     if cut_short and note:
         print(f"note: episodes {cut_short} are longer than a pack ({budget} latent frames at data.max_tokens = "
               f"{cfg.data.max_tokens}): "
@@ -159,6 +162,20 @@ def build_pairs(cfg: Any, dataset: Any, plan: PairPlan, *, limit_pairs: int | No
                          f"(context {first}: one chunk of {chunk}, min context {plan.min_context}; + horizon "
                          f"{horizon}); lower --horizon or --min-context")
     return pairs
+
+
+def _swap_histories(pairs: list[Pair], dataset: Any, lengths: Sequence[int]) -> None:
+    """Each pair's history from the next episode of ``dataset`` (cyclic) that is long enough."""
+    index = {dataset.items[i][0]: i for i in range(len(lengths))}
+    items: dict[int, dict[str, Any]] = {}
+    for p in pairs:
+        i = index[p.episode]
+        donors = [j % len(lengths) for j in range(i + 1, i + len(lengths)) if lengths[j % len(lengths)] >= p.cut]
+        if not donors:
+            raise ValueError(f"--foreign-history: no other episode has the {p.cut} latent frames of history that "
+                             f"episode {p.episode} needs at cut {p.cut}")
+        j = donors[0]
+        borrow_history(p, items.setdefault(j, dataset[j]))
 
 
 def checkpoint_normalizer(dataset: Any, saved: dict[str, Any] | None, where: str) -> dict[str, Any] | None:
@@ -325,7 +342,7 @@ def evaluate(model: nn.Module, cfg: Any, dataset: Any, plan: PairPlan, options: 
     metrics.update(episodes=sorted({p.episode for p in pairs}), steps=options.steps, solver=options.solver,
                    seed=plan.seed, mode=plan.mode, horizon=plan.horizon or default_horizon(cfg),
                    action_names=action_names(dataset),
-                   min_context=plan.min_context,
+                   min_context=plan.min_context, foreign_history=plan.foreign_history,
                    pair_list=[[p.episode, p.cut, p.horizon] for p in pairs if p.sample == 0],
                    model_calls=sampler.forwards)
     files: dict[str, Path] = {}

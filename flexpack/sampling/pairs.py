@@ -122,6 +122,19 @@ def make_pair(item: dict[str, Any], cut: int, horizon: int, *, actions: bool = T
                 sample=sample)
 
 
+def borrow_history(pair: Pair, item: dict[str, Any]) -> None:
+    """Give ``pair`` the first ``cut`` latent frames and actions of another episode's dataset ``item`` as
+    the history its forecast starts from (a control: a model that reads its history must then do
+    worse); its truth, action mask, text and noise stay its own."""
+    c = pair.cut
+    if item["latent"].shape[1] < c:
+        raise ValueError(f"episode {item.get('episode_index')} has {item['latent'].shape[1]} latent frames, too few "
+                         f"for the history of episode {pair.episode} at cut {c}")
+    pair.pred_latent[:, :c] = item["latent"][:, :c].float()
+    if pair.pred_action is not None and item.get("action") is not None:
+        pair.pred_action[:, :c] = torch.where(pair.action_mask[:, :c], item["action"][:, :c].float(), 0.0)
+
+
 def pair_noise(layout: Any, seeds: Sequence[int], latent_shape: Sequence[int], action_shape: Sequence[int] | None,
                device: torch.device) -> tuple[Tensor, Tensor | None]:
     """Latent (R, C, Fr, H, W) and action (R, Ca, Fr, A) noise of a packed batch, per episode slot
