@@ -6,9 +6,9 @@ Shared by ``flexpack sample`` (:mod:`flexpack.sampling.cli`) and training's ``ru
 - ``metrics.json``: the model's metrics and the ``baselines`` (:mod:`flexpack.sampling.metrics`),
   ``episodes``, ``pairs`` (episode, cut, horizon), ``steps``, ``solver``, ``mode``, and with a Wan
   VAE cache ``psnr`` / ``psnr_baseline_last`` of decoded frames;
-- per plotted episode ``episode_EEEEEE_actions.png`` (predicted vs true actions per dimension,
-  context shaded) and ``episode_EEEEEE.mp4`` (Wan VAE cache: decoded predicted next to true video)
-  or ``episode_EEEEEE_latents.png`` (other encoders: the first latent channels).
+- the pictures of :mod:`flexpack.sampling.pictures`: a predicted-vs-true video of every sampled
+  episode (``episode_EEEEEE.mp4``), and for the first ``plots`` episodes an action plot
+  (``episode_EEEEEE_actions.png``) and, without a decoder, a latent figure (``*_latents.png``).
 """
 
 from __future__ import annotations
@@ -254,49 +254,14 @@ def score(pairs: Sequence[Pair], dataset: Any, normalizer: dict[str, Any] | None
     return out
 
 
-def _actions_TD(act: torch.Tensor, mask: torch.Tensor, channels: np.ndarray) -> np.ndarray:
-    """(Ca, L, A) → (L·A, D) dataset columns, NaN where no real value exists."""
-    a = torch.where(mask, act.float(), float("nan"))[torch.as_tensor(channels)]
-    return a.permute(1, 2, 0).reshape(-1, len(channels)).numpy()
-
-
-def write_media(out: Path, pairs: Sequence[Pair], dataset: Any, plots: int, device: torch.device | str = "cpu"
+def write_media(out: Path, pairs: Sequence[Pair], dataset: Any, plots: int, device: torch.device | str = "cpu", *,
+                normalizer: dict[str, Any] | None = None, mode: str = "forecast", chunk: int = 1
                 ) -> tuple[dict[str, Path], dict[str, float]]:
-    """Plots of the first pair of the first ``plots`` episodes; returns ({tag: file}, PSNR metrics).
-    With a Wan VAE cache the VAE decodes on ``device``."""
-    from flexpack.data.cache import read_latent_header
-    from flexpack.sampling import media
+    """:func:`flexpack.sampling.pictures.write_media` with the dataset's action names and mean action."""
+    from flexpack.sampling import pictures
 
-    files: dict[str, Path] = {}
-    firsts: dict[int, Pair] = {}
-    for p in pairs:
-        firsts.setdefault(p.episode, p)
-    header = read_latent_header(dataset.latent_file(0))
-    psnrs, base = [], []
-    for p in list(firsts.values())[:plots]:
-        stem = f"episode_{p.episode:06d}"
-        steps = dataset.action_steps
-        if p.action is not None:
-            files[f"sample/{stem}/actions"] = media.action_plot(
-                out / f"{stem}_actions.png", _actions_TD(p.pred_action, p.action_mask, dataset.channels),
-                _actions_TD(p.action, p.action_mask, dataset.channels), context=p.cut * steps,
-                title=f"episode {p.episode}, cut {p.cut}, horizon {p.horizon}", names=action_names(dataset))
-        pred = media.decode_latents(p.pred_latent, header.encoder, device=str(device))
-        if pred is None:
-            files[f"sample/{stem}/latents"] = media.latent_strip(out / f"{stem}_latents.png", p.pred_latent.numpy(),
-                                                                 p.latent.numpy(), context=p.cut)
-            continue
-        true = media.decode_latents(p.latent, header.encoder, device=str(device))
-        media.video_mp4(out / f"{stem}.mp4", pred, true, fps=header.fps)
-        first = (p.cut - 1) * dataset.stride + 1  # first decoded frame of the target (causal VAE)
-        to = lambda v: v[first:].astype(np.float32) / 127.5 - 1.0  # noqa: E731
-        psnrs.append(media.psnr(to(pred), to(true)))
-        last = np.repeat(true[first - 1:first], len(true) - first, axis=0)
-        base.append(media.psnr(last.astype(np.float32) / 127.5 - 1.0, to(true)))
-    # decoding is the costly part: PSNR covers the plotted pairs (their count is recorded beside it)
-    extra = {"psnr": float(np.mean(psnrs)), "psnr_baseline_last": float(np.mean(base)), "psnr_pairs": len(psnrs)} \
-        if psnrs else {}
-    return files, extra
+    return pictures.write_media(out, pairs, dataset, plots, device, normalizer=normalizer,
+                                mean_raw=mean_action(dataset), names=action_names(dataset), mode=mode, chunk=chunk)
 
 
 def write_report(out: Path, metrics: dict[str, Any]) -> Path:
@@ -349,7 +314,8 @@ def evaluate(model: nn.Module, cfg: Any, dataset: Any, plan: PairPlan, options: 
     if write and out is not None:
         out.mkdir(parents=True, exist_ok=True)
         if plots > 0:
-            files, extra = write_media(out, pairs, dataset, plots, device)
+            files, extra = write_media(out, pairs, dataset, plots, device, normalizer=normalizer, mode=plan.mode,
+                                       chunk=context_chunk(cfg))
             metrics.update(extra)
         write_report(out, metrics)
     return metrics, files
