@@ -1,4 +1,4 @@
-"""Sampling media: action plots, latent strips, side-by-side mp4, PSNR, Wan VAE decode of cached
+"""Sampling media: action plots, latent figures, labelled side-by-side mp4, PSNR, Wan VAE decode of cached
 latents, and PNGs logged to TensorBoard / W&B."""
 
 from __future__ import annotations

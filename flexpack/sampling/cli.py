@@ -89,7 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="noise seed (default 0: the noise runtime.sample_every uses); another draws other noise")
     parser.add_argument("--ema", action="store_true", help="use the checkpoint's EMA weights")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default CHECKPOINT/samples/MODE)")
-    parser.add_argument("--plots", type=int, default=4, help="episodes to plot (0 = metrics only)")
+    parser.add_argument("--plots", type=int, default=4,
+                        help="episodes to plot (action plot, latent figure); every sampled episode also gets a "
+                             "predicted-vs-true video unless 0 (metrics only). Default 4")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default runtime.device)")
 
 
@@ -190,6 +192,8 @@ def run(args: argparse.Namespace) -> int:
           f"{args.steps} {args.solver} steps" + (", control: each pair from another episode's history"
                                                    if args.foreign_history else ""))
     print(table(metrics))
-    print(f"wrote {out / 'metrics.json'}" + (f" and {len(files)} plot(s) in {out}" if files else ""))
+    videos = len(list(out.glob("episode_*.mp4")))
+    print(f"wrote {out / 'metrics.json'}" + (f", {len(files)} plot(s)" if files else "")
+          + (f", {videos} video(s)" if videos else "") + (f" in {out}" if files or videos else ""))
     return 0
 

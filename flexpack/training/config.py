@@ -255,7 +255,7 @@ class RuntimeConfig:
     sample_episodes: int = 4  # the first N held-out episodes
     sample_cuts: int = 2  # forecast cut points per episode
     sample_horizon: int = 0  # latent frames predicted per cut; 0 = two context chunks (at least 4)
-    sample_plots: int = 2  # episodes plotted per sampling (0 = metrics only)
+    sample_plots: int = 2  # episodes plotted per sampling; every sampled episode also gets a video (0 = metrics only)
     # forecasts per (episode, cut), each from its own noise, packed together: sample/*_kmean (MSE of their mean),
     # *_spread and *_crps; 1 keeps the cost of one (flexpack sample --samples defaults to 4)
     sample_draws: int = 1
