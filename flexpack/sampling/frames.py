@@ -143,22 +143,34 @@ def side_by_side(pred_FHW3: np.ndarray, true_FHW3: np.ndarray, *, context: int, 
     bar = gap + line * len(lines) + 36  # the title, then each side's name and state
     height = bar + ph + gap
     width, height = width + width % 2, height + height % 2  # yuv420p needs even sizes
-    out = np.empty((F, height, width, 3), np.uint8)
-    for f in range(F):
+    xs = [gap + i * (pw + gap) for i in range(2)]  # each side's left edge
+
+    def template(color: tuple[int, int, int]) -> np.ndarray:
+        """Everything of a frame but its pictures and its state line, framed in ``color``."""
         img = Image.new("RGB", (width, height), (255, 255, 255))
         draw = ImageDraw.Draw(img)
-        color = CONTEXT_COLOR if f < context else TARGET_COLOR
-        state = f"{'context (true history)' if f < context else 'generated'}, {f / fps:.2f} s"
         for i, text in enumerate(lines):
             draw.text((gap, gap // 2 + i * line), text, fill=(0, 0, 0), font=small)
-        for i, (name, frame) in enumerate(((left, pred[f]), ("true", true[f]))):
-            x0 = gap + i * (pw + gap)
+        for x0, name in zip(xs, (left, "true")):
             draw.text((x0, bar - 34), name, fill=(0, 0, 0), font=font)
-            draw.text((x0, bar - 16), state, fill=color, font=small)
             draw.rectangle([x0, bar, x0 + pw - 1, bar + ph - 1], fill=color)
-            big = frame.repeat(scale, axis=0).repeat(scale, axis=1)
-            img.paste(Image.fromarray(np.ascontiguousarray(big)), (x0 + b, bar + b))
-        out[f] = np.asarray(img)
+        return np.asarray(img)
+
+    def state(f: int) -> np.ndarray:
+        """The (16, pw, 3) line "context (true history), 0.30 s" / "generated, 1.20 s" of frame ``f``."""
+        text = f"{'context (true history)' if f < context else 'generated'}, {f / fps:.2f} s"
+        img = Image.new("RGB", (pw, 16), (255, 255, 255))
+        ImageDraw.Draw(img).text((0, 1), text, fill=CONTEXT_COLOR if f < context else TARGET_COLOR, font=small)
+        return np.asarray(img)
+
+    templates = {True: template(CONTEXT_COLOR), False: template(TARGET_COLOR)}
+    out = np.empty((F, height, width, 3), np.uint8)
+    for f in range(F):
+        out[f] = templates[f < context]
+        line_f = state(f)
+        for x0, frame in zip(xs, (pred[f], true[f])):
+            out[f, bar - 16:bar, x0:x0 + pw] = line_f
+            out[f, bar + b:bar + b + H * scale, x0 + b:x0 + b + W * scale] = frame.repeat(scale, 0).repeat(scale, 1)
     return out
 
 
