@@ -24,23 +24,24 @@ $(STAMP): pyproject.toml
 	@echo "Installed. 'source $(VENV)/bin/activate' puts flexpack on PATH (the README's commands use it bare)."
 
 # The main job on an embedded default: a small synthetic LeRobot dataset (kept once made; the orbit
-# scene, whose actions follow what the camera sees), its latent cache (pool encoder), a few hundred
-# CPU training steps of the tiny WanVA (configs/tiny_cpu.toml) with a quarter of the episodes held
-# out, the packed == per-episode check on the trained weights, forecasts of the held-out episodes
-# against the last-action and mean-action baselines, then the sampler statistics of the demo's own
-# episodes (geometry from its latent cache, as train derives it), the loss plot and a summary.
-# One OpenMP thread: the tiny model's ops are too small for a thread pool.
+# scene, whose actions follow what the camera sees), its latent cache (pool encoder), 200 CPU training
+# steps of the small WanVA (configs/tiny_cpu.toml: 256 wide, what a 48-channel 2x2 video token needs;
+# 200 of its steps cost what 300 of the 64-wide model did) with a quarter of the episodes held out, the
+# packed == per-episode check on the trained weights, forecasts of the held-out episodes (4 samples each,
+# a video of every one, plots of 2) against the last and mean baselines, then the sampler statistics of
+# the demo's own episodes (geometry from its latent cache, as train derives it), the loss plot and a
+# summary. One OpenMP thread: the model's ops are too small for a thread pool.
 demo: $(STAMP)
 	@mkdir -p $(OUT)
 	@test -d $(OUT)/demo-data || $(BIN)/flexpack make-dataset $(OUT)/demo-data --episodes 24 --scene orbit
 	$(BIN)/flexpack encode --dataset $(OUT)/demo-data
 	rm -rf $(OUT)/demo-run
 	OMP_NUM_THREADS=1 $(BIN)/flexpack train configs/tiny_cpu.toml --set data.root=$(OUT)/demo-data \
-	    --set runtime.out_dir=$(OUT)/demo-run --set data.val_fraction=0.25 --set schedule.steps=300
+	    --set runtime.out_dir=$(OUT)/demo-run --set data.val_fraction=0.25 --set schedule.steps=200
 	OMP_NUM_THREADS=1 $(BIN)/flexpack verify configs/tiny_cpu.toml --set data.root=$(OUT)/demo-data \
 	    --checkpoint $(OUT)/demo-run
 	OMP_NUM_THREADS=1 $(BIN)/flexpack sample $(OUT)/demo-run --checkpoint $(OUT)/demo-run --val \
-	    --out $(OUT)/demo-run/samples
+	    --out $(OUT)/demo-run/samples --plots 2
 	@echo "action plot: $$(ls $(OUT)/demo-run/samples/*_actions.png | head -n 1)"
 	$(BIN)/flexpack stats --dataset $(OUT)/demo-data --mode pack --max-tokens 100 --plot $(OUT)/stats_pack.png
 	$(BIN)/flexpack stats --dataset $(OUT)/demo-data --mode pad --batch-size 4 --pool-factor 2 \

@@ -3,8 +3,16 @@ import os
 import shutil
 import tempfile
 
-import pytest
-import torch
+# A TorchInductor cache of this test run alone (unless one is chosen): with the shared default cache
+# (/tmp/torchinductor_$USER) warm from other checkouts of the code, a cache hit aborted the compiled CPU
+# FlexAttention kernel of tests/test_attention.py (torch 2.11); compiled afresh, the same test passes.
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    _inductor_cache = tempfile.mkdtemp(prefix="flexpack-tests-inductor-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _inductor_cache
+    atexit.register(shutil.rmtree, _inductor_cache, ignore_errors=True)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Tests never reach a hub: datasets are built locally, models are small and random.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

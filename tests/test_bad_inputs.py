@@ -54,7 +54,7 @@ def one_error_line(err: str, command: str) -> str:
     ("model.overrides.dim=-5", "--set model.overrides.dim=-5: model.overrides.dim must be positive, got -5"),
     ("model.overrides.dim='x'", "--set model.overrides.dim='x': model.overrides.dim must be int, got 'x'"),
     ("model.overrides.num_heads=5",
-     "--set model.overrides.num_heads=5: model.overrides.dim=64 is not divisible by num_heads=5"),
+     "--set model.overrides.num_heads=5: model.overrides.dim=256 is not divisible by num_heads=5"),
     ("model.overrides.attn_backend='x'", "model.overrides.attn_backend must be one of ('auto', 'dense', 'flex', "),
     ("checkpoint.keep=0", "--set checkpoint.keep=0: checkpoint.every must be >= 0 and checkpoint.keep >= 1"),
     ("data.action_steps=3", "--set data.action_steps=3: data.action_steps = 3 must divide data.stride = 4"),

@@ -72,10 +72,10 @@ def test_version_prints_the_package_version(capsys):
 
 def test_sample_choices_are_the_library_s():
     from flexpack.commands import sample
-    from flexpack.sampling.evaluate import MODES
+    from flexpack.sampling.evaluate import DEFAULT_MIN_CONTEXT, MODES
     from flexpack.sampling.schedule import SOLVERS
 
-    assert (sample.MODES, sample.SOLVERS) == (MODES, SOLVERS)
+    assert (sample.MODES, sample.SOLVERS, sample.DEFAULT_MIN_CONTEXT) == (MODES, SOLVERS, DEFAULT_MIN_CONTEXT)
 
 
 def _config(path: Path, steps: int) -> Path:

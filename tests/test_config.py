@@ -21,7 +21,8 @@ def test_shipped_configs_load_with_their_values():
     tiny = load_config(CONFIGS / "tiny_cpu.toml")
     assert tiny.data.mode == "pack" and tiny.data.max_tokens == 100
     wc = tiny.model.wan_config()
-    assert (wc.dim, wc.in_channels, wc.text_dim, wc.action_channels, wc.attn_backend) == (64, 48, 64, 6, "dense")
+    assert (wc.dim, wc.in_channels, wc.text_dim, wc.action_channels, wc.attn_backend) == (256, 48, 64, 6, "dense")
+    assert wc.dim > wc.in_channels * wc.patch_volume  # wide enough for the numbers one video token carries
     assert tiny.runtime.device == "cpu" and tiny.optim.accum_steps == 2 and tiny.schedule.rewarmup_steps == 2
 
     big = load_config(CONFIGS / "wan5b_pack.toml")

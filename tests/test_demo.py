@@ -25,7 +25,7 @@ def test_summary_lists_existing_outputs_only(tmp_path, monkeypatch):
     (out / "stats_pack.png").write_bytes(b"png")
     samples = run / "samples" / "step_00000040"
     samples.mkdir(parents=True)
-    (samples / "metrics.json").write_text("{}")
+    (samples / "metrics.json").write_text("{}")  # unreadable as a forecast: no table
     (samples / "actions_ep0.png").write_bytes(b"png")
     rows = dict(demo.outputs(out, run, out / "demo-data"))
     assert rows["run folder"] == "out/demo-run" and rows["plot"] == "out/demo-run/metrics.png"
@@ -37,3 +37,22 @@ def test_summary_lists_existing_outputs_only(tmp_path, monkeypatch):
     text = demo.summary(out, bin_dir=".venv/bin")
     assert text.splitlines()[1] == "== flexpack demo: done ==" and "source .venv/bin/activate" in text
     assert ".venv/bin/flexpack export out/demo-run" in text
+
+
+def test_summary_prints_the_forecast_against_both_baselines(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "out"
+    samples = out / "demo-run" / "samples"
+    samples.mkdir(parents=True)
+    base = {"last": {"action_mse": 1.25, "latent_mse": 0.072}, "mean": {"action_mse": 0.5, "latent_mse": 0.03}}
+    (samples / "metrics.json").write_text(json.dumps({
+        "action_mse": 0.04, "action_mse_kmean": 0.02, "latent_mse": 0.024, "latent_mse_kmean": 0.018,
+        "baselines": base, "samples": 4, "horizon": 4, "pair_list": [[0, 2, 4], [1, 2, 4], [1, 5, 4]]}))
+    text = demo.summary(out)
+    lines = text.splitlines()
+    head = lines.index("Held-out forecast, 4 latent frames ahead (3 cut points x 4 sample(s), "
+                       "out/demo-run/samples/metrics.json):")
+    assert lines[head + 1].split() == ["model", "mean", "of", "4", "last", "mean", "model/best"]
+    assert lines[head + 2].split() == ["action", "MSE", "0.04", "0.02", "1.25", "0.5", "0.08x"]  # 0.04 / 0.5
+    assert lines[head + 3].split() == ["latent", "MSE", "0.024", "0.018", "0.072", "0.03", "0.8x"]
+    assert "last: the last context action / latent frame repeated" in lines[head + 4]

@@ -252,6 +252,55 @@ def test_metrics_and_baselines_against_numpy():
     assert out["baselines"]["mean"]["latent_mse"] == pytest.approx(((ctx_mean - lat[:, 2:]) ** 2).mean())
 
 
+def test_ensemble_scores_against_brute_force_and_the_gaussian_crps():
+    from math import erf, exp, pi, sqrt
+
+    from flexpack.sampling.ensemble import ensemble_scores
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(5, 3, 4)), rng.normal(size=(3, 4))
+    k2, spread, crps = ensemble_scores(x, y)
+    np.testing.assert_allclose(k2, (x.mean(0) - y) ** 2)
+    np.testing.assert_allclose(spread, x.var(0))
+    brute = np.abs(x - y).mean(0) - np.abs(x[:, None] - x[None]).sum((0, 1)) / (2 * 25)
+    np.testing.assert_allclose(crps, brute, atol=1e-12)
+    _, s1, c1 = ensemble_scores(x[:1], y)  # one sample: no spread, CRPS = absolute error
+    assert (s1 == 0).all()
+    np.testing.assert_allclose(c1, np.abs(x[0] - y))
+    # many draws of N(0, 1) against y: the closed form σ[z(2Φ(z) − 1) + 2φ(z) − 1/√π]
+    draws = rng.normal(size=(20000, 1))
+    z = 0.7
+    exact = z * erf(z / sqrt(2)) + 2 * exp(-z * z / 2) / sqrt(2 * pi) - 1 / sqrt(pi)
+    assert ensemble_scores(draws, np.array([z]))[2][0] == pytest.approx(exact, abs=5e-3)
+    with pytest.raises(ValueError, match="samples must be"):
+        ensemble_scores(x, y[0])
+
+
+def test_metrics_of_k_samples_against_numpy():
+    p = _hand_pair()
+    q = make_pair({"latent": p.latent, "action": p.action, "action_mask": p.action_mask, "episode_index": 3}, 2, 2,
+                  sample=1)
+    q.pred_latent[:, 2:] = p.latent[:, 2:] - 0.25
+    q.pred_action[:, 2:] = torch.where(p.action_mask[:, 2:], p.action[:, 2:] * 0.5, 0.0)
+    m = Metrics(None, [0, 1], None)
+    m.add(p, q)
+    out = m.result()
+    true, msk = p.action[:2, 2:].numpy().astype(np.float64), p.action_mask[:2, 2:].numpy()
+    a = np.stack([true * 2, true * 0.5])
+    assert out["samples"] == 2 and out["pairs"] == 1
+    assert out["action_mse"] == pytest.approx(((a[0] - true) ** 2)[msk].mean())  # the first sample's
+    assert out["action_mse_kmean"] == pytest.approx(((a.mean(0) - true) ** 2)[msk].mean())
+    assert out["action_spread"] == pytest.approx(a.var(0)[msk].mean())
+    crps = np.abs(a - true).mean(0) - np.abs(a[0] - a[1]) / 4  # 1/(2K²) Σ_kl |x_k − x_l| with K = 2
+    assert out["action_crps"] == pytest.approx(crps[msk].mean())
+    assert out["latent_mse"] == pytest.approx(0.25) and out["latent_mse_kmean"] == pytest.approx(0.125 ** 2)
+    assert out["latent_spread"] == pytest.approx(0.375 ** 2) and out["latent_crps"] == pytest.approx(0.375 - 0.75 / 4)
+    assert out["action_mse_kmean_per_step"][0] == pytest.approx(((a.mean(0) - true)[:, 0] ** 2)[msk[:, 0]].mean())
+    other = make_pair({"latent": p.latent, "action": p.action, "action_mask": p.action_mask, "episode_index": 4}, 2, 2)
+    with pytest.raises(AssertionError, match="samples of one"):
+        m.add(p, other)
+
+
 def test_denormalize_inverts_the_dataset_normalizer():
     from flexpack.data.actions import ActionNormalizer
 

@@ -45,7 +45,7 @@ def test_sample_writes_metrics_plots_and_a_table(trained, tmp_path, capsys):
     root, run = trained
     out = tmp_path / "out"
     code, stdout, err = _cli(capsys, run, "--checkpoint", run, "--val", "--out", out, "--steps", 3, "--plots", 1,
-                             "--cuts", 2, "--horizon", 2)
+                             "--cuts", 2, "--horizon", 2, "--min-context", 1, "--samples", 1)
     assert code == 0, err
     m = json.loads((out / "metrics.json").read_text())
     for k in KEYS:
@@ -65,11 +65,42 @@ def test_sample_writes_metrics_plots_and_a_table(trained, tmp_path, capsys):
     assert m["seed"] == 0
 
     code, _, err = _cli(capsys, run, "--checkpoint", run, "--val", "--out", tmp_path / "seed1", "--steps", 3,
-                        "--plots", 0, "--cuts", 2, "--horizon", 2, "--seed", 1)
+                        "--plots", 0, "--cuts", 2, "--horizon", 2, "--seed", 1, "--min-context", 1, "--samples", 1)
     assert code == 0, err
     m1 = json.loads((tmp_path / "seed1" / "metrics.json").read_text())
     assert m1["action_mse"] != pytest.approx(m["action_mse"], rel=1e-6)  # other noise, other samples
     assert m1["baselines"] == m["baselines"]  # the same frames
+
+
+def test_k_samples_add_the_mean_spread_and_crps_and_keep_the_first_samples_numbers(trained, tmp_path, capsys):
+    root, run = trained
+    res = {}
+    for k in (1, 3):
+        code, stdout, err = _cli(capsys, run, "--checkpoint", run, "--val", "--out", tmp_path / str(k), "--steps", 2,
+                                 "--plots", 0, "--cuts", 2, "--horizon", 2, "--samples", k)
+        assert code == 0, err
+        res[k] = json.loads((tmp_path / str(k) / "metrics.json").read_text())
+    one, three = res[1], res[3]
+    assert "x 3 sample(s), context >= 2 latent frames" in stdout and "action_mse_kmean" in stdout
+    assert one["pair_list"] == three["pair_list"] == [[0, 2, 2], [0, 8, 2], [2, 2, 2], [2, 4, 2]]  # min context 2
+    assert one["samples"] == 1 and three["samples"] == 3 and three["min_context"] == 2
+    for k in ("action_mse", "latent_mse", "action_mse_raw"):  # sample 0 draws the single-sample noise
+        assert three[k] == pytest.approx(one[k], rel=1e-5)
+    # one sample: its mean is itself, no spread, CRPS = L1
+    assert one["action_mse_kmean"] == pytest.approx(one["action_mse"]) and one["action_spread"] == 0
+    assert one["action_crps"] == pytest.approx(one["action_l1"]) and one["latent_spread"] == 0
+    assert three["action_spread"] > 0 and three["latent_spread"] > 0
+    assert three["action_mse_kmean"] != pytest.approx(three["action_mse"], rel=1e-6)
+    assert three["action_crps"] < three["action_l1"]  # the samples' spread is credited
+    for b in ("last", "mean"):  # the baselines: one deterministic forecast, the same keys
+        base = three["baselines"][b]
+        assert base["action_mse_kmean"] == base["action_mse"] and base["action_spread"] == 0
+        assert base["action_crps"] == pytest.approx(base["action_l1"])
+    assert three["baselines"] == one["baselines"]
+    assert list(three["per_cut"]) == ["2", "4", "8"] and three["per_cut"]["2"]["pairs"] == 2
+    assert set(three["per_cut"]["4"]) >= {"action_mse_kmean", "latent_mse_kmean", "last_latent_mse", "mean_action_mse"}
+    assert three["per_episode"]["0"]["pairs"] == 2  # (episode, cut) pairs, not samples
+    assert len(three["action_mse_kmean_per_step"]) == 2
 
 
 def test_sample_from_export_equals_checkpoint_and_ema_differs(trained, tmp_path, capsys):
@@ -81,7 +112,8 @@ def test_sample_from_export_equals_checkpoint_and_ema_differs(trained, tmp_path,
     for name, src, more in [("ckpt", run, []), ("export", exported, []), ("ema", run, ["--ema"]),
                             ("export_ema", exported, ["--ema"])]:
         code, _, err = _cli(capsys, exported, "--checkpoint", src, "--episodes", "0,4", "--out", tmp_path / name,
-                            "--steps", 2, "--plots", 0, "--mode", "rollout", "--horizon", 3, *more)
+                            "--steps", 2, "--plots", 0, "--mode", "rollout", "--horizon", 3, "--min-context", 1,
+                            "--samples", 1, *more)
         assert code == 0, err
         res[name] = json.loads((tmp_path / name / "metrics.json").read_text())
     assert res["ckpt"]["episodes"] == [0, 4] and res["ckpt"]["mode"] == "rollout"
@@ -112,7 +144,7 @@ def _no_stats(root: Path, tmp: Path, drop: bool = False) -> Path:
     ("steps", ["--steps", "0"], "--steps must be an integer from 1 to 10,000"),
     ("episodes", ["--episodes", "0,99"], "episodes [99] are not in"),
     ("cut", ["--cut-points", "9", "--horizon", "2"], "cut point 9 + horizon 2 is beyond episode 0 (10 latent frames)"),
-    ("shape", ["--set", "model.overrides.ffn_dim=96"], "model.ffn_dim = 96, trained 128"),  # another model
+    ("shape", ["--set", "model.overrides.ffn_dim=96"], "model.ffn_dim = 96, trained 512"),  # another model (small: 512)
     ("stats", None, "are not those"),
     ("nostats", None, "the dataset has no stats for 'action'"),
     ("val", ["--val", "--set", "data.val_episodes=[]"], "--val needs held-out episodes"),
@@ -237,13 +269,36 @@ def test_pairs_stay_within_one_pack_and_explicit_cuts_are_checked(trained, capsy
     root, run = trained
     cfg = load_config(Path(run) / "config.json", ["data.max_tokens=40"])  # 8 latent frames per pack
     ds = dataset_for(cfg, [0, 2])  # 10 and 6 latent frames
-    pairs = build_pairs(cfg, ds, PairPlan(cuts=2, horizon=2))
+    pairs = build_pairs(cfg, ds, PairPlan(cuts=2, horizon=2, min_context=1))
     assert [(p.episode, p.cut, p.frames) for p in pairs] == [(0, 1, 3), (0, 6, 8), (2, 1, 3), (2, 4, 6)]
     assert "episodes [0] are longer than a pack (8 latent frames at data.max_tokens = 40)" in capsys.readouterr().err
-    rolled = build_pairs(cfg, ds, PairPlan(mode="rollout", horizon=2))
+    rolled = build_pairs(cfg, ds, PairPlan(mode="rollout", horizon=2, min_context=1))
     assert [(p.cut, p.horizon) for p in rolled] == [(1, 7), (1, 5)]
+    # by default a cut point has 2 latent frames of context (frame 0 alone shows no motion); rollouts start there
+    pairs = build_pairs(cfg, ds, PairPlan(cuts=2, horizon=2))
+    assert [(p.episode, p.cut) for p in pairs] == [(0, 2), (0, 6), (2, 2), (2, 4)]
+    assert [(p.cut, p.horizon) for p in build_pairs(cfg, ds, PairPlan(mode="rollout", horizon=2))] == [(2, 6), (2, 4)]
+    assert [p.cut for p in build_pairs(cfg, ds, PairPlan(cuts=2, horizon=2, min_context=5))] == [5, 6]  # ep 2: none
+    assert "episodes [2] are too short for 5 latent frame(s) of context" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"cut points \[1\] have less context than --min-context 2"):
+        build_pairs(cfg, ds, PairPlan(cut_points=(1, 3), horizon=2))
+    # K samples: consecutive pairs of one (episode, cut), sample 0 with the noise of a single-sample run
+    three = build_pairs(cfg, ds, PairPlan(cuts=2, horizon=2, samples=3))
+    assert [(p.episode, p.cut, p.sample) for p in three[:4]] == [(0, 2, 0), (0, 2, 1), (0, 2, 2), (0, 6, 0)]
+    assert three[0].seed == pairs[0].seed and len({p.seed for p in three}) == len(three) == 12
+    with pytest.raises(ValueError, match="--samples must be >= 1"):
+        PairPlan(samples=0)
+    # the control: each pair forecasts from the next episode's history; its truth (and so the baselines) its own
+    foreign = build_pairs(cfg, ds, PairPlan(cuts=2, horizon=2, foreign_history=True))
+    items = {0: ds[0], 2: ds[1]}
+    for p, q in zip(foreign, pairs):
+        donor = items[2 if p.episode == 0 else 0]
+        assert torch.equal(p.pred_latent[:, :p.cut], donor["latent"][:, :p.cut].float())
+        assert torch.equal(p.pred_action[:, :p.cut], torch.where(p.action_mask[:, :p.cut],
+                                                                 donor["action"][:, :p.cut].float(), 0.0))
+        assert torch.equal(p.latent, q.latent) and (p.pred_latent[:, p.cut:] == 0).all() and p.seed == q.seed
     with pytest.raises(ValueError, match="cut point 0 of episode 0: must be a positive multiple"):
-        build_pairs(cfg, ds, PairPlan(cut_points=(0,), horizon=2))
+        build_pairs(cfg, ds, PairPlan(cut_points=(0,), horizon=2, min_context=0))
     with pytest.raises(ValueError, match="must be a multiple of the chunk the model was trained with"):
         build_pairs(load_config(Path(run) / "config.json", ["objective.chunk_size=2"]), ds, PairPlan(horizon=3))
 

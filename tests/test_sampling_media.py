@@ -1,4 +1,4 @@
-"""Sampling media: action plots, latent strips, side-by-side mp4, PSNR, Wan VAE decode of cached
+"""Sampling media: action plots, latent figures, labelled side-by-side mp4, PSNR, Wan VAE decode of cached
 latents, and PNGs logged to TensorBoard / W&B."""
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def test_action_plot_is_a_png_of_the_expected_size(tmp_path):
                             names=["x", "y", "z"])
     assert out == tmp_path / "sub" / "a.png" and not list(out.parent.glob(".*tmp*"))
     with Image.open(out) as im:
-        assert im.format == "PNG" and im.size == media.action_plot_size(3) == (800, 510)
+        assert im.format == "PNG" and im.size == media.action_plot_size(3) == (800, 570)
         pix = np.asarray(im.convert("RGB"))
     # red predicted line and the grey context shading are both drawn
     red = (pix[..., 0] > 150) & (pix[..., 1] < 120) & (pix[..., 2] < 120)
@@ -83,39 +83,101 @@ def test_action_plot_is_a_png_of_the_expected_size(tmp_path):
     # wide action vectors keep a readable height: past 8 dimensions rows shrink (to half an inch at 24+)
     wide = np.random.default_rng(0).normal(size=(6, 12))
     with Image.open(media.action_plot(tmp_path / "w.png", wide, wide, context=2)) as im:
-        assert im.size == media.action_plot_size(12) == (800, 1260)
-    assert media.action_plot_size(30) == (800, 1560)
+        assert im.size == media.action_plot_size(12) == (800, 1320)
+    assert media.action_plot_size(30) == (800, 1620)
     with pytest.raises(ValueError, match="context must be in"):
         media.action_plot(tmp_path / "b.png", true, true, context=25)
-    with pytest.raises(ValueError, match=r"\(T, D\)"):
+    with pytest.raises(ValueError, match=r"\(K, T, D\)"):
         media.action_plot(tmp_path / "b.png", true[:, :2], true, context=2)
+    with pytest.raises(ValueError, match="baseline 'last' must be"):
+        media.action_plot(tmp_path / "b.png", true, true, context=2, baselines={"last": true[:3]})
 
 
-def test_latent_strip_rows_share_one_scale_and_mark_the_context(tmp_path):
+def _drawn(pix: np.ndarray, rgb: tuple[int, int, int], tol: int = 40) -> np.ndarray:
+    return (np.abs(pix.astype(int) - np.array(rgb)) < tol).all(-1)
+
+
+def test_action_plot_draws_samples_baselines_and_chunk_boundaries_on_the_time_axis(tmp_path):
+    from matplotlib.colors import to_rgb
+
     from flexpack.sampling import media
 
+    T = 20
+    t = np.arange(T) * 0.1 + 0.3  # seconds
+    true = np.stack([np.sin(t * 3)], 1)
+    samples = np.stack([true + 0.3, true - 0.3])  # (K, T, D): their mean is the truth
+    last = np.full((T, 1), np.nan)
+    last[8:] = 0.9
+    plain = media.action_plot(tmp_path / "plain.png", true + 0.3, true, context=8, t=t)
+    full = media.action_plot(tmp_path / "full.png", samples, true, context=8, t=t, baselines={"last": last},
+                             boundaries=[1.45, 1.85], xlabel="time (s)")
+    with Image.open(plain) as a, Image.open(full) as b:
+        pa, pb = np.asarray(a.convert("RGB")), np.asarray(b.convert("RGB"))
+    blue = tuple(round(255 * c) for c in to_rgb("tab:blue"))
+    assert _drawn(pb, blue, 30).sum() > 30 and _drawn(pa, blue, 30).sum() == 0  # the baseline: a blue dotted line
+    # the samples: faint red lines beside the dashed mean
+    pink = (pb[..., 0] > 200) & (pb[..., 1] > 150) & (pb[..., 1] < 235) & (pb[..., 2] > 150) & (pb[..., 2] < 235)
+    assert pink.sum() > 100
+    # chunk boundaries: vertical light-grey lines spanning the axes (in the white part after the context)
+    def grey_columns(pix):
+        g = pix.astype(int)
+        light = (g[..., 0] == g[..., 1]) & (g[..., 1] == g[..., 2]) & (g[..., 0] > 150) & (g[..., 0] < 235)
+        return np.nonzero(light.sum(0) > 100)[0]
+
+    assert len(set(grey_columns(pb)) - set(grey_columns(pa))) == 2  # the shading is grey in both
+    with pytest.raises(ValueError, match="t must have one position per time step"):
+        media.action_plot(tmp_path / "b.png", true, true, context=2, t=t[:5])
+
+
+def test_latent_rgb_maps_pool_latents_back_to_their_cell_colours():
+    import torch
+
+    from flexpack.data.encoders import PoolEncoder
+    from flexpack.sampling import frames
+
     rng = np.random.default_rng(0)
-    true = rng.normal(size=(48, 5, 2, 2))
+    video = torch.from_numpy(rng.integers(0, 256, size=(9, 3, 32, 32), dtype=np.uint8))
+    z = PoolEncoder().encode(video).numpy()  # (48, 3, 2, 2)
+    (rgb, other), note = frames.latent_rgb([z, z * 0.5], "pool")
+    assert rgb.shape == (3, 32, 32, 3) and "16x16-pixel cell's mean colour" in note
+    # the cells' mean colours, stretched linearly onto [0, 1] on one scale for both latents
+    x = video.float().numpy() / 127.5 - 1
+    cells = np.stack([x[:1].mean(0), x[1:5].mean(0), x[5:9].mean(0)])  # latent frames (causal groups of 4)
+    means = cells.reshape(3, 3, 2, 16, 2, 16).mean((3, 5)).transpose(0, 2, 3, 1)  # (F, 2, 2, 3)
+    lo, hi = min(means.min(), (means * 0.5).min()), max(means.max(), (means * 0.5).max())
+    np.testing.assert_allclose(rgb[:, ::16, ::16], (means - lo) / (hi - lo), atol=1e-5)
+    assert (rgb[:, :16, :16] == rgb[:, :1, :1]).all()  # each cell drawn 16 px wide
+    (a, b), note = frames.latent_rgb([z[:5], z[:5] + 1], "wan-vae:/x")  # other encoders: channels 0-2
+    assert a.shape == (3, 2, 2, 3) and "channels 0-2" in note and a.min() == 0 and b.max() == 1
+
+
+def test_latent_figure_and_labelled_side_by_side_frames(tmp_path):
+    from flexpack.sampling import frames
+
+    rng = np.random.default_rng(0)
+    true = rng.uniform(size=(5, 32, 32, 3))
     pred = true.copy()
-    pred[:, 3:] = 2 * true[:, 3:] + 1  # generated frames differ, context frames equal
-    out = media.latent_strip(tmp_path / "s.png", pred, true, context=3)
+    pred[3:] = 1 - pred[3:]
+    out = frames.latent_figure(tmp_path / "l.png", pred, true, context=3, times=[0, .4, .8, 1.2, 1.6],
+                               title="forecast | episode 3", note="a note")
     with Image.open(out) as im:
-        assert im.size == media.latent_strip_size(5, 2, 2) == (5 * 36 + 6 * 2, 2 * 36 + 3 * 2)
+        assert im.size == (600, 400) and im.format == "PNG"
         pix = np.asarray(im.convert("RGB"))
-    s, b, g = 16, media.STRIP_BORDER, media.STRIP_GAP  # 2x2 cells upscaled 16x to 32 px
-    both = np.stack([true[:3], pred[:3]])
-    lo, hi = both.min(), both.max()
-    for row, src in enumerate((true, pred)):
-        for f in range(5):
-            y0, x0 = g + row * (2 * s + 2 * b + g), g + f * (2 * s + 2 * b + g)
-            assert (pix[y0, x0] == (media.CONTEXT_RGB if f < 3 else media.TARGET_RGB)).all()
-            cell = pix[y0 + b : y0 + b + 2 * s : s, x0 + b : x0 + b + 2 * s : s]  # one pixel per latent cell
-            expected = np.round((src[:3, f].transpose(1, 2, 0) - lo) / (hi - lo) * 255)
-            np.testing.assert_array_equal(cell, expected)
-    # context columns look the same in both rows; generated ones do not
-    top, bottom = pix[g : g + 36], pix[2 * g + 36 : 2 * g + 72]
-    split = g + 3 * (36 + g)
-    assert (top[:, :split] == bottom[:, :split]).all() and (top[:, split:] != bottom[:, split:]).any()
+    assert _drawn(pix, frames.CONTEXT_COLOR, 10).sum() > 500  # context frames framed orange
+    with pytest.raises(ValueError, match="context must be in"):
+        frames.latent_figure(tmp_path / "b.png", pred, true, context=6)
+    u8 = lambda x: frames.to_uint8(x)  # noqa: E731
+    video = frames.side_by_side(u8(pred), u8(true), context=2, fps=10, scale=3, title="forecast | episode 3\nsecond")
+    F, H, W, _ = video.shape
+    assert F == 5 and H % 2 == 0 and W % 2 == 0 and W == 2 * (96 + 8) + 24
+    # the context frames are framed orange, the generated grey; the panels hold the frames upscaled 3 times
+    orange = lambda f: _drawn(video[f], frames.CONTEXT_COLOR, 10).sum()  # noqa: E731
+    assert orange(0) > 800 and orange(4) < 50
+    assert _drawn(video[4], frames.TARGET_COLOR, 10).sum() > 800
+    top = H - 8 - 4 - 96  # the panels' first row of pixels
+    np.testing.assert_array_equal(video[1, top:top + 96:3, 12:12 + 96:3], u8(pred)[1])
+    np.testing.assert_array_equal(video[1, top:top + 96:3, 124:124 + 96:3], u8(true)[1])  # 8 + 104 + 8 + 4
+    assert frames.video_rate(np.zeros((3, 2, 2, 3)), 4).shape[0] == 9  # frame 0 once, then 4 video frames each
 
 
 # ---------------------------------------------------------------------------- video and PSNR

@@ -158,3 +158,37 @@ def test_real_wandb_offline_resume_continues_the_stored_run(tmp_path, monkeypatc
     run_id = (run / "wandb_run_id").read_text().strip()
     offline = sorted(p.name for p in (run / "wandb").glob("offline-run-*"))
     assert len(offline) == 2 and all(name.endswith(f"-{run_id}") for name in offline)
+
+
+def test_plot_pairs_each_loss_with_its_validation_and_draws_held_out_samples_against_the_baselines(tmp_path):
+    from flexpack.training.observe.plot import metrics_figure
+
+    records = [{"step": s, "loss": 2.0 / s, "latent_loss": 1.5 / s, "action_loss": 0.5 / s, "lr": 1e-3,
+                "grad_norm": 1.0, "tokens_per_s": 100.0} for s in range(1, 11)]
+    for r in records[4::5]:
+        r.update({"val_loss": r["loss"] * 1.1, "val_latent_loss": r["latent_loss"] * 1.1,
+                  "val_action_loss": r["action_loss"] * 1.1})
+        for w, v in (("action", 0.1), ("latent", 0.02)):
+            r.update({f"sample/{w}_mse": v, f"sample/{w}_mse_kmean": v / 2, f"sample/last/{w}_mse": 1.0,
+                      f"sample/mean/{w}_mse": 0.5})
+    fig = metrics_figure(records, "run")
+    by_label = {ln.get_label(): ln for ax in fig.axes for ln in ax.get_lines()}
+    for train_key, val_key in (("loss", "val_loss"), ("latent_loss", "val_latent_loss"),
+                               ("action_loss", "val_action_loss")):
+        train, val = by_label[f"{train_key} (train)"], by_label[f"{train_key} (validation)"]
+        assert train.get_color() == val.get_color() and val.get_linestyle() == "--"
+        assert list(val.get_xdata()) == [5, 10]
+    assert len({by_label[f"{k} (train)"].get_color() for k in ("loss", "latent_loss", "action_loss")}) == 3
+    panels = {ax.get_ylabel(): ax for ax in fig.axes}
+    for w in ("action", "latent"):
+        lines = {ln.get_label(): ln for ln in panels[f"held-out {w} MSE"].get_lines()}
+        assert set(lines) == {"model (1 sample)", "model (mean of samples)", "baseline: last", "baseline: mean"}
+        assert list(lines["baseline: last"].get_ydata()) == [1.0, 1.0]
+        assert lines["baseline: last"].get_linewidth() < lines["model (1 sample)"].get_linewidth()
+    # a run without sampling: no such panels; with one sample per pair its mean is not drawn twice
+    plain = metrics_figure([{k: v for k, v in r.items() if not k.startswith("sample/")} for r in records])
+    assert not any(ax.get_ylabel().startswith("held-out") for ax in plain.axes)
+    for r in records[4::5]:
+        r["sample/action_mse_kmean"] = r["sample/action_mse"]
+    single = {ax.get_ylabel(): ax for ax in metrics_figure(records).axes}["held-out action MSE"]
+    assert "model (mean of samples)" not in [ln.get_label() for ln in single.get_lines()]

@@ -156,7 +156,7 @@ def test_bad_backend_for_dtype_and_checkpoint_of_another_shape_are_one_line(caps
     rc, out, err = _verify(capsys, "--set", flash)
     assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1
     assert "attn_backend = 'flex-flash' (FA4) takes bfloat16 inputs" in err and "runtime.dtype = 'float32'" in err
-    other = WanVA(wan_config("tiny", in_channels=48, text_dim=64, action_channels=6, dim=96,  # tiny_cpu: dim 64
+    other = WanVA(wan_config("tiny", in_channels=48, text_dim=64, action_channels=6, dim=96,  # tiny_cpu: dim 256
                              ffn_dim=96))
     from flexpack.run.config import load_config, save_config
 

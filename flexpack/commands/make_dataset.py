@@ -31,7 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="annotate every episode with this many consecutive subtasks (per-frame task)")
     parser.add_argument("--scene", default="wander", choices=SCENES,
                         help="wander: a blob over a gradient, actions independent of it; orbit: a learnable task, "
-                             "the actions are the position of a blob circling the frame centre")
+                             "the actions are the position of a blob circling the frame centre; orbit-speed: the same "
+                             "at a speed and direction drawn per episode (a forecast must read the history)")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -63,6 +64,6 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(one_line(exc)) from exc
     n = len(lengths) if lengths else args.episodes
     sub = f", {args.subtasks} subtasks each" if args.subtasks else ""
-    sub += ", orbit scene" if args.scene == "orbit" else ""
+    sub += f", {args.scene} scene" if args.scene != "wander" else ""
     print(f"wrote {n} episodes ({args.cameras} camera(s), {args.size}x{args.size}{sub}) to {root}")
     return 0

@@ -1,9 +1,11 @@
 """``flexpack sample RUN`` (or ``CONFIG --checkpoint RUN``): sample episodes from a trained model and score them.
 
 Open-loop forecast (default): from ground-truth history at ``--cuts`` evenly spaced cut points per
-episode, predict the next ``--horizon`` latent frames (video latents and actions together).
-``--mode rollout``: from the first context chunk, generate the rest of each episode ``--horizon``
-frames (teacher forcing: one chunk) at a time, each stage conditioned on the model's own output.
+episode (each with at least ``--min-context`` latent frames of context), predict the next
+``--horizon`` latent frames (video latents and actions together), ``--samples`` times from
+different noise. ``--mode rollout``: from the first allowed cut, generate the rest of each episode
+``--horizon`` frames (teacher forcing: one chunk) at a time, each stage conditioned on the model's
+own output.
 
 Writes ``OUT/metrics.json`` (:mod:`flexpack.sampling.evaluate`) and plots, prints a short table of
 the model against the ``last`` and ``mean`` baselines and where the files are. The weights come
@@ -31,6 +33,8 @@ if TYPE_CHECKING:
 # tests/test_cli.py checks they are sampling.evaluate.MODES and sampling.schedule.SOLVERS
 MODES = ("forecast", "rollout")
 SOLVERS = ("euler", "heun")
+DEFAULT_SAMPLES = 4  # forecasts per (episode, cut) of flexpack sample (runtime.sample_draws: 1, for its cost)
+DEFAULT_MIN_CONTEXT = 2  # tests/test_cli.py checks it is sampling.evaluate.DEFAULT_MIN_CONTEXT
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -66,17 +70,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="explicit cut points (latent frames of context) used for every episode")
     parser.add_argument("--horizon", type=int, default=None,
                         help="latent frames to generate per cut (rollout: per stage); default two context chunks, >= 4")
+    parser.add_argument("--samples", type=int, default=DEFAULT_SAMPLES, metavar="K",
+                        help=f"forecasts per (episode, cut point), each from its own noise, packed together (default "
+                             f"{DEFAULT_SAMPLES}): metrics.json adds the MSE of their mean (*_kmean), their spread and "
+                             "CRPS; one draw from a model that is rightly unsure scores worse than the mean baseline, "
+                             "the mean of K does not. The single-sample numbers are the first sample's")
+    parser.add_argument("--min-context", type=int, default=DEFAULT_MIN_CONTEXT, metavar="N",
+                        help=f"latent frames of context a cut point needs (default {DEFAULT_MIN_CONTEXT}): latent "
+                             "frame 0 holds the first video frame alone (causal VAE), so a one-frame context shows "
+                             "no motion and its forecast can only guess direction and speed; cut points with less "
+                             "context are not made (rollouts start at the first cut with N), per_cut in "
+                             "metrics.json shows each context length apart; 1 keeps them")
+    parser.add_argument("--foreign-history", action="store_true",
+                        help="a control: each pair forecasts from another episode's history (the next one long "
+                             "enough; truth, text and noise its own); a model that reads its history scores worse "
+                             "than with its own, one that ignores it the same")
     parser.add_argument("--seed", type=int, default=0,
                         help="noise seed (default 0: the noise runtime.sample_every uses); another draws other noise")
     parser.add_argument("--ema", action="store_true", help="use the checkpoint's EMA weights")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default CHECKPOINT/samples/MODE)")
-    parser.add_argument("--plots", type=int, default=4, help="episodes to plot (0 = metrics only)")
+    parser.add_argument("--plots", type=int, default=4,
+                        help="episodes to plot (action plot, latent figure); every sampled episode also gets a "
+                             "predicted-vs-true video unless 0 (metrics only). Default 4")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default runtime.device)")
 
 
 def load_weights(cfg: Any, source: str | Path, *, ema: bool = False) -> tuple[nn.Module, dict[str, Any] | None, str]:
     """The config's model with the weights of a run / checkpoint / export folder; returns
     (model, the action statistics it was trained with or None, a label naming the weights)."""
+    from flexpack.models.wan_config import check_action_positions
     from flexpack.run.checks import check_state_shapes
     from flexpack.run.model import build_model
     from flexpack.run.state import checkpoint
@@ -95,6 +117,7 @@ def load_weights(cfg: Any, source: str | Path, *, ema: bool = False) -> tuple[nn
             from flexpack.tools.export import load_export
 
             loaded = load_export(folder)
+            check_action_positions(loaded.config.action_positions, model.config, str(folder))
         else:  # another format: the family reads its own checkpoints (lingbot-va: a LeRobot policy folder)
             loaded = cfg.model.model_family().load_checkpoint(str(folder), cfg.model.resolved())
         check_state_shapes(folder, loaded.state_dict(), model)
@@ -139,6 +162,8 @@ def check_flags(args: argparse.Namespace) -> None:
     if args.horizon is not None:
         check_count("--horizon", args.horizon, 1, bounds.HORIZON, unit="latent frames")
     check_count("--plots", args.plots, 0, bounds.PLOTS, unit="episodes plotted")
+    check_count("--samples", args.samples, 1, bounds.SAMPLES, unit="forecasts per episode and cut point")
+    check_count("--min-context", args.min_context, 0, bounds.HORIZON, unit="latent frames of context")
     check_count("--seed", args.seed, 0, bounds.SEED, unit="the noise keeps 32 bits of it")
     check_count("the number of --cut-points", len(args.cut_points), 0, bounds.CUTS)
     for c in args.cut_points:
@@ -187,7 +212,8 @@ def run(args: argparse.Namespace) -> int:
     check_trained_config(cfg, Path(source), given)
     device = resolve_device(args.device or cfg.runtime.device)
     plan = PairPlan(mode=args.mode, cuts=args.cuts, horizon=args.horizon, cut_points=tuple(args.cut_points),
-                    seed=args.seed)
+                    seed=args.seed, samples=args.samples, min_context=args.min_context,
+                    foreign_history=args.foreign_history)
     context_chunk(cfg)  # a one-σ-per-episode model fails here, before any loading
     steps = solver_steps(sampler_class(cfg), cfg, args.steps)
     val = args.val or (args.episodes is None and bool(cfg.data.val_fraction or cfg.data.val_episodes))
@@ -201,9 +227,13 @@ def run(args: argparse.Namespace) -> int:
     with cpu_threads(cfg.runtime.cpu_threads, device, model):  # a tiny model: one thread, said so
         metrics, files = evaluate(model, cfg, dataset, plan, options, device=device, normalizer=normalizer, out=out,
                                   plots=args.plots)
-    print(f"{label}: {metrics['mode']} of {len(metrics['episodes'])} episode(s), {metrics['pairs']} pair(s), "
-          f"horizon {metrics['horizon']}, {steps} {args.solver} steps")
+    print(f"{label}: {metrics['mode']} of {len(metrics['episodes'])} episode(s), {metrics['pairs']} pair(s) x "
+          f"{args.samples} sample(s), context >= {args.min_context} latent frames, horizon {metrics['horizon']}, "
+          f"{steps} {args.solver} steps" + (", control: each pair from another episode's history"
+                                              if args.foreign_history else ""))
     print(table(metrics))
-    print(f"wrote {out / 'metrics.json'}" + (f" and {len(files)} plot(s) in {out}" if files else ""))
+    videos = len(list(out.glob("episode_*.mp4")))
+    print(f"wrote {out / 'metrics.json'}" + (f", {len(files)} plot(s)" if files else "")
+          + (f", {videos} video(s)" if videos else "") + (f" in {out}" if files or videos else ""))
     return 0
 

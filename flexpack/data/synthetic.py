@@ -16,6 +16,12 @@ each quadrant. Knowing θ at the end of the history (one frame shows it), a mode
 the next frames exactly; repeating the last action or the mean action cannot
 (half a turn in 12 video frames).
 
+With ``scene="orbit-speed"`` the blob moves as in ``orbit`` but at a speed and direction drawn per
+episode (``ORBIT_SPEEDS`` times ``ORBIT_OMEGA``, either way round): no single frame tells where the
+blob goes next, the history does (two latent frames show the direction, more the speed). A model
+that forecasts it well must read its own episode's history; given another episode's history it
+cannot (the learning test's control).
+
 With ``subtasks=K`` (2 or 3) every episode is annotated with K consecutive subtasks instead of
 one task: lerobot's per-frame ``"task"`` in ``add_frame`` gives each frame its subtask, so the
 parquet's ``task_index`` column holds K runs (cut at random frames; an episode shorter than K
@@ -39,10 +45,11 @@ import numpy as np
 TASKS = ["pick up the red cube", "open the drawer", "push the button twice", "stack the blue block on the green one"]
 SUBTASKS = ["reach for the red cube", "grasp the red cube", "lift the red cube", "put the cube in the bin"]
 MIN_SIZE, SPATIAL_STRIDE = 32, 16
-SCENES = ("wander", "orbit")
+SCENES = ("wander", "orbit", "orbit-speed")
 ORBIT_TASK = "follow the bright ball"
 ORBIT_OMEGA = 2 * np.pi / 24  # radians per video frame
 ORBIT_RADIUS, ORBIT_SIGMA = 0.3, 0.12  # in frame widths
+ORBIT_SPEEDS = (0.5, 1.5)  # the orbit-speed scene: per-episode speed range, in ORBIT_OMEGA
 
 
 def check_size(size: int) -> None:
@@ -77,6 +84,13 @@ def orbit_angles(n: int, rng: np.random.Generator) -> np.ndarray:
     One direction for all episodes: latent frame 0 shows a single video frame, from which the
     direction could not be told, so a forecast from it would be a coin toss."""
     return rng.uniform(0, 2 * np.pi) + ORBIT_OMEGA * np.arange(n)
+
+
+def orbit_speed_angles(n: int, rng: np.random.Generator) -> tuple[np.ndarray, float]:
+    """The orbit-speed scene's angles at ``n`` frames and its speed (radians per video frame, signed):
+    a random start angle, speed and direction per episode."""
+    speed = float(rng.uniform(*ORBIT_SPEEDS) * ORBIT_OMEGA * rng.choice([-1.0, 1.0]))
+    return rng.uniform(0, 2 * np.pi) + speed * np.arange(n), speed
 
 
 def orbit_frame(theta: float, camera: int, size: int) -> np.ndarray:
@@ -114,8 +128,9 @@ def make_synthetic_dataset(
     """Write the dataset to ``root`` (must not exist) and return it. ``lengths`` overrides the draw.
 
     ``subtasks``: 0 = one task per episode; 2 or 3 = that many annotated subtasks per episode.
-    ``scene``: ``"wander"`` (a blob over a gradient, actions independent of it) or ``"orbit"``
-    (actions a function of the blob's position; see the module docstring).
+    ``scene``: ``"wander"`` (a blob over a gradient, actions independent of it), ``"orbit"``
+    (actions a function of the blob's position) or ``"orbit-speed"`` (the same with a speed and
+    direction drawn per episode); see the module docstring.
     The dataset is written into a temporary folder next to ``root`` and renamed when complete,
     so a failed or interrupted run leaves no partial dataset behind (which a rerun would refuse).
     """
@@ -137,8 +152,8 @@ def make_synthetic_dataset(
         raise ValueError(f"subtasks must be 0 (one task per episode), 2 or 3, got {subtasks}")
     if scene not in SCENES:
         raise ValueError(f"scene must be one of {SCENES}, got {scene!r}")
-    if scene == "orbit" and (index_actions or subtasks):
-        raise ValueError("scene='orbit' sets its own actions and task: it cannot be combined with "
+    if scene != "wander" and (index_actions or subtasks):
+        raise ValueError(f"scene={scene!r} sets its own actions and task: it cannot be combined with "
                          f"index_actions={index_actions} or subtasks={subtasks}")
     check_size(size)
     if lengths is not None and (not lengths or min(lengths) < 1):
@@ -173,8 +188,9 @@ def make_synthetic_dataset(
                 first = int(sub_rng.integers(len(SUBTASKS) - subtasks + 1))
                 for j, (start, stop) in enumerate(subtask_runs(int(n), subtasks, sub_rng)):
                     frame_tasks[start:stop] = [SUBTASKS[first + j]] * (stop - start)
-            if scene == "orbit":
-                theta = orbit_angles(int(n), orbit_rng)
+            if scene != "wander":
+                theta = (orbit_angles(int(n), orbit_rng) if scene == "orbit"
+                         else orbit_speed_angles(int(n), orbit_rng)[0])
                 actions = orbit_actions(theta, action_dim)
                 for t in range(int(n)):
                     frame = {cam: orbit_frame(theta[t], c, size) for c, cam in enumerate(cams)}

@@ -38,7 +38,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..attention.masks import text_slots
 from ..packing.layout import SequenceLayout, TokenLayout
-from .rope import rope_cos_sin
+from .rope import rope_cos_sin, rope_positions
 from .wan_blocks import MLP, TimeEmbed, WanBlock, layer_norm_fp32
 from .wan_config import WanVAConfig
 from .wan_convert import from_diffusers, from_diffusers_file
@@ -314,7 +314,8 @@ class WanVA(nn.Module):
 
     def _rope(self, tl: TokenLayout) -> tuple[Tensor, Tensor]:
         """Per-token RoPE tables (cos, sin) for the layout's tokens."""
-        return rope_cos_sin(tl.frame, tl.hpos, tl.wpos, self.config.head_dim, self.config.rope_theta)
+        return rope_cos_sin(*rope_positions(tl, self.config.action_positions), self.config.head_dim,
+                            self.config.rope_theta)
 
     def _action_head_table(self) -> Tensor:
         """The output head's (shift, scale) table of the action stream."""

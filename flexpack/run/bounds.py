@@ -29,6 +29,7 @@ CUTS = 1_000
 HORIZON = 10_000
 EPISODES = 100_000
 PLOTS = 1_000
+SAMPLES = 1_000  # forecasts per (episode, cut point)
 SEED = 2**32 - 1
 
 

@@ -102,7 +102,8 @@ class ModelConfig:
     """
 
     family: str = "wanva"  # model family: an entry of flexpack.models.registry (families() lists them)
-    preset: str = "tiny"  # the family's preset (wanva: "tiny" or "wan2.2-5b")
+    # the family's preset (wanva: "tiny", "small" (the CPU demo: 48-channel latents) or "wan2.2-5b")
+    preset: str = "tiny"
     # any field of the family's config (or an alias it takes) but activation_checkpointing (a runtime key)
     overrides: dict[str, Any] = field(default_factory=dict)
     pretrained: str = ""  # "" = random init
@@ -296,7 +297,13 @@ class RuntimeConfig:
     sample_episodes: int = 4  # the first N held-out episodes (1 to 100,000)
     sample_cuts: int = 2  # forecast cut points per episode (1 to 1,000)
     sample_horizon: int = 0  # latent frames predicted per cut (up to 10,000); 0 = two context chunks (at least 4)
-    sample_plots: int = 2  # episodes plotted per sampling (0 = metrics only; up to 1,000)
+    # episodes plotted per sampling; every sampled episode also gets a video (0 = metrics only; up to 1,000)
+    sample_plots: int = 2
+    # forecasts per (episode, cut), each from its own noise, packed together: sample/*_kmean (MSE of their mean),
+    # *_spread and *_crps; 1 keeps the cost of one (flexpack sample --samples defaults to 4; up to 1,000)
+    sample_draws: int = 1
+    # latent frames of context a cut point needs: frame 0 alone is one video frame and shows no motion (up to 10,000)
+    sample_min_context: int = 2
     sample_ema: bool = False  # sample with the EMA weights (needs optim.ema_decay > 0)
 
     def __post_init__(self) -> None:
@@ -307,7 +314,8 @@ class RuntimeConfig:
                 raise ValueError(f"runtime.{name} must be >= 0, got {getattr(self, name)!r}")
         for name, low, high in (("sample_steps", 1, bounds.SOLVER_STEPS), ("sample_episodes", 1, bounds.EPISODES),
                                 ("sample_cuts", 1, bounds.CUTS), ("sample_horizon", 0, bounds.HORIZON),
-                                ("sample_plots", 0, bounds.PLOTS)):  # flexpack.run.bounds: one value, hours at most
+                                ("sample_plots", 0, bounds.PLOTS), ("sample_draws", 1, bounds.SAMPLES),
+                                ("sample_min_context", 0, bounds.HORIZON)):  # flexpack.run.bounds: hours at most
             check_count(f"runtime.{name}", getattr(self, name), low, high)
         if self.dtype not in DTYPES:
             raise ValueError(f"runtime.dtype must be one of {DTYPES}, got {self.dtype!r}")

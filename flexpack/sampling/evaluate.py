@@ -6,9 +6,9 @@ Shared by ``flexpack sample`` (:mod:`flexpack.commands.sample`) and training's `
 - ``metrics.json``: the model's metrics and the ``baselines`` (:mod:`flexpack.sampling.metrics`),
   ``episodes``, ``pairs`` (episode, cut, horizon), ``steps``, ``solver``, ``mode``, and with a Wan
   VAE cache ``psnr`` / ``psnr_baseline_last`` of decoded frames;
-- per plotted episode ``episode_EEEEEE_actions.png`` (predicted vs true actions per dimension,
-  context shaded) and ``episode_EEEEEE.mp4`` (Wan VAE cache: decoded predicted next to true video)
-  or ``episode_EEEEEE_latents.png`` (other encoders: the first latent channels).
+- the pictures of :mod:`flexpack.sampling.pictures`: a predicted-vs-true video of every sampled
+  episode (``episode_EEEEEE.mp4``), and for the first ``plots`` episodes an action plot
+  (``episode_EEEEEE_actions.png``) and, without a decoder, a latent figure (``*_latents.png``).
 """
 
 from __future__ import annotations
@@ -25,10 +25,16 @@ from torch import nn
 
 from flexpack.atomic import atomic_path
 from flexpack.sampling.metrics import Metrics
-from flexpack.sampling.pairs import Pair, check_cut, cut_points, make_pair
+from flexpack.sampling.pairs import Pair, borrow_history, check_cut, cut_points, first_cut, make_pair
 from flexpack.sampling.solver import PackedSampler, SampleOptions, context_chunk, sampler_class
 
 MODES = ("forecast", "rollout")
+
+
+# Latent frames of context a cut point needs by default: latent frame 0 holds the first video frame
+# alone (the VAE is causal), so a one-frame context shows no motion, and a forecast from it can only
+# guess direction and speed (an ill-posed pair that says little about the model).
+DEFAULT_MIN_CONTEXT = 2
 
 
 @dataclass(frozen=True)
@@ -38,6 +44,15 @@ class PairPlan:
     horizon: int | None = None  # frames generated per pair (forecast) / per stage (rollout); None: default
     cut_points: tuple[int, ...] = ()  # explicit cut points (forecast), instead of ``cuts``
     seed: int = 0  # noise seed: the same pairs with another seed start from other noise
+    samples: int = 1  # forecasts per (episode, cut), each from its own noise (K-sample metrics)
+    min_context: int = DEFAULT_MIN_CONTEXT  # latent frames of context a cut point needs (rollouts start there)
+    foreign_history: bool = False  # control: each pair forecasts from the next episode's history (borrow_history)
+
+    def __post_init__(self) -> None:
+        if self.samples < 1:
+            raise ValueError(f"--samples must be >= 1 (forecasts per episode and cut point), got {self.samples}")
+        if self.min_context < 0:
+            raise ValueError(f"--min-context must be >= 0 latent frames, got {self.min_context}")
 
 
 def default_horizon(cfg: Any) -> int:
@@ -89,7 +104,8 @@ def tokens_per_frame(cfg: Any, dataset: Any) -> int:
 
 def build_pairs(cfg: Any, dataset: Any, plan: PairPlan, *, limit_pairs: int | None = None,
                 note: bool = True) -> list[Pair]:
-    """Pairs of every episode of ``dataset``: forecast cut points, or one rollout from the first chunk."""
+    """Pairs of every episode of ``dataset``: forecast cut points, or one rollout from the first allowed
+    cut; ``plan.samples`` consecutive pairs (samples 0..K-1, each its own noise) per (episode, cut)."""
     if plan.mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {plan.mode!r}")
     chunk = context_chunk(cfg)
@@ -99,6 +115,11 @@ def build_pairs(cfg: Any, dataset: Any, plan: PairPlan, *, limit_pairs: int | No
     if horizon % chunk:  # frames of one chunk share σ in training: never split one between context and target
         raise ValueError(f"--horizon {horizon} must be a multiple of the chunk the model was trained with "
                          f"({chunk} latent frames)")
+    low = [c for c in plan.cut_points if c < plan.min_context]
+    if low:
+        raise ValueError(f"cut points {low} have less context than --min-context {plan.min_context} latent frames; "
+                         "lower --min-context")
+    first = first_cut(chunk, plan.min_context)
     actions = cfg.model.wan_config().action_channels > 0
     # a pair is one document of a pack: automatic cut points and rollouts stay within one pack's frames
     budget = geometry(cfg, dataset).frame_budget
@@ -110,34 +131,51 @@ def build_pairs(cfg: Any, dataset: Any, plan: PairPlan, *, limit_pairs: int | No
         if F < F_full:
             cut_short.append(episode)
         if plan.mode == "rollout":
-            cuts = [chunk] if F > chunk else []
+            cuts = [first] if F > first else []
         elif plan.cut_points:
             for c in plan.cut_points:
                 check_cut(episode, F, c, horizon, chunk)
             cuts = list(plan.cut_points)
         else:
-            cuts = cut_points(F, plan.cuts, horizon, chunk)
+            cuts = cut_points(F, plan.cuts, horizon, chunk, plan.min_context)
         if not cuts:
             short.append(episode)
             continue
         item = dataset[i]
         for c in cuts:
-            pairs.append(make_pair(item, c, (F - c) if plan.mode == "rollout" else horizon, actions=actions,
-                                   noise_seed=plan.seed))
+            pairs += [make_pair(item, c, (F - c) if plan.mode == "rollout" else horizon, actions=actions,
+                                noise_seed=plan.seed, sample=k) for k in range(plan.samples)]
         if limit_pairs is not None and len(pairs) >= limit_pairs:
             break
+    if plan.foreign_history:
+        _swap_histories(pairs, dataset, lengths)
     if cut_short and note:
         print(f"note: episodes {cut_short} are longer than a pack ({budget} latent frames at data.max_tokens = "
               f"{cfg.data.max_tokens}): "
               f"{'rolled out' if plan.mode == 'rollout' else 'cut'} within their first {budget} frames",
               file=sys.stderr)
     if short and note:
-        print(f"note: episodes {short} are too short for one context chunk ({chunk} latent frames) plus the "
-              f"horizon ({horizon}); skipped", file=sys.stderr)
+        print(f"note: episodes {short} are too short for {first} latent frame(s) of context (one chunk of {chunk}, "
+              f"--min-context {plan.min_context}) plus the horizon ({horizon}); skipped", file=sys.stderr)
     if not pairs:
-        raise ValueError(f"no episode has room for a cut point: each needs at least {chunk + horizon} latent frames "
-                         f"(context chunk {chunk} + horizon {horizon}); lower --horizon")
+        raise ValueError(f"no episode has room for a cut point: each needs at least {first + horizon} latent frames "
+                         f"(context {first}: one chunk of {chunk}, min context {plan.min_context}; + horizon "
+                         f"{horizon}); lower --horizon or --min-context")
     return pairs
+
+
+def _swap_histories(pairs: list[Pair], dataset: Any, lengths: Sequence[int]) -> None:
+    """Each pair's history from the next episode of ``dataset`` (cyclic) that is long enough."""
+    index = {dataset.items[i][0]: i for i in range(len(lengths))}
+    items: dict[int, dict[str, Any]] = {}
+    for p in pairs:
+        i = index[p.episode]
+        donors = [j % len(lengths) for j in range(i + 1, i + len(lengths)) if lengths[j % len(lengths)] >= p.cut]
+        if not donors:
+            raise ValueError(f"--foreign-history: no other episode has the {p.cut} latent frames of history that "
+                             f"episode {p.episode} needs at cut {p.cut}")
+        j = donors[0]
+        borrow_history(p, items.setdefault(j, dataset[j]))
 
 
 def checkpoint_normalizer(dataset: Any, saved: dict[str, Any] | None, where: str) -> dict[str, Any] | None:
@@ -182,68 +220,53 @@ def sample_pairs(model: nn.Module, cfg: Any, pairs: list[Pair], *, tpf: int, dev
     return sampler
 
 
-def score(pairs: Sequence[Pair], dataset: Any, normalizer: dict[str, Any] | None) -> dict[str, Any]:
-    """All pairs' metrics, plus ``per_episode``: the headline numbers of each episode's pairs (to find
-    the episodes a model gets wrong)."""
-    mean = mean_action(dataset)
-    metrics = Metrics(normalizer, dataset.channels, mean)
-    per: dict[int, Metrics] = {}
+HEADLINE = ("action_mse", "action_mse_kmean", "action_crps", "action_mse_raw", "latent_mse", "latent_mse_kmean")
+
+
+def samples_of(pairs: Sequence[Pair]) -> list[list[Pair]]:
+    """The pairs grouped by (episode, segment, cut): each group the K samples of one forecast, in order."""
+    groups: dict[tuple[int, int, int], list[Pair]] = {}
     for p in pairs:
-        metrics.add(p)
-        per.setdefault(p.episode, Metrics(normalizer, dataset.channels, mean)).add(p)
-    out = metrics.result()
-    keys = ("action_mse", "action_mse_raw", "latent_mse")
-    out["per_episode"] = {}
-    for e, m in per.items():
-        r = m.result()
-        out["per_episode"][str(e)] = {**{k: r[k] for k in keys}, "pairs": r["pairs"],
-                                      **{f"{b}_action_mse": r["baselines"][b]["action_mse"] for b in ("last", "mean")}}
+        groups.setdefault((p.episode, p.segment, p.cut), []).append(p)
+    return list(groups.values())
+
+
+def _headline(r: dict[str, Any]) -> dict[str, Any]:
+    """The numbers of a group of pairs worth a line: the model's and each baseline's MSEs."""
+    out = {k: r[k] for k in HEADLINE}
+    out["pairs"] = r["pairs"]
+    for b in ("last", "mean"):
+        out.update({f"{b}_{k}": r["baselines"][b][k] for k in ("action_mse", "latent_mse")})
     return out
 
 
-def _actions_TD(act: torch.Tensor, mask: torch.Tensor, channels: np.ndarray) -> np.ndarray:
-    """(Ca, L, A) → (L·A, D) dataset columns, NaN where no real value exists."""
-    a = torch.where(mask, act.float(), float("nan"))[torch.as_tensor(channels)]
-    return a.permute(1, 2, 0).reshape(-1, len(channels)).numpy()
+def score(pairs: Sequence[Pair], dataset: Any, normalizer: dict[str, Any] | None) -> dict[str, Any]:
+    """All pairs' metrics (K samples per (episode, cut): :class:`Metrics`), plus ``per_episode`` and
+    ``per_cut`` (keyed by the cut point: latent frames of context): the headline numbers of each
+    episode's and each context length's pairs (which episodes a model gets wrong; how the error falls
+    as the context grows)."""
+    mean = mean_action(dataset)
+    metrics = Metrics(normalizer, dataset.channels, mean)
+    per: dict[str, dict[str, Metrics]] = {"per_episode": {}, "per_cut": {}}
+    for group in samples_of(pairs):
+        metrics.add(*group)
+        p = group[0]
+        for kind, key in (("per_episode", p.episode), ("per_cut", p.cut)):
+            per[kind].setdefault(str(key), Metrics(normalizer, dataset.channels, mean)).add(*group)
+    out = metrics.result()
+    for kind, parts in per.items():
+        out[kind] = {k: _headline(m.result()) for k, m in sorted(parts.items(), key=lambda kv: int(kv[0]))}
+    return out
 
 
-def write_media(out: Path, pairs: Sequence[Pair], dataset: Any, plots: int, device: torch.device | str = "cpu"
+def write_media(out: Path, pairs: Sequence[Pair], dataset: Any, plots: int, device: torch.device | str = "cpu", *,
+                normalizer: dict[str, Any] | None = None, mode: str = "forecast", chunk: int = 1
                 ) -> tuple[dict[str, Path], dict[str, float]]:
-    """Plots of the first pair of the first ``plots`` episodes; returns ({tag: file}, PSNR metrics).
-    With a Wan VAE cache the VAE decodes on ``device``."""
-    from flexpack.data.cache import read_latent_header
-    from flexpack.sampling import media
+    """:func:`flexpack.sampling.pictures.write_media` with the dataset's action names and mean action."""
+    from flexpack.sampling import pictures
 
-    files: dict[str, Path] = {}
-    firsts: dict[int, Pair] = {}
-    for p in pairs:
-        firsts.setdefault(p.episode, p)
-    header = read_latent_header(dataset.latent_file(0))
-    psnrs, base = [], []
-    for p in list(firsts.values())[:plots]:
-        stem = f"episode_{p.episode:06d}"
-        steps = dataset.action_steps
-        if p.action is not None:
-            files[f"sample/{stem}/actions"] = media.action_plot(
-                out / f"{stem}_actions.png", _actions_TD(p.pred_action, p.action_mask, dataset.channels),
-                _actions_TD(p.action, p.action_mask, dataset.channels), context=p.cut * steps,
-                title=f"episode {p.episode}, cut {p.cut}, horizon {p.horizon}", names=action_names(dataset))
-        pred = media.decode_latents(p.pred_latent, header.encoder, device=str(device))
-        if pred is None:
-            files[f"sample/{stem}/latents"] = media.latent_strip(out / f"{stem}_latents.png", p.pred_latent.numpy(),
-                                                                 p.latent.numpy(), context=p.cut)
-            continue
-        true = media.decode_latents(p.latent, header.encoder, device=str(device))
-        media.video_mp4(out / f"{stem}.mp4", pred, true, fps=header.fps)
-        first = (p.cut - 1) * dataset.stride + 1  # first decoded frame of the target (causal VAE)
-        to = lambda v: v[first:].astype(np.float32) / 127.5 - 1.0  # noqa: E731
-        psnrs.append(media.psnr(to(pred), to(true)))
-        last = np.repeat(true[first - 1:first], len(true) - first, axis=0)
-        base.append(media.psnr(last.astype(np.float32) / 127.5 - 1.0, to(true)))
-    # decoding is the costly part: PSNR covers the plotted pairs (their count is recorded beside it)
-    extra = {"psnr": float(np.mean(psnrs)), "psnr_baseline_last": float(np.mean(base)), "psnr_pairs": len(psnrs)} \
-        if psnrs else {}
-    return files, extra
+    return pictures.write_media(out, pairs, dataset, plots, device, normalizer=normalizer,
+                                mean_raw=mean_action(dataset), names=action_names(dataset), mode=mode, chunk=chunk)
 
 
 def write_report(out: Path, metrics: dict[str, Any]) -> Path:
@@ -253,12 +276,18 @@ def write_report(out: Path, metrics: dict[str, Any]) -> Path:
     return out / "metrics.json"
 
 
+TABLE = ("action_mse", "action_mse_kmean", "action_crps", "action_spread", "action_l1", "action_mse_raw",
+         "action_l1_raw", "latent_mse", "latent_mse_kmean", "latent_crps", "latent_spread")
+
+
 def table(metrics: dict[str, Any]) -> str:
-    keys = ("action_mse", "action_l1", "action_mse_raw", "action_l1_raw", "latent_mse")
+    """The model against the ``last`` and ``mean`` baselines, one metric a line (``*_kmean``: the
+    K-sample mean's; ``*_crps``, ``*_spread``: of the K samples; the rest: the first sample's)."""
     b = metrics["baselines"]
     lines = [f"{'':>16} {'model':>11} {'last':>11} {'mean':>11}"]
-    for k in keys:
-        lines.append(f"{k:>16} {metrics[k]:>11.5g} {b['last'][k]:>11.5g} {b['mean'][k]:>11.5g}")
+    for k in TABLE:
+        if k in metrics:
+            lines.append(f"{k:>16} {metrics[k]:>11.5g} {b['last'][k]:>11.5g} {b['mean'][k]:>11.5g}")
     if "psnr" in metrics:
         lines.append(f"{'psnr (dB)':>16} {metrics['psnr']:>11.4g} {metrics['psnr_baseline_last']:>11.4g} {'':>11}")
     return "\n".join(lines)
@@ -283,15 +312,18 @@ def evaluate(model: nn.Module, cfg: Any, dataset: Any, plan: PairPlan, options: 
     metrics.update(episodes=sorted({p.episode for p in pairs}), steps=options.steps, solver=options.solver,
                    seed=plan.seed, mode=plan.mode, horizon=plan.horizon or default_horizon(cfg),
                    action_names=action_names(dataset),
-                   pair_list=[[p.episode, p.cut, p.horizon] for p in pairs], model_calls=sampler.forwards)
+                   min_context=plan.min_context, foreign_history=plan.foreign_history,
+                   pair_list=[[p.episode, p.cut, p.horizon] for p in pairs if p.sample == 0],
+                   model_calls=sampler.forwards)
     files: dict[str, Path] = {}
     if write and out is not None:
-        files = _write_all(out, pairs, dataset, plots, device, metrics)
+        files = _write_all(out, pairs, dataset, plots, device, metrics, normalizer=normalizer, mode=plan.mode,
+                           chunk=context_chunk(cfg))
     return metrics, files
 
 
 def _write_all(out: Path, pairs: list[Pair], dataset: Any, plots: int, device: torch.device,
-               metrics: dict[str, Any]) -> dict[str, Path]:
+               metrics: dict[str, Any], **media: Any) -> dict[str, Path]:
     """Plots, videos and ``metrics.json`` into ``out``, all or nothing: written into a temporary folder beside
     it and moved in (a rename each) once every file is whole. A full disk leaves ``out`` as it was, in one line."""
     import os
@@ -306,7 +338,7 @@ def _write_all(out: Path, pairs: list[Pair], dataset: Any, plots: int, device: t
         tmp.mkdir(parents=True)
         files: dict[str, Path] = {}
         if plots > 0:
-            files, extra = write_media(tmp, pairs, dataset, plots, device)
+            files, extra = write_media(tmp, pairs, dataset, plots, device, **media)
             metrics.update(extra)
         write_report(tmp, metrics)
         out.mkdir(exist_ok=True)

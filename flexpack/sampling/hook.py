@@ -3,13 +3,15 @@
 Every ``runtime.sample_every`` optimizer steps the model (the weights being trained, or with
 ``runtime.sample_ema`` their EMA) forecasts the first ``runtime.sample_episodes`` held-out episodes
 at ``runtime.sample_cuts`` cut points each with ``runtime.sample_steps`` Euler steps, from noise
-fixed per (episode, cut) pair (:mod:`flexpack.sampling.pairs`): the numbers are comparable across
-steps, across runs of the same config and across a resume. Files go to
+fixed per (episode, cut) pair (:mod:`flexpack.sampling.pairs`), ``runtime.sample_draws`` samples
+each, cut points with at least ``runtime.sample_min_context`` latent frames of context: the numbers
+are comparable across steps, across runs of the same config and across a resume. Files go to
 ``RUN/samples/step_NNNNNNNN/`` (the same as ``flexpack sample``); ``sample/action_mse``,
-``sample/latent_mse``, the baselines' ``sample/last/action_mse`` ... form the hook's report, which
-the train loop writes to ``metrics.jsonl`` and logs to TensorBoard / W&B with the plots
-(:mod:`flexpack.run.hooks`). Under several ranks every rank samples its share of the packs
-(collective, like validation) and rank 0 writes the files.
+``sample/action_mse_kmean``, ``sample/action_crps``, ``sample/latent_mse``, the baselines'
+``sample/last/action_mse`` ... form the hook's report, which the train loop writes to
+``metrics.jsonl`` and logs to TensorBoard / W&B with the plots (:mod:`flexpack.run.hooks`). Under
+several ranks every rank samples its share of the packs (collective, like validation) and rank 0
+writes the files.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from torch import nn
 from flexpack.run.hooks import HookContext, HookReport
 from flexpack.sampling.evaluate import PairPlan, build_pairs, dataset_for, evaluate
 
-KEYS = ("action_mse", "action_l1", "action_mse_raw", "action_l1_raw", "latent_mse")
+KEYS = ("action_mse", "action_mse_kmean", "action_crps", "action_l1", "action_mse_raw", "action_l1_raw", "latent_mse",
+        "latent_mse_kmean", "latent_crps")
 
 
 class SampleHook:
@@ -39,12 +42,13 @@ class SampleHook:
         self.dataset = dataset_for(cfg, held[: r.sample_episodes])
         if dataset_normalizer is not None:  # the statistics the weights are trained with (kept on resume)
             self.dataset.normalizer = dataset_normalizer
-        self.plan = PairPlan(mode="forecast", cuts=r.sample_cuts, horizon=r.sample_horizon or None)
+        self.plan = PairPlan(mode="forecast", cuts=r.sample_cuts, horizon=r.sample_horizon or None,
+                             samples=r.sample_draws, min_context=r.sample_min_context)
         try:  # before the first step: held-out episodes too short for the horizon fail now, not mid-run
             build_pairs(cfg, self.dataset, self.plan, note=rank == 0)
         except ValueError as exc:
             raise ValueError(f"runtime.sample_every={r.sample_every}: {exc} (runtime.sample_horizon, "
-                             "data.val_episodes)") from None
+                             "runtime.sample_min_context, data.val_episodes)") from None
         from flexpack.sampling.solver import SampleOptions
 
         self.options = SampleOptions(steps=r.sample_steps, solver="euler")

@@ -1,5 +1,5 @@
-"""Things to look at after sampling: action plots, latent strips, side-by-side videos, PSNR, and
-the Wan VAE decode of cached latents.
+"""Things to look at after sampling: action plots, side-by-side videos, PSNR, and the Wan VAE decode
+of cached latents (latents as pictures: :mod:`flexpack.sampling.frames`).
 
 Every file is written atomically (:mod:`flexpack.atomic`): a reader never sees half a PNG or mp4.
 Plots use matplotlib's Agg canvas on a private ``Figure`` (no pyplot state, no display needed);
@@ -20,13 +20,11 @@ import torch
 from flexpack.atomic import atomic_path
 
 # action plot geometry (inches at DPI): a plot's pixel size follows from its dimension count alone;
-# rows shrink from PLOT_ROW_IN towards PLOT_MIN_ROW_IN past 8 dimensions (30-wide action vectors)
-PLOT_DPI, PLOT_WIDTH_IN, PLOT_ROW_IN, PLOT_MIN_ROW_IN, PLOT_TITLE_IN = 100, 8.0, 1.5, 0.5, 0.6
-# latent strip geometry (pixels): each latent cell is upscaled (nearest) to at least STRIP_CELL px
-STRIP_CELL, STRIP_BORDER, STRIP_GAP = 32, 2, 2
-CONTEXT_RGB = np.array([255, 170, 0], np.uint8)  # border of context (ground-truth history) frames
-TARGET_RGB = np.array([90, 90, 90], np.uint8)  # border of generated frames
-BACKGROUND_RGB = np.array([255, 255, 255], np.uint8)
+# rows shrink from PLOT_ROW_IN towards PLOT_MIN_ROW_IN past 8 dimensions (30-wide action vectors);
+# PLOT_TITLE_IN above the rows holds the title and the legend
+PLOT_DPI, PLOT_WIDTH_IN, PLOT_ROW_IN, PLOT_MIN_ROW_IN, PLOT_TITLE_IN = 100, 8.0, 1.5, 0.5, 1.2
+# thin baseline lines of the action plot, by baseline name
+BASELINE_STYLE = {"last": dict(color="tab:blue", ls=":", lw=0.9), "mean": dict(color="tab:green", ls=":", lw=0.9)}
 
 
 def action_plot_size(dims: int) -> tuple[int, int]:
@@ -36,101 +34,72 @@ def action_plot_size(dims: int) -> tuple[int, int]:
 
 
 def action_plot(path: Path, pred_TD: np.ndarray, true_TD: np.ndarray, *, context: int, title: str = "",
-                names: Sequence[str] | None = None) -> Path:
+                names: Sequence[str] | None = None, t: np.ndarray | None = None,
+                baselines: dict[str, np.ndarray] | None = None, boundaries: Sequence[float] = (),
+                xlabel: str = "action step") -> Path:
     """PNG with one subplot per action dimension over T time steps (latent frames × action steps).
 
-    The first ``context`` steps are ground-truth history: shaded, and the prediction is drawn only
-    after them (in a forecast the predicted context is the truth itself). Size: :func:`action_plot_size`.
+    ``true_TD`` (T, D): the truth, context included (NaN where a step has no value). ``pred_TD``:
+    (T, D), or (K, T, D) for K samples of one forecast (each drawn thin, their mean dashed). The
+    first ``context`` steps are ground-truth history: shaded, and predictions are drawn only after
+    them. ``t`` (T,): the x position of every step (default 0..T-1, in ``xlabel``'s unit);
+    ``baselines``: name → (T, D), drawn as thin dotted lines (NaN where not shown); ``boundaries``:
+    x positions of chunk boundaries, thin vertical lines. Size: :func:`action_plot_size`.
     """
     from matplotlib.figure import Figure
 
     path = Path(path)
     pred, true = np.asarray(pred_TD, np.float64), np.asarray(true_TD, np.float64)
-    if pred.ndim != 2 or pred.shape != true.shape:
-        raise ValueError(f"{path}: pred and true must both be (T, D), got {pred.shape} and {true.shape}")
+    samples = pred if pred.ndim == 3 else pred[None]
+    if true.ndim != 2 or samples.shape[1:] != true.shape or samples.shape[0] < 1:
+        raise ValueError(f"{path}: pred must be (T, D) or (K, T, D) and true (T, D), got {pred.shape} and {true.shape}")
     T, D = true.shape
     if not 0 <= context <= T:
         raise ValueError(f"{path}: context must be in [0, {T}] (the time steps), got {context}")
     if names is not None and len(names) != D:
         raise ValueError(f"{path}: {len(names)} names for {D} action dimensions")
+    x = np.arange(T, dtype=np.float64) if t is None else np.asarray(t, np.float64)
+    if x.shape != (T,):
+        raise ValueError(f"{path}: t must have one position per time step ({T}), got shape {x.shape}")
+    for name, b in (baselines or {}).items():
+        if np.shape(b) != (T, D):
+            raise ValueError(f"{path}: baseline {name!r} must be (T, D) = {(T, D)}, got {np.shape(b)}")
+    step = float(np.median(np.diff(x))) if T > 1 else 1.0
+    ctx_end = x[0] - step / 2 if context == 0 else (x[context - 1] + (x[context] if context < T else x[-1] + step)) / 2
     w, h = action_plot_size(D)
     fig = Figure(figsize=(w / PLOT_DPI, h / PLOT_DPI), dpi=PLOT_DPI)
     axes = fig.subplots(D, 1, sharex=True, squeeze=False)[:, 0]
-    t = np.arange(T)
+    K = samples.shape[0]
     for d, ax in enumerate(axes):
         if context:
-            ax.axvspan(-0.5, context - 0.5, color="0.88", lw=0, label="context")
-        ax.plot(t, true[:, d], color="black", lw=1.2, label="true")
-        ax.plot(t[context:], pred[context:, d], color="tab:red", lw=1.2, ls="--", label="predicted")
+            ax.axvspan(x[0] - step / 2, ctx_end, color="0.88", lw=0, label="context (true history)")
+        for i, b in enumerate(boundaries):
+            ax.axvline(b, color="0.75", lw=0.5, zorder=0, label="chunk boundary" if i == 0 else None)
+        ax.plot(x, true[:, d], color="black", lw=1.2, label="true")
+        if K > 1:
+            for k in range(K):
+                ax.plot(x[context:], samples[k, context:, d], color="tab:red", lw=0.6, alpha=0.35,
+                        label=f"{K} samples" if k == 0 else None)
+        ax.plot(x[context:], samples[:, context:, d].mean(0), color="tab:red", lw=1.2, ls="--",
+                label="predicted (mean of samples)" if K > 1 else "predicted")
+        for name, b in (baselines or {}).items():
+            ax.plot(x, np.asarray(b, np.float64)[:, d], label=f"baseline: {name}",
+                    **BASELINE_STYLE.get(name, dict(color="0.4", ls=":", lw=0.9)))
         ax.set_ylabel(names[d] if names is not None else f"a{d}", fontsize=8)
         ax.tick_params(labelsize=7)
-        ax.set_xlim(-0.5, T - 0.5)
-    axes[0].legend(loc="upper right", fontsize=7, ncol=3, frameon=False)
-    axes[-1].set_xlabel("action step", fontsize=8)
+        ax.set_xlim(x[0] - step / 2, x[-1] + step / 2)
+    # from the top: the title, the legend (up to two rows), then the axes; inches over the figure's height
+    h_in = h / PLOT_DPI
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 1 - 0.45 / h_in), fontsize=7,
+               ncol=min(len(labels), 4), frameon=False)
+    axes[-1].set_xlabel(xlabel, fontsize=8)
     if title:
-        fig.suptitle(title, fontsize=9)
-    fig.subplots_adjust(left=0.09, right=0.98, bottom=0.6 / (h / PLOT_DPI), top=1 - 0.45 / (h / PLOT_DPI), hspace=0.15)
+        fig.suptitle(title, fontsize=9, y=1 - 0.06 / h_in)
+    fig.subplots_adjust(left=0.09, right=0.98, bottom=0.6 / h_in, top=1 - 0.95 / h_in, hspace=0.15)
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=PLOT_DPI)
-    return path
-
-
-def latent_strip_size(frames: int, height: int, width: int) -> tuple[int, int]:
-    """(width, height) in pixels of :func:`latent_strip` for F latent frames of H × W."""
-    s = _cell_scale(height, width)
-    cw, ch = s * width + 2 * STRIP_BORDER, s * height + 2 * STRIP_BORDER
-    return frames * cw + (frames + 1) * STRIP_GAP, 2 * ch + 3 * STRIP_GAP
-
-
-def _cell_scale(height: int, width: int) -> int:
-    return max(1, math.ceil(STRIP_CELL / max(height, width)))
-
-
-def latent_strip(path: Path, pred_CFHW: np.ndarray, true_CFHW: np.ndarray, *, context: int, channels: int = 3) -> Path:
-    """PNG of latent frames: top row the truth, bottom row the prediction, one column per frame.
-
-    The first ``channels`` (1 to 3) channels are shown as RGB (one channel: grey), min-max scaled
-    over both rows together so equal values look equal; cells are upscaled by an integer factor
-    (nearest) to at least ``STRIP_CELL`` pixels. Each cell has a border: ``CONTEXT_RGB`` for the
-    first ``context`` frames (ground-truth history), ``TARGET_RGB`` for the rest.
-    Size: :func:`latent_strip_size`.
-    """
-    from PIL import Image
-
-    path = Path(path)
-    pred = np.asarray(pred_CFHW, np.float64)
-    true = np.asarray(true_CFHW, np.float64)
-    if pred.ndim != 4 or pred.shape != true.shape:
-        raise ValueError(f"{path}: pred and true must both be (C, F, H, W), got {pred.shape} and {true.shape}")
-    C, F, H, W = true.shape
-    if not 1 <= channels <= 3:
-        raise ValueError(f"{path}: channels must be 1, 2 or 3 (shown as RGB), got {channels}")
-    if not 0 <= context <= F:
-        raise ValueError(f"{path}: context must be in [0, {F}] (the latent frames), got {context}")
-    k = min(channels, C)
-    both = np.stack([true[:k], pred[:k]])  # (2, k, F, H, W)
-    lo, hi = np.nanmin(both), np.nanmax(both)
-    scaled = np.nan_to_num((both - lo) / (hi - lo) if hi > lo else np.zeros_like(both))
-    rgb = np.zeros((2, 3, F, H, W))
-    rgb[:, :k] = scaled
-    if k == 1:
-        rgb[:, 1:] = scaled
-    pix = np.round(rgb * 255).astype(np.uint8).transpose(0, 2, 3, 4, 1)  # (2, F, H, W, 3)
-    s, b, g = _cell_scale(H, W), STRIP_BORDER, STRIP_GAP
-    cw, ch = s * W + 2 * b, s * H + 2 * b
-    width, height = latent_strip_size(F, H, W)
-    img = np.empty((height, width, 3), np.uint8)
-    img[:] = BACKGROUND_RGB
-    for row in range(2):
-        y0 = g + row * (ch + g)
-        for f in range(F):
-            x0 = g + f * (cw + g)
-            img[y0 : y0 + ch, x0 : x0 + cw] = CONTEXT_RGB if f < context else TARGET_RGB
-            img[y0 + b : y0 + ch - b, x0 + b : x0 + cw - b] = pix[row, f].repeat(s, 0).repeat(s, 1)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(path) as tmp:
-        Image.fromarray(img).save(tmp, format="PNG")
     return path
 
 
@@ -138,21 +107,30 @@ def video_mp4(path: Path, pred_FHW3: np.ndarray, true_FHW3: np.ndarray, *, fps: 
     """H.264 mp4 (libx264, yuv420p) with the predicted frames on the left and the true on the right.
 
     Frames are uint8 RGB ``(F, H, W, 3)``; yuv420p needs even sizes, so an odd height or joined
-    width gets one black row / column.
+    width gets one black row / column. Labelled frames: :func:`flexpack.sampling.frames.side_by_side`
+    then :func:`write_mp4`.
     """
-    import av
-
     path = Path(path)
     pred, true = np.asarray(pred_FHW3), np.asarray(true_FHW3)
     if pred.ndim != 4 or pred.shape[-1] != 3 or pred.shape != true.shape:
         raise ValueError(f"{path}: pred and true must both be (F, H, W, 3), got {pred.shape} and {true.shape}")
     if pred.dtype != np.uint8 or true.dtype != np.uint8:
         raise ValueError(f"{path}: frames must be uint8, got {pred.dtype} and {true.dtype}")
-    if pred.shape[0] < 1:
+    return write_mp4(path, np.concatenate([pred, true], axis=2), fps=fps)  # (F, H, 2W, 3)
+
+
+def write_mp4(path: Path, frames_FHW3: np.ndarray, *, fps: float) -> Path:
+    """H.264 mp4 (libx264, yuv420p, crf 18) of uint8 RGB frames ``(F, H, W, 3)`` (odd sizes padded)."""
+    import av
+
+    path = Path(path)
+    frames = np.asarray(frames_FHW3)
+    if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
+        raise ValueError(f"{path}: frames must be uint8 (F, H, W, 3), got {frames.dtype} {frames.shape}")
+    if frames.shape[0] < 1:
         raise ValueError(f"{path}: no frames to write")
     if not (math.isfinite(fps) and fps > 0):
         raise ValueError(f"{path}: fps must be a positive number, got {fps!r}")
-    frames = np.concatenate([pred, true], axis=2)  # (F, H, 2W, 3)
     F, H, W, _ = frames.shape
     frames = np.pad(frames, ((0, 0), (0, H % 2), (0, W % 2), (0, 0)))
     path.parent.mkdir(parents=True, exist_ok=True)

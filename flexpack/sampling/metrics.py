@@ -11,6 +11,14 @@ across all pairs (not a mean of per-pair means), so short and long horizons weig
 - ``*_per_dim``: per dataset action column; ``*_per_step``: per latent frame of the horizon.
 - ``latent_mse``: over the target latent frames (all channels and pixels).
 
+Several samples per pair (``flexpack sample --samples K``: K noises of the same (episode, cut)):
+the numbers above are those of the first sample (the noise a single-sample run draws), and
+:mod:`flexpack.sampling.ensemble` adds ``action_mse_kmean`` / ``latent_mse_kmean`` (the MSE of
+the K-sample mean), ``action_spread`` / ``latent_spread`` (the samples' variance around it) and
+``action_crps`` / ``latent_crps`` (the ensemble's CRPS, a proper score), with ``*_kmean_per_step``
+per latent frame of the horizon. The baselines carry the same keys (one deterministic forecast:
+K-mean = single, spread 0, CRPS = L1).
+
 Baselines (so a number is readable without context):
 
 - ``last``: the last ground-truth action step of the context repeated (per channel: the last
@@ -25,6 +33,8 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import numpy as np
+
+from flexpack.sampling.ensemble import ensemble_scores
 
 KINDS = ("model", "last", "mean")
 
@@ -55,33 +65,38 @@ def normalize(state: dict[str, Any] | None, x: np.ndarray) -> np.ndarray:
 
 class _Sums:
     def __init__(self, dims: int) -> None:
-        self.d = {k: np.zeros(dims) for k in ("a2", "a1", "r2", "r1", "n")}
-        self.step: dict[str, list[float]] = {"a2": [], "an": [], "l2": [], "ln": []}
-        self.lat = np.zeros(2)
+        self.d = {k: np.zeros(dims) for k in ("a2", "a1", "r2", "r1", "n", "k2", "sp", "cr")}
+        self.step: dict[str, list[float]] = {k: [] for k in ("a2", "k2", "an", "l2", "lk", "ln")}
+        self.lat = np.zeros(5)  # squared error, element count, K-mean squared error, spread, CRPS
+        self.samples = 0
 
     def _grow(self, h: int) -> None:
         for v in self.step.values():
             v.extend([0.0] * (h - len(v)))
 
-    def add(self, pa, ta, pr, tr, mask, pl, tl) -> None:
-        """Actions (Ca', H, A) already restricted to dataset columns; latents (C, H, h, w)."""
-        H = pl.shape[1]
+    def add(self, pa_K, ta, pr, tr, mask, pl_K, tl) -> None:
+        """K samples of actions (K, Ca', H, A) already restricted to dataset columns (``pr``: the first in
+        original units) and of latents (K, C, H, h, w); the truths ``ta``, ``tr``, ``tl`` without K."""
+        H = tl.shape[1]
         self._grow(H)
+        self.samples = max(self.samples, pl_K.shape[0])
         if mask is not None:
-            e, r = (pa - ta) * mask, (pr - tr) * mask
-            self.d["a2"] += (e**2).sum(axis=(1, 2))
-            self.d["a1"] += np.abs(e).sum(axis=(1, 2))
-            self.d["r2"] += (r**2).sum(axis=(1, 2))
-            self.d["r1"] += np.abs(r).sum(axis=(1, 2))
-            self.d["n"] += mask.sum(axis=(1, 2))
+            e, r = (pa_K[0] - ta) * mask, (pr - tr) * mask
+            k2, sp, cr = (v * mask for v in ensemble_scores(pa_K, ta))
+            for key, v in (("a2", e**2), ("a1", np.abs(e)), ("r2", r**2), ("r1", np.abs(r)), ("n", mask),
+                           ("k2", k2), ("sp", sp), ("cr", cr)):
+                self.d[key] += v.sum(axis=(1, 2))
             for f in range(H):
                 self.step["a2"][f] += float((e[:, f] ** 2).sum())
+                self.step["k2"][f] += float(k2[:, f].sum())
                 self.step["an"][f] += float(mask[:, f].sum())
-        le = (pl - tl) ** 2
-        self.lat += [le.sum(), le.size]
-        per = le.sum(axis=(0, 2, 3))
+        le = (pl_K[0] - tl) ** 2
+        lk, lsp, lcr = ensemble_scores(pl_K, tl)
+        self.lat += [le.sum(), le.size, lk.sum(), lsp.sum(), lcr.sum()]
+        per, per_k = le.sum(axis=(0, 2, 3)), lk.sum(axis=(0, 2, 3))
         for f in range(H):
             self.step["l2"][f] += float(per[f])
+            self.step["lk"][f] += float(per_k[f])
             self.step["ln"][f] += float(le[:, f].size)
 
     def result(self) -> dict[str, Any]:
@@ -92,14 +107,19 @@ class _Sums:
             return float(a / b) if b > 0 else float("nan")
 
         per = lambda k: [div(a, b) for a, b in zip(d[k], d["n"])]  # noqa: E731
+        steps = lambda k, count: [div(a, b) for a, b in zip(s[k], s[count])]  # noqa: E731
         return {
             "action_mse": div(d["a2"].sum(), n), "action_l1": div(d["a1"].sum(), n),
             "action_mse_raw": div(d["r2"].sum(), n), "action_l1_raw": div(d["r1"].sum(), n),
             "latent_mse": div(self.lat[0], self.lat[1]),
+            "action_mse_kmean": div(d["k2"].sum(), n), "action_spread": div(d["sp"].sum(), n),
+            "action_crps": div(d["cr"].sum(), n),
+            "latent_mse_kmean": div(self.lat[2], self.lat[1]), "latent_spread": div(self.lat[3], self.lat[1]),
+            "latent_crps": div(self.lat[4], self.lat[1]), "samples": self.samples,
             "action_mse_per_dim": per("a2"), "action_l1_per_dim": per("a1"),
             "action_mse_raw_per_dim": per("r2"), "action_l1_raw_per_dim": per("r1"),
-            "action_mse_per_step": [div(a, b) for a, b in zip(s["a2"], s["an"])],
-            "latent_mse_per_step": [div(a, b) for a, b in zip(s["l2"], s["ln"])],
+            "action_mse_per_step": steps("a2", "an"), "latent_mse_per_step": steps("l2", "ln"),
+            "action_mse_kmean_per_step": steps("k2", "an"), "latent_mse_kmean_per_step": steps("lk", "ln"),
         }
 
 
@@ -143,22 +163,29 @@ class Metrics:
         return {"last": (np.broadcast_to(last[:, None, None], (Ca, H, A)), last_l),
                 "mean": (np.broadcast_to(mean[:, None, None], (Ca, H, A)), mean_l)}
 
-    def add(self, pair: Any) -> None:
+    def add(self, *samples: Any) -> None:
+        """One pair, or the K samples of one (episode, cut) (the first is the single-sample forecast)."""
+        pair = samples[0]
+        assert all((p.episode, p.segment, p.cut, p.frames) == (pair.episode, pair.segment, pair.cut, pair.frames)
+                   for p in samples), "samples of one (episode, cut) only"
         c, L = pair.cut, pair.frames
         true_l = pair.latent[:, c:L].numpy().astype(np.float64)
-        preds = {"model": (None if pair.pred_action is None else pair.pred_action[:, c:L].numpy().astype(np.float64),
-                           pair.pred_latent[:, c:L].numpy().astype(np.float64)), **self.baselines(pair)}
+        lat_K = np.stack([p.pred_latent[:, c:L].numpy().astype(np.float64) for p in samples])
+        act_K = (None if pair.pred_action is None
+                 else np.stack([p.pred_action[:, c:L].numpy().astype(np.float64) for p in samples]))
+        preds = {"model": (act_K, lat_K),
+                 **{k: (None if a is None else a[None], l_[None]) for k, (a, l_) in self.baselines(pair).items()}}
         ta = mask = None
         if pair.action is not None:
             ta = pair.action[:, c:L].numpy().astype(np.float64)[self.channels]
             mask = pair.action_mask[:, c:L].numpy()[self.channels].astype(np.float64)
-        for k, (pa, pl) in preds.items():
-            if ta is None or pa is None:
-                self.sums[k].add(None, None, None, None, None, pl, true_l)
+        for k, (pa_K, pl_K) in preds.items():
+            if ta is None or pa_K is None:
+                self.sums[k].add(None, None, None, None, None, pl_K, true_l)
                 continue
-            pa = pa[self.channels]
+            pa_K = pa_K[:, self.channels]
             raw = lambda y: np.moveaxis(denormalize(self.norm, np.moveaxis(y, 0, -1), self.columns), -1, 0)  # noqa: E731
-            self.sums[k].add(pa, ta, raw(pa), raw(ta), mask, pl, true_l)
+            self.sums[k].add(pa_K, ta, raw(pa_K[0]), raw(ta), mask, pl_K, true_l)
         self.pairs += 1
 
     def result(self) -> dict[str, Any]:

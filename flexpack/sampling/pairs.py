@@ -9,7 +9,9 @@ Noise. The starting noise of every target value is a counter-based draw keyed by
 ``episode_seed(SAMPLE_TAG, noise_seed, episode, segment, cut)`` and the value's coordinates *inside the
 episode* (frame, channel, y, x) — the same hash as training's per-episode noise
 (:mod:`flexpack.flow.noise`). A pair therefore starts from the same ε whether it is packed
-with others or alone, at any step of a run and after a resume.
+with others or alone, at any step of a run and after a resume. Sample ``k > 0`` of a pair (several
+forecasts of one (episode, cut), ``--samples K``) adds ``k`` to the key: other noise, while sample 0
+keeps the noise of a single-sample run.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ class Pair:
     pred_latent: Tensor = field(init=False)
     pred_action: Tensor | None = field(init=False)
     done: int = 0  # target frames generated so far
-    noise_seed: int = 0  # another value draws other noise for the same pair (several samples per pair)
+    noise_seed: int = 0  # another value draws other noise for the same pair (another run's samples)
+    sample: int = 0  # which of the K samples of this (episode, cut) it is: each draws its own noise
 
     def __post_init__(self) -> None:
         self.pred_latent = self.latent.clone()
@@ -58,7 +61,8 @@ class Pair:
 
     @property
     def seed(self) -> int:
-        return episode_seed(SAMPLE_TAG, self.noise_seed, self.episode, self.segment + 1, self.cut)
+        parts = (SAMPLE_TAG, self.noise_seed, self.episode, self.segment + 1, self.cut)
+        return episode_seed(*parts, self.sample) if self.sample else episode_seed(*parts)
 
     def item(self, upto: int) -> dict[str, Any]:
         """The pair's first ``upto`` frames as a dataset item for the collates: known frames from the buffer."""
@@ -71,13 +75,21 @@ class Pair:
         return it
 
 
-def cut_points(frames: int, n: int, horizon: int, chunk: int) -> list[int]:
+def first_cut(chunk: int, min_context: int = 0) -> int:
+    """The first cut point allowed: the first multiple of ``chunk`` (at least one) with ``min_context``
+    latent frames of context."""
+    return max(chunk, -(-min_context // chunk) * chunk)
+
+
+def cut_points(frames: int, n: int, horizon: int, chunk: int, min_context: int = 0) -> list[int]:
     """Up to ``n`` evenly spaced cut points of an episode of ``frames`` latent frames: multiples of
-    ``chunk`` (at least one context chunk) that leave a full ``horizon``; [] if none fits."""
+    ``chunk`` with at least one chunk and ``min_context`` frames of context that leave a full
+    ``horizon``; [] if none fits."""
+    first = first_cut(chunk, min_context)
     last = (frames - horizon) // chunk * chunk
-    if last < chunk or n < 1:
+    if last < first or n < 1:
         return []
-    picks = np.linspace(chunk, last, n) if n > 1 else np.array([chunk])
+    picks = np.linspace(first, last, n) if n > 1 else np.array([first])
     return sorted({int(p) // chunk * chunk for p in picks})
 
 
@@ -90,8 +102,9 @@ def check_cut(episode: int, frames: int, cut: int, horizon: int, chunk: int) -> 
         raise ValueError(f"cut point {cut} + horizon {horizon} is beyond episode {episode} ({frames} latent frames)")
 
 
-def make_pair(item: dict[str, Any], cut: int, horizon: int, *, actions: bool = True, noise_seed: int = 0) -> Pair:
-    """A pair from a dataset item (``LatentEpisodeDataset[i]``)."""
+def make_pair(item: dict[str, Any], cut: int, horizon: int, *, actions: bool = True, noise_seed: int = 0,
+              sample: int = 0) -> Pair:
+    """A pair from a dataset item (``LatentEpisodeDataset[i]``); ``sample``: which of K samples it is."""
     L = cut + horizon
     lat = item["latent"]
     if L > lat.shape[1]:
@@ -105,7 +118,21 @@ def make_pair(item: dict[str, Any], cut: int, horizon: int, *, actions: bool = T
     text = item.get("text")
     return Pair(episode=int(item.get("episode_index", -1)), segment=int(item.get("segment", -1)), cut=cut,
                 horizon=horizon, latent=lat[:, :L].float().clone(), action=act, action_mask=mask, text=text,
-                text_len=int(item.get("text_len", 0 if text is None else text.shape[0])), noise_seed=noise_seed)
+                text_len=int(item.get("text_len", 0 if text is None else text.shape[0])), noise_seed=noise_seed,
+                sample=sample)
+
+
+def borrow_history(pair: Pair, item: dict[str, Any]) -> None:
+    """Give ``pair`` the first ``cut`` latent frames and actions of another episode's dataset ``item`` as
+    the history its forecast starts from (a control: a model that reads its history must then do
+    worse); its truth, action mask, text and noise stay its own."""
+    c = pair.cut
+    if item["latent"].shape[1] < c:
+        raise ValueError(f"episode {item.get('episode_index')} has {item['latent'].shape[1]} latent frames, too few "
+                         f"for the history of episode {pair.episode} at cut {c}")
+    pair.pred_latent[:, :c] = item["latent"][:, :c].float()
+    if pair.pred_action is not None and item.get("action") is not None:
+        pair.pred_action[:, :c] = torch.where(pair.action_mask[:, :c], item["action"][:, :c].float(), 0.0)
 
 
 def pair_noise(layout: Any, seeds: Sequence[int], latent_shape: Sequence[int], action_shape: Sequence[int] | None,

@@ -5,7 +5,8 @@
 Lists only outputs that exist (a step that did not run leaves no line): the dataset with its
 latent cache and pooled statistics, the run folder, its newest checkpoint, ``metrics.jsonl``,
 ``metrics.png``, ``tb/``, the sampler-statistics PNGs, and any sampling outputs under the run
-(``samples/**/metrics.json`` and their PNGs).
+(``samples/**/metrics.json`` and their PNGs); then, per sampling, the held-out forecast's action and
+latent MSE against both baselines (:func:`forecast_table`).
 """
 
 from __future__ import annotations
@@ -37,15 +38,29 @@ def _last_losses(metrics: Path) -> str:
     return f"loss {first['loss']:.4g} (step {first['step']}) -> {last['loss']:.4g} (step {last['step']})"
 
 
-def _action_mse(metrics: Path) -> str:
-    """'  (action MSE model X vs last-action Y, mean-action Z)' from a sample's metrics.json, or ''."""
+def forecast_table(metrics: Path) -> list[str]:
+    """Lines of the model's action and latent MSE against both baselines from a sample's metrics.json
+    (its first sample, the mean of its K samples, the ratio to the better baseline); [] when unreadable."""
     try:
         m = json.loads(metrics.read_text())
-        model, base = m["action_mse"], m["baselines"]
-        return (f"  (action MSE: model {model:.3g}, repeat last action {base['last']['action_mse']:.3g}, "
-                f"dataset mean {base['mean']['action_mse']:.3g})")
-    except (OSError, ValueError, KeyError, TypeError):
-        return ""
+        b, k = m["baselines"], int(m.get("samples", 1))
+        rows = []
+        for what in ("action", "latent"):
+            key = f"{what}_mse"
+            if not isinstance(m.get(key), (int, float)) or m[key] != m[key]:  # no actions: NaN
+                continue
+            best = min(b["last"][key], b["mean"][key])
+            rows.append(f"  {what + ' MSE':<11} {m[key]:>9.3g} {m.get(key + '_kmean', m[key]):>11.3g} "
+                        f"{b['last'][key]:>11.3g} {b['mean'][key]:>9.3g} {m[key] / best:>12.2g}x")
+        head = (f"Held-out forecast, {m['horizon']} latent frames ahead ({len(m['pair_list'])} cut points x {k} "
+                f"sample(s), {_rel(metrics)}):")
+        cols = f"  {'':<11} {'model':>9} {f'mean of {k}':>11} {'last':>11} {'mean':>9} {'model/best':>13}"
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        return []
+    return [head, cols, *rows,
+            "  last: the last context action / latent frame repeated; mean: the dataset's mean action / the "
+            "context's mean latent;", "  model: one sample (its noise fixed by --seed); mean of K: the mean of K "
+            "samples (see docs/USAGE.md, 'Reading the numbers')"]
 
 
 def outputs(out: Path, run: Path, data: Path) -> list[tuple[str, str]]:
@@ -73,7 +88,7 @@ def outputs(out: Path, run: Path, data: Path) -> list[tuple[str, str]]:
         if (run / "tb").is_dir():
             rows.append(("tensorboard", f"{_rel(run / 'tb')}  (tensorboard --logdir {_rel(run / 'tb')})"))
         for m in sorted(run.glob("samples/**/metrics.json")):
-            rows.append(("sample metrics", _rel(m) + _action_mse(m)))
+            rows.append(("sample metrics", _rel(m)))
             rows += [("sample plot", _rel(p)) for p in sorted(m.parent.glob("*.png"))]
     for png in sorted(out.glob("stats_*.png")):
         rows.append(("sampler stats", _rel(png)))
@@ -86,19 +101,21 @@ def summary(out: str | Path, *, run: str | Path | None = None, data: str | Path 
     run = Path(run) if run is not None else out / "demo-run"
     data = Path(data) if data is not None else out / "demo-data"
     rows = outputs(out, run, data)
+    tables = [t for m in sorted(run.glob("samples/**/metrics.json")) if (t := forecast_table(m))]
     width = max((len(label) for label, _ in rows), default=0)
     fp = f"{bin_dir}/flexpack"
     lines = [
         "",
         "== flexpack demo: done ==",
         "What ran: a synthetic LeRobot dataset -> its latent cache (pool encoder) and pooled action statistics",
-        "-> the tiny WanVA trained on CPU in pack mode, a quarter of the episodes held out -> packed ==",
-        "per-episode check -> forecasts of the held-out episodes against two baselines -> sampler statistics",
-        "of the demo's own episodes.",
+        "-> a small WanVA (configs/tiny_cpu.toml) trained on CPU in pack mode, a quarter of the episodes held",
+        "out -> packed == per-episode check -> forecasts of the held-out episodes (several samples each) against",
+        "two baselines -> sampler statistics of the demo's own episodes.",
         "",
         "Outputs:",
         *(f"  {label:<{width}}  {where}" for label, where in rows),
         "",
+        *(line for t in tables for line in (*t, "")),
         f"`flexpack` lives in {bin_dir}/: run `source {bin_dir}/activate` to use the README's commands as",
         f"written, or call {fp} directly. Try next:",
         f"  {fp} check-dataset {_rel(data)}          # problems, and what normalization clips per action dimension",

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from flexpack.models.wan_config import WanVAConfig
+from flexpack.models.wan_config import LEGACY_ACTION_POSITIONS, WanVAConfig
 
 if TYPE_CHECKING:
     from flexpack.run.config import TrainConfig
@@ -198,7 +198,9 @@ def load_export(folder: str | os.PathLike, *, attn: Any = None) -> torch.nn.Modu
     if not info_file.is_file():
         raise FileNotFoundError(f"{info_file}: missing; not a flexpack export folder")
     info = json.loads(info_file.read_text())
-    wcfg = WanVAConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in info["wanva_config"].items()})
+    kw = {k: tuple(v) if isinstance(v, list) else v for k, v in info["wanva_config"].items()}
+    kw.setdefault("action_positions", LEGACY_ACTION_POSITIONS)  # exported before the rule was recorded
+    wcfg = WanVAConfig(**kw)
     model = WanVA.from_diffusers_file(str(folder), wcfg, attn=attn)
     if info["weights"]:
         action = load_file(folder / "action_stream.safetensors")

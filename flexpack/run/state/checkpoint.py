@@ -6,7 +6,8 @@ Layout of ``RUN/checkpoints/step_00000040/``::
                       (``__<rank>_0.distcp``), rank 0 the ``.metadata``; no full-state gather
                       and, with ``optim.ema_decay``, {"ema"} (the averages, sharded alike)
     rng.pt            rank 0's torch CPU (and CUDA) RNG state
-    train_state.json  {"step", "sampler" (its state_dict), "world_size", "extra"}
+    train_state.json  {"step", "sampler" (its state_dict), "world_size", "extra", and for a model with
+                      the setting "action_positions" (its action tokens' RoPE rule; none = "frame")}
     config.json       the run's config at this step (a resume compares against it)
     manifest.json     written last: every file above with its size and CRC-32 (:mod:`.manifest`)
 
@@ -53,6 +54,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from flexpack.atomic import atomic_path
 from flexpack.errors import UserError
+from flexpack.models.wan_config import check_action_positions
 from flexpack.parallel.parallelize import world
 from flexpack.run.checks import check_state_shapes
 from flexpack.run.state import manifest, torch_file
@@ -181,6 +183,9 @@ class Checkpointer:
             rng["cuda"] = torch.cuda.get_rng_state()
         small = {"rng": rng, "config": config,
                  "train_state": {"step": step, "sampler": sampler_state, "world_size": size, "extra": extra or {}}}
+        rule = getattr(getattr(model, "config", None), "action_positions", None)
+        if rule is not None:  # the action tokens' RoPE rule travels with the weights (checked by load)
+            small["train_state"]["action_positions"] = rule
         state = _state(model, optimizer, ema)
         with _quiet(), self._no_half_checkpoint(tmp, final):
             if self.async_save:
@@ -357,6 +362,8 @@ def load(
     why = problem(path)
     if why is not None:
         raise ValueError(why)
+    saved_rule = json.loads((path / "train_state.json").read_text()).get("action_positions")
+    check_action_positions(saved_rule, getattr(model, "config", None), str(path))
     shapes = tensor_shapes(path)
     # DCP fills only the keys the model asks for: a checkpoint of another shape must fail here, in one line
     saved = {k.removeprefix("model."): SimpleNamespace(shape=v) for k, v in shapes.items() if k.startswith("model.")}

@@ -1,7 +1,13 @@
-"""``flexpack plot RUN``: a PNG of the loss curves, throughput and LR / grad norm from ``RUN/metrics.jsonl``.
+"""``flexpack plot RUN``: a PNG of the loss curves, held-out sample metrics, throughput and LR / grad
+norm from ``RUN/metrics.jsonl``.
 
-Keys a record lacks are left out of the figure, so older runs and records with more keys (``mfu``,
-validation losses) plot alike. The PNG is written atomically (default ``RUN/metrics.png``).
+Losses: each training loss and its validation loss (``loss`` / ``val_loss``, ``latent_loss`` /
+``val_latent_loss``, ``action_loss`` / ``val_action_loss``) share a colour, training solid,
+validation dashed with markers. Where the run sampled held-out episodes (``runtime.sample_every``)
+one panel per stream shows the model's held-out MSE (one sample, and the mean of the samples)
+against the ``last`` and ``mean`` baselines over the steps. Keys a record lacks are left out of
+the figure, so older runs and records with more keys (``mfu``) plot alike. The PNG is written
+atomically (default ``RUN/metrics.png``).
 """
 
 from __future__ import annotations
@@ -13,7 +19,14 @@ from typing import Any
 
 from flexpack.atomic import atomic_path
 
-LOSSES = ("loss", "latent_loss", "action_loss", "val_loss", "val_latent_loss", "val_action_loss")
+# (training key, its validation key, colour): a pair shares the colour
+LOSS_PAIRS = (("loss", "val_loss", "tab:blue"), ("latent_loss", "val_latent_loss", "tab:orange"),
+              ("action_loss", "val_action_loss", "tab:purple"))
+# held-out sample metrics (flexpack.sampling.hook): (key, label, style), per stream
+SAMPLE_LINES = (("sample/{}_mse", "model (1 sample)", dict(color="tab:red", lw=1.6, marker="o", markersize=3)),
+                ("sample/{}_mse_kmean", "model (mean of samples)", dict(color="darkred", lw=1.0, ls="--")),
+                ("sample/last/{}_mse", "baseline: last", dict(color="tab:blue", lw=0.9, ls=":")),
+                ("sample/mean/{}_mse", "baseline: mean", dict(color="tab:green", lw=0.9, ls=":")))
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
@@ -49,24 +62,42 @@ def _series(records: list[dict[str, Any]], key: str) -> tuple[list[float], list[
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
-def plot_metrics(run: str | os.PathLike, out: str | os.PathLike | None = None) -> Path:
-    """Write the figure of ``run``'s metrics to ``out`` (default ``RUN/metrics.png``) and return its path."""
-    import matplotlib
+def _positive(ys: list[float]) -> bool:
+    return bool(ys) and all(v > 0 for v in ys)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    records = read_metrics(run)
-    run = Path(run)
-    out = Path(out) if out is not None else (run if run.is_dir() else run.parent) / "metrics.png"
-    fig, (ax_loss, ax_tok, ax_lr) = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
-    for key in LOSSES:
-        x, y = _series(records, key)
-        if x:
-            ax_loss.plot(x, y, label=key, marker="o" if "val" in key else None, markersize=3)
-    if all(v > 0 for key in LOSSES for v in _series(records, key)[1]):
+def metrics_figure(records: list[dict[str, Any]], title: str = ""):
+    """The figure of the module docstring (a pyplot-free matplotlib ``Figure``)."""
+    from matplotlib.figure import Figure
+
+    streams = [w for w in ("action", "latent") if _series(records, f"sample/{w}_mse")[0]]
+    n = 3 + len(streams)
+    fig = Figure(figsize=(8, 2.7 * n + 0.4))
+    axes = fig.subplots(n, 1, sharex=True, squeeze=False)[:, 0]
+    ax_loss, ax_tok, ax_lr = axes[0], axes[-2], axes[-1]
+    shown: list[float] = []
+    for train_key, val_key, color in LOSS_PAIRS:
+        for key, how in ((train_key, dict(lw=1.0)), (val_key, dict(ls="--", marker="o", markersize=3, lw=1.2))):
+            x, y = _series(records, key)
+            if x:
+                ax_loss.plot(x, y, color=color, label=f"{train_key} ({'validation' if key == val_key else 'train'})",
+                             **how)
+                shown += y
+    if _positive(shown):
         ax_loss.set_yscale("log")
     ax_loss.set_ylabel("loss")
+    for ax, what in zip(axes[1:], streams):
+        ys: list[float] = []
+        single = _series(records, SAMPLE_LINES[0][0].format(what))
+        for key, label, style in SAMPLE_LINES:
+            x, y = _series(records, key.format(what))
+            if x and not ("kmean" in key and (x, y) == single):  # one sample per pair: its mean is itself
+                ax.plot(x, y, label=label, **style)
+                ys += y
+        if _positive(ys):
+            ax.set_yscale("log")
+        ax.set_ylabel(f"held-out {what} MSE")
+        ax.set_title(f"forecasts of held-out episodes: {what} MSE against the baselines", fontsize=8)
     x, y = _series(records, "tokens_per_s")
     ax_tok.plot(x, y, color="tab:green", label="tokens/s (valid)")
     ax_tok.set_ylabel("tokens / s")
@@ -75,22 +106,29 @@ def plot_metrics(run: str | os.PathLike, out: str | os.PathLike | None = None) -
         twin = ax_tok.twinx()
         twin.plot(x, [100 * v for v in y], color="tab:purple", label="MFU %")
         twin.set_ylabel("MFU %")
-    for ax in (ax_loss, ax_tok):
+    for ax in axes[:-1]:
         if ax.get_legend_handles_labels()[0]:
-            ax.legend(loc="upper right", fontsize=8)
+            ax.legend(loc="best", fontsize=7, ncol=2)
     for key, color, ax in (("lr", "tab:blue", ax_lr), ("grad_norm", "tab:red", ax_lr.twinx())):
         x, y = _series(records, key)
         ax.plot(x, y, color=color, label=key)
         ax.set_ylabel(key, color=color)
-    ax_lr.set_xlabel("step")
-    fig.suptitle(f"{run} ({len(records)} records)", fontsize=9)
+    ax_lr.set_xlabel("optimizer step")
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
+    return fig
+
+
+def plot_metrics(run: str | os.PathLike, out: str | os.PathLike | None = None) -> Path:
+    """Write the figure of ``run``'s metrics to ``out`` (default ``RUN/metrics.png``) and return its path."""
+    records = read_metrics(run)
+    run = Path(run)
+    out = Path(out) if out is not None else (run if run.is_dir() else run.parent) / "metrics.png"
+    fig = metrics_figure(records, f"{run} ({len(records)} records)")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         with atomic_path(out) as tmp:
             fig.savefig(tmp, format="png", dpi=100)
     except OSError as exc:  # a read-only or full place: one line naming it
         raise ValueError(f"{out}: cannot write the plot ({exc.strerror or exc}); choose another --out") from None
-    finally:
-        plt.close(fig)
     return out
