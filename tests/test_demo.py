@@ -28,6 +28,11 @@ def test_summary_lists_existing_outputs_only(tmp_path, monkeypatch):
     (samples / "metrics.json").write_text("{}")  # unreadable as a forecast: no table
     (samples / "actions_ep0.png").write_bytes(b"png")
     rows = dict(demo.outputs(out, run, out / "demo-data"))
+    assert "sample video" not in rows  # none written
+    for ep in (3, 0, 7):
+        (samples / f"episode_00000{ep}.mp4").write_bytes(b"mp4")
+    rows = dict(demo.outputs(out, run, out / "demo-data"))
+    assert rows["sample video"] == "out/demo-run/samples/step_00000040/episode_000000.mp4  (and 2 more beside it)"
     assert rows["run folder"] == "out/demo-run" and rows["plot"] == "out/demo-run/metrics.png"
     assert rows["metrics"] == "out/demo-run/metrics.jsonl  (loss 3.5 (step 1) -> 1.25 (step 40))"
     assert rows["tensorboard"].startswith("out/demo-run/tb  (tensorboard --logdir out/demo-run/tb)")

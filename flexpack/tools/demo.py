@@ -90,6 +90,10 @@ def outputs(out: Path, run: Path, data: Path) -> list[tuple[str, str]]:
         for m in sorted(run.glob("samples/**/metrics.json")):
             rows.append(("sample metrics", _rel(m)))
             rows += [("sample plot", _rel(p)) for p in sorted(m.parent.glob("*.png"))]
+            videos = sorted(m.parent.glob("*.mp4"))
+            if videos:  # one per sampled episode: name the first, count them
+                more = f"  (and {len(videos) - 1} more beside it)" if len(videos) > 1 else ""
+                rows.append(("sample video", _rel(videos[0]) + more))
     for png in sorted(out.glob("stats_*.png")):
         rows.append(("sampler stats", _rel(png)))
     return rows
