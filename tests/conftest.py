@@ -3,9 +3,10 @@ import os
 import shutil
 import tempfile
 
-# A TorchInductor cache of this test run alone (unless one is chosen): with the shared default cache
-# (/tmp/torchinductor_$USER) warm from other checkouts of the code, a cache hit aborted the compiled CPU
-# FlexAttention kernel of tests/test_attention.py (torch 2.11); compiled afresh, the same test passes.
+# A TorchInductor cache of this test run alone (unless one is chosen). The compiled CPU FlexAttention
+# kernel sizes its per-thread scratch buffers by the thread count at compile time, and torch 2.11's graph
+# cache key leaves that count out: a kernel that a one-thread run (OMP_NUM_THREADS=1) left in the shared
+# default cache (/tmp/torchinductor_$USER), run on two threads, writes past its buffers and aborts.
 if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     _inductor_cache = tempfile.mkdtemp(prefix="flexpack-tests-inductor-")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = _inductor_cache
