@@ -15,6 +15,10 @@ if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# One intra-op thread for the whole run, whatever OMP_NUM_THREADS says: the same compile-time thread count
+# for every compiled CPU kernel of the process (see above), and the tests' tiny ops gain nothing from a pool.
+torch.set_num_threads(1)
+
 # Tests never reach a hub: datasets are built locally, models are small and random.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
