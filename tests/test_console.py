@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -125,5 +126,6 @@ def test_train_into_a_log_file_writes_plain_lines(tiny_dataset, tmp_path):
     for key in ("loss ", "grad ", "lr ", "tok/s ", "mem "):
         assert all(key in line for line in steps), steps
     assert "val " not in steps[0] and "  val " in steps[1] and "val " in steps[2] and "(step 4)" in steps[2]
-    assert 'cpu: 1 torch thread (runtime.cpu_threads = "auto", a model of 167k parameters)' in text
+    params = int(re.search(r"no weight decay \(\d+ tensors, ([\d,]+) parameters\)", text)[1].replace(",", ""))
+    assert f'cpu: 1 torch thread (runtime.cpu_threads = "auto", a model of {params / 1e6:.3g}M parameters)' in text
     assert "trained steps 0 -> 6" in text

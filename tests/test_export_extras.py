@@ -46,7 +46,7 @@ def test_model_card_names_base_data_steps_config_losses_and_samples(exported):
     records = [json.loads(line) for line in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
     assert (f"- `loss`: {records[-1]['loss']:.5g}" in card
             and f"- `action_loss`: {records[-1]['action_loss']:.5g}" in card)
-    assert "| base model | none (random init, preset 'tiny') |" in card
+    assert "| base model | none (random init, preset 'small') |" in card
     assert f"`{cfg.data.root}` (6 episodes, {sum(EpisodeSource(cfg.data.root).video_frames)} frames" in card
     assert "| steps | 2 of 2 (pack mode, 60 tokens per micro-batch" in card
     assert "- `action_mse`: 0.125" in card and "- `episodes`: 3" in card
