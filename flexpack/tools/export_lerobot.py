@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
+    from flexpack.data.normalization import ActionStats
     from flexpack.run.config import TrainConfig
 
 # LingbotConfig fields with no LeRobot counterpart that inference never reads: LeRobot's trainer fixes them as
@@ -75,7 +76,7 @@ def check_config(cfg: TrainConfig, options: Any = None) -> None:
                          "policy's actions from [-1, 1] with q01 / q99 (QUANTILES); train with data.normalize = true")
 
 
-def policy_layout(cfg: TrainConfig, norm: dict[str, Any]) -> dict[str, Any]:
+def policy_layout(cfg: TrainConfig, stats: ActionStats) -> dict[str, Any]:
     """The dataset-side fields of the policy: ``obs_cam_keys``, ``height``, ``width``, the input and output
     features, checked against the latent cache and the checkpoint's statistics (one line each)."""
     from lerobot.configs.types import FeatureType, PolicyFeature
@@ -85,12 +86,12 @@ def policy_layout(cfg: TrainConfig, norm: dict[str, Any]) -> dict[str, Any]:
     from flexpack.data.problems import resolve_cameras
 
     m = cfg.model.resolved()
-    if norm["mode"] != "quantile":
-        raise ValueError(f"--format lerobot: the run normalized its actions with {norm['mode']!r} statistics, but "
+    if stats.mode != "quantile":
+        raise ValueError(f"--format lerobot: the run normalized its actions with {stats.mode!r} statistics, but "
                          "LeRobot's lingbot_va postprocessor maps actions with q01 / q99 (QUANTILES); train with "
                          "data.action_stats = 'pooled' (or a meta/stats.json with q01 / q99)")
-    if len(norm["low"]) != len(m.used_action_channel_ids):
-        raise ValueError(f"--format lerobot: the checkpoint's action statistics cover {len(norm['low'])} columns, but "
+    if stats.columns != len(m.used_action_channel_ids):
+        raise ValueError(f"--format lerobot: the checkpoint's action statistics cover {stats.columns} columns, but "
                          f"used_action_channel_ids = {list(m.used_action_channel_ids)} places "
                          f"{len(m.used_action_channel_ids)}: the actions do not map onto the policy's output")
     src = EpisodeSource(cfg.data.root)
@@ -131,9 +132,9 @@ def policy_config(cfg: TrainConfig, layout: dict[str, Any], wan_pretrained_path:
     return LingBotVAConfig(**fields)
 
 
-def write_policy(folder: Path, config: Any, state_dict: dict[str, torch.Tensor], norm: dict[str, Any],
-                 dtype: torch.dtype) -> None:
-    """One policy folder: config.json, model.safetensors, the processors, normalization.json."""
+def write_policy(folder: Path, config: Any, state_dict: dict[str, torch.Tensor], stats: ActionStats,
+                 norm: dict[str, Any], dtype: torch.dtype) -> None:
+    """One policy folder: config.json, model.safetensors, the processors (``stats``), normalization.json (``norm``)."""
     import draccus
     from lerobot.configs.policies import PreTrainedConfig
     from lerobot.policies.lingbot_va.processor_lingbot_va import make_lingbot_va_pre_post_processors
@@ -149,7 +150,7 @@ def write_policy(folder: Path, config: Any, state_dict: dict[str, torch.Tensor],
     weights = to_lerobot_state_dict({k: v.to(dtype) for k, v in state_dict.items()})
     save_file({k: v.contiguous() for k, v in weights.items()}, str(folder / "model.safetensors"),
               metadata={"format": "pt"})
-    pre, post = make_lingbot_va_pre_post_processors(config, dataset_stats=stats_tensors(norm, {}, ["action"]))
+    pre, post = make_lingbot_va_pre_post_processors(config, dataset_stats=stats_tensors(stats, {}, ["action"]))
     pre.save_pretrained(folder)
     post.save_pretrained(folder)
     (folder / "normalization.json").write_text(json.dumps(norm, indent=2) + "\n")
@@ -158,7 +159,7 @@ def write_policy(folder: Path, config: Any, state_dict: dict[str, torch.Tensor],
 def write_lerobot(job: Any, folder: Path) -> None:
     """The ``lerobot`` format of an :class:`~flexpack.tools.export_io.ExportJob` into ``folder``."""
     cfg, opts = job.cfg, job.options
-    config = policy_config(cfg, policy_layout(cfg, job.norm), opts.wan_pretrained_path)
-    write_policy(folder, config, job.model.state_dict(), job.norm, opts.dtype)
+    config = policy_config(cfg, policy_layout(cfg, job.stats), opts.wan_pretrained_path)
+    write_policy(folder, config, job.model.state_dict(), job.stats, job.norm, opts.dtype)
     if job.averaged is not None:
-        write_policy(folder / "ema", config, job.averaged.full_state_dict(), job.norm, opts.dtype)
+        write_policy(folder / "ema", config, job.averaged.full_state_dict(), job.stats, job.norm, opts.dtype)
