@@ -17,7 +17,7 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import torch
@@ -25,11 +25,14 @@ from torch import nn
 
 from flexpack.atomic import atomic_path
 from flexpack.data.normalization import ActionStats
+from flexpack.packing.geometry import TokenGeometry
 from flexpack.run.config import TrainConfig
-from flexpack.run.root import EpisodeDataset
 from flexpack.sampling.metrics import Metrics
 from flexpack.sampling.pairs import Pair, borrow_history, check_cut, cut_points, first_cut, make_pair
 from flexpack.sampling.solver import PackedSampler, SampleOptions, context_chunk, sampler_class
+
+if TYPE_CHECKING:
+    from flexpack.data.dataset import LatentEpisodeDataset
 
 MODES = ("forecast", "rollout")
 
@@ -64,7 +67,8 @@ def default_horizon(cfg: TrainConfig) -> int:
     return max(2 * chunk, -(-4 // chunk) * chunk)
 
 
-def dataset_for(cfg: TrainConfig, episodes: Sequence[int] | None = None, *, val: bool = False) -> EpisodeDataset:
+def dataset_for(cfg: TrainConfig, episodes: Sequence[int] | None = None, *, val: bool = False
+                ) -> LatentEpisodeDataset:
     """The config's dataset with whole episodes (no task segments): ``episodes`` (dataset episode
     indices), the held-out ones of the run's split (``val``: :func:`flexpack.run.build.split_of`), or all."""
     from flexpack.run.build import open_dataset, split_of
@@ -88,7 +92,7 @@ def dataset_for(cfg: TrainConfig, episodes: Sequence[int] | None = None, *, val:
     return open_dataset(cfg, episodes, segments=False)
 
 
-def geometry(cfg: TrainConfig, dataset: Any) -> Any:
+def geometry(cfg: TrainConfig, dataset: Any) -> TokenGeometry:
     """The token geometry of ``dataset`` for the config's model, as training derives it
     (:func:`flexpack.run.root.geometry_for`), with ``data.max_tokens`` per pack in either
     ``data.mode``: sampling always packs."""

@@ -182,7 +182,7 @@ class Metrics:
             mask = pair.action_mask[:, c:L].numpy()[self.channels].astype(np.float64)
         for k, (pa_K, pl_K) in preds.items():
             if ta is None or pa_K is None:
-                self.sums[k].add(None, None, None, None, None, pl_K, true_l)
+                self.sums[k].add(pa_K=None, ta=None, pr=None, tr=None, mask=None, pl_K=pl_K, tl=true_l)  # latents only
                 continue
             pa_K = pa_K[:, self.channels]
             raw = lambda y: np.moveaxis(denormalize(self.stats, np.moveaxis(y, 0, -1), self.columns), -1, 0)  # noqa: E731

@@ -57,20 +57,21 @@ def check_config(cfg: TrainConfig, options: Any = None) -> None:
     """One line for a lingbot-va config LeRobot's ``lingbot_va`` policy cannot represent (the module docstring)."""
     from lerobot.policies.lingbot_va.configuration_lingbot_va import LingBotVAConfig
 
-    m = cfg.model.resolved()
+    model_cfg = cfg.model.resolved()
     theirs = {f.name for f in dataclasses.fields(LingBotVAConfig)}
-    for f in dataclasses.fields(m):
+    for f in dataclasses.fields(model_cfg):
         if f.name in FIXED:
-            if getattr(m, f.name) != FIXED[f.name]:
-                raise ValueError(f"--format lerobot: {f.name} = {getattr(m, f.name)!r}, but LeRobot's lingbot_va "
-                                 f"policy needs {FIXED[f.name]} ({WHY[f.name]})")
+            if getattr(model_cfg, f.name) != FIXED[f.name]:
+                raise ValueError(f"--format lerobot: {f.name} = {getattr(model_cfg, f.name)!r}, but LeRobot's "
+                                 f"lingbot_va policy needs {FIXED[f.name]} ({WHY[f.name]})")
         elif f.name not in theirs and f.name not in TRAINING_ONLY:
             raise ValueError(f"--format lerobot: LeRobot's lingbot_va config has no field {f.name!r} "
-                             f"(= {getattr(m, f.name)!r} here); this model cannot be written as a LeRobot policy")
-    if cfg.data.stride != VAE_STRIDE or m.action_per_frame != VAE_STRIDE:
+                             f"(= {getattr(model_cfg, f.name)!r} here); this model cannot be written as a LeRobot "
+                             "policy")
+    if cfg.data.stride != VAE_STRIDE or model_cfg.action_per_frame != VAE_STRIDE:
         raise ValueError(f"--format lerobot: data.stride = {cfg.data.stride} video frames and action_per_frame = "
-                         f"{m.action_per_frame} action steps per latent frame, but LeRobot's lingbot_va policy encodes "
-                         f"{VAE_STRIDE} video frames per latent frame and runs one action per video frame")
+                         f"{model_cfg.action_per_frame} action steps per latent frame, but LeRobot's lingbot_va policy "
+                         f"encodes {VAE_STRIDE} video frames per latent frame and runs one action per video frame")
     if not cfg.data.normalize:
         raise ValueError("--format lerobot: data.normalize = false, but LeRobot's lingbot_va postprocessor maps the "
                          "policy's actions from [-1, 1] with q01 / q99 (QUANTILES); train with data.normalize = true")
@@ -85,17 +86,17 @@ def policy_layout(cfg: TrainConfig, stats: ActionStats) -> dict[str, Any]:
     from flexpack.data.episodes import EpisodeSource
     from flexpack.data.problems import resolve_cameras
 
-    m = cfg.model.resolved()
+    model_cfg = cfg.model.resolved()
     if stats.mode != "quantile":
         raise ValueError(f"--format lerobot: the run normalized its actions with {stats.mode!r} statistics, but "
                          "LeRobot's lingbot_va postprocessor maps actions with q01 / q99 (QUANTILES); train with "
                          "data.action_stats = 'pooled' (or a meta/stats.json with q01 / q99)")
-    if stats.columns != len(m.used_action_channel_ids):
+    if stats.columns != len(model_cfg.used_action_channel_ids):
         raise ValueError(f"--format lerobot: the checkpoint's action statistics cover {stats.columns} columns, but "
-                         f"used_action_channel_ids = {list(m.used_action_channel_ids)} places "
-                         f"{len(m.used_action_channel_ids)}: the actions do not map onto the policy's output")
+                         f"used_action_channel_ids = {list(model_cfg.used_action_channel_ids)} places "
+                         f"{len(model_cfg.used_action_channel_ids)}: the actions do not map onto the policy's output")
     src = EpisodeSource(cfg.data.root)
-    given = list(m.obs_cam_keys) or (list(cfg.data.cameras) if cfg.data.cameras else None)
+    given = list(model_cfg.obs_cam_keys) or (list(cfg.data.cameras) if cfg.data.cameras else None)
     cams = resolve_cameras(src.video_keys, given, src.info_file)
     shapes = {c: tuple(int(x) for x in src.meta.features[c]["shape"][:2]) for c in cams}  # (H, W, C) -> (H, W)
     if len(set(shapes.values())) != 1 or any(h % VAE_PIXELS or w % VAE_PIXELS for h, w in shapes.values()):
@@ -116,7 +117,7 @@ def policy_layout(cfg: TrainConfig, stats: ActionStats) -> dict[str, Any]:
                          f"cameras {cams} ({h}x{w} each) into {want[0]}x{want[1]} (the Wan VAE's {VAE_PIXELS}-pixel "
                          "grid, cameras joined on width)")
     inputs = {c: PolicyFeature(type=FeatureType.VISUAL, shape=(3, h, w)) for c in cams}
-    outputs = {"action": PolicyFeature(type=FeatureType.ACTION, shape=(len(m.used_action_channel_ids),))}
+    outputs = {"action": PolicyFeature(type=FeatureType.ACTION, shape=(len(model_cfg.used_action_channel_ids),))}
     return {"obs_cam_keys": cams, "height": h, "width": w, "input_features": inputs, "output_features": outputs}
 
 
