@@ -48,7 +48,7 @@ def run2(tiny_dataset, tmp_path_factory) -> Path:
 
     run = tmp_path_factory.mktemp("sample-bad") / "run"
     cfg = tiny_config(tiny_dataset, run)
-    normalizer = resume.normalizer_state(LatentEpisodeDataset(tiny_dataset, action_dim=6))
+    normalizer = resume.normalizer_state(LatentEpisodeDataset(tiny_dataset, action_dim=6)).to_json()
     run.mkdir()
     runfolder.mark(run)
     runfolder.record_start(run, cfg.to_dict(), start_step=0, world_size=1)

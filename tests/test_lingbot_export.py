@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from lerobot.policies.lingbot_va.modeling_lingbot_va import LingBotVAPolicy  # n
 
 from flexpack.data import action_stats  # noqa: E402
 from flexpack.data.episodes import EpisodeSource  # noqa: E402
+from flexpack.data.normalization import ActionStats  # noqa: E402
 from flexpack.models.lingbot_convert import to_lerobot_state_dict  # noqa: E402
 from flexpack.run.model import build_model  # noqa: E402
 from flexpack.run.state import checkpoint  # noqa: E402
@@ -170,13 +172,13 @@ def test_configs_lerobot_cannot_represent(tiny_dataset, tmp_path, sets, msg) -> 
 def test_fields_cameras_and_statistics_lerobot_has_no_place_for(tiny_dataset, tmp_path, monkeypatch) -> None:
     cfg = tiny_config(tiny_dataset, tmp_path, *LINGBOT)
     export_lerobot.check_config(cfg)  # the tiny run itself is representable
-    norm = {"mode": "quantile", "low": [0.0] * 6}
+    norm = ActionStats(mode="quantile", low=(0.0,) * 6, high=(1.0,) * 6)
     assert export_lerobot.policy_layout(cfg, norm)["obs_cam_keys"] == [CAM]
     with pytest.raises(ValueError, match="with 'meanstd' statistics"):
-        export_lerobot.policy_layout(cfg, {**norm, "mode": "meanstd"})
+        export_lerobot.policy_layout(cfg, replace(norm, mode="meanstd"))
     with pytest.raises(ValueError, match=r"statistics cover 5 columns, but used_action_channel_ids = \[0, 1, 2, 3, "
                                          r"4, 5\] places 6: the actions do not map"):
-        export_lerobot.policy_layout(cfg, {**norm, "low": [0.0] * 5})
+        export_lerobot.policy_layout(cfg, replace(norm, low=(0.0,) * 5, high=(1.0,) * 5))
     other = tiny_config(tiny_dataset, tmp_path, *LINGBOT, 'model.overrides.obs_cam_keys=["observation.images.top"]')
     with pytest.raises(ValueError, match="'observation.images.top' is not in the dataset"):
         export_lerobot.policy_layout(other, norm)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from flexpack.data.normalization import ActionStats
 from flexpack.packing.collate import PackCollate
 from flexpack.packing.layout import SequenceLayout
 from flexpack.run.config import load_config
@@ -221,7 +222,7 @@ def _hand_pair():
 
 def test_metrics_and_baselines_against_numpy():
     p = _hand_pair()
-    norm = {"mode": "quantile", "low": [0.0, -2.0], "high": [4.0, 2.0]}
+    norm = ActionStats(mode="quantile", low=(0.0, -2.0), high=(4.0, 2.0))
     mean_raw = [1.0, 0.5]
     m = Metrics(norm, [0, 1], mean_raw)
     m.add(p)
@@ -307,7 +308,7 @@ def test_denormalize_inverts_the_dataset_normalizer():
     u = np.random.default_rng(0).uniform(0, 1, size=(7, 3))
     for n in (ActionNormalizer("quantile", np.array([-2.0, 0.0, 1.0]), np.array([4.0, 5.0, 3.0])),
               ActionNormalizer("meanstd", np.array([1.0, 0.5, 0.0]), np.array([2.0, 0.5, 1.0]))):
-        state = {"mode": n.mode, "low": n.low.tolist(), "high": n.high.tolist()}
+        state = ActionStats.of(n)
         x = n.low + u * (n.high - n.low) if n.mode == "quantile" else 4 * u - 1  # quantile clips outside q01..q99
         np.testing.assert_allclose(denormalize(state, n(x), np.arange(3)), x, atol=1e-5)
         np.testing.assert_allclose(normalize(state, x), n(x), atol=1e-6)

@@ -29,6 +29,9 @@ from flexpack.run.bounds import check_count
 if TYPE_CHECKING:
     from torch import nn
 
+    from flexpack.data.normalization import ActionStats
+    from flexpack.run.config import TrainConfig
+
 # the choices of --mode and --solver, named here so that building the parser imports no torch (--help);
 # tests/test_cli.py checks they are sampling.evaluate.MODES and sampling.schedule.SOLVERS
 MODES = ("forecast", "rollout")
@@ -95,14 +98,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default runtime.device)")
 
 
-def load_weights(cfg: Any, source: str | Path, *, ema: bool = False) -> tuple[nn.Module, dict[str, Any] | None, str]:
+def load_weights(cfg: TrainConfig, source: str | Path, *, ema: bool = False
+                 ) -> tuple[nn.Module, ActionStats | None, str]:
     """The config's model with the weights of a run / checkpoint / export folder; returns
     (model, the action statistics it was trained with or None, a label naming the weights)."""
+    from flexpack.data.normalization import ActionStats
     from flexpack.models.wan_config import check_action_positions
     from flexpack.run.checks import check_state_shapes
     from flexpack.run.model import build_model
     from flexpack.run.state import checkpoint
     from flexpack.run.state.locate import load_newest
+    from flexpack.run.state.resume import saved_stats
 
     path = Path(source)
     if not path.exists():
@@ -122,8 +128,8 @@ def load_weights(cfg: Any, source: str | Path, *, ema: bool = False) -> tuple[nn
             loaded = cfg.model.model_family().load_checkpoint(str(folder), cfg.model.resolved())
         check_state_shapes(folder, loaded.state_dict(), model)
         model.load_state_dict(loaded.state_dict())
-        norm = json.loads((path / "normalization.json").read_text())
-        return model, {k: norm[k] for k in ("mode", "low", "high")}, str(folder)
+        norm = path / "normalization.json"
+        return model, ActionStats.from_json(json.loads(norm.read_text()), str(norm)), str(folder)
     tried: list[Path] = []
 
     def weights(found: Path) -> dict[str, Any]:
@@ -141,7 +147,7 @@ def load_weights(cfg: Any, source: str | Path, *, ema: bool = False) -> tuple[nn
     newest = max((p.name for p in found.parent.glob("step_*")), default=found.name)
     if len(tried) > 1 or (found.parent.name == "checkpoints" and found.name != newest):  # name what it fell back to
         print(f"sample: checkpoint {found} (step {int(state['step'])})", file=sys.stderr)
-    return model, (state.get("extra") or {}).get("action_normalizer"), str(found)
+    return model, saved_stats(state, found / "train_state.json"), str(found)
 
 
 def _default_out(source: Path, label: str, mode: str) -> Path:
@@ -170,7 +176,7 @@ def check_flags(args: argparse.Namespace) -> None:
         check_count("--cut-points", c, 1, bounds.HORIZON, unit="latent frames of context")
 
 
-def check_trained_config(cfg: Any, source: Path, given: str) -> None:
+def check_trained_config(cfg: TrainConfig, source: Path, given: str) -> None:
     """A config (or ``--set``) that disagrees with what the weights at ``source`` were trained with is one line:
     sampling it would build another model or mask around the weights (:mod:`flexpack.run.state.trained`)."""
     from flexpack.run.config import load_config
@@ -180,7 +186,7 @@ def check_trained_config(cfg: Any, source: Path, given: str) -> None:
     check_trained(cfg, load_config(trained), given_from=given, trained_from=trained, command="sample")
 
 
-def solver_steps(sampler: Any, cfg: Any, given: int | None) -> int:
+def solver_steps(sampler: Any, cfg: TrainConfig, given: int | None) -> int:
     """``--steps`` (default 10), or where the family's sampler takes its steps from the model config (lingbot-va:
     LeRobot's fields), those; ``--steps`` given there is one line naming the fields."""
     if not hasattr(sampler, "config_steps"):
@@ -195,7 +201,7 @@ def solver_steps(sampler: Any, cfg: Any, given: int | None) -> int:
 def run(args: argparse.Namespace) -> int:
     from flexpack.run.checks import resolve_device
     from flexpack.run.cpu_threads import cpu_threads
-    from flexpack.sampling.evaluate import PairPlan, checkpoint_normalizer, dataset_for, evaluate, table
+    from flexpack.sampling.evaluate import PairPlan, checkpoint_stats, dataset_for, evaluate, table
     from flexpack.sampling.solver import SampleOptions, context_chunk, sampler_class
 
     check_flags(args)
@@ -219,13 +225,13 @@ def run(args: argparse.Namespace) -> int:
     val = args.val or (args.episodes is None and bool(cfg.data.val_fraction or cfg.data.val_episodes))
     dataset = dataset_for(cfg, args.episodes, val=val)
     model, saved, label = load_weights(cfg, source, ema=args.ema)
-    normalizer = checkpoint_normalizer(dataset, saved, label)
+    action_stats = checkpoint_stats(dataset, saved, label)
     model.to(device)
     out = args.out or _default_out(Path(source), label, args.mode)
     options = SampleOptions(steps=steps, solver=args.solver,
                             dtype=cfg.runtime.dtype if device.type == "cuda" else "float32")
     with cpu_threads(cfg.runtime.cpu_threads, device, model):  # a tiny model: one thread, said so
-        metrics, files = evaluate(model, cfg, dataset, plan, options, device=device, normalizer=normalizer, out=out,
+        metrics, files = evaluate(model, cfg, dataset, plan, options, device=device, action_stats=action_stats, out=out,
                                   plots=args.plots)
     print(f"{label}: {metrics['mode']} of {len(metrics['episodes'])} episode(s), {metrics['pairs']} pair(s) x "
           f"{args.samples} sample(s), context >= {args.min_context} latent frames, horizon {metrics['horizon']}, "

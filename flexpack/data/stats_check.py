@@ -16,8 +16,8 @@ is the one check every reader calls (the dataset, ``encode``, ``check-dataset``,
   between is float rounding, not a spread: dividing by it would blow rounding up to ±1.
 
 A violation is a ``ValueError`` of one line naming the file (or checkpoint), the feature and the column.
-:func:`check_normalizer` applies the same check to the ``{"mode", "low", "high"}`` state a checkpoint or
-an export carries.
+:func:`check_normalizer` applies the same check to the ``{"mode", "low", "high"}`` record a checkpoint or
+an export carries (read through :meth:`flexpack.data.normalization.ActionStats.from_json`).
 """
 
 from __future__ import annotations

@@ -183,7 +183,8 @@ class WanVA(nn.Module):
         layout = SequenceLayout.from_rows([[Fp]] * B, Fp, text_len=[L] * B, mode="pad").to(latent.device)
         tl = layout.tokens(video_tokens=h * w, grid_hw=(h, w))
         t = timestep.float()[None, :, None].expand(1, B, Fp)
-        vid, _ = self._run(patches, None, tl, t, None, text, "document", None, None)
+        vid, _ = self._run(patches, acts=None, tl=tl, t_video=t, t_action=None, text=text, mask="document",
+                           chunk_size=None, window=None)
         return self._unpatchify(vid, h, w)
 
     @classmethod

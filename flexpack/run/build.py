@@ -30,10 +30,10 @@ def open_dataset(cfg: TrainConfig, episodes: Sequence[int] | None = None, *,
     channel j, ``data.cameras``)."""
     from flexpack.data import LatentEpisodeDataset
 
-    d, m, fam = cfg.data, cfg.model.resolved(), cfg.model.model_family()
+    d, model_cfg, fam = cfg.data, cfg.model.resolved(), cfg.model.model_family()
     if not d.root:
         raise ValueError("data.root is empty: set it to a LeRobot dataset folder with a latent cache")
-    conv = fam.conventions(m)
+    conv = fam.conventions(model_cfg)
     cameras = list(d.cameras) if d.cameras else None
     if conv.action_channels is not None or conv.cameras:
         cameras = check_conventions(cfg, conv)

@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping, Protocol
 
 from torch import nn
 
+from flexpack.data.normalization import ActionStats
 from flexpack.run.root import Run
 
 
@@ -25,8 +26,7 @@ class HookContext:
     the action statistics the weights are trained with (restored ones after a resume)."""
 
     run: Run
-    normalizer_state: dict[str, Any] | None = None  # the checkpointed action normalization, None without actions
-    dataset_normalizer: Any = None  # the training dataset's ActionNormalizer (the statistics in use)
+    action_stats: ActionStats | None = None  # the statistics in use (checkpointed with the weights); None: no actions
 
 
 @dataclass(frozen=True, kw_only=True)

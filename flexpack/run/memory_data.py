@@ -67,15 +67,15 @@ def synthetic_run(cfg: TrainConfig, *, hw: tuple[int, int] | None = None, text_l
 
     ``hw``: latent height and width (default: one patch, one video token per frame); must be a
     multiple of the model's patch. Pack and pad mode as :func:`flexpack.run.build.build_run`."""
-    d, m = cfg.data, cfg.model.resolved()
-    _, ph, pw = m.patch_size
+    d, model_cfg = cfg.data, cfg.model.resolved()
+    _, ph, pw = model_cfg.patch_size
     hw = (ph, pw) if hw is None else tuple(hw)
     if len(hw) != 2 or min(hw) <= 0 or hw[0] % ph or hw[1] % pw:
         raise ValueError(f"--synthetic-hw {hw} must be two positive multiples of the model's patch ({ph}, {pw})")
     if text_len <= 0:
         raise ValueError(f"synthetic text_len must be >= 1, got {text_len}")
     if d.mode == "pack":
-        geometry = geometry_for(m, hw, cfg)
+        geometry = geometry_for(model_cfg, hw, cfg)
         if d.max_tokens < geometry.tokens_per_frame:
             raise ValueError(f"data.max_tokens = {d.max_tokens} is less than one latent frame "
                              f"({geometry.tokens_per_frame} tokens)")
@@ -83,6 +83,6 @@ def synthetic_run(cfg: TrainConfig, *, hw: tuple[int, int] | None = None, text_l
     else:
         rng = random.Random(d.seed)  # short episodes: pad mode's shapes follow the longest of each batch
         lengths = [rng.randint(1, 24) for _ in range(8 * d.batch_size)]
-    dataset = RandomEpisodes(lengths, channels=m.in_channels, hw=hw, action_channels=m.action_channels,
-                             action_steps=d.action_steps, text_len=text_len, text_dim=m.text_dim)
+    dataset = RandomEpisodes(lengths, channels=model_cfg.in_channels, hw=hw, action_channels=model_cfg.action_channels,
+                             action_steps=d.action_steps, text_len=text_len, text_dim=model_cfg.text_dim)
     return run_for(dataset, cfg, rank=rank, world_size=world_size, device=device)

@@ -96,12 +96,13 @@ def pretrained_config(path: str, base: Any, overrides: Mapping[str, Any], family
     return replace(base, **{name: getattr(ckpt, name) for name in family.shape_fields}, **kept)
 
 
-def load_single(family: ModelFamily, path: str, cfg: Any, seed: int) -> nn.Module:
-    """The whole model in one process: float32 on the current default device."""
+def load_single(family: ModelFamily, path: str, model_cfg: Any, seed: int) -> nn.Module:
+    """The whole model in one process: float32 on the current default device (``model_cfg``: the family's
+    resolved model config, e.g. a ``WanVAConfig``)."""
     if family.load_checkpoint is None:
         raise ValueError(f"model.pretrained: the {family.name} family cannot load checkpoints")
     torch.manual_seed(seed)  # the fresh tensors' init (WanVA: the action stream)
-    model = family.load_checkpoint(transformer_path(path), cfg)
+    model = family.load_checkpoint(transformer_path(path), model_cfg)
     return model.to(device=torch.get_default_device(), dtype=torch.float32)
 
 
@@ -118,7 +119,7 @@ def _copy_into(param: torch.Tensor, full: torch.Tensor) -> None:
         param.copy_(full)
 
 
-def load_pretrained(model: nn.Module, path: str, cfg: Any, family: ModelFamily, *, device: torch.device,
+def load_pretrained(model: nn.Module, path: str, model_cfg: Any, family: ModelFamily, *, device: torch.device,
                     seed: int) -> None:
     """Fill a (sharded) model built on the meta device from the checkpoint at ``path``, slice by slice."""
     from safetensors import safe_open
@@ -143,7 +144,7 @@ def load_pretrained(model: nn.Module, path: str, cfg: Any, family: ModelFamily, 
                 _copy_into(params[name], t)
                 filled.add(name)
     torch.manual_seed(seed)  # the same draws as load_single: a sharded start equals a single-process one
-    for name, t in family.fresh_tensors(cfg).items():
+    for name, t in family.fresh_tensors(model_cfg).items():
         _copy_into(params[name], t)
         filled.add(name)
     missing = sorted(set(params) - filled)

@@ -256,10 +256,10 @@ def parallel_options(cfg: TrainConfig, device: torch.device) -> ParallelOptions:
                            param_dtype=torch.bfloat16 if r.dtype == "bfloat16" else None)
 
 
-def model_collate(collate: PackCollate | PadCollate, model: Any, family: ModelFamily) -> ModelCollate:
-    """``collate`` for ``model`` of ``family``: actions where it has them, text as its conventions want it."""
-    return ModelCollate(collate, actions=model.action_channels > 0,
-                        text_tokens=family.conventions(model).text_tokens)
+def model_collate(collate: PackCollate | PadCollate, model_cfg: Any, family: ModelFamily) -> ModelCollate:
+    """``collate`` for ``model_cfg`` of ``family``: actions where it has them, text as its conventions want it."""
+    return ModelCollate(collate, actions=model_cfg.action_channels > 0,
+                        text_tokens=family.conventions(model_cfg).text_tokens)
 
 
 def forward_options(cfg: TrainConfig, text_slots: int | None = None) -> ForwardOptions:
@@ -267,16 +267,16 @@ def forward_options(cfg: TrainConfig, text_slots: int | None = None) -> ForwardO
     return ForwardOptions(mask=cfg.model.mask, chunk_size=cfg.model.chunk_size, text_slots=text_slots)
 
 
-def geometry_for(model: Any, latent_hw: tuple[int, int], cfg: TrainConfig) -> TokenGeometry:
-    """The token geometry of latents of ``latent_hw`` (H, W) for ``model`` under ``cfg``: the
+def geometry_for(model_cfg: Any, latent_hw: tuple[int, int], cfg: TrainConfig) -> TokenGeometry:
+    """The token geometry of latents of ``latent_hw`` (H, W) for ``model_cfg`` under ``cfg``: the
     frame's patches, ``data.action_steps`` action tokens (none for a model without actions; the
     family's, where its conventions fix them), the family's copies (``objective.teacher_forcing``
     decides where the family leaves it open), ``data.max_tokens`` per pack in pack mode."""
     family = cfg.model.model_family()
-    check_action_steps(family.conventions(model), cfg, family)
-    _, ph, pw = model.patch_size
+    check_action_steps(family.conventions(model_cfg), cfg, family)
+    _, ph, pw = model_cfg.patch_size
     return TokenGeometry(video_tokens=(latent_hw[0] // ph) * (latent_hw[1] // pw),
-                         action_tokens=cfg.data.action_steps if model.action_channels else 0,
+                         action_tokens=cfg.data.action_steps if model_cfg.action_channels else 0,
                          copies=family.copies_of(cfg.objective.teacher_forcing),
                          max_tokens=cfg.data.max_tokens if cfg.data.mode == "pack" else None)
 
@@ -314,20 +314,20 @@ def run_text_slots(sampler: BatchSampler) -> int:
     return max(1, sampler.most_per_batch())
 
 
-def check_fits_model(dataset: EpisodeDataset, model: Any, cfg: TrainConfig) -> tuple[int, int]:
-    """The (H, W) of the dataset's latents, after checking that they and its text fit ``model``."""
+def check_fits_model(dataset: EpisodeDataset, model_cfg: Any, cfg: TrainConfig) -> tuple[int, int]:
+    """The (H, W) of the dataset's latents, after checking that they and its text fit ``model_cfg``."""
     item = dataset[0]
     C, _, H, W = item["latent"].shape
-    _, ph, pw = model.patch_size
-    text_dim = item["text"].shape[1] if "text" in item else model.text_dim
-    if C != model.in_channels or H % ph or W % pw or text_dim != model.text_dim:
+    _, ph, pw = model_cfg.patch_size
+    text_dim = item["text"].shape[1] if "text" in item else model_cfg.text_dim
+    if C != model_cfg.in_channels or H % ph or W % pw or text_dim != model_cfg.text_dim:
         where = cfg.data.root or "the dataset"
         raise ValueError(
             f"{where}: latents (C, H, W)={(C, H, W)} with text width {text_dim} do not fit the model "
-            f"(in_channels={model.in_channels}, patch={model.patch_size}, text_dim={model.text_dim}); "
+            f"(in_channels={model_cfg.in_channels}, patch={model_cfg.patch_size}, text_dim={model_cfg.text_dim}); "
             "set model.overrides"
         )
-    tokens = cfg.model.model_family().conventions(model).text_tokens
+    tokens = cfg.model.model_family().conventions(model_cfg).text_tokens
     if tokens is not None:
         full_text(item, tokens)  # a text longer than the model's is refused here, before any batch
     return H, W
@@ -340,13 +340,14 @@ def run_for(dataset: EpisodeDataset, cfg: TrainConfig, *, rank: int = 0, world_s
     config's ``runtime.device``). Pack mode checks every item fits ``data.max_tokens`` (or ``data.crop``)."""
     from flexpack.run.checks import check_token_budget, resolve_device
 
-    family, model = cfg.model.model_family(), cfg.model.resolved()
+    family, model_cfg = cfg.model.model_family(), cfg.model.resolved()
     device = resolve_device(cfg.runtime.device) if device is None else device
-    geometry = geometry_for(model, check_fits_model(dataset, model, cfg), cfg)
+    geometry = geometry_for(model_cfg, check_fits_model(dataset, model_cfg, cfg), cfg)
     if cfg.data.mode == "pack":
         check_token_budget(cfg, dataset, geometry)
     sampler, collate = batching(cfg, dataset.lengths(), geometry, rank, world_size)
-    data = Data(dataset=dataset, sampler=sampler, collate=model_collate(collate, model, family))
-    return Run(config=cfg, family=family, model=model, objective=objective_for(family.objective, cfg.objective, model),
+    data = Data(dataset=dataset, sampler=sampler, collate=model_collate(collate, model_cfg, family))
+    return Run(config=cfg, family=family, model=model_cfg,
+               objective=objective_for(family.objective, cfg.objective, model_cfg),
                geometry=geometry, device=device, rank=rank, world_size=world_size,
                forward=forward_options(cfg, run_text_slots(sampler)), split=split or Split(), data=data)

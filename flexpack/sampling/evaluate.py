@@ -17,16 +17,22 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
 from flexpack.atomic import atomic_path
+from flexpack.data.normalization import ActionStats
+from flexpack.packing.geometry import TokenGeometry
+from flexpack.run.config import TrainConfig
 from flexpack.sampling.metrics import Metrics
 from flexpack.sampling.pairs import Pair, borrow_history, check_cut, cut_points, first_cut, make_pair
 from flexpack.sampling.solver import PackedSampler, SampleOptions, context_chunk, sampler_class
+
+if TYPE_CHECKING:
+    from flexpack.data.dataset import LatentEpisodeDataset
 
 MODES = ("forecast", "rollout")
 
@@ -55,29 +61,30 @@ class PairPlan:
             raise ValueError(f"--min-context must be >= 0 latent frames, got {self.min_context}")
 
 
-def default_horizon(cfg: Any) -> int:
+def default_horizon(cfg: TrainConfig) -> int:
     """Two context chunks, at least 4 latent frames (16 video frames at the usual stride)."""
     chunk = context_chunk(cfg)
     return max(2 * chunk, -(-4 // chunk) * chunk)
 
 
-def dataset_for(cfg: Any, episodes: Sequence[int] | None = None, *, val: bool = False) -> Any:
+def dataset_for(cfg: TrainConfig, episodes: Sequence[int] | None = None, *, val: bool = False
+                ) -> LatentEpisodeDataset:
     """The config's dataset with whole episodes (no task segments): ``episodes`` (dataset episode
-    indices), the held-out ones (``val``), or all."""
-    from flexpack.data.episodes import EpisodeSource
-    from flexpack.run.build import open_dataset
-    from flexpack.run.holdout import split_episodes
+    indices), the held-out ones of the run's split (``val``: :func:`flexpack.run.build.split_of`), or all."""
+    from flexpack.run.build import open_dataset, split_of
 
     d = cfg.data
     if not d.root:
         raise ValueError("data.root is empty: set it to a LeRobot dataset folder with a latent cache")
-    known = EpisodeSource(d.root).episodes
     if val:
         if not (d.val_fraction or d.val_episodes):
             raise ValueError("--val needs held-out episodes: the config sets neither data.val_fraction nor "
                              "data.val_episodes (pass --episodes instead)")
-        episodes = split_episodes(known, d, d.root)[1]
+        episodes = split_of(cfg).held_out
     elif episodes is not None:
+        from flexpack.data.episodes import EpisodeSource
+
+        known = EpisodeSource(d.root).episodes
         bad = sorted(set(episodes) - set(known))
         if bad:
             raise ValueError(f"episodes {bad} are not in {d.root} (it has {len(known)} episodes: "
@@ -85,7 +92,7 @@ def dataset_for(cfg: Any, episodes: Sequence[int] | None = None, *, val: bool = 
     return open_dataset(cfg, episodes, segments=False)
 
 
-def geometry(cfg: Any, dataset: Any) -> Any:
+def geometry(cfg: TrainConfig, dataset: Any) -> TokenGeometry:
     """The token geometry of ``dataset`` for the config's model, as training derives it
     (:func:`flexpack.run.root.geometry_for`), with ``data.max_tokens`` per pack in either
     ``data.mode``: sampling always packs."""
@@ -97,12 +104,12 @@ def geometry(cfg: Any, dataset: Any) -> Any:
     return replace(geometry_for(cfg.model.wan_config(), (H, W), cfg), max_tokens=cfg.data.max_tokens)
 
 
-def tokens_per_frame(cfg: Any, dataset: Any) -> int:
+def tokens_per_frame(cfg: TrainConfig, dataset: Any) -> int:
     """Tokens of one latent frame of ``dataset`` for the config's model (its :func:`geometry`)."""
     return geometry(cfg, dataset).tokens_per_frame
 
 
-def build_pairs(cfg: Any, dataset: Any, plan: PairPlan, *, limit_pairs: int | None = None,
+def build_pairs(cfg: TrainConfig, dataset: Any, plan: PairPlan, *, limit_pairs: int | None = None,
                 note: bool = True) -> list[Pair]:
     """Pairs of every episode of ``dataset``: forecast cut points, or one rollout from the first allowed
     cut; ``plan.samples`` consecutive pairs (samples 0..K-1, each its own noise) per (episode, cut)."""
@@ -178,20 +185,20 @@ def _swap_histories(pairs: list[Pair], dataset: Any, lengths: Sequence[int]) -> 
         borrow_history(p, items.setdefault(j, dataset[j]))
 
 
-def checkpoint_normalizer(dataset: Any, saved: dict[str, Any] | None, where: str) -> dict[str, Any] | None:
-    """The action statistics the weights were trained with; the dataset must normalize the same way."""
-    from flexpack.data.stats_check import check_normalizer
+def checkpoint_stats(dataset: Any, saved: ActionStats | None, where: str) -> ActionStats | None:
+    """The action statistics the weights were trained with (``saved``, read from ``where``; None: the
+    dataset's own); the dataset must normalize the same way."""
     from flexpack.run.state.resume import normalizer_state
 
     mine = normalizer_state(dataset)
     if saved is None:
         return mine
-    check_normalizer(saved, where=where, width=len(dataset.channels))
-    if mine is None or mine["mode"] != saved["mode"] or not (
-            np.allclose(mine["low"], saved["low"], rtol=1e-6, atol=1e-9)
-            and np.allclose(mine["high"], saved["high"], rtol=1e-6, atol=1e-9)):
-        raise ValueError(f"{dataset.root}: its action statistics ({mine and mine['mode']}) are not those {where} was "
-                         f"trained with ({saved['mode']}, low {np.round(saved['low'], 4).tolist()[:4]}...); "
+    if saved.mode != "none" and saved.columns != len(dataset.channels):
+        raise ValueError(f"{where}: feature 'action': low has {saved.columns} values, the feature has "
+                         f"{len(dataset.channels)} columns")
+    if not saved.matches(mine):
+        raise ValueError(f"{dataset.root}: its action statistics ({mine and mine.mode}) are not those {where} was "
+                         f"trained with ({saved.mode}, low {np.round(saved.low, 4).tolist()[:4]}...); "
                          "sample with the training dataset or restore its meta/stats.json")
     return saved
 
@@ -212,7 +219,7 @@ def mean_action(dataset: Any) -> list[float] | None:
     return None if "mean" not in stats else np.asarray(stats["mean"], dtype=np.float64).reshape(-1).tolist()
 
 
-def sample_pairs(model: nn.Module, cfg: Any, pairs: list[Pair], *, tpf: int, device: torch.device,
+def sample_pairs(model: nn.Module, cfg: TrainConfig, pairs: list[Pair], *, tpf: int, device: torch.device,
                  options: SampleOptions, stage: int | None = None, text_slots: int | None = None,
                  dataset: Any = None) -> PackedSampler:
     sampler = sampler_class(cfg)(model, cfg, tpf, device, options, text_slots=text_slots, stage=stage, dataset=dataset)
@@ -240,19 +247,19 @@ def _headline(r: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def score(pairs: Sequence[Pair], dataset: Any, normalizer: dict[str, Any] | None) -> dict[str, Any]:
+def score(pairs: Sequence[Pair], dataset: Any, action_stats: ActionStats | None) -> dict[str, Any]:
     """All pairs' metrics (K samples per (episode, cut): :class:`Metrics`), plus ``per_episode`` and
     ``per_cut`` (keyed by the cut point: latent frames of context): the headline numbers of each
     episode's and each context length's pairs (which episodes a model gets wrong; how the error falls
     as the context grows)."""
     mean = mean_action(dataset)
-    metrics = Metrics(normalizer, dataset.channels, mean)
+    metrics = Metrics(action_stats, dataset.channels, mean)
     per: dict[str, dict[str, Metrics]] = {"per_episode": {}, "per_cut": {}}
     for group in samples_of(pairs):
         metrics.add(*group)
         p = group[0]
         for kind, key in (("per_episode", p.episode), ("per_cut", p.cut)):
-            per[kind].setdefault(str(key), Metrics(normalizer, dataset.channels, mean)).add(*group)
+            per[kind].setdefault(str(key), Metrics(action_stats, dataset.channels, mean)).add(*group)
     out = metrics.result()
     for kind, parts in per.items():
         out[kind] = {k: _headline(m.result()) for k, m in sorted(parts.items(), key=lambda kv: int(kv[0]))}
@@ -260,12 +267,12 @@ def score(pairs: Sequence[Pair], dataset: Any, normalizer: dict[str, Any] | None
 
 
 def write_media(out: Path, pairs: Sequence[Pair], dataset: Any, plots: int, device: torch.device | str = "cpu", *,
-                normalizer: dict[str, Any] | None = None, mode: str = "forecast", chunk: int = 1
+                action_stats: ActionStats | None = None, mode: str = "forecast", chunk: int = 1
                 ) -> tuple[dict[str, Path], dict[str, float]]:
     """:func:`flexpack.sampling.pictures.write_media` with the dataset's action names and mean action."""
     from flexpack.sampling import pictures
 
-    return pictures.write_media(out, pairs, dataset, plots, device, normalizer=normalizer,
+    return pictures.write_media(out, pairs, dataset, plots, device, action_stats=action_stats,
                                 mean_raw=mean_action(dataset), names=action_names(dataset), mode=mode, chunk=chunk)
 
 
@@ -293,8 +300,8 @@ def table(metrics: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def evaluate(model: nn.Module, cfg: Any, dataset: Any, plan: PairPlan, options: SampleOptions, *,
-             device: torch.device, normalizer: dict[str, Any] | None, out: Path | None, plots: int = 4,
+def evaluate(model: nn.Module, cfg: TrainConfig, dataset: Any, plan: PairPlan, options: SampleOptions, *,
+             device: torch.device, action_stats: ActionStats | None, out: Path | None, plots: int = 4,
              write: bool = True, text_slots: int | None = None, note: bool = True
              ) -> tuple[dict[str, Any], dict[str, Path]]:
     """Sample, score, and (``write``: rank 0) write ``metrics.json`` and the plots into ``out``."""
@@ -308,7 +315,7 @@ def evaluate(model: nn.Module, cfg: Any, dataset: Any, plan: PairPlan, options: 
                                text_slots=text_slots, dataset=dataset)
     finally:
         model.train(was)
-    metrics = score(pairs, dataset, normalizer)
+    metrics = score(pairs, dataset, action_stats)
     metrics.update(episodes=sorted({p.episode for p in pairs}), steps=options.steps, solver=options.solver,
                    seed=plan.seed, mode=plan.mode, horizon=plan.horizon or default_horizon(cfg),
                    action_names=action_names(dataset),
@@ -317,7 +324,7 @@ def evaluate(model: nn.Module, cfg: Any, dataset: Any, plan: PairPlan, options: 
                    model_calls=sampler.forwards)
     files: dict[str, Path] = {}
     if write and out is not None:
-        files = _write_all(out, pairs, dataset, plots, device, metrics, normalizer=normalizer, mode=plan.mode,
+        files = _write_all(out, pairs, dataset, plots, device, metrics, action_stats=action_stats, mode=plan.mode,
                            chunk=context_chunk(cfg))
     return metrics, files
 

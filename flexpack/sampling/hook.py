@@ -23,7 +23,9 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from flexpack.data.normalization import ActionStats
 from flexpack.run.hooks import HookContext, HookReport
+from flexpack.run.root import Run
 from flexpack.sampling.evaluate import PairPlan, build_pairs, dataset_for, evaluate
 
 KEYS = ("action_mse", "action_mse_kmean", "action_crps", "action_l1", "action_mse_raw", "action_l1_raw", "latent_mse",
@@ -31,21 +33,16 @@ KEYS = ("action_mse", "action_mse_kmean", "action_crps", "action_l1", "action_ms
 
 
 class SampleHook:
-    def __init__(self, cfg: Any, device: torch.device, *, normalizer: dict[str, Any] | None,
-                 dataset_normalizer: Any = None, rank: int = 0) -> None:
-        from flexpack.data.episodes import EpisodeSource
-        from flexpack.run.holdout import split_episodes
-
-        r = cfg.runtime
-        self.cfg, self.device, self.rank, self.normalizer = cfg, device, rank, normalizer
-        held = split_episodes(EpisodeSource(cfg.data.root).episodes, cfg.data, cfg.data.root)[1]
-        self.dataset = dataset_for(cfg, held[: r.sample_episodes])
-        if dataset_normalizer is not None:  # the statistics the weights are trained with (kept on resume)
-            self.dataset.normalizer = dataset_normalizer
+    def __init__(self, run: Run, *, action_stats: ActionStats | None = None) -> None:
+        cfg, r = run.config, run.config.runtime
+        self.cfg, self.device, self.rank, self.action_stats = cfg, run.device, run.rank, action_stats
+        self.dataset = dataset_for(cfg, run.split.held_out[: r.sample_episodes])  # the run's own held-out episodes
+        if action_stats is not None:  # the statistics the weights are trained with (kept on resume)
+            self.dataset.normalizer = action_stats.normalizer()
         self.plan = PairPlan(mode="forecast", cuts=r.sample_cuts, horizon=r.sample_horizon or None,
                              samples=r.sample_draws, min_context=r.sample_min_context)
         try:  # before the first step: held-out episodes too short for the horizon fail now, not mid-run
-            build_pairs(cfg, self.dataset, self.plan, note=rank == 0)
+            build_pairs(cfg, self.dataset, self.plan, note=self.rank == 0)
         except ValueError as exc:
             raise ValueError(f"runtime.sample_every={r.sample_every}: {exc} (runtime.sample_horizon, "
                              "runtime.sample_min_context, data.val_episodes)") from None
@@ -69,7 +66,7 @@ class SampleHook:
             options = replace(options, dtype="bfloat16")
         with _ema_weights(model, ema if r.sample_ema else None):
             metrics, files = evaluate(model, self.cfg, self.dataset, self.plan, options, device=self.device,
-                                      normalizer=self.normalizer, out=out, plots=r.sample_plots,
+                                      action_stats=self.action_stats, out=out, plots=r.sample_plots,
                                       write=self.rank == 0, note=False)  # the note was said once, at start
         rec: dict[str, Any] = {"step": step, **{f"sample/{k}": metrics[k] for k in KEYS}}
         for name, b in metrics["baselines"].items():
@@ -103,5 +100,4 @@ def make_sample_hook(ctx: HookContext) -> SampleHook | None:
     run = ctx.run
     if not run.config.runtime.sample_every:
         return None
-    return SampleHook(run.config, run.device, normalizer=ctx.normalizer_state,
-                      dataset_normalizer=ctx.dataset_normalizer, rank=run.rank)
+    return SampleHook(run, action_stats=ctx.action_stats)

@@ -47,6 +47,7 @@ import torch
 from torch import Tensor, nn
 
 from flexpack.flow.objective import shift_sigma
+from flexpack.run.config import TrainConfig
 from flexpack.run.root import forward_options, full_text
 from flexpack.sampling.pairs import Pair, pair_noise
 from flexpack.sampling.schedule import solve
@@ -98,16 +99,17 @@ class LingbotSampler(PackedSampler):
     ``dataset``, where a stream is guided); ``noise``: the starting noise of a pack (default
     :func:`~flexpack.sampling.pairs.pair_noise`, per pair and coordinates inside its episode)."""
 
-    def __init__(self, model: nn.Module, cfg: Any, tokens_per_frame: int, device: torch.device,
+    def __init__(self, model: nn.Module, cfg: TrainConfig, tokens_per_frame: int, device: torch.device,
                  options: SampleOptions = SampleOptions(), *, max_tokens: int | None = None,
                  text_slots: int | None = None, stage: int | None = None, dataset: Any = None,
                  negative_text: tuple[Tensor, int] | None = None, noise: NoiseFn | None = None) -> None:
         super().__init__(model, cfg, tokens_per_frame, device, options, max_tokens=max_tokens, text_slots=text_slots,
                          stage=stage, dataset=dataset)
-        m = self.family_config = cfg.model.resolved()
-        self.C, self.window = int(m.frame_chunk_size), int(m.attn_window)
-        self.video = Stream(stream_grid(m.num_inference_steps, m.snr_shift), m.guidance_scale)
-        self.action = Stream(stream_grid(m.action_num_inference_steps, m.action_snr_shift), m.action_guidance_scale)
+        model_cfg = self.family_config = cfg.model.resolved()
+        self.C, self.window = int(model_cfg.frame_chunk_size), int(model_cfg.attn_window)
+        self.video = Stream(stream_grid(model_cfg.num_inference_steps, model_cfg.snr_shift), model_cfg.guidance_scale)
+        self.action = Stream(stream_grid(model_cfg.action_num_inference_steps, model_cfg.action_snr_shift),
+                             model_cfg.action_guidance_scale)
         self.negative = None
         if self.video.guided or self.action.guided:
             if negative_text is None:
@@ -116,16 +118,16 @@ class LingbotSampler(PackedSampler):
                                      "dataset whose text encoder encodes it")
                 negative_text = negative_prompt(dataset)
             text, n = negative_text
-            self.negative = full_text({"text": text, "text_len": n}, m.max_sequence_length)["text"]
+            self.negative = full_text({"text": text, "text_len": n}, model_cfg.max_sequence_length)["text"]
         self.noise = noise or (lambda lay, pairs, ls, acs, dev: pair_noise(lay, [p.seed for p in pairs], ls, acs, dev))
 
     @staticmethod
-    def context_chunk(cfg: Any) -> int:
+    def context_chunk(cfg: TrainConfig) -> int:
         """Cut points sit on chunk boundaries: ``frame_chunk_size`` (LeRobot's chunks)."""
         return int(cfg.model.resolved().frame_chunk_size)
 
     @staticmethod
-    def config_steps(cfg: Any) -> int:
+    def config_steps(cfg: TrainConfig) -> int:
         """The video stream's solver steps (the action stream's are ``action_num_inference_steps``)."""
         return int(cfg.model.resolved().num_inference_steps)
 
@@ -136,8 +138,9 @@ class LingbotSampler(PackedSampler):
 
     def _solve_items(self, pairs: Sequence[Pair], items: list[dict], known: Sequence[int], collate: Any
                      ) -> tuple[list[Tensor], list[Tensor] | None]:
-        m, dev, C = self.family_config, self.device, self.C
-        batch = collate([full_text(it, m.max_sequence_length) for it in items]).to(dev)  # LeRobot's padded prompt
+        model_cfg, dev, C = self.family_config, self.device, self.C
+        # LeRobot's padded prompt
+        batch = collate([full_text(it, model_cfg.max_sequence_length) for it in items]).to(dev)
         lay = batch.layout
         doc, pos = lay.frame_doc, lay.frame_pos
         k = torch.as_tensor(list(known), dtype=torch.int64, device=dev)[doc.clamp(min=0)]  # (R, Fr)
@@ -172,7 +175,7 @@ class LingbotSampler(PackedSampler):
             return uncond + stream.guidance * (cond - uncond)
 
         def at(stream: Stream, i: int) -> Tensor:  # the noisy copy's timesteps at σ_i: 0 on known frames
-            return torch.where(target, stream.grid.to(dev)[i] * m.num_train_timesteps, 0.0)
+            return torch.where(target, stream.grid.to(dev)[i] * model_cfg.num_train_timesteps, 0.0)
 
         def per_frame(stream: Stream, ndim: int) -> Tensor:  # σ per frame: the grid on targets, 0 elsewhere
             g = stream.grid.to(dev)[:, None, None] * target[None].float()  # (N + 1, R, Fr)

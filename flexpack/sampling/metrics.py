@@ -34,30 +34,31 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from flexpack.data.normalization import ActionStats
 from flexpack.sampling.ensemble import ensemble_scores
 
 KINDS = ("model", "last", "mean")
 
 
-def denormalize(state: dict[str, Any] | None, y: np.ndarray, columns: np.ndarray) -> np.ndarray:
+def denormalize(stats: ActionStats | None, y: np.ndarray, columns: np.ndarray) -> np.ndarray:
     """Normalized values ``y`` (..., n) of dataset columns ``columns`` (n,) back in original units."""
     y = np.asarray(y, dtype=np.float64)
-    if state is None or state["mode"] == "none":
+    if stats is None or stats.mode == "none":
         return y
-    low = np.asarray(state["low"], dtype=np.float64)[columns]
-    high = np.asarray(state["high"], dtype=np.float64)[columns]
-    if state["mode"] == "quantile":
+    low = np.asarray(stats.low, dtype=np.float64)[columns]
+    high = np.asarray(stats.high, dtype=np.float64)[columns]
+    if stats.mode == "quantile":
         return (y + 1.0) / 2.0 * (high - low) + low
     return y * np.where(high > 1e-8, high, 1.0) + low
 
 
-def normalize(state: dict[str, Any] | None, x: np.ndarray) -> np.ndarray:
+def normalize(stats: ActionStats | None, x: np.ndarray) -> np.ndarray:
     """Original-unit values (..., columns) in the model's units (as ``ActionNormalizer`` maps them)."""
     x = np.asarray(x, dtype=np.float64)
-    if state is None or state["mode"] == "none":
+    if stats is None or stats.mode == "none":
         return x
-    low, high = np.asarray(state["low"], dtype=np.float64), np.asarray(state["high"], dtype=np.float64)
-    if state["mode"] == "quantile":
+    low, high = np.asarray(stats.low, dtype=np.float64), np.asarray(stats.high, dtype=np.float64)
+    if stats.mode == "quantile":
         w = high - low
         return np.clip(np.where(w > 1e-8, 2 * (x - low) / np.where(w > 1e-8, w, 1.0) - 1, 0.0), -1, 1)
     return (x - low) / np.where(high > 1e-8, high, 1.0)
@@ -126,19 +127,19 @@ class _Sums:
 class Metrics:
     """Accumulates pairs; :meth:`result` gives the model's metrics and ``baselines``.
 
-    ``normalizer``: the checkpoint's action normalization state (``{"mode", "low", "high"}``) or
-    None (identity); ``channels``: model channel of each dataset column; ``mean_raw``: the
+    ``action_stats``: the action statistics the checkpoint was trained with, or None (identity);
+    ``channels``: model channel of each dataset column; ``mean_raw``: the
     dataset's mean action per column in original units (None: the normalized midpoint 0).
     """
 
     def __init__(
-        self, normalizer: dict[str, Any] | None, channels: Sequence[int], mean_raw: Sequence[float] | None
+        self, action_stats: ActionStats | None, channels: Sequence[int], mean_raw: Sequence[float] | None
     ) -> None:
-        self.norm, self.channels = normalizer, np.asarray(list(channels), dtype=np.int64)
+        self.stats, self.channels = action_stats, np.asarray(list(channels), dtype=np.int64)
         self.columns = np.arange(len(self.channels))
         cols = len(self.channels)
         self.mean_norm = (np.zeros(cols) if mean_raw is None
-                          else normalize(normalizer, np.asarray(mean_raw, dtype=np.float64)))
+                          else normalize(action_stats, np.asarray(mean_raw, dtype=np.float64)))
         self.sums = {k: _Sums(cols) for k in KINDS}
         self.pairs = 0
 
@@ -181,10 +182,10 @@ class Metrics:
             mask = pair.action_mask[:, c:L].numpy()[self.channels].astype(np.float64)
         for k, (pa_K, pl_K) in preds.items():
             if ta is None or pa_K is None:
-                self.sums[k].add(None, None, None, None, None, pl_K, true_l)
+                self.sums[k].add(pa_K=None, ta=None, pr=None, tr=None, mask=None, pl_K=pl_K, tl=true_l)  # latents only
                 continue
             pa_K = pa_K[:, self.channels]
-            raw = lambda y: np.moveaxis(denormalize(self.norm, np.moveaxis(y, 0, -1), self.columns), -1, 0)  # noqa: E731
+            raw = lambda y: np.moveaxis(denormalize(self.stats, np.moveaxis(y, 0, -1), self.columns), -1, 0)  # noqa: E731
             self.sums[k].add(pa_K, ta, raw(pa_K[0]), raw(ta), mask, pl_K, true_l)
         self.pairs += 1
 

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from flexpack.data.actions import step_frames
+from flexpack.data.normalization import ActionStats
 from flexpack.sampling import frames, media
 from flexpack.sampling.metrics import Metrics, denormalize
 from flexpack.sampling.pairs import Pair
@@ -54,7 +55,7 @@ def _columns(x_CLA: torch.Tensor, mask: torch.Tensor, channels: np.ndarray) -> n
     return a.permute(1, 2, 0).numpy()
 
 
-def action_series(group: Sequence[Pair], dataset: Any, normalizer: dict[str, Any] | None,
+def action_series(group: Sequence[Pair], dataset: Any, action_stats: ActionStats | None,
                   mean_raw: Sequence[float] | None, fps: float) -> dict[str, Any]:
     """What :func:`media.action_plot` draws for the K samples of one (episode, cut), in original units:
     ``t`` (seconds), ``true`` (T, D), ``pred`` (K, T, D), ``baselines`` {name: (T, D)}, ``context``
@@ -64,9 +65,9 @@ def action_series(group: Sequence[Pair], dataset: Any, normalizer: dict[str, Any
     v_LA = step_frames(L, A, dataset.stride)
     keep = (v_LA >= 0).reshape(-1)
     cols = np.asarray(dataset.channels)
-    raw = lambda y_LAD: denormalize(normalizer, y_LAD, np.arange(len(cols))).reshape(L * A, -1)[keep]  # noqa: E731
+    raw = lambda y_LAD: denormalize(action_stats, y_LAD, np.arange(len(cols))).reshape(L * A, -1)[keep]  # noqa: E731
     base = {}
-    for name, (act, _) in Metrics(normalizer, cols, mean_raw).baselines(p).items():
+    for name, (act, _) in Metrics(action_stats, cols, mean_raw).baselines(p).items():
         full = torch.full_like(p.action, float("nan"), dtype=torch.float64)
         full[:, p.cut:] = torch.as_tensor(np.array(act))  # a copy: the baseline may be read-only
         base[name] = raw(_columns(full, p.action_mask, cols))
@@ -77,7 +78,7 @@ def action_series(group: Sequence[Pair], dataset: Any, normalizer: dict[str, Any
 
 
 def write_media(out: Path, pairs: Sequence[Pair], dataset: Any, plots: int, device: torch.device | str = "cpu", *,
-                normalizer: dict[str, Any] | None = None, mean_raw: Sequence[float] | None = None,
+                action_stats: ActionStats | None = None, mean_raw: Sequence[float] | None = None,
                 names: Sequence[str] | None = None, mode: str = "forecast", chunk: int = 1
                 ) -> tuple[dict[str, Path], dict[str, float]]:
     """The pictures of the module docstring (``plots`` = 0: none); returns ({tag: file}, PSNR metrics
@@ -94,7 +95,7 @@ def write_media(out: Path, pairs: Sequence[Pair], dataset: Any, plots: int, devi
         p, stem = group[0], f"episode_{group[0].episode:06d}"
         head = title(p, mode, s, fps, len(group))
         if n < plots and p.action is not None:
-            series = action_series(group, dataset, normalizer, mean_raw, fps)
+            series = action_series(group, dataset, action_stats, mean_raw, fps)
             edges = [(s * (f - 1) + 0.5) / fps for f in range(chunk, p.frames, chunk)]  # between latent frames
             files[f"sample/{stem}/actions"] = media.action_plot(
                 out / f"{stem}_actions.png", series["pred"], series["true"], context=series["context"], title=head,

@@ -47,12 +47,13 @@ from flexpack.attention.masks import text_slots
 from flexpack.packing.batch_sampler import TokenBudgetBatchSampler
 from flexpack.packing.collate import PackCollate
 from flexpack.packing.geometry import frame_budget, too_long
+from flexpack.run.config import TrainConfig
 from flexpack.run.root import forward_options
 from flexpack.sampling.pairs import Pair, pair_noise
 from flexpack.sampling.schedule import check_solver, sigma_grid, solve
 
 
-def context_chunk(cfg: Any) -> int:
+def context_chunk(cfg: TrainConfig) -> int:
     """Frames that share one σ in training (cut points sit on multiples of it). Raises the one-line
     error for a model trained with one σ per episode, which cannot be conditioned on history."""
     o, m = cfg.objective, cfg.model
@@ -66,7 +67,7 @@ def context_chunk(cfg: Any) -> int:
     return int(m.chunk_size) if m.mask != "document" else int(o.chunk_size)
 
 
-def sampler_class(cfg: Any) -> type["PackedSampler"]:
+def sampler_class(cfg: TrainConfig) -> type["PackedSampler"]:
     """The sampler of the config's model family (its registry entry's ``sampler``): :class:`PackedSampler`
     for ``"flow"``, else the ``"module:Class"`` it names (a subclass, with its ``context_chunk(cfg)``)."""
     spec = cfg.model.model_family().sampler
@@ -78,7 +79,7 @@ def sampler_class(cfg: Any) -> type["PackedSampler"]:
     return getattr(importlib.import_module(module), name)
 
 
-def stage_frames(cfg: Any, horizon: int) -> int:
+def stage_frames(cfg: TrainConfig, horizon: int) -> int:
     """Target frames generated per stage: one chunk under teacher forcing, else the horizon."""
     return int(cfg.model.chunk_size) if cfg.model.mask == "teacher_forcing" else int(horizon)
 
@@ -93,7 +94,7 @@ class SampleOptions:
 class PackedSampler:
     """Solve pairs in packs of ``max_tokens`` tokens with a config's model, mask and schedule."""
 
-    def __init__(self, model: nn.Module, cfg: Any, tokens_per_frame: int, device: torch.device,
+    def __init__(self, model: nn.Module, cfg: TrainConfig, tokens_per_frame: int, device: torch.device,
                  options: SampleOptions = SampleOptions(), *, max_tokens: int | None = None,
                  text_slots: int | None = None, stage: int | None = None, dataset: Any = None) -> None:
         # dataset: the pairs' episodes, for a family's sampler that reads more of them (its negative prompt)

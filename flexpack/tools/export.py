@@ -46,6 +46,7 @@ import torch
 from flexpack.models.wan_config import LEGACY_ACTION_POSITIONS, WanVAConfig
 
 if TYPE_CHECKING:
+    from flexpack.data.normalization import ActionStats
     from flexpack.run.config import TrainConfig
 
 ACTION_FORMAT = "flexpack-action-stream-v1"
@@ -56,25 +57,23 @@ def _check_out(out: Path) -> None:
         raise ValueError(f"{out}: exists and is not empty; export writes into a new or empty folder")
 
 
-def _normalization(cfg: TrainConfig, state: dict[str, Any], where: str = "the checkpoint") -> dict[str, Any]:
-    """The action normalization of the run: the dataset's layout (columns, channels) from its
-    metadata, the statistics the weights were trained with from the checkpoint where it carries them
-    (``extra.action_normalizer``), else ``data.action_stats``'s (what LatentEpisodeDataset used)."""
-    saved = (state.get("extra") or {}).get("action_normalizer")
+def _normalization(cfg: TrainConfig, state: dict[str, Any], where: str = "the checkpoint"
+                   ) -> tuple[ActionStats, dict[str, Any]]:
+    """The action normalization of the run: the statistics the weights were trained with from the checkpoint
+    where it carries them (``extra.action_normalizer``), else ``data.action_stats``'s (what LatentEpisodeDataset
+    used); and ``normalization.json``'s record, those statistics with the dataset's layout (columns, channels)."""
     from flexpack.data import action_stats, cache
     from flexpack.data.actions import ActionNormalizer, channel_map
     from flexpack.data.episodes import EpisodeSource
-    from flexpack.data.stats_check import check_normalizer
+    from flexpack.data.normalization import ActionStats
+    from flexpack.run.state.resume import saved_stats
 
-    if saved:
-        check_normalizer(saved, where=f"{where} (extra.action_normalizer)")
-
+    saved = saved_stats(state, where)
     key = "action"
     conv = cfg.model.model_family().conventions(cfg.model.resolved())  # the family's action width and channels
     placed = None if conv.action_channels is None else list(conv.action_channels)
-    if saved:  # the statistics the weights were trained with: no dataset needed (it may have moved)
-        mode, low, high = saved["mode"], list(saved["low"]), list(saved["high"])
-        columns = len(low)
+    if saved is not None:  # the statistics the weights were trained with: no dataset needed (it may have moved)
+        stats = saved
     else:
         try:
             source = EpisodeSource(cfg.data.root)
@@ -85,18 +84,18 @@ def _normalization(cfg: TrainConfig, state: dict[str, Any], where: str = "the ch
         norm = ActionNormalizer.identity(columns)
         if cfg.data.normalize:  # the statistics the dataset used (data.action_stats)
             latents = cfg.data.latents_dir or cache.default_latents_dir(source.root)
-            stats = action_stats.feature_stats(source, latents, key, getattr(cfg.data, "action_stats", "pooled"))
-            norm = ActionNormalizer.from_stats(stats, columns, key)
-        mode, low, high = norm.mode, norm.low.tolist(), norm.high.tolist()
-    return {"action_key": key, "mode": mode, "low": low, "high": high,
-            "columns": columns,
-            "channels": channel_map(columns, conv.action_dim, placed).tolist(),
-            "action_steps": cfg.data.action_steps, "stride": cfg.data.stride, "dataset": str(cfg.data.root),
-            "formula": {"quantile": "2 (x - low) / (high - low) - 1, clipped to [-1, 1]",
-                        "meanstd": "(x - low) / high", "none": "x"}[mode]}
+            found = action_stats.feature_stats(source, latents, key, getattr(cfg.data, "action_stats", "pooled"))
+            norm = ActionNormalizer.from_stats(found, columns, key)
+        stats = ActionStats.of(norm)
+    record = {"action_key": key, **stats.to_json(), "columns": stats.columns,
+              "channels": channel_map(stats.columns, conv.action_dim, placed).tolist(),
+              "action_steps": cfg.data.action_steps, "stride": cfg.data.stride, "dataset": str(cfg.data.root),
+              "formula": {"quantile": "2 (x - low) / (high - low) - 1, clipped to [-1, 1]",
+                          "meanstd": "(x - low) / high", "none": "x"}[stats.mode]}
+    return stats, record
 
 
-def write_weights(folder: Path, state_dict: dict[str, torch.Tensor], wcfg: WanVAConfig, *, action_steps: int,
+def write_weights(folder: Path, state_dict: dict[str, torch.Tensor], model_cfg: WanVAConfig, *, action_steps: int,
                   dtype: torch.dtype = torch.float32, max_shard_size: str | int = "10GB") -> None:
     """A WanVA state dict as a diffusers WanTransformer3DModel folder plus the action-stream files."""
     try:
@@ -107,16 +106,16 @@ def write_weights(folder: Path, state_dict: dict[str, torch.Tensor], wcfg: WanVA
 
     from flexpack.models.wan_convert import config_to_diffusers, to_diffusers_state_dict
 
-    video, action = to_diffusers_state_dict({k: v.to(dtype) for k, v in state_dict.items()}, wcfg)
+    video, action = to_diffusers_state_dict({k: v.to(dtype) for k, v in state_dict.items()}, model_cfg)
     with torch.device("meta"):  # no random init: the tensors are adopted below
-        dm = WanTransformer3DModel(**config_to_diffusers(wcfg))
+        dm = WanTransformer3DModel(**config_to_diffusers(model_cfg))
     dm.load_state_dict(video, strict=True, assign=True)
     dm.save_pretrained(folder, safe_serialization=True, max_shard_size=max_shard_size)
     if action:
         save_file({k: v.contiguous() for k, v in action.items()}, str(folder / "action_stream.safetensors"),
                   metadata={"format": ACTION_FORMAT})
-    info = {"format": ACTION_FORMAT, "action_channels": wcfg.action_channels, "action_steps": action_steps,
-            "dim": wcfg.dim, "weights": sorted(action), "wanva_config": asdict(wcfg)}
+    info = {"format": ACTION_FORMAT, "action_channels": model_cfg.action_channels, "action_steps": action_steps,
+            "dim": model_cfg.dim, "weights": sorted(action), "wanva_config": asdict(model_cfg)}
     (folder / "action_stream.json").write_text(json.dumps(info, indent=2) + "\n")
 
 
@@ -138,8 +137,9 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike, *, ema: bool = Fa
     options = ExportOptions(fmt=fmt, dtype=dtype, ema=ema, policy=policy, wan_pretrained_path=wan_pretrained_path)
     found, (cfg, model, averaged, state) = load_newest(run, "export", lambda f: _load(f, run, ema, overrides, options))
     fmt, writer, _ = export_format(cfg, options, found)
-    job = ExportJob(run=run, found=found, cfg=cfg, model=model, averaged=averaged, state=state,
-                    norm=_normalization(cfg, state, str(found / "train_state.json")), options=options)
+    stats, norm = _normalization(cfg, state, str(found / "train_state.json"))
+    job = ExportJob(run=run, found=found, cfg=cfg, model=model, averaged=averaged, state=state, stats=stats,
+                    norm=norm, options=options)
     print(f"export: checkpoint {found} (step {job.step}, format {fmt})", file=sys.stderr)
 
     try:
@@ -174,17 +174,17 @@ def write_diffusers(job: Any, folder: Path) -> None:
     """The ``diffusers`` format (the module docstring's layout but ``flexpack_config.json`` and
     ``export.json``, which every format gets) into ``folder``."""
     cfg, model, dtype = job.cfg, job.model, job.options.dtype
-    wcfg = cfg.model.wan_config()
-    write_weights(folder, model.state_dict(), wcfg, action_steps=cfg.data.action_steps, dtype=dtype)
+    model_cfg = cfg.model.wan_config()
+    write_weights(folder, model.state_dict(), model_cfg, action_steps=cfg.data.action_steps, dtype=dtype)
     if job.averaged is not None:
         (folder / "ema").mkdir()
-        write_weights(folder / "ema", job.averaged.full_state_dict(), wcfg, action_steps=cfg.data.action_steps,
+        write_weights(folder / "ema", job.averaged.full_state_dict(), model_cfg, action_steps=cfg.data.action_steps,
                       dtype=dtype)
     (folder / "normalization.json").write_text(json.dumps(job.norm, indent=2) + "\n")
     from flexpack.tools.export_extras import write_extras
 
-    write_extras(folder, run=job.run, cfg=cfg, wcfg=wcfg, state_dict=model.state_dict(), norm=job.norm,
-                 step=job.step, ema=job.options.ema, dtype=dtype, policy=job.options.policy)
+    write_extras(folder, run=job.run, cfg=cfg, model_cfg=model_cfg, state_dict=model.state_dict(), stats=job.stats,
+                 norm=job.norm, step=job.step, ema=job.options.ema, dtype=dtype, policy=job.options.policy)
 
 
 def load_export(folder: str | os.PathLike, *, attn: Any = None) -> torch.nn.Module:
@@ -200,8 +200,8 @@ def load_export(folder: str | os.PathLike, *, attn: Any = None) -> torch.nn.Modu
     info = json.loads(info_file.read_text())
     kw = {k: tuple(v) if isinstance(v, list) else v for k, v in info["wanva_config"].items()}
     kw.setdefault("action_positions", LEGACY_ACTION_POSITIONS)  # exported before the rule was recorded
-    wcfg = WanVAConfig(**kw)
-    model = WanVA.from_diffusers_file(str(folder), wcfg, attn=attn)
+    model_cfg = WanVAConfig(**kw)
+    model = WanVA.from_diffusers_file(str(folder), model_cfg, attn=attn)
     if info["weights"]:
         action = load_file(folder / "action_stream.safetensors")
         missing = sorted(set(info["weights"]) - set(action))

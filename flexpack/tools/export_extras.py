@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
+    from flexpack.data.normalization import ActionStats
+    from flexpack.models.wan_config import WanVAConfig
     from flexpack.run.config import TrainConfig
 
 POLICY_DIR = "lerobot_policy"
@@ -158,23 +160,23 @@ def _features(meta: Any, cfg: TrainConfig) -> tuple[dict[str, Any], dict[str, An
     return inputs, action
 
 
-def stats_tensors(norm: dict[str, Any], pooled: dict[str, Any], keys: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+def stats_tensors(stats: ActionStats, pooled: dict[str, Any], keys: list[str]) -> dict[str, dict[str, torch.Tensor]]:
     """Per feature: LeRobot's stat names as float32 tensors; the action's q01/q99 (or mean/std) are the
     checkpoint's, the rest the pooled statistics."""
     out: dict[str, dict[str, torch.Tensor]] = {}
     for key in keys:
-        stats = {k: torch.tensor(v, dtype=torch.float32) for k, v in (pooled.get(key) or {}).items()
-                 if isinstance(v, list)}
-        out[key] = stats
-    if norm["mode"] == "quantile":
-        out.setdefault("action", {}).update(q01=torch.tensor(norm["low"]), q99=torch.tensor(norm["high"]))
-    elif norm["mode"] == "meanstd":
-        out.setdefault("action", {}).update(mean=torch.tensor(norm["low"]), std=torch.tensor(norm["high"]))
+        out[key] = {k: torch.tensor(v, dtype=torch.float32) for k, v in (pooled.get(key) or {}).items()
+                    if isinstance(v, list)}
+    low, high = torch.tensor(stats.low), torch.tensor(stats.high)
+    if stats.mode == "quantile":
+        out.setdefault("action", {}).update(q01=low, q99=high)
+    elif stats.mode == "meanstd":
+        out.setdefault("action", {}).update(mean=low, std=high)
     return {k: {n: t.float() for n, t in v.items()} for k, v in out.items()}
 
 
-def write_policy_folder(folder: Path, *, cfg: TrainConfig, wcfg: Any, state_dict: dict[str, torch.Tensor],
-                        norm: dict[str, Any], pooled: dict[str, Any], meta: Any,
+def write_policy_folder(folder: Path, *, cfg: TrainConfig, model_cfg: WanVAConfig, state_dict: dict[str, torch.Tensor],
+                        stats: ActionStats, norm: dict[str, Any], pooled: dict[str, Any], meta: Any,
                         dtype: torch.dtype = torch.float32) -> Path:
     """``folder`` as a LeRobot-style policy folder (see the module docstring)."""
     from dataclasses import asdict
@@ -186,14 +188,14 @@ def write_policy_folder(folder: Path, *, cfg: TrainConfig, wcfg: Any, state_dict
 
     folder.mkdir(parents=True, exist_ok=True)
     inputs, outputs = _features(meta, cfg)
-    mode = {"quantile": "QUANTILES", "meanstd": "MEAN_STD", "none": "IDENTITY"}[norm["mode"]]
+    mode = {"quantile": "QUANTILES", "meanstd": "MEAN_STD", "none": "IDENTITY"}[stats.mode]
     state_mode = "QUANTILES" if mode == "QUANTILES" else ("MEAN_STD" if mode == "MEAN_STD" else "IDENTITY")
     mapping = {"VISUAL": "IDENTITY", "STATE": state_mode, "ACTION": mode}
     config = {
         "type": POLICY_TYPE, "n_obs_steps": 1, "normalization_mapping": mapping,
         "input_features": inputs, "output_features": outputs, "device": "cuda", "use_amp": False,
         "action_steps_per_latent_frame": cfg.data.action_steps, "temporal_stride": cfg.data.stride,
-        "action_channels": norm["channels"], "wanva_config": asdict(wcfg), "license": "apache-2.0",
+        "action_channels": norm["channels"], "wanva_config": asdict(model_cfg), "license": "apache-2.0",
         "note": "weights in flexpack's WanVA names; flexpack.models.WanVA(WanVAConfig(**wanva_config)).load_state_dict",
     }
     (folder / "config.json").write_text(json.dumps(config, indent=2, default=list) + "\n")
@@ -203,9 +205,9 @@ def write_policy_folder(folder: Path, *, cfg: TrainConfig, wcfg: Any, state_dict
     features = {k: PolicyFeature(type=FeatureType(v["type"]), shape=tuple(v["shape"]))
                 for k, v in {**inputs, **outputs}.items()}
     norm_map = {FeatureType(k): NormalizationMode(v) for k, v in mapping.items()}
-    stats = stats_tensors(norm, pooled, [k for k in features if k in pooled or k == "action"])
-    pre = NormalizerProcessorStep(features=features, norm_map=norm_map, stats=stats)
-    post = UnnormalizerProcessorStep(features={"action": features["action"]}, norm_map=norm_map, stats=stats)
+    tensors = stats_tensors(stats, pooled, [k for k in features if k in pooled or k == "action"])
+    pre = NormalizerProcessorStep(features=features, norm_map=norm_map, stats=tensors)
+    post = UnnormalizerProcessorStep(features={"action": features["action"]}, norm_map=norm_map, stats=tensors)
     DataProcessorPipeline([pre], name="policy_preprocessor").save_pretrained(folder)
     DataProcessorPipeline([post], name="policy_postprocessor").save_pretrained(folder)
     return folder
@@ -229,8 +231,8 @@ def push_to_hub(folder: str | Path, repo_id: str, *, private: bool = False, api:
 
 
 # -- the one call from export ---------------------------------------------------------------------
-def write_extras(out: Path, *, run: Path, cfg: TrainConfig, wcfg: Any, state_dict: dict[str, torch.Tensor],
-                 norm: dict[str, Any], step: int, ema: bool, dtype: torch.dtype = torch.float32,
+def write_extras(out: Path, *, run: Path, cfg: TrainConfig, model_cfg: WanVAConfig, state_dict: dict[str, torch.Tensor],
+                 stats: ActionStats, norm: dict[str, Any], step: int, ema: bool, dtype: torch.dtype = torch.float32,
                  policy: bool = True) -> None:
     """The model card and (``policy``) the LeRobot-style policy folder inside the export folder ``out``."""
     from flexpack.data import action_stats, cache
@@ -243,5 +245,5 @@ def write_extras(out: Path, *, run: Path, cfg: TrainConfig, wcfg: Any, state_dic
     info = {"episodes": len(source.episodes), "frames": pooled["frames"], "cameras": cams}
     (out / "README.md").write_text(model_card(run=run, cfg=cfg, step=step, norm=norm, ema=ema, dataset_info=info))
     if policy:
-        write_policy_folder(out / POLICY_DIR, cfg=cfg, wcfg=wcfg, state_dict=state_dict, norm=norm,
-                            pooled=pooled["features"], meta=source.meta, dtype=dtype)
+        write_policy_folder(out / POLICY_DIR, cfg=cfg, model_cfg=model_cfg, state_dict=state_dict, stats=stats,
+                            norm=norm, pooled=pooled["features"], meta=source.meta, dtype=dtype)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 if TYPE_CHECKING:
+    from flexpack.data.normalization import ActionStats
     from flexpack.run.config import TrainConfig
 
 
@@ -69,7 +70,8 @@ class ExportOptions:
 @dataclass(frozen=True, kw_only=True)
 class ExportJob:
     """A loaded checkpoint to write: the run, the checkpoint folder, its config, the model (and EMA) holding
-    its weights, its ``train_state.json``, the action normalization and the options."""
+    its weights, its ``train_state.json``, the action statistics the weights were trained with, ``norm``: those
+    statistics with the dataset's layout as ``normalization.json`` records them, and the options."""
 
     run: Path
     found: Path
@@ -77,6 +79,7 @@ class ExportJob:
     model: torch.nn.Module
     averaged: Any
     state: dict[str, Any]
+    stats: ActionStats
     norm: dict[str, Any]
     options: ExportOptions
 

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
+    from flexpack.data.normalization import ActionStats
     from flexpack.run.config import TrainConfig
 
 # LingbotConfig fields with no LeRobot counterpart that inference never reads: LeRobot's trainer fixes them as
@@ -56,26 +57,27 @@ def check_config(cfg: TrainConfig, options: Any = None) -> None:
     """One line for a lingbot-va config LeRobot's ``lingbot_va`` policy cannot represent (the module docstring)."""
     from lerobot.policies.lingbot_va.configuration_lingbot_va import LingBotVAConfig
 
-    m = cfg.model.resolved()
+    model_cfg = cfg.model.resolved()
     theirs = {f.name for f in dataclasses.fields(LingBotVAConfig)}
-    for f in dataclasses.fields(m):
+    for f in dataclasses.fields(model_cfg):
         if f.name in FIXED:
-            if getattr(m, f.name) != FIXED[f.name]:
-                raise ValueError(f"--format lerobot: {f.name} = {getattr(m, f.name)!r}, but LeRobot's lingbot_va "
-                                 f"policy needs {FIXED[f.name]} ({WHY[f.name]})")
+            if getattr(model_cfg, f.name) != FIXED[f.name]:
+                raise ValueError(f"--format lerobot: {f.name} = {getattr(model_cfg, f.name)!r}, but LeRobot's "
+                                 f"lingbot_va policy needs {FIXED[f.name]} ({WHY[f.name]})")
         elif f.name not in theirs and f.name not in TRAINING_ONLY:
             raise ValueError(f"--format lerobot: LeRobot's lingbot_va config has no field {f.name!r} "
-                             f"(= {getattr(m, f.name)!r} here); this model cannot be written as a LeRobot policy")
-    if cfg.data.stride != VAE_STRIDE or m.action_per_frame != VAE_STRIDE:
+                             f"(= {getattr(model_cfg, f.name)!r} here); this model cannot be written as a LeRobot "
+                             "policy")
+    if cfg.data.stride != VAE_STRIDE or model_cfg.action_per_frame != VAE_STRIDE:
         raise ValueError(f"--format lerobot: data.stride = {cfg.data.stride} video frames and action_per_frame = "
-                         f"{m.action_per_frame} action steps per latent frame, but LeRobot's lingbot_va policy encodes "
-                         f"{VAE_STRIDE} video frames per latent frame and runs one action per video frame")
+                         f"{model_cfg.action_per_frame} action steps per latent frame, but LeRobot's lingbot_va policy "
+                         f"encodes {VAE_STRIDE} video frames per latent frame and runs one action per video frame")
     if not cfg.data.normalize:
         raise ValueError("--format lerobot: data.normalize = false, but LeRobot's lingbot_va postprocessor maps the "
                          "policy's actions from [-1, 1] with q01 / q99 (QUANTILES); train with data.normalize = true")
 
 
-def policy_layout(cfg: TrainConfig, norm: dict[str, Any]) -> dict[str, Any]:
+def policy_layout(cfg: TrainConfig, stats: ActionStats) -> dict[str, Any]:
     """The dataset-side fields of the policy: ``obs_cam_keys``, ``height``, ``width``, the input and output
     features, checked against the latent cache and the checkpoint's statistics (one line each)."""
     from lerobot.configs.types import FeatureType, PolicyFeature
@@ -84,17 +86,17 @@ def policy_layout(cfg: TrainConfig, norm: dict[str, Any]) -> dict[str, Any]:
     from flexpack.data.episodes import EpisodeSource
     from flexpack.data.problems import resolve_cameras
 
-    m = cfg.model.resolved()
-    if norm["mode"] != "quantile":
-        raise ValueError(f"--format lerobot: the run normalized its actions with {norm['mode']!r} statistics, but "
+    model_cfg = cfg.model.resolved()
+    if stats.mode != "quantile":
+        raise ValueError(f"--format lerobot: the run normalized its actions with {stats.mode!r} statistics, but "
                          "LeRobot's lingbot_va postprocessor maps actions with q01 / q99 (QUANTILES); train with "
                          "data.action_stats = 'pooled' (or a meta/stats.json with q01 / q99)")
-    if len(norm["low"]) != len(m.used_action_channel_ids):
-        raise ValueError(f"--format lerobot: the checkpoint's action statistics cover {len(norm['low'])} columns, but "
-                         f"used_action_channel_ids = {list(m.used_action_channel_ids)} places "
-                         f"{len(m.used_action_channel_ids)}: the actions do not map onto the policy's output")
+    if stats.columns != len(model_cfg.used_action_channel_ids):
+        raise ValueError(f"--format lerobot: the checkpoint's action statistics cover {stats.columns} columns, but "
+                         f"used_action_channel_ids = {list(model_cfg.used_action_channel_ids)} places "
+                         f"{len(model_cfg.used_action_channel_ids)}: the actions do not map onto the policy's output")
     src = EpisodeSource(cfg.data.root)
-    given = list(m.obs_cam_keys) or (list(cfg.data.cameras) if cfg.data.cameras else None)
+    given = list(model_cfg.obs_cam_keys) or (list(cfg.data.cameras) if cfg.data.cameras else None)
     cams = resolve_cameras(src.video_keys, given, src.info_file)
     shapes = {c: tuple(int(x) for x in src.meta.features[c]["shape"][:2]) for c in cams}  # (H, W, C) -> (H, W)
     if len(set(shapes.values())) != 1 or any(h % VAE_PIXELS or w % VAE_PIXELS for h, w in shapes.values()):
@@ -115,7 +117,7 @@ def policy_layout(cfg: TrainConfig, norm: dict[str, Any]) -> dict[str, Any]:
                          f"cameras {cams} ({h}x{w} each) into {want[0]}x{want[1]} (the Wan VAE's {VAE_PIXELS}-pixel "
                          "grid, cameras joined on width)")
     inputs = {c: PolicyFeature(type=FeatureType.VISUAL, shape=(3, h, w)) for c in cams}
-    outputs = {"action": PolicyFeature(type=FeatureType.ACTION, shape=(len(m.used_action_channel_ids),))}
+    outputs = {"action": PolicyFeature(type=FeatureType.ACTION, shape=(len(model_cfg.used_action_channel_ids),))}
     return {"obs_cam_keys": cams, "height": h, "width": w, "input_features": inputs, "output_features": outputs}
 
 
@@ -131,9 +133,9 @@ def policy_config(cfg: TrainConfig, layout: dict[str, Any], wan_pretrained_path:
     return LingBotVAConfig(**fields)
 
 
-def write_policy(folder: Path, config: Any, state_dict: dict[str, torch.Tensor], norm: dict[str, Any],
-                 dtype: torch.dtype) -> None:
-    """One policy folder: config.json, model.safetensors, the processors, normalization.json."""
+def write_policy(folder: Path, config: Any, state_dict: dict[str, torch.Tensor], stats: ActionStats,
+                 norm: dict[str, Any], dtype: torch.dtype) -> None:
+    """One policy folder: config.json, model.safetensors, the processors (``stats``), normalization.json (``norm``)."""
     import draccus
     from lerobot.configs.policies import PreTrainedConfig
     from lerobot.policies.lingbot_va.processor_lingbot_va import make_lingbot_va_pre_post_processors
@@ -149,7 +151,7 @@ def write_policy(folder: Path, config: Any, state_dict: dict[str, torch.Tensor],
     weights = to_lerobot_state_dict({k: v.to(dtype) for k, v in state_dict.items()})
     save_file({k: v.contiguous() for k, v in weights.items()}, str(folder / "model.safetensors"),
               metadata={"format": "pt"})
-    pre, post = make_lingbot_va_pre_post_processors(config, dataset_stats=stats_tensors(norm, {}, ["action"]))
+    pre, post = make_lingbot_va_pre_post_processors(config, dataset_stats=stats_tensors(stats, {}, ["action"]))
     pre.save_pretrained(folder)
     post.save_pretrained(folder)
     (folder / "normalization.json").write_text(json.dumps(norm, indent=2) + "\n")
@@ -158,7 +160,7 @@ def write_policy(folder: Path, config: Any, state_dict: dict[str, torch.Tensor],
 def write_lerobot(job: Any, folder: Path) -> None:
     """The ``lerobot`` format of an :class:`~flexpack.tools.export_io.ExportJob` into ``folder``."""
     cfg, opts = job.cfg, job.options
-    config = policy_config(cfg, policy_layout(cfg, job.norm), opts.wan_pretrained_path)
-    write_policy(folder, config, job.model.state_dict(), job.norm, opts.dtype)
+    config = policy_config(cfg, policy_layout(cfg, job.stats), opts.wan_pretrained_path)
+    write_policy(folder, config, job.model.state_dict(), job.stats, job.norm, opts.dtype)
     if job.averaged is not None:
-        write_policy(folder / "ema", config, job.averaged.full_state_dict(), job.norm, opts.dtype)
+        write_policy(folder / "ema", config, job.averaged.full_state_dict(), job.stats, job.norm, opts.dtype)

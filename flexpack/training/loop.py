@@ -140,9 +140,9 @@ def _train(cfg: TrainConfig, found: Path | None, stop: faults.GracefulStop, stop
     sampler_state, step, tpf, signum = run.sampler.state_dict(), start, run.tokens_per_frame, 0
     saver = checkpoint.Checkpointer(folder / "checkpoints", keep=cfg.checkpoint.keep,
                                     async_save=cfg.checkpoint.async_save)
-    extra = {"action_normalizer": resume.normalizer_state(run.dataset)}
-    context = HookContext(run=run, normalizer_state=extra["action_normalizer"],
-                          dataset_normalizer=getattr(run.dataset, "normalizer", None))
+    stats = resume.normalizer_state(run.dataset)  # after a resume: the checkpoint's, which the weights learned under
+    extra = resume.stats_extra(stats)
+    context = HookContext(run=run, action_stats=stats)
     after = [h for h in (make(context) for make in hooks) if h is not None]  # built before the first step
 
     guard, meter = (faults.StepGuard(stop, o.skip_nonfinite),

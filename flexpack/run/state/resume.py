@@ -21,10 +21,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
+from flexpack.data.normalization import ActionStats
 from flexpack.parallel.parallelize import world
 from flexpack.run.config import TrainConfig
 from flexpack.run.state import checkpoint
@@ -110,26 +110,38 @@ def _data_changes(saved: dict[str, Any] | None, cfg: TrainConfig) -> str:
     return "; ".join(diff) + ("; " if diff else "")
 
 
-def normalizer_state(dataset: Any) -> dict[str, Any] | None:
+STATS_KEY = "action_normalizer"  # train_state.json's extra: the action statistics the weights are trained with
+
+
+def normalizer_state(dataset: Any) -> ActionStats | None:
+    """The action statistics ``dataset`` normalizes with (None: a dataset without a normalizer)."""
     n = getattr(dataset, "normalizer", None)
-    if n is None:
-        return None
-    return {"mode": n.mode, "low": np.asarray(n.low).tolist(), "high": np.asarray(n.high).tolist()}
+    return None if n is None else ActionStats.of(n)
 
 
-def _restore_normalizer(path: Path, dataset: Any, saved: dict[str, Any] | None, rank: int) -> None:
+def stats_extra(stats: ActionStats | None) -> dict[str, Any]:
+    """A checkpoint's ``extra`` holding ``stats`` (``{"mode", "low", "high"}``, or null without actions)."""
+    return {STATS_KEY: None if stats is None else stats.to_json()}
+
+
+def saved_stats(state: dict[str, Any], where: str | Path, *, width: int | None = None) -> ActionStats | None:
+    """The action statistics of a checkpoint's ``train_state.json`` (``state``, read from ``where``), checked
+    (:meth:`~flexpack.data.normalization.ActionStats.from_json`); None where it carries none."""
+    saved = (state.get("extra") or {}).get(STATS_KEY)
+    return None if saved is None else ActionStats.from_json(saved, f"{where} (extra.{STATS_KEY})", width=width)
+
+
+def _restore_normalizer(path: Path, dataset: Any, saved: Any, rank: int) -> None:
+    """Keep the checkpoint's action statistics (``saved``: its ``extra.action_normalizer`` as read) on ``dataset``."""
     if saved is None or getattr(dataset, "normalizer", None) is None:
         return
-    from flexpack.data.stats_check import check_normalizer
-
-    check_normalizer(saved, where=f"{path / 'train_state.json'} (extra.action_normalizer)",
-                     width=len(dataset.normalizer.low))
-    if normalizer_state(dataset) != saved:
+    stats = ActionStats.from_json(saved, f"{path / 'train_state.json'} (extra.{STATS_KEY})",
+                                  width=len(dataset.normalizer.low))
+    if normalizer_state(dataset) != stats:
         if rank == 0:
             print(f"warning: the dataset's action statistics differ from those saved in {path}; "
                   "keeping the checkpoint's (the weights were trained with them)", file=sys.stderr)
-        dataset.normalizer = type(dataset.normalizer)(saved["mode"], np.asarray(saved["low"]),
-                                                      np.asarray(saved["high"]))
+        dataset.normalizer = stats.normalizer()
 
 
 def restore(path: Path, cfg: TrainConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -146,5 +158,5 @@ def restore(path: Path, cfg: TrainConfig, model: torch.nn.Module, optimizer: tor
         raise ValueError(f"cannot resume from {path}: {_data_changes(saved, cfg)}the epoch's episodes differ from the "
                          f"checkpoint's ({exc}); resume on the dataset it was trained on, or train into a new "
                          "runtime.out_dir") from None
-    _restore_normalizer(path, data.dataset, state.get("extra", {}).get("action_normalizer"), rank)
+    _restore_normalizer(path, data.dataset, (state.get("extra") or {}).get(STATS_KEY), rank)
     return state
