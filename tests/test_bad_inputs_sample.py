@@ -1,4 +1,4 @@
-"""``sample`` and ``export`` bounded and in one line: every count of ``sample`` and ``runtime.sample_*`` in its
+"""``sample`` and ``export`` bounded and in one line: every count of ``sample`` and ``sample.*`` in its
 range before any work, report files only regular files inside the run and of bounded size, a full disk during
 ``export`` or ``sample`` one line with nothing half-written, a checkpoint pruned or damaged under ``sample`` named
 with the one it falls back to, ``sample RUN`` on the run's current config, ``num_train_timesteps`` an integer."""

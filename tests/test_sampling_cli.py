@@ -210,7 +210,7 @@ def test_sample_every_writes_samples_and_resume_gives_the_same_numbers(tiny_data
 
 
 def test_sample_every_needs_held_out_episodes_and_a_per_frame_sigma(tiny_dataset, tmp_path):
-    with pytest.raises(ValueError, match="sample_every=2 needs held-out episodes"):
+    with pytest.raises(ValueError, match="sample.every=2 needs held-out episodes"):
         load_config(CONFIGS / "tiny_cpu.toml", [f'data.root="{tiny_dataset}"', "sample.every=2"])
     with pytest.raises(ValueError, match="sample.steps must be an integer from 1 to 10,000"):
         load_config(CONFIGS / "tiny_cpu.toml", ["sample.steps=0"])
@@ -258,7 +258,7 @@ def test_sample_every_with_too_short_held_out_episodes_fails_before_training(tin
     cfg = load_config(CONFIGS / "tiny_cpu.toml", _sets(tiny_dataset, run, "schedule.steps=2", "sample.every=1",
                                                          "data.val_episodes=[5]", "sample.horizon=4"))
     with pytest.raises(ValueError,
-                       match=r"sample.every=1: no episode has room for a cut point.*sample_horizon"):
+                       match=r"sample.every=1: no episode has room for a cut point.*sample.horizon"):
         train(cfg)  # episode 5 has 3 latent frames: one context frame + 4 do not fit
     assert not (run / "checkpoints").exists()
 

@@ -1,7 +1,7 @@
 """What one flag or config key may ask for: the ranges of the counts of sampling, checked before any work.
 
 A count is checked where it is given (``flexpack sample``'s flags before the config is read,
-``runtime.sample_*`` when the config is loaded): a value out of range is one line naming the flag or
+``sample.*`` when the config is loaded): a value out of range is one line naming the flag or
 key and the range, exit status 2, never a run that grows until the machine gives out or fails after
 training. The upper bounds are far above any real use and low enough that one value cannot cost
 more than hours:
