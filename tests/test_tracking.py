@@ -74,7 +74,7 @@ def test_wandb_gets_the_same_scalars(tmp_path, monkeypatch):
         sinks.log({"step": 1, "loss": 2.0, "waste": 0.1, "val_loss": 3.0, "tag": "x"})
     assert calls["init"]["project"] == "demo" and calls["init"]["name"] == "myrun"
     assert calls["init"]["entity"] == "lab" and calls["init"]["tags"] == ["aloha", "pack"]
-    assert calls["init"]["dir"] == str(tmp_path / "myrun") and calls["init"]["config"]["runtime"]["wandb"] is True
+    assert calls["init"]["dir"] == str(tmp_path / "myrun") and calls["init"]["config"]["log"]["wandb"] is True
     assert calls["log"] == [(1, {"train/loss": 2.0, "train/waste": 0.1, "val/loss": 3.0})] and calls["finish"] == 0
     # the run id is stored in the run folder on the first start; a resume continues that W&B run
     first = calls["init"]["id"]
