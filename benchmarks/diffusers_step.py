@@ -29,7 +29,7 @@ COMPILES = {"compiled": "whole", "regional": "regional", "eager": False}
 
 
 def variant(name: str) -> tuple[str, str | bool]:
-    """(runtime.float8 mode, compile) of a ``diffusers-*`` variant name: ``diffusers-float8-compiled`` ->
+    """(parallel.float8 mode, compile) of a ``diffusers-*`` variant name: ``diffusers-float8-compiled`` ->
     ``("tensorwise", "whole")``; ``ValueError`` for a name that is none of them."""
     parts = name.split("-")
     f8 = len(parts) == 3 and parts[1] == "float8"

@@ -127,8 +127,8 @@ V=(scripts/verify_packing.py configs/wan5b_pack.toml --synthetic --synthetic-hw 
    --set data.max_tokens=16416 --set runtime.device="'cuda'" --micro-batches 1
    --set "model.overrides={attn_backend='flex', num_layers=2}")
 for f8 in tensorwise rowwise; do
-  stage "verify8_$f8" 60 110 python3 "${V[@]}" --set runtime.float8="'$f8'"
-  stage "verify8_${f8}_drop" 60 110 python3 "${V[@]}" --set runtime.float8="'$f8'" --drop-packing
+  stage "verify8_$f8" 60 110 python3 "${V[@]}" --set parallel.float8="'$f8'"
+  stage "verify8_${f8}_drop" 60 110 python3 "${V[@]}" --set parallel.float8="'$f8'" --drop-packing
 done
 [[ " $STAGES " == *" verify8 "* ]] && tail -n 30 "$LOGS"/verify8_*.log
 if [[ " $STAGES " == *" cli "* ]]; then
@@ -141,7 +141,7 @@ if [[ " $STAGES " == *" cli "* ]]; then
   tail -n 3 "$OUT/wan5b_cli/train.log" 2>/dev/null
   if ! grep -q '"step"' "$OUT/wan5b_cli/metrics.jsonl" 2>/dev/null; then
     stage cli_true 150 420 env STEPS=${STEPS:-30} MAX_S=390 bash benchmarks/train_wan5b.sh "$OUT/wan5b_cli_true" \
-      --set runtime.activation_checkpointing=true
+      --set parallel.activation_checkpointing=true
     tail -n 3 "$OUT/wan5b_cli_true/train.log" 2>/dev/null
   fi
 fi

@@ -2,7 +2,7 @@
 
 A Wan2.2-5B-shape model (``--layers`` blocks, default 4) trained through ``flexpack train``'s loop
 (``flexpack.training.loop.train(cfg, data=...)``) on ``train_step.py``'s synthetic in-memory episodes
-(reference lengths, no lerobot), once per ``runtime.float8`` mode, from the same initial weights
+(reference lengths, no lerobot), once per ``parallel.float8`` mode, from the same initial weights
 (``runtime.seed``), the same packs in the same order and the same per-episode noise. Every step's
 loss is logged; the JSON is rewritten after each mode, so a run cut short keeps the finished modes.
 
@@ -77,9 +77,9 @@ def main() -> None:
             "optim": {"lr": args.lr, "betas": [0.9, 0.95], "grad_clip": 1.0},
             "schedule": {"steps": args.steps, "warmup_steps": max(1, args.steps // 10), "decay": "constant"},
             "checkpoint": {"every": 0},
-            "runtime": {"dtype": "bfloat16", "float8": mode, "progress": False, "tensorboard": False, "log_every": 1,
-                        "compile": args.compile,
-                        "out_dir": out, "seed": 0, "device": str(device.type)}})
+            "runtime": {"dtype": "bfloat16", "out_dir": out, "seed": 0, "device": str(device.type)},
+            "parallel": {"float8": mode, "compile": args.compile},
+            "log": {"progress": False, "tensorboard": False, "every": 1}})
         packs = run_for(items, cfg, device=device)  # the sampler, collate and forward options `flexpack train` builds
         t0 = time.perf_counter()
         try:

@@ -1,4 +1,4 @@
-"""Packed ≡ per-episode under float8: ``verify_batch`` on a Wan2.2-5B-width model with each ``runtime.float8`` mode.
+"""Packed ≡ per-episode under float8: ``verify_batch`` on a Wan2.2-5B-width model with each ``parallel.float8`` mode.
 
 float8 scales are shared by the rows they cover: ``tensorwise`` takes one amax over the whole pack
 (every episode's activations), ``rowwise`` one per token row in the forward but one per column —

@@ -110,8 +110,9 @@ def config(args: argparse.Namespace, float8: str) -> TrainConfig:
         "model": {"family": "lingbot-va", "preset": "lingbot-va-tiny" if args.smoke else "lingbot-va-5b",
                   "overrides": over},
         "optim": {"lr": 1e-5, "betas": [0.9, 0.95], "weight_decay": 1e-4, "grad_clip": 1.0},
-        "runtime": {"dtype": "bfloat16", "compile": not args.smoke, "progress": False, "float8": float8,
-                    "activation_checkpointing": args.activation_checkpointing},
+        "runtime": {"dtype": "bfloat16"}, "log": {"progress": False},
+        "parallel": {"compile": not args.smoke, "float8": float8,
+                     "activation_checkpointing": args.activation_checkpointing},
     })
 
 
@@ -289,7 +290,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=32768, help="data.max_tokens (one copy; twice that computed)")
     p.add_argument("--float8", default="tensorwise", help="comma-separated float8 modes of flexpack ('' = none)")
     p.add_argument("--activation-checkpointing", type=parse_ac, default=False, metavar="true|false|N|selective",
-                   help="runtime.activation_checkpointing of flexpack (--layers 30 needs it)")
+                   help="parallel.activation_checkpointing of flexpack (--layers 30 needs it)")
     p.add_argument("--lerobot-batch", type=int, default=0, help="LeRobot's batch of clips; 0 = the largest that fits")
     p.add_argument("--lerobot-probe", type=int, default=16, help="the probe batch of the search")
     p.add_argument("--lerobot-max-batch", type=int, default=4096, help="the search's upper bound")

@@ -34,8 +34,9 @@ def run_loop(args, name: str, lengths: list[int], items, device: torch.device, c
     cfg = replace(cfg, schedule=replace(cfg.schedule, steps=steps, warmup_steps=1),
                   checkpoint=replace(cfg.checkpoint, every=0),
                   data=replace(cfg.data, num_workers=0 if args.smoke else 4),
-                  runtime=replace(cfg.runtime, out_dir=out, log_every=log_every, tensorboard=False, progress=False,
-                                  peak_tflops=peak / 1e12 if device.type == "cuda" else None))
+                  runtime=replace(cfg.runtime, out_dir=out),
+                  log=replace(cfg.log, every=log_every, tensorboard=False, progress=False),
+                  profile=replace(cfg.profile, peak_tflops=peak / 1e12 if device.type == "cuda" else None))
     save = checkpoint.Checkpointer.save
     checkpoint.Checkpointer.save = lambda self, *a, **k: None  # no 5B-shape save at the end: not a step
     try:
@@ -51,5 +52,5 @@ def run_loop(args, name: str, lengths: list[int], items, device: torch.device, c
     windows = [r["tokens_per_s"] for r in result.metrics]
     return {**med, "steps": steps, "log_every": log_every, "windows": windows, "same_packs": same,
             "same_window_tokens_per_s": windows[1] if same and len(windows) > 1 else None,
-            "losses": [r["loss"] for r in result.metrics], "float8": cfg.runtime.float8,
-            "activation_checkpointing": cfg.runtime.activation_checkpointing}
+            "losses": [r["loss"] for r in result.metrics], "float8": cfg.parallel.float8,
+            "activation_checkpointing": cfg.parallel.activation_checkpointing}

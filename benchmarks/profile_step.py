@@ -12,7 +12,7 @@ micro-step. The schedule is exactly warm-up + 1 + steps long, so the window ends
 Shape (GPU run): two 128x128 cameras through a 16x VAE and 2x2 patches = 32 video tokens per latent
 frame (an 8 x 16 latent), 4 action steps, 36 tokens per frame, 512 umT5 text tokens (4096 wide) per
 episode, bf16 autocast, one GPU. MFU counts useful FLOPs (:mod:`flexpack.training.observe.flops`) against the
-bf16 peak an 8192³ matmul reaches at the start (the run's ``runtime.peak_tflops`` unset; H200: 733–795).
+bf16 peak an 8192³ matmul reaches at the start (the run's ``profile.peak_tflops`` unset; H200: 733–795).
 The run folder keeps ``profile/`` (trace, per-micro-step lines, summary), ``metrics.jsonl`` and
 ``tb/``; the final checkpoint is removed (it is not what is measured).
 """
@@ -48,7 +48,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2, help="warm-up steps before them (LINGBOT_PROFILE_WARMUP)")
     ap.add_argument("--accum", type=int, default=1, help="micro-batches per step")
     ap.add_argument("--mask", default="document", choices=("document", "chunk_causal"))
-    ap.add_argument("--eager", action="store_true", help="runtime.compile=false (default: the train loop's own "
+    ap.add_argument("--eager", action="store_true", help="parallel.compile=false (default: the train loop's own "
                     "choice, compiled blocks on CUDA)")
     ap.add_argument("--frames-file", default=str(ROOT / "data" / "episode_frames_ref.txt"))
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "out"), "profile_step"), help="run folder")
@@ -74,9 +74,9 @@ def main() -> None:
     total = warmup + 1 + steps
     cfg = load_config(ROOT / "configs" / "wan5b_pack.toml", overrides + [
         f"runtime.out_dir='{out}'", f"schedule.steps={total}", "schedule.warmup_steps=1", "checkpoint.every=0",
-        "runtime.log_every=1", "runtime.tensorboard=false", "runtime.activation_checkpointing=false",
+        "log.every=1", "log.tensorboard=false", "parallel.activation_checkpointing=false",
         f"optim.accum_steps={args.accum}",
-        "data.num_workers=2" if cuda else "data.num_workers=0"] + (["runtime.compile=false"] if args.eager else []))
+        "data.num_workers=2" if cuda else "data.num_workers=0"] + (["parallel.compile=false"] if args.eager else []))
     m = cfg.model.wan_config()
     dataset = RandomEpisodes(lengths, channels=m.in_channels, hw=hw, action_channels=m.action_channels,
                              action_steps=cfg.data.action_steps, text_len=text_len, text_dim=text_dim,
@@ -96,7 +96,7 @@ def main() -> None:
     name = torch.cuda.get_device_name() if cuda else "cpu"
     print(f"{m.num_layers} layers of {cfg.model.preset}, {cfg.data.max_tokens} tokens per pack, "
           f"{tpf} tokens per frame, "
-          f"{args.mask} mask, {'eager' if args.eager else 'runtime.compile=' + str(cfg.runtime.compile)}, {name}; "
+          f"{args.mask} mask, {'eager' if args.eager else 'parallel.compile=' + str(cfg.parallel.compile)}, {name}; "
           f"time base: {s['time_base']}")
     print("| " + " | ".join(CATEGORIES) + " | MFU | tokens/s | fwd s | bwd s |")
     print("|" + "---|" * (len(CATEGORIES) + 4))

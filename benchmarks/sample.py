@@ -64,7 +64,7 @@ def config(args: argparse.Namespace) -> TrainConfig:
         {"preset": "wan2.2-5b", "overrides": {"num_layers": args.layers}}
     return from_dict(TrainConfig, {"data": {"mode": "pack", "max_tokens": args.max_tokens, "action_steps": 4},
                                    "model": model, "objective": {"chunk_size": 1},
-                                   "runtime": {"dtype": "bfloat16", "progress": False}})
+                                   "runtime": {"dtype": "bfloat16"}, "log": {"progress": False}})
 
 
 def make_items(lengths: list[int], C: int, H: int, W: int, Ca: int, L: int, Dt: int) -> list[dict]:

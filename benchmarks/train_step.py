@@ -24,7 +24,7 @@ measured in the same run.
 Sets (latent frames per episode): ``ref`` (103-362), ``short`` (56-146), ``veryshort`` (14-40, ~70 episodes a
 pack), ``long`` (8-600, a long tail), ``wan5b`` (``train_wan5b.sh``'s 13 episodes); see :func:`length_sets`.
 
-``pack-float8-MODE``: the compiled step with ``runtime.float8 = MODE``; ``diffusers-float8-{compiled,regional,eager}``:
+``pack-float8-MODE``: the compiled step with ``parallel.float8 = MODE``; ``diffusers-float8-{compiled,regional,eager}``:
 diffusers with torchao's tensorwise float8 in the layers flexpack converts. Float8 variants need an sm89+ GPU
 (refused in one line elsewhere, except ``--smoke``, which emulates them on the CPU). Per set the JSON compares
 like with like: ``pack_vs_diffusers_compiled`` is the bf16 packed step over diffusers compiled in bf16,
@@ -78,7 +78,7 @@ VARIANTS = ("pack-compiled", "pack-float8-tensorwise", "pack-float8-rowwise", "p
 
 
 def float8_of(variant: str) -> str:
-    """runtime.float8 of a variant name (``pack-float8-rowwise`` → ``rowwise``); float8 variants are compiled."""
+    """parallel.float8 of a variant name (``pack-float8-rowwise`` → ``rowwise``); float8 variants are compiled."""
     return variant.split("float8-", 1)[1] if "float8-" in variant else "off"
 
 
@@ -139,9 +139,9 @@ def config(args: argparse.Namespace, mode: str, compile_: bool, float8: str = "o
                  "pad_multiple": 8},
         "model": model,
         "optim": {"lr": 1e-5, "betas": [0.9, 0.95], "grad_clip": 1.0},
-        "runtime": {"dtype": "bfloat16", "compile": compile_, "progress": False, "float8": float8,
-                    "activation_checkpointing": args.activation_checkpointing,
-                    "activation_memory_budget": args.memory_budget if compile_ else 1.0},
+        "runtime": {"dtype": "bfloat16"}, "log": {"progress": False},
+        "parallel": {"compile": compile_, "float8": float8, "activation_checkpointing": args.activation_checkpointing,
+                     "activation_memory_budget": args.memory_budget if compile_ else 1.0},
     })
 
 
@@ -236,8 +236,8 @@ def run_flexpack(args, name: str, lengths: list[int], batches: list[list[int]], 
     flops = [batch_flops(m, geometry, b.layout) for b in timed]
     out = _medians(times, host, tokens, flops, peak)
     out.update(peak_mem_gb=_peak_gb(device), recompiles_after_warmup=compiled_graphs() - graphs_after_warmup,
-               host_syncs_per_step=syncs, float8=cfg.runtime.float8,
-               activation_checkpointing=cfg.runtime.activation_checkpointing,
+               host_syncs_per_step=syncs, float8=cfg.parallel.float8,
+               activation_checkpointing=cfg.parallel.activation_checkpointing,
                losses=losses, finite=all(np.isfinite(losses)),
                computed_tokens_per_step=made[0].layout.frame_doc.numel() * tpf)
     if args.profile and mode == "pack" and device.type == "cuda":
@@ -328,15 +328,15 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=65536)
     p.add_argument("--profile", action="store_true", help="kernel-time split of one packed step")
     p.add_argument("--memory-budget", type=float, default=1.0,
-                   help="runtime.activation_memory_budget of the compiled flexpack variants")
+                   help="parallel.activation_memory_budget of the compiled flexpack variants")
     p.add_argument("--activation-checkpointing", type=parse_ac, default=False, metavar="true|false|N|selective",
-                   help="runtime.activation_checkpointing of the flexpack variants (--layers 30 needs it)")
+                   help="parallel.activation_checkpointing of the flexpack variants (--layers 30 needs it)")
     p.add_argument("--no-diffusers", action="store_true", help="drop the diffusers variants from --variants")
     p.add_argument("--diffusers-steps", type=int, default=None,
                    help="timed packs for diffusers (default --steps): its episodes run one by one, twice")
     p.add_argument("--loop-steps", type=int, default=30, help="measured steps of the loop-* variants (after a first "
                    "window of --loop-log-every steps that holds the compile)")
-    p.add_argument("--loop-log-every", type=int, default=10, help="runtime.log_every of the loop-* variants; with "
+    p.add_argument("--loop-log-every", type=int, default=10, help="log.every of the loop-* variants; with "
                    "one, --steps must equal it (the bare step then times the loop's first measured window)")
     p.add_argument("--host-steps", type=int, default=0,
                    help="timed packs of the host-time pass (a sync around each; default all --steps)")

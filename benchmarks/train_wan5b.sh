@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The full 30-layer Wan2.2-5B through `flexpack train` on one GPU, on a synthetic LeRobot dataset.
 #
-#   benchmarks/train_wan5b.sh OUT [--set key=value ...]      # e.g. --set runtime.activation_checkpointing=true
+#   benchmarks/train_wan5b.sh OUT [--set key=value ...]      # e.g. --set parallel.activation_checkpointing=true
 #
 # Defaults, the fastest settings that fit on the H200: float8 matmuls in the blocks (FLOAT8=tensorwise; rowwise or
 # off) and the first 24 of 30 blocks checkpointed (AC=24: 126 GB with float8 in float8_h200.sh's ac stage; AC=true,
@@ -25,8 +25,8 @@ run="$work/run"
 rm -rf "$run"
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 python3 -m flexpack.cli train configs/wan5b_pack.toml --set data.root="$work/data" --set runtime.out_dir="$run" \
-  --set schedule.steps="$steps" --set schedule.warmup_steps=4 --set runtime.log_every=10 --set runtime.progress=false \
-  --set data.num_workers=4 --set runtime.float8="${FLOAT8:-tensorwise}" --set runtime.activation_checkpointing="${AC:-24}" "$@" \
+  --set schedule.steps="$steps" --set schedule.warmup_steps=4 --set log.every=10 --set log.progress=false \
+  --set data.num_workers=4 --set parallel.float8="${FLOAT8:-tensorwise}" --set parallel.activation_checkpointing="${AC:-24}" "$@" \
   > "$out/train.log" 2>&1 &
 pid=$!
 t0=$SECONDS

@@ -22,7 +22,7 @@ def tiny_sets(root: Path | str, out: Path | str, *extra: str) -> list[str]:
     """``--set`` values for a short, quiet run of configs/tiny_cpu.toml on the dataset ``root`` into the run
     folder ``out``: no progress bar, one micro-step per step, 60-token packs (12 latent frames), a checkpoint
     only at the end; then ``extra``, where a later value of a key wins over an earlier one."""
-    return [f'data.root="{root}"', f'runtime.out_dir="{out}"', "runtime.progress=false", "optim.accum_steps=1",
+    return [f'data.root="{root}"', f'runtime.out_dir="{out}"', "log.progress=false", "optim.accum_steps=1",
             "data.max_tokens=60", "checkpoint.every=0", *extra]
 
 

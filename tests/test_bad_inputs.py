@@ -62,7 +62,7 @@ def one_error_line(err: str, command: str) -> str:
      "--set runtime.device='banana': runtime.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got 'banana'"),
     ("runtime.device='cuda:x'", "runtime.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got 'cuda:x'"),
     ("runtime.out_dir=''", "runtime.out_dir is empty"),
-    ("runtime.activation_memory_budget=2", "runtime.activation_memory_budget must be between 0 and 1"),
+    ("parallel.activation_memory_budget=2", "parallel.activation_memory_budget must be between 0 and 1"),
 ])
 def test_config_errors_name_the_key_the_value_and_the_set_it_came_from(capsys, tmp_path, setting, message):
     code, err = run_cli(capsys, *train_args(tmp_path / "no-data", tmp_path / "run", setting))
@@ -176,8 +176,9 @@ def test_missing_dataset(capsys, tmp_path):
                                           "raise model.overrides.action_channels to at least 6"),
     ("model.overrides.in_channels=16", "do not fit the model (in_channels=16"),
     ("data.max_tokens=3", "data.max_tokens = 3 is less than one latent frame (5 tokens"),
-    ("runtime.activation_memory_budget=0.5", "runtime.activation_memory_budget = 0.5 applies to compiled blocks, which "
-                                             "runtime.compile = 'auto' leaves off here (cpu, pack mode)"),
+    ("parallel.activation_memory_budget=0.5",
+     "parallel.activation_memory_budget = 0.5 applies to compiled blocks, which "
+     "parallel.compile = 'auto' leaves off here (cpu, pack mode)"),
 ])
 def test_data_that_does_not_fit_the_config(capsys, tiny_dataset, tmp_path, setting, message):
     code, err = run_cli(capsys, *train_args(tiny_dataset, tmp_path / "run", setting))

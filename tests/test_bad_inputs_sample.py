@@ -1,4 +1,4 @@
-"""``sample`` and ``export`` bounded and in one line: every count of ``sample`` and ``runtime.sample_*`` in its
+"""``sample`` and ``export`` bounded and in one line: every count of ``sample`` and ``sample.*`` in its
 range before any work, report files only regular files inside the run and of bounded size, a full disk during
 ``export`` or ``sample`` one line with nothing half-written, a checkpoint pruned or damaged under ``sample`` named
 with the one it falls back to, ``sample RUN`` on the run's current config, ``num_train_timesteps`` an integer."""
@@ -91,12 +91,12 @@ def test_an_out_that_is_a_file_is_refused_before_any_work(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("setting,message", [
-    ("runtime.sample_steps=1000000000", "runtime.sample_steps must be an integer from 1 to 10,000, got 1000000000"),
-    ("runtime.sample_steps=1e9", "runtime.sample_steps must be int, got 1000000000.0"),
-    ("runtime.sample_cuts=100000", "runtime.sample_cuts must be an integer from 1 to 1,000"),
-    ("runtime.sample_horizon=100000", "runtime.sample_horizon must be an integer from 0 to 10,000"),
-    ("runtime.sample_episodes=0", "runtime.sample_episodes must be an integer from 1 to 100,000"),
-    ("runtime.sample_plots=5000", "runtime.sample_plots must be an integer from 0 to 1,000"),
+    ("sample.steps=1000000000", "sample.steps must be an integer from 1 to 10,000, got 1000000000"),
+    ("sample.steps=1e9", "sample.steps must be int, got 1000000000.0"),
+    ("sample.cuts=100000", "sample.cuts must be an integer from 1 to 1,000"),
+    ("sample.horizon=100000", "sample.horizon must be an integer from 0 to 10,000"),
+    ("sample.episodes=0", "sample.episodes must be an integer from 1 to 100,000"),
+    ("sample.plots=5000", "sample.plots must be an integer from 0 to 1,000"),
 ])
 def test_runtime_sample_keys_are_refused_when_the_config_is_loaded(capsys, tmp_path, setting, message):
     out = tmp_path / "run"

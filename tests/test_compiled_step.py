@@ -1,4 +1,4 @@
-"""runtime.compile: each block compiled once for all layers, equal to eager, packed == per-episode,
+"""parallel.compile: each block compiled once for all layers, equal to eager, packed == per-episode,
 and no recompiles for new layouts of the same pack shape."""
 
 import pytest
@@ -108,7 +108,7 @@ def _saved_bytes_and_grads(budget: float, lens=(5, 3)):
 
 @pytest.mark.slow
 def test_activation_memory_budget_saves_less_and_keeps_gradients(one_thread):
-    """runtime.activation_memory_budget < 1: the compiled blocks keep fewer activations for the
+    """parallel.activation_memory_budget < 1: the compiled blocks keep fewer activations for the
     backward (the partitioner recomputes cheap ops) and the gradients stay the same."""
     full, g_full = _saved_bytes_and_grads(1.0)
     low, g_low = _saved_bytes_and_grads(0.0)
@@ -118,13 +118,13 @@ def test_activation_memory_budget_saves_less_and_keeps_gradients(one_thread):
 
 
 def test_activation_memory_budget_is_checked():
-    from flexpack.run.config import RuntimeConfig
+    from flexpack.run.config import ParallelConfig
 
     with pytest.raises(ValueError, match=r"between 0 and 1.*got 1.5"):
-        RuntimeConfig(activation_memory_budget=1.5)
-    with pytest.raises(ValueError, match="runtime.compile = false; set runtime.compile = true"):
-        RuntimeConfig(activation_memory_budget=0.5, compile=False)
-    RuntimeConfig(activation_memory_budget=0.5)  # auto: decided where the run starts
+        ParallelConfig(activation_memory_budget=1.5)
+    with pytest.raises(ValueError, match="parallel.compile = false; set parallel.compile = true"):
+        ParallelConfig(activation_memory_budget=0.5, compile=False)
+    ParallelConfig(activation_memory_budget=0.5)  # auto: decided where the run starts
     with pytest.raises(ValueError, match="compile is off"):
         parallelize(WanVA(wan_config("tiny", num_layers=1)), device=torch.device("cpu"),
                     options=ParallelOptions(memory_budget=0.5))

@@ -30,7 +30,7 @@ def test_shipped_configs_load_with_their_values():
     assert (wc.dim, wc.num_layers, wc.num_heads, wc.in_channels) == (3072, 30, 24, 48)
     assert big.data.mode == "pack" and big.data.max_tokens == 65536
     assert big.optim.betas == (0.9, 0.95) and big.runtime.dtype == "bfloat16"
-    assert big.runtime.activation_checkpointing is True
+    assert big.parallel.activation_checkpointing is True
 
 
 def test_defaults_without_a_file():
@@ -63,12 +63,12 @@ def test_unknown_keys_are_rejected_naming_file_and_key(tmp_path, text, key):
     ("[objective]\nteacher_forcing = true\n", r"teacher_forcing needs model\.mask"),
     ('[model]\nmask = "teacher_forcing"\nchunk_size = 2\n', r"needs objective\.teacher_forcing = true"),
     ("[model]\nchunk_size = 2\n", r"model\.chunk_size=2 has no effect with model\.mask='document'"),
-    ("[model]\noverrides = { activation_checkpointing = true }\n[runtime]\nactivation_checkpointing = true\n",
+    ("[model]\noverrides = { activation_checkpointing = true }\n[parallel]\nactivation_checkpointing = true\n",
      r"model\.overrides\.activation_checkpointing = True is not a model setting: "
-     r"set runtime\.activation_checkpointing"),
+     r"set parallel\.activation_checkpointing"),
     ("[model]\noverrides = { activation_checkpointing = true }\n",
      r"model\.overrides\.activation_checkpointing = True is not a model setting: "
-     r"set runtime\.activation_checkpointing"),
+     r"set parallel\.activation_checkpointing"),
     ("[schedule]\nrewarmup_from = 1.5\n", r"rewarmup_from must be in \[0, 1\], got 1.5"),
 ])
 def test_bad_values_are_value_errors_naming_the_field(tmp_path, text, match):
@@ -79,11 +79,11 @@ def test_bad_values_are_value_errors_naming_the_field(tmp_path, text, match):
 def test_overrides_are_parsed_as_toml_values():
     cfg = load_config(CONFIGS / "tiny_cpu.toml", [
         "schedule.steps=7", "data.root=/some/where", "optim.betas=[0.8, 0.9]", "model.overrides.dim=128",
-        "data.cameras=['cam0']", "runtime.progress=false",
+        "data.cameras=['cam0']", "log.progress=false",
     ])
     assert cfg.schedule.steps == 7 and cfg.data.root == "/some/where" and cfg.optim.betas == (0.8, 0.9)
     assert cfg.model.wan_config().dim == 128 and cfg.model.wan_config().in_channels == 48  # merged, not replaced
-    assert cfg.data.cameras == ("cam0",) and cfg.runtime.progress is False
+    assert cfg.data.cameras == ("cam0",) and cfg.log.progress is False
     with pytest.raises(ValueError, match="not KEY=VALUE"):
         apply_overrides({}, ["schedule.steps"])
     with pytest.raises(ValueError, match="schedule.stepz"):
@@ -123,17 +123,17 @@ def test_runtime_compile_and_checkpoint_counts():
 
     from flexpack.run.root import use_compile
 
-    assert load_config(overrides=[]).runtime.compile == "auto"
-    cfg = load_config(overrides=["runtime.compile=true", "runtime.activation_checkpointing=3"])
-    assert cfg.runtime.compile is True and cfg.runtime.activation_checkpointing == 3
+    assert load_config(overrides=[]).parallel.compile == "auto"
+    cfg = load_config(overrides=["parallel.compile=true", "parallel.activation_checkpointing=3"])
+    assert cfg.parallel.compile is True and cfg.parallel.activation_checkpointing == 3
     assert use_compile(cfg, torch.device("cpu")) is True  # forced on
     auto = load_config(overrides=[])
     assert use_compile(auto, torch.device("cpu")) is False  # auto: CUDA and pack mode only
     assert use_compile(auto, torch.device("cuda")) is True
     assert use_compile(load_config(overrides=["data.mode='pad'"]), torch.device("cuda")) is False
-    with pytest.raises(ValueError, match="runtime.compile must be true, false or 'auto', got 'banana'"):
-        load_config(overrides=["runtime.compile=banana"])
-    with pytest.raises(ValueError, match="runtime.activation_checkpointing must be true, false or a block count"):
-        load_config(overrides=["runtime.activation_checkpointing=-1"])
-    with pytest.raises(ValueError, match="runtime.peak_tflops must be a positive number"):
-        load_config(overrides=["runtime.peak_tflops=-5.0"])
+    with pytest.raises(ValueError, match="parallel.compile must be true, false or 'auto', got 'banana'"):
+        load_config(overrides=["parallel.compile=banana"])
+    with pytest.raises(ValueError, match="parallel.activation_checkpointing must be true, false or a block count"):
+        load_config(overrides=["parallel.activation_checkpointing=-1"])
+    with pytest.raises(ValueError, match="profile.peak_tflops must be a positive number"):
+        load_config(overrides=["profile.peak_tflops=-5.0"])

@@ -106,12 +106,12 @@ def test_cpu_threads_are_set_said_and_restored(monkeypatch, capsys):
 
 
 def test_train_into_a_log_file_writes_plain_lines(tiny_dataset, tmp_path):
-    """``flexpack train ... > log`` as a cluster job runs it: a line every runtime.log_every steps with the
+    """``flexpack train ... > log`` as a cluster job runs it: a line every log.every steps with the
     validation loss, no carriage return, short lines; OMP_NUM_THREADS unset: the thread count is said."""
     from helpers import TINY, set_args, tiny_sets
 
-    sets = tiny_sets(tiny_dataset, tmp_path / "run", "runtime.progress=true", "schedule.steps=6", "runtime.log_every=2",
-                     "runtime.eval_every=4", "data.val_episodes=[1]", "runtime.tensorboard=false")
+    sets = tiny_sets(tiny_dataset, tmp_path / "run", "log.progress=true", "schedule.steps=6", "log.every=2",
+                     "validation.every=4", "data.val_episodes=[1]", "log.tensorboard=false")
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
     log = tmp_path / "train.log"

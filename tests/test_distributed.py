@@ -33,7 +33,7 @@ def test_fsdp2_two_cpu_ranks_train_in_lockstep_and_checkpoint_loads_unsharded(tm
     root = make_synthetic_dataset(tmp_path / "ds", lengths=[37, 29, 25, 21, 17, 13, 9, 9], seed=5)
     encode_dataset(root, progress=False)
     cfg = load_config(ROOT / "configs" / "tiny_cpu.toml", [
-        f'data.root="{root}"', f'runtime.out_dir="{tmp_path / "run"}"', "runtime.progress=false",
+        f'data.root="{root}"', f'runtime.out_dir="{tmp_path / "run"}"', "log.progress=false",
         "schedule.steps=16", "schedule.warmup_steps=2", "optim.accum_steps=2", "data.max_tokens=60",
         "checkpoint.every=8",
     ])

@@ -31,11 +31,11 @@ def test_fsdp2_pretrained_start_ema_and_validation(tmp_path):
     tiny_diffusers(seed=8).save_pretrained(tmp_path / "transformer", max_shard_size="40KB")
     decay = 0.8
     cfg = load_config(TINY, [
-        f'data.root="{root}"', f'runtime.out_dir="{tmp_path / "run"}"', "runtime.progress=false",
-        f'model.pretrained="{tmp_path / "transformer"}"', "runtime.activation_checkpointing=true",
+        f'data.root="{root}"', f'runtime.out_dir="{tmp_path / "run"}"', "log.progress=false",
+        f'model.pretrained="{tmp_path / "transformer"}"', "parallel.activation_checkpointing=true",
         "schedule.steps=2", "schedule.warmup_steps=1", "optim.accum_steps=1", "data.max_tokens=60",
         "checkpoint.every=1", "checkpoint.keep=3", f"optim.ema_decay={decay}", "data.val_episodes=[0, 3]",
-        "runtime.eval_every=2"])
+        "validation.every=2"])
     save_config(cfg, tmp_path / "cfg.json")
     torchrun_worker("dist_pretrained_worker.py", tmp_path / "cfg.json", tmp_path, cwd=tmp_path)
     r0 = json.loads((tmp_path / "rank0.json").read_text())

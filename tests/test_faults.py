@@ -352,14 +352,14 @@ def test_nonfinite_found_at_a_later_logged_step_names_its_step_and_saves_nothing
     _poison_grads_at(monkeypatch, 2, {})
     out = tmp_path / "run"
     with pytest.raises(NonFiniteError) as info:
-        train(config(train_dataset, out, "schedule.steps=8", "checkpoint.every=0", "runtime.log_every=4"))
+        train(config(train_dataset, out, "schedule.steps=8", "checkpoint.every=0", "log.every=4"))
     msg = str(info.value)
     assert msg.startswith("step 3: non-finite loss") and "found at the check after step 4" in msg
     assert not (out / "checkpoints").exists() and logged_steps(out) == []
 
 
 def test_metrics_carry_step_time_and_peak_memory_and_no_mfu_without_a_gpu(train_dataset, tmp_path):
-    res = train(config(train_dataset, tmp_path / "run", "schedule.steps=3", "runtime.log_every=1"))
+    res = train(config(train_dataset, tmp_path / "run", "schedule.steps=3", "log.every=1"))
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2, 3] and res.step == 3
     for x in lines:

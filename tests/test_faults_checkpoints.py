@@ -266,7 +266,7 @@ def test_tensorboard_restart_before_any_checkpoint_drops_the_killed_runs_steps(t
     from flexpack.run.config import load_config
     from flexpack.training.observe import tracking
 
-    cfg = load_config(None, ["runtime.tensorboard=true"])
+    cfg = load_config(None, ["log.tensorboard=true"])
     with tracking.MetricSinks(tmp_path, cfg) as sinks:  # killed before its first checkpoint
         for step in (1, 2, 3):
             sinks.log({"step": step, "loss": 1.0})

@@ -1,4 +1,4 @@
-"""runtime.float8: which linear layers convert, the start-of-run check, state dicts and checkpoints
+"""parallel.float8: which linear layers convert, the start-of-run check, state dicts and checkpoints
 that never see float8, and (emulated on CPU) float8 numerics close to the unconverted model."""
 
 from __future__ import annotations
@@ -48,19 +48,19 @@ def test_filter_shape_rule():
 def test_off_and_bad_modes():
     model = WanVA(wan_config("tiny", num_layers=1))
     assert float8.convert(model, "off") == [] and float8.converted(model) == []
-    with pytest.raises(ValueError, match="runtime.float8 must be one of .*got 'fp8'"):
+    with pytest.raises(ValueError, match="parallel.float8 must be one of .*got 'fp8'"):
         float8.convert(model, "fp8")
     from flexpack.run.config import load_config
 
-    with pytest.raises(ValueError, match="runtime.float8 must be one of"):
-        load_config(overrides=["runtime.float8='e4m3'"])
-    assert load_config(overrides=["runtime.float8='rowwise'"]).runtime.float8 == "rowwise"
+    with pytest.raises(ValueError, match="parallel.float8 must be one of"):
+        load_config(overrides=["parallel.float8='e4m3'"])
+    assert load_config(overrides=["parallel.float8='rowwise'"]).parallel.float8 == "rowwise"
 
 
 def test_check_says_what_is_missing(monkeypatch):
     float8.check("off", torch.device("cpu"))  # nothing needed
     with pytest.raises(UserError,
-                       match=r"needs an NVIDIA GPU of compute capability 8.9 .*on cpu; set runtime.float8 = 'off'"):
+                       match=r"needs an NVIDIA GPU of compute capability 8.9 .*on cpu; set parallel.float8 = 'off'"):
         float8.check("rowwise", torch.device("cpu"))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "A100")
@@ -68,7 +68,7 @@ def test_check_says_what_is_missing(monkeypatch):
         float8.check("tensorwise", torch.device("cuda", 0))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
     monkeypatch.setitem(sys.modules, "torchao.float8", None)  # as if torchao were not installed
-    with pytest.raises(UserError, match=r"runtime.float8 needs torchao: pip install 'flexpack\[float8\]'"):
+    with pytest.raises(UserError, match=r"parallel.float8 needs torchao: pip install 'flexpack\[float8\]'"):
         float8.check("tensorwise", torch.device("cuda", 0))
 
 
@@ -142,8 +142,8 @@ def test_checkpoints_switch_float8_on_and_off_on_resume(one_thread, monkeypatch,
     monkeypatch.setattr(float8, "check", lambda mode, device: None)  # CPU: emulated float8
 
     def cfg(out, steps, mode):  # two micro-steps per step, as configs/tiny_cpu.toml has it
-        return tiny_config(tiny_dataset, out, "optim.accum_steps=2", "runtime.tensorboard=false",
-                           f"schedule.steps={steps}", f"runtime.float8='{mode}'")
+        return tiny_config(tiny_dataset, out, "optim.accum_steps=2", "log.tensorboard=false",
+                           f"schedule.steps={steps}", f"parallel.float8='{mode}'")
 
     plain = train(cfg(tmp_path / "plain", 2, "off"))
     on = train(cfg(tmp_path / "on", 2, "rowwise"))
@@ -251,7 +251,7 @@ def test_train_refuses_a_float8_run_whose_packs_the_gemms_cannot_take(tiny_datas
     from flexpack.run.root import Run
 
     monkeypatch.setattr(Run, "build_model", lambda self: built.append(1))
-    cfg = tiny_config(tiny_dataset, tmp_path, "runtime.float8='tensorwise'")  # 12 frames x 5 tokens = 60
-    with pytest.raises(UserError, match="runtime.float8 = 'tensorwise' needs packs of a multiple of 16 tokens"):
+    cfg = tiny_config(tiny_dataset, tmp_path, "parallel.float8='tensorwise'")  # 12 frames x 5 tokens = 60
+    with pytest.raises(UserError, match="parallel.float8 = 'tensorwise' needs packs of a multiple of 16 tokens"):
         loop.train(cfg)
     assert not built

@@ -32,7 +32,7 @@ def test_train_resume_and_verify_on_the_demo_data(tiny_dataset, tmp_path, capsys
     """The CLI trains the tiny config as it stands (its overrides mapped onto the family); a run stopped
     and resumed gives the uninterrupted run's losses; verify passes on the trained weights and fails
     with --drop-packing."""
-    held = ["data.val_episodes=[5]", "runtime.eval_every=2"]  # the validation loss runs the family's objective too
+    held = ["data.val_episodes=[5]", "validation.every=2"]  # the validation loss runs the family's objective too
     sets = [*tiny_sets(tiny_dataset, tmp_path / "a", "schedule.steps=4", "schedule.rewarmup_steps=0", *held), *LINGBOT]
     code, err = run_cli(capsys, "train", str(TINY), *set_args(sets))
     assert code == 0, err
@@ -93,13 +93,13 @@ class _Counting:
 
 
 def test_no_recompiles_across_lengths_chunks_and_windows(monkeypatch) -> None:
-    """Compiled blocks (runtime.compile) in pack mode: steps over packs of other episode lengths, with other
+    """Compiled blocks (parallel.compile) in pack mode: steps over packs of other episode lengths, with other
     chunk sizes and windows drawn per episode, reuse the one block graph."""
     import flexpack.parallel.parallelize as par
 
     counter = _Counting()
     monkeypatch.setattr(par, "BLOCK_GRAPHS", counter)
-    run, ds = _items_run([9, 7, 6, 5, 4, 3, 3, 2, 2, 1], "runtime.compile=true")
+    run, ds = _items_run([9, 7, 6, 5, 4, 3, 3, 2, 2, 1], "parallel.compile=true")
     model = run.build_model()
     assert run.parallel.compile
     seen, counts = set(), []

@@ -98,9 +98,9 @@ def _train_watched(monkeypatch, tiny_dataset, tmp_path, overrides=()):
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda *a, **k: clip(*a, **k).as_subclass(_Watched))
     _Watched.reads, _Watched.step = [], 0
     cfg = load_config(CONFIGS / "tiny_cpu.toml", [
-        f'data.root="{tiny_dataset}"', f'runtime.out_dir="{tmp_path / "run"}"', "runtime.progress=false",
-        "data.max_tokens=60", "checkpoint.every=0", "runtime.tensorboard=false", "schedule.steps=7",
-        "runtime.log_every=3", *overrides])
+        f'data.root="{tiny_dataset}"', f'runtime.out_dir="{tmp_path / "run"}"', "log.progress=false",
+        "data.max_tokens=60", "checkpoint.every=0", "log.tensorboard=false", "schedule.steps=7",
+        "log.every=3", *overrides])
     return train(cfg)
 
 

@@ -22,7 +22,7 @@ CPU = torch.device("cpu")
 
 def _cfg(tmp_path, *extra):
     return load_config(CONFIGS / "tiny_cpu.toml", [
-        f'runtime.out_dir="{tmp_path / "run"}"', "runtime.progress=false", "runtime.tensorboard=false",
+        f'runtime.out_dir="{tmp_path / "run"}"', "log.progress=false", "log.tensorboard=false",
         "checkpoint.every=0", "data.max_tokens=60", *extra])
 
 
@@ -36,7 +36,7 @@ def test_teacher_forcing_flops_agree_between_meter_profiler_and_benchmark(tmp_pa
     from flexpack.training.observe.profiling import StepProfiler
 
     monkeypatch.delenv("LINGBOT_PROFILE", raising=False)
-    cfg = _cfg(tmp_path, *TEACHER_FORCING, "runtime.peak_tflops=1")
+    cfg = _cfg(tmp_path, *TEACHER_FORCING, "profile.peak_tflops=1")
     plan = synthetic_run(cfg, text_len=4)
     g = plan.geometry
     assert (g.video_tokens, g.action_tokens, g.copies) == (1, 4, 2)
@@ -66,7 +66,7 @@ def test_metrics_jsonl_mfu_counts_both_copies(tmp_path, monkeypatch):
     from flexpack.training.loop import train
 
     monkeypatch.delenv("LINGBOT_PROFILE", raising=False)
-    cfg = _cfg(tmp_path, *TEACHER_FORCING, "runtime.peak_tflops=1", "schedule.steps=1", "schedule.warmup_steps=0")
+    cfg = _cfg(tmp_path, *TEACHER_FORCING, "profile.peak_tflops=1", "schedule.steps=1", "schedule.warmup_steps=0")
     train(cfg, run=synthetic_run(cfg, text_len=4))
     rec = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     fresh = synthetic_run(cfg, text_len=4)  # the same epoch-0 order the run started from

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def cfg_for(pretrained, *overrides: str, root: str = "unused", out: str = "unused"):
     return load_config(CONFIGS / "tiny_cpu.toml", [f'model.pretrained="{pretrained}"', f'data.root="{root}"',
-                                                   f'runtime.out_dir="{out}"', "runtime.progress=false", *overrides])
+                                                   f'runtime.out_dir="{out}"', "log.progress=false", *overrides])
 
 
 def _inputs(L=5):

@@ -32,7 +32,7 @@ def test_plan_fits_whole_steps_into_short_runs():
     assert (warm, pw, active) == (1, 1, 1)
     assert note == ("LINGBOT_PROFILE=5: the run has 3 step(s) left, fewer than 2 warm-up + 1 profiler warm-up + 5; "
                     "profiling 1 step(s) after 1 + 1 warm-up")
-    assert plan(5, 2, 3, "runtime.profile_steps")[3].startswith("runtime.profile_steps=5: the run has 3 step(s) left")
+    assert plan(5, 2, 3, "profile.steps")[3].startswith("profile.steps=5: the run has 3 step(s) left")
     assert plan(2, 2, 5)[:3] == (2, 1, 2)
     assert plan(4, 0, 2)[:3] == (0, 1, 1)
     assert plan(4, 3, 1)[:3] == (0, 0, 1)  # one step left: profile it, no warm-up
@@ -48,7 +48,7 @@ def dataset(tiny_dataset) -> Path:
 def _train(root: Path, out: Path, *overrides: str):
     from flexpack.training.loop import train
 
-    return train(tiny_config(root, out, "runtime.tensorboard=false", *overrides))  # every call sets accum_steps
+    return train(tiny_config(root, out, "log.tensorboard=false", *overrides))  # every call sets accum_steps
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -116,8 +116,8 @@ def test_short_run_says_so_and_profiles_what_there_is(dataset, tmp_path, monkeyp
 def test_runtime_profile_steps_profiles_without_the_variable(dataset, tmp_path, monkeypatch):
     monkeypatch.delenv("LINGBOT_PROFILE", raising=False)
     monkeypatch.delenv("LINGBOT_PROFILE_WARMUP", raising=False)
-    _train(dataset, tmp_path / "run", "schedule.steps=2", "optim.accum_steps=1", "runtime.profile_steps=1",
-           "runtime.profile_warmup=0")
+    _train(dataset, tmp_path / "run", "schedule.steps=2", "optim.accum_steps=1", "profile.steps=1",
+           "profile.warmup=0")
     prof = tmp_path / "run" / "profile"
     s = json.loads((prof / "summary_rank0.json").read_text())
     assert s["profiled_steps"] == [2] and s["warmup_steps"] == 1 and s["note"] is None  # 0 + the profiler's own
@@ -128,8 +128,8 @@ def test_runtime_profile_steps_profiles_without_the_variable(dataset, tmp_path, 
 def test_the_variable_wins_over_runtime_profile_steps_with_a_line(monkeypatch, capsys):
     from flexpack.run.config import load_config
 
-    cfg = load_config(CONFIGS / "tiny_cpu.toml", ["runtime.profile_steps=3", "runtime.profile_warmup=1",
-                                                  "runtime.peak_tflops=50"])
+    cfg = load_config(CONFIGS / "tiny_cpu.toml", ["profile.steps=3", "profile.warmup=1",
+                                                  "profile.peak_tflops=50"])
     from flexpack.packing.geometry import TokenGeometry
 
     kw = {"steps_left": 100, "first_step": 0, "model": cfg.model.resolved(),
@@ -140,18 +140,18 @@ def test_the_variable_wins_over_runtime_profile_steps_with_a_line(monkeypatch, c
     assert (p.enabled, p.steps, p.warmup, p.peak_tflops) == (True, 3, 1, 50.0)
     assert capsys.readouterr().err == ""  # the config alone: nothing to say
     short = StepProfiler.for_training(cfg, 0, **{**kw, "steps_left": 2})
-    assert short.note.startswith("runtime.profile_steps=3: the run has 2 step(s) left")  # names where n came from
+    assert short.note.startswith("profile.steps=3: the run has 2 step(s) left")  # names where n came from
     monkeypatch.setenv("LINGBOT_PROFILE", "5")
     monkeypatch.setenv("LINGBOT_PROFILE_WARMUP", "1")  # the same as the key: no line for it
     p = StepProfiler.for_training(cfg, 0, **kw)
     assert (p.steps, p.warmup) == (5, 1)
-    assert capsys.readouterr().err == "LINGBOT_PROFILE=5 overrides runtime.profile_steps = 3\n"
+    assert capsys.readouterr().err == "LINGBOT_PROFILE=5 overrides profile.steps = 3\n"
     assert StepProfiler.for_training(cfg, 1, **kw).steps == 5 and capsys.readouterr().err == ""  # rank 0 speaks
     monkeypatch.setenv("LINGBOT_PROFILE", "0")  # the variable switches a configured profile off
     assert not StepProfiler.for_training(cfg, 0, **kw).enabled
-    assert "LINGBOT_PROFILE=0 overrides runtime.profile_steps = 3" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="runtime.profile_steps must be >= 0, got -1"):
-        load_config(CONFIGS / "tiny_cpu.toml", ["runtime.profile_steps=-1"])
+    assert "LINGBOT_PROFILE=0 overrides profile.steps = 3" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="profile.steps must be >= 0, got -1"):
+        load_config(CONFIGS / "tiny_cpu.toml", ["profile.steps=-1"])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only machine")
@@ -295,9 +295,9 @@ def test_profile_on_cuda_counts_kernel_time_and_mfu(tmp_path, monkeypatch):
     monkeypatch.setenv("LINGBOT_PROFILE", "2")
     monkeypatch.setenv("LINGBOT_PROFILE_WARMUP", "1")
     cfg = load_config(CONFIGS / "tiny_cpu.toml", [
-        f'runtime.out_dir="{tmp_path / "run"}"', "runtime.progress=false", "data.max_tokens=60", "checkpoint.every=0",
-        "runtime.tensorboard=false", "schedule.steps=4", "runtime.device='auto'", "optim.accum_steps=1",
-        "runtime.peak_tflops=100",  # an MFU on any GPU
+        f'runtime.out_dir="{tmp_path / "run"}"', "log.progress=false", "data.max_tokens=60", "checkpoint.every=0",
+        "log.tensorboard=false", "schedule.steps=4", "runtime.device='auto'", "optim.accum_steps=1",
+        "profile.peak_tflops=100",  # an MFU on any GPU
         "model.overrides={in_channels=48, text_dim=64, action_channels=6, attn_backend='auto'}"])
     train(cfg, run=synthetic_run(cfg, text_len=4))
     prof = tmp_path / "run" / "profile"

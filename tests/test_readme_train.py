@@ -67,8 +67,8 @@ def test_readme_block_runs_end_to_end(tmp_path):
     make_synthetic_dataset(home / "lerobot" / "aloha_sim_insertion_human", lengths=[37, 29, 25, 21, 17, 13, 9, 9],
                            seed=3)
     wan, run = tiny_wan(tmp_path / "wan"), tmp_path / "run"
-    tiny = ("--set data.max_tokens=120 --set data.num_workers=0 --set runtime.progress=false --set checkpoint.every=0 "
-            "--set schedule.warmup_steps=1 --set schedule.rewarmup_steps=0 --set runtime.eval_every=1")
+    tiny = ("--set data.max_tokens=120 --set data.num_workers=0 --set log.progress=false --set checkpoint.every=0 "
+            "--set schedule.warmup_steps=1 --set schedule.rewarmup_steps=0 --set validation.every=1")
     script = ['set -euo pipefail', f'flexpack() {{ "{sys.executable}" -m flexpack.cli "$@"; }}',
               f'python() {{ "{sys.executable}" "$@"; }}', f'torchrun() {{ "{TORCHRUN}" "$@"; }}']
     for line in lines:

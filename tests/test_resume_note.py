@@ -37,7 +37,7 @@ def test_effects_state_the_lr_and_tokens_per_step_before_and_after():
                                "lr at step 5 goes from 0.001 to 0.002")
     assert lines[1] == "episodes per optimizer step (data.batch_size x optim.accum_steps x ranks): 4 x 1 x 2 = 8 -> " \
                        "4 x 1 x 4 = 16"
-    assert effects(cfg, {"runtime.log_every": [1, 5]}, step=10, world=1, old_world=1) == []  # nothing to say
+    assert effects(cfg, {"log.every": [1, 5]}, step=10, world=1, old_world=1) == []  # nothing to say
 
 
 def test_train_run_folder_resumes_and_says_what_the_changes_do(tiny_dataset, tmp_path, capfd):
@@ -45,7 +45,7 @@ def test_train_run_folder_resumes_and_says_what_the_changes_do(tiny_dataset, tmp
     from helpers import TINY, set_args, tiny_sets
 
     run = tmp_path / "run"
-    first = tiny_sets(tiny_dataset, run, "schedule.steps=2", "schedule.warmup_steps=1", "runtime.tensorboard=false")
+    first = tiny_sets(tiny_dataset, run, "schedule.steps=2", "schedule.warmup_steps=1", "log.tensorboard=false")
     assert main(["train", str(TINY), *set_args(first)]) == 0
     capfd.readouterr()
     # the run folder in place of a config file: its config, its out_dir; three settings changed

@@ -1,4 +1,4 @@
-"""``flexpack sample`` end to end on a short trained run, its bad inputs, and ``runtime.sample_every``."""
+"""``flexpack sample`` end to end on a short trained run, its bad inputs, and ``sample.every``."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ KEYS = ("action_mse", "action_mse_raw", "latent_mse")
 
 
 def _sets(root, out, *more):
-    return tiny_sets(root, out, "data.val_episodes=[0, 2]", "runtime.tensorboard=false", *more)
+    return tiny_sets(root, out, "data.val_episodes=[0, 2]", "log.tensorboard=false", *more)
 
 
 @pytest.fixture(scope="module")
@@ -171,11 +171,11 @@ def test_bad_inputs_are_one_line_and_exit_2(trained, tmp_path, capsys, case, arg
 
 
 def test_sample_every_writes_samples_and_resume_gives_the_same_numbers(tiny_dataset, tmp_path):
-    more = ["schedule.steps=4", "runtime.sample_every=2", "runtime.sample_steps=2", "runtime.sample_plots=1",
-            "runtime.sample_horizon=2", "schedule.rewarmup_steps=0"]  # a resume re-warms the LR otherwise
+    more = ["schedule.steps=4", "sample.every=2", "sample.steps=2", "sample.plots=1",
+            "sample.horizon=2", "schedule.rewarmup_steps=0"]  # a resume re-warms the LR otherwise
     straight, resumed = tmp_path / "a", tmp_path / "b"
-    train(load_config(CONFIGS / "tiny_cpu.toml", _sets(tiny_dataset, straight, *more, "runtime.tensorboard=true",
-                                                                  "runtime.eval_every=2")))
+    train(load_config(CONFIGS / "tiny_cpu.toml", _sets(tiny_dataset, straight, *more, "log.tensorboard=true",
+                                                                  "validation.every=2")))
     cfg_b = load_config(CONFIGS / "tiny_cpu.toml", _sets(tiny_dataset, resumed, *more))
     train(cfg_b, stop_after=2)
     train(cfg_b)
@@ -210,13 +210,13 @@ def test_sample_every_writes_samples_and_resume_gives_the_same_numbers(tiny_data
 
 
 def test_sample_every_needs_held_out_episodes_and_a_per_frame_sigma(tiny_dataset, tmp_path):
-    with pytest.raises(ValueError, match="sample_every=2 needs held-out episodes"):
-        load_config(CONFIGS / "tiny_cpu.toml", [f'data.root="{tiny_dataset}"', "runtime.sample_every=2"])
-    with pytest.raises(ValueError, match="runtime.sample_steps must be an integer from 1 to 10,000"):
-        load_config(CONFIGS / "tiny_cpu.toml", ["runtime.sample_steps=0"])
+    with pytest.raises(ValueError, match="sample.every=2 needs held-out episodes"):
+        load_config(CONFIGS / "tiny_cpu.toml", [f'data.root="{tiny_dataset}"', "sample.every=2"])
+    with pytest.raises(ValueError, match="sample.steps must be an integer from 1 to 10,000"):
+        load_config(CONFIGS / "tiny_cpu.toml", ["sample.steps=0"])
     from dataclasses import replace
 
-    cfg = load_config(CONFIGS / "tiny_cpu.toml", [f'data.root="{tiny_dataset}"', "runtime.sample_every=2",
+    cfg = load_config(CONFIGS / "tiny_cpu.toml", [f'data.root="{tiny_dataset}"', "sample.every=2",
                                                     "data.val_episodes=[0]"])
     with pytest.raises(ValueError, match="one σ per episode and can only generate jointly"):
         replace(cfg, objective=replace(cfg.objective, chunk_size=None))
@@ -255,10 +255,10 @@ def test_wan_vae_cache_gets_videos_and_psnr_of_the_target_frames(trained, tmp_pa
 
 def test_sample_every_with_too_short_held_out_episodes_fails_before_training(tiny_dataset, tmp_path):
     run = tmp_path / "short"
-    cfg = load_config(CONFIGS / "tiny_cpu.toml", _sets(tiny_dataset, run, "schedule.steps=2", "runtime.sample_every=1",
-                                                         "data.val_episodes=[5]", "runtime.sample_horizon=4"))
+    cfg = load_config(CONFIGS / "tiny_cpu.toml", _sets(tiny_dataset, run, "schedule.steps=2", "sample.every=1",
+                                                         "data.val_episodes=[5]", "sample.horizon=4"))
     with pytest.raises(ValueError,
-                       match=r"runtime.sample_every=1: no episode has room for a cut point.*sample_horizon"):
+                       match=r"sample.every=1: no episode has room for a cut point.*sample.horizon"):
         train(cfg)  # episode 5 has 3 latent frames: one context frame + 4 do not fit
     assert not (run / "checkpoints").exists()
 
@@ -317,9 +317,9 @@ def test_default_output_folder_is_in_the_run(trained, capsys):
 @pytest.mark.parametrize("ema", [False, True])
 def test_in_training_sampling_equals_the_cli_on_the_final_checkpoint(tiny_dataset, tmp_path, capsys, ema):
     run = tmp_path / "run"
-    more = ["schedule.steps=3", "runtime.sample_every=3", "runtime.sample_steps=2", "runtime.sample_plots=0",
-            "runtime.sample_horizon=2", "runtime.sample_cuts=2", "optim.ema_decay=0.5",
-            f"runtime.sample_ema={str(ema).lower()}"]
+    more = ["schedule.steps=3", "sample.every=3", "sample.steps=2", "sample.plots=0",
+            "sample.horizon=2", "sample.cuts=2", "optim.ema_decay=0.5",
+            f"sample.ema={str(ema).lower()}"]
     train(load_config(CONFIGS / "tiny_cpu.toml", _sets(tiny_dataset, run, *more)))
     rec = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if "sample/action_mse" in x][-1]
     code, _, err = _cli(capsys, run, "--checkpoint", run, "--val", "--out", tmp_path / "cli", "--steps", 2,
@@ -339,5 +339,5 @@ def test_in_training_sampling_equals_the_cli_on_the_final_checkpoint(tiny_datase
 
 
 def test_sample_ema_needs_ema_weights(tmp_path):
-    with pytest.raises(ValueError, match="runtime.sample_ema = true needs EMA weights"):
-        load_config(CONFIGS / "tiny_cpu.toml", ["runtime.sample_ema=true"])
+    with pytest.raises(ValueError, match="sample.ema = true needs EMA weights"):
+        load_config(CONFIGS / "tiny_cpu.toml", ["sample.ema=true"])

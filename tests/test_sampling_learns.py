@@ -29,7 +29,7 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 #   context >= 1 (the earlier default):  small 0.040, tiny 0.088; older positions 0.280 and 0.275
 #   (and 0.23-0.29 for seeds 0-3 before the small preset). The test asks for < 0.1.
 TRAIN = ["schedule.steps=600", "schedule.warmup_steps=20", "optim.accum_steps=1", "optim.lr=3e-3",
-         "data.val_fraction=0.25", "checkpoint.every=0", "runtime.tensorboard=false", "runtime.progress=false"]
+         "data.val_fraction=0.25", "checkpoint.every=0", "log.tensorboard=false", "log.progress=false"]
 
 
 def test_orbit_scene_actions_follow_the_blob_and_survive_the_pool_encoder(tmp_path, capsys):

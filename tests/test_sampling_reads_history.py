@@ -24,7 +24,7 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 # Measured (action MSE of the 4-sample mean / the mean baseline's): 0.51 and 0.56 (training seeds 0, 1), 0.66 with
 # the older action positions ("frame"); from another episode's history 1.46 and 1.46; one sample 0.74-0.77.
 TRAIN = ["schedule.steps=400", "schedule.warmup_steps=20", "data.val_fraction=0.25", "checkpoint.every=0",
-         "runtime.tensorboard=false", "runtime.progress=false"]
+         "log.tensorboard=false", "log.progress=false"]
 
 
 def _angles(actions_TD: np.ndarray) -> np.ndarray:

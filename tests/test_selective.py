@@ -1,4 +1,4 @@
-"""runtime.activation_checkpointing = "selective": matmul and attention outputs kept, elementwise
+"""parallel.activation_checkpointing = "selective": matmul and attention outputs kept, elementwise
 ops recomputed; the same gradients as no checkpointing, memory between none and full."""
 
 from __future__ import annotations
@@ -73,11 +73,11 @@ def test_selective_eager_gives_the_same_gradients(one_thread, monkeypatch):
 def test_selective_is_a_config_value():
     from flexpack.run.config import load_config
 
-    assert (load_config(overrides=["runtime.activation_checkpointing='selective'"]).runtime.activation_checkpointing
+    assert (load_config(overrides=["parallel.activation_checkpointing='selective'"]).parallel.activation_checkpointing
             == "selective")
-    want = "runtime.activation_checkpointing must be true, false, a block count >= 0 or 'selective', got 'some'"
+    want = "parallel.activation_checkpointing must be true, false, a block count >= 0 or 'selective', got 'some'"
     with pytest.raises(ValueError, match=want):
-        load_config(overrides=["runtime.activation_checkpointing='some'"])
+        load_config(overrides=["parallel.activation_checkpointing='some'"])
 
 
 @pytest.mark.slow

@@ -38,8 +38,8 @@ def config(mask: str, backend: str, device: str = "cuda", skip_nonfinite: bool =
         "model": model,
         "objective": {"teacher_forcing": teacher, "chunk_size": 2},
         "optim": {"lr": 1e-4, "grad_clip": 1.0, "accum_steps": 2, "skip_nonfinite": skip_nonfinite},
-        "runtime": {"device": device, "dtype": "bfloat16" if device == "cuda" else "float32",
-                    "compile": device == "cuda", "progress": False},
+        "runtime": {"device": device, "dtype": "bfloat16" if device == "cuda" else "float32"},
+        "parallel": {"compile": device == "cuda"}, "log": {"progress": False},
     })
 
 
@@ -66,7 +66,7 @@ def run_steps(cfg: TrainConfig, device: torch.device, *, warmup: int, checked: i
         data = data.with_dataset(dataset)
     with device:
         model = build_model(cfg)
-    model = parallelize(model, device=device, options=ParallelOptions(compile=cfg.runtime.compile is True))
+    model = parallelize(model, device=device, options=ParallelOptions(compile=cfg.parallel.compile is True))
     opt = build_optimizer(model, cfg.optim, fused=device.type == "cuda")
     start = [p.detach().clone() for p in model.parameters()]
     loader = torch.utils.data.DataLoader(data.dataset, batch_sampler=data.sampler, collate_fn=data.collate,

@@ -34,7 +34,7 @@ def test_scalars_are_every_numeric_key_but_step():
 
 
 def test_tensorboard_logs_new_keys_and_drops_replayed_steps_on_resume(tmp_path):
-    cfg = load_config(None, ["runtime.tensorboard=true"])
+    cfg = load_config(None, ["log.tensorboard=true"])
     with tracking.MetricSinks(tmp_path, cfg) as sinks:
         for step in (1, 2, 3):
             sinks.log({"step": step, "loss": 1.0 / step, "step_s": 0.5 * step})
@@ -68,13 +68,13 @@ def test_wandb_gets_the_same_scalars(tmp_path, monkeypatch):
         return FakeRun()
 
     monkeypatch.setitem(sys.modules, "wandb", SimpleNamespace(init=init))
-    cfg = load_config(None, ["runtime.wandb=true", "runtime.tensorboard=false", "runtime.wandb_project=demo",
-                             'runtime.wandb_entity="lab"', 'runtime.wandb_tags=["aloha", "pack"]'])
+    cfg = load_config(None, ["log.wandb=true", "log.tensorboard=false", "log.wandb_project=demo",
+                             'log.wandb_entity="lab"', 'log.wandb_tags=["aloha", "pack"]'])
     with tracking.MetricSinks(tmp_path / "myrun", cfg) as sinks:
         sinks.log({"step": 1, "loss": 2.0, "waste": 0.1, "val_loss": 3.0, "tag": "x"})
     assert calls["init"]["project"] == "demo" and calls["init"]["name"] == "myrun"
     assert calls["init"]["entity"] == "lab" and calls["init"]["tags"] == ["aloha", "pack"]
-    assert calls["init"]["dir"] == str(tmp_path / "myrun") and calls["init"]["config"]["runtime"]["wandb"] is True
+    assert calls["init"]["dir"] == str(tmp_path / "myrun") and calls["init"]["config"]["log"]["wandb"] is True
     assert calls["log"] == [(1, {"train/loss": 2.0, "train/waste": 0.1, "val/loss": 3.0})] and calls["finish"] == 0
     # the run id is stored in the run folder on the first start; a resume continues that W&B run
     first = calls["init"]["id"]
@@ -94,9 +94,9 @@ def test_missing_wandb_is_one_line_before_any_work(monkeypatch):
     from flexpack.training.loop import train
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # import fails as if not installed
-    cfg = load_config(None, ["runtime.wandb=true", 'data.root="/nonexistent/data"'])
+    cfg = load_config(None, ["log.wandb=true", 'data.root="/nonexistent/data"'])
     with pytest.raises(ValueError,
-                       match=r"^runtime.wandb = true needs the wandb package: pip install 'flexpack\[wandb\]'"):
+                       match=r"^log.wandb = true needs the wandb package: pip install 'flexpack\[wandb\]'"):
         train(cfg)
 
 
@@ -149,7 +149,7 @@ def test_real_wandb_offline_resume_continues_the_stored_run(tmp_path, monkeypatc
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    cfg = load_config(None, ["runtime.wandb=true", "runtime.tensorboard=false"])
+    cfg = load_config(None, ["log.wandb=true", "log.tensorboard=false"])
     run = tmp_path / "run"
     with tracking.MetricSinks(run, cfg) as sinks:
         sinks.log({"step": 1, "loss": 2.0})

@@ -53,7 +53,7 @@ def test_cli_train_loss_decreases_and_logs(dataset, tmp_path):
     out = tmp_path / "run"
     args = ["train", str(CONFIGS / "tiny_cpu.toml"), "--set", f'data.root="{dataset}"',
             "--set", f'runtime.out_dir="{out}"',
-            "--set", "schedule.steps=30", "--set", "optim.accum_steps=1", "--set", "runtime.progress=false",
+            "--set", "schedule.steps=30", "--set", "optim.accum_steps=1", "--set", "log.progress=false",
             "--set", "checkpoint.every=10"]
     assert cli_main(args) == 0
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -190,7 +190,7 @@ def test_profiling_writes_trace_and_table_when_LINGBOT_PROFILE_2(dataset, tmp_pa
 
 def test_activation_checkpointing_from_outside_changes_nothing_but_memory(dataset, tmp_path):
     plain = train(config(dataset, tmp_path / "plain", "schedule.steps=3"))
-    ac = train(config(dataset, tmp_path / "ac", "schedule.steps=3", "runtime.activation_checkpointing=true"))
+    ac = train(config(dataset, tmp_path / "ac", "schedule.steps=3", "parallel.activation_checkpointing=true"))
     assert type(ac.model.blocks[0]).__name__ == "CheckpointWrapper"
     assert ac.losses == pytest.approx(plain.losses, rel=1e-5) and ac.episodes == plain.episodes
     saved = {k.removeprefix("model.") for k in checkpoint.tensor_shapes(ac.checkpoint) if k.startswith("model.")}

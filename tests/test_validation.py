@@ -46,7 +46,7 @@ def dataset(tiny_dataset) -> Path:
 
 
 def _cfg(root, out, *more):
-    return tiny_config(root, out, "schedule.steps=4", "data.val_episodes=[1, 4]", "runtime.eval_every=2", *more)
+    return tiny_config(root, out, "schedule.steps=4", "data.val_episodes=[1, 4]", "validation.every=2", *more)
 
 
 def test_validation_loss_is_logged_held_out_and_reproducible(dataset, tmp_path):
@@ -72,5 +72,5 @@ def test_validation_loss_is_logged_held_out_and_reproducible(dataset, tmp_path):
 
 
 def test_eval_every_needs_held_out_episodes(dataset, tmp_path):
-    with pytest.raises(ValueError, match="runtime.eval_every=2 needs held-out episodes"):
+    with pytest.raises(ValueError, match="validation.every=2 needs held-out episodes"):
         train(_cfg(dataset, tmp_path / "b", "data.val_episodes=[]"))

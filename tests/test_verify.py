@@ -221,7 +221,7 @@ def test_verify_on_cuda_in_the_training_configuration(capsys, backend):
     shape = (f"model.overrides={{in_channels=48, text_dim=64, action_channels=6, attn_backend='{backend}', "
              "dim=256, num_heads=2, ffn_dim=512, num_layers=2}")
     common = ["--set", shape, "--set", "runtime.device='cuda'", "--set", "runtime.dtype='bfloat16'",
-              "--set", "runtime.compile=true", "--set", "data.max_tokens=400", "--synthetic-hw", "4", "4"]
+              "--set", "parallel.compile=true", "--set", "data.max_tokens=400", "--synthetic-hw", "4", "4"]
     rc, out, err = _verify(capsys, *common)
     assert rc == 0, out + err
     assert "cuda" in out and "(autocast), blocks compiled" in out and "gradients finite: yes" in out

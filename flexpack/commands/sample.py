@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 # tests/test_cli.py checks they are sampling.evaluate.MODES and sampling.schedule.SOLVERS
 MODES = ("forecast", "rollout")
 SOLVERS = ("euler", "heun")
-DEFAULT_SAMPLES = 4  # forecasts per (episode, cut) of flexpack sample (runtime.sample_draws: 1, for its cost)
+DEFAULT_SAMPLES = 4  # forecasts per (episode, cut) of flexpack sample (sample.draws: 1, for its cost)
 DEFAULT_MIN_CONTEXT = 2  # tests/test_cli.py checks it is sampling.evaluate.DEFAULT_MIN_CONTEXT
 
 
@@ -89,7 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "enough; truth, text and noise its own); a model that reads its history scores worse "
                              "than with its own, one that ignores it the same")
     parser.add_argument("--seed", type=int, default=0,
-                        help="noise seed (default 0: the noise runtime.sample_every uses); another draws other noise")
+                        help="noise seed (default 0: the noise sample.every uses); another draws other noise")
     parser.add_argument("--ema", action="store_true", help="use the checkpoint's EMA weights")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default CHECKPOINT/samples/MODE)")
     parser.add_argument("--plots", type=int, default=4,

@@ -1,8 +1,8 @@
 """``flexpack train CONFIG``: the train loop (:func:`flexpack.training.loop.train`) with its hooks wired in.
 
 Training and sampling are siblings that never import each other: this command gives the loop both of
-its per-step hooks, the validation loss (``runtime.eval_every``) and sampling of held-out episodes
-(``runtime.sample_every``). Under ``torchrun`` with several ranks it starts and ends the process group.
+its per-step hooks, the validation loss (``validation.every``) and sampling of held-out episodes
+(``sample.every``). Under ``torchrun`` with several ranks it starts and ends the process group.
 """
 
 from __future__ import annotations

@@ -66,10 +66,10 @@ class ModelFamily:
     # model.overrides sets) -> config; ValueError for keys that do not apply. None: nothing to apply
     apply_objective: Callable[[Any, Any, frozenset[str]], Any] | None = None
     conventions: Callable[[Any], DataConventions] = _wan_conventions  # what its datasets look like
-    # how flexpack sample / runtime.sample_every sample it: "flow" (flexpack.sampling.solver's), a sampler's
+    # how flexpack sample / sample.every sample it: "flow" (flexpack.sampling.solver's), a sampler's
     # "module:Class", or None: not yet
     sampler: str | None = "flow"
-    sample_during_training: bool = True  # runtime.sample_every may sample it (else flexpack sample only)
+    sample_during_training: bool = True  # sample.every may sample it (else flexpack sample only)
     # config fields that say how the family samples, not what it trains (a sample may set them; the
     # trained-config check skips them)
     sampling_fields: tuple[str, ...] = ()

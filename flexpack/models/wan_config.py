@@ -35,7 +35,7 @@ class WanVAConfig:
     action_positions: str = "step"
     attn_backend: str = "auto"
     # checkpoint every block inside forward, for direct users of the model; training configs cannot set
-    # it (model.overrides refuses it): there runtime.activation_checkpointing wraps blocks from outside
+    # it (model.overrides refuses it): there parallel.activation_checkpointing wraps blocks from outside
     activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:

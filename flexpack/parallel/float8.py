@@ -1,4 +1,4 @@
-"""``runtime.float8``: float8 (e4m3) matmuls for the transformer blocks' linear layers, through
+"""``parallel.float8``: float8 (e4m3) matmuls for the transformer blocks' linear layers, through
 torchao's float8 training (``convert_to_float8_training``; the optional extra ``flexpack[float8]``).
 
 - ``"off"``: bf16/fp32 as configured. ``"tensorwise"``: one dynamic scale per tensor (the fastest
@@ -35,7 +35,7 @@ SKIP = ("cross_attn.k", "cross_attn.v")  # M = the pack's text tokens: too few r
 
 def check_mode(mode: Any) -> None:
     if mode not in MODES:
-        raise ValueError(f"runtime.float8 must be one of {MODES}, got {mode!r}")
+        raise ValueError(f"parallel.float8 must be one of {MODES}, got {mode!r}")
 
 
 def check(mode: str, device: torch.device) -> None:
@@ -44,12 +44,12 @@ def check(mode: str, device: torch.device) -> None:
     if mode == "off":
         return
     if device.type != "cuda":
-        raise UserError(f"runtime.float8 = {mode!r} needs an NVIDIA GPU of compute capability 8.9 or newer "
-                        f"(float8 matmuls); this run is on {device.type}; set runtime.float8 = 'off'")
+        raise UserError(f"parallel.float8 = {mode!r} needs an NVIDIA GPU of compute capability 8.9 or newer "
+                        f"(float8 matmuls); this run is on {device.type}; set parallel.float8 = 'off'")
     cap = torch.cuda.get_device_capability(device)
     if cap < (8, 9):
-        raise UserError(f"runtime.float8 = {mode!r} needs compute capability 8.9 or newer (Ada, Hopper, Blackwell); "
-                        f"{torch.cuda.get_device_name(device)} is {cap[0]}.{cap[1]}; set runtime.float8 = 'off'")
+        raise UserError(f"parallel.float8 = {mode!r} needs compute capability 8.9 or newer (Ada, Hopper, Blackwell); "
+                        f"{torch.cuda.get_device_name(device)} is {cap[0]}.{cap[1]}; set parallel.float8 = 'off'")
     _torchao()
 
 
@@ -57,8 +57,8 @@ def _torchao() -> Any:
     try:
         import torchao.float8 as f8
     except ImportError as exc:
-        raise UserError("runtime.float8 needs torchao: pip install 'flexpack[float8]' (or torchao matching "
-                        f"torch {torch.__version__.split('+')[0]}); set runtime.float8 = 'off' to train without it "
+        raise UserError("parallel.float8 needs torchao: pip install 'flexpack[float8]' (or torchao matching "
+                        f"torch {torch.__version__.split('+')[0]}); set parallel.float8 = 'off' to train without it "
                         f"({exc})") from None
     return f8
 
@@ -78,12 +78,12 @@ def check_tokens(mode: str, data: Any, geometry: Any, device: torch.device) -> N
         budget = geometry.frame_budget
         if budget % step:
             good = max(budget // step, 1) * step * geometry.tokens_per_frame
-            raise UserError(f"runtime.float8 = {mode!r} needs packs of a multiple of 16 tokens, but data.max_tokens = "
+            raise UserError(f"parallel.float8 = {mode!r} needs packs of a multiple of 16 tokens, but data.max_tokens = "
                             f"{data.max_tokens} packs {budget} frames x {unit} tokens = {budget * unit}; set "
                             f"data.max_tokens = {good} (a multiple of {step} frames)")
     elif data.pad_multiple % step:
         good = math.lcm(data.pad_multiple, step)
-        raise UserError(f"runtime.float8 = {mode!r} needs rows of a multiple of 16 tokens, but data.pad_multiple = "
+        raise UserError(f"parallel.float8 = {mode!r} needs rows of a multiple of 16 tokens, but data.pad_multiple = "
                         f"{data.pad_multiple} frames x {unit} tokens per frame is not; set data.pad_multiple = {good}")
 
 

@@ -1,4 +1,4 @@
-"""Parallelize a plain WanVA from outside: float8 linear layers (``runtime.float8``,
+"""Parallelize a plain WanVA from outside: float8 linear layers (``parallel.float8``,
 :mod:`flexpack.parallel.float8`), regional compilation, activation checkpointing (whole blocks, or
 per op: :mod:`flexpack.parallel.selective`), then FSDP2 per block, then the root.
 
@@ -87,7 +87,7 @@ def _budget_backend(budget: float, gm: torch.fx.GraphModule, example_inputs: lis
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelOptions:
-    """How :func:`parallelize` wraps a model: float8 linears (``runtime.float8``), compiled blocks with
+    """How :func:`parallelize` wraps a model: float8 linears (``parallel.float8``), compiled blocks with
     their memory budget, activation checkpointing (``True`` every block, an int ``n`` the first ``n``,
     ``"selective"`` per op) and the FSDP compute dtype of the parameters (e.g. bf16; None: fp32)."""
 
@@ -105,7 +105,7 @@ def parallelize(model: nn.Module, *, device: torch.device, options: ParallelOpti
     block, an int ``n`` the first ``n``, ``"selective"`` every block per op
     (:mod:`flexpack.parallel.selective`: matmul and attention outputs kept, elementwise ops recomputed;
     wrapped before compile so the policy is traced).
-    ``float8``: ``runtime.float8`` (:mod:`flexpack.parallel.float8`), applied first, to the blocks'
+    ``float8``: ``parallel.float8`` (:mod:`flexpack.parallel.float8`), applied first, to the blocks'
     linear layers; emulated off CUDA (the train loop checks for an sm89+ GPU before).
     ``param_dtype`` (e.g. bf16) is the FSDP mixed-precision compute dtype of the parameters
     (gradients are reduced in fp32); ignored without FSDP. ``compile``: :func:`compile_blocks`, with

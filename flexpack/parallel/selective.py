@@ -1,4 +1,4 @@
-"""``runtime.activation_checkpointing = "selective"``: per-op activation checkpointing of the blocks.
+"""``parallel.activation_checkpointing = "selective"``: per-op activation checkpointing of the blocks.
 
 Each block runs inside ``torch.utils.checkpoint`` with a policy
 (``create_selective_checkpoint_contexts``): the outputs of matmuls (bf16 and float8) and of

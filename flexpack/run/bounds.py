@@ -1,19 +1,19 @@
 """What one flag or config key may ask for: the ranges of the counts of sampling, checked before any work.
 
 A count is checked where it is given (``flexpack sample``'s flags before the config is read,
-``runtime.sample_*`` when the config is loaded): a value out of range is one line naming the flag or
+``sample.*`` when the config is loaded): a value out of range is one line naming the flag or
 key and the range, exit status 2, never a run that grows until the machine gives out or fails after
 training. The upper bounds are far above any real use and low enough that one value cannot cost
 more than hours:
 
-- solver steps (``sample --steps``, ``runtime.sample_steps``): 1 to 10,000; 10 to 100 is usual, and
+- solver steps (``sample --steps``, ``sample.steps``): 1 to 10,000; 10 to 100 is usual, and
   10,000 Euler steps of a 5B model take hours per pack;
-- cut points per episode (``--cuts``, ``runtime.sample_cuts``): 1 to 1,000;
+- cut points per episode (``--cuts``, ``sample.cuts``): 1 to 1,000;
 - explicit cut points (``--cut-points``): at most 1,000 of them, each 1 to 10,000 latent frames;
-- horizon (``--horizon``, ``runtime.sample_horizon`` where 0 means the default): 1 to 10,000 latent
+- horizon (``--horizon``, ``sample.horizon`` where 0 means the default): 1 to 10,000 latent
   frames per cut or rollout stage (40,000 video frames at stride 4);
-- held-out episodes sampled during training (``runtime.sample_episodes``): 1 to 100,000;
-- plots (``--plots``, ``runtime.sample_plots``): 0 to 1,000 episodes;
+- held-out episodes sampled during training (``sample.episodes``): 1 to 100,000;
+- plots (``--plots``, ``sample.plots``): 0 to 1,000 episodes;
 - noise seed (``--seed``): 0 to 2^32 - 1; the noise draw keeps 32 bits of it, so a larger seed would
   repeat a smaller one's noise.
 """

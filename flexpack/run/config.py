@@ -1,10 +1,13 @@
 """The training config: one tree of keyword-only dataclasses, loaded from TOML or JSON.
 
-``TrainConfig`` holds ``data / model / objective / optim / schedule / checkpoint / runtime``.
+``TrainConfig`` holds what a run trains (``data / model / objective / optim / schedule / checkpoint``)
+and how it runs (``runtime / parallel / profile / log / validation / sample``: :mod:`flexpack.run.config_sections`).
 Variants are small files in ``configs/`` that name only what differs from the defaults below;
 nothing is ever executed. :func:`load_config` rejects unknown keys (naming the file and the key)
 and values of the wrong type, and applies ``section.key=value`` overrides (values parsed as TOML,
 falling back to a plain string), e.g. ``schedule.steps=40`` or ``model.overrides.dim=128``.
+Keys that once lived under ``[runtime]`` (:data:`RENAMED`) load at their new place: a run folder's saved
+config quietly, a TOML file or ``--set`` with a note on stderr naming the new key.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import json
 import math
 import os
 import re
+import sys
 import tomllib
 import types
 import typing
@@ -24,14 +28,19 @@ from typing import Any, Sequence
 
 from flexpack.atomic import atomic_path
 from flexpack.flow.objective import FlowMatchingConfig
-from flexpack.run import bounds
-from flexpack.run.bounds import check_count
-from flexpack.run.checks import check_device_string, check_finite
+from flexpack.run.checks import check_finite
+from flexpack.run.config_sections import (
+    LogConfig,
+    ParallelConfig,
+    ProfileConfig,
+    RuntimeConfig,
+    SampleConfig,
+    ValidationConfig,
+)
 
 MODES = ("pack", "pad")
 DECAYS = ("cosine", "constant")
 REWARMUPS = ("linear", "ramp")
-DTYPES = ("float32", "bfloat16")
 
 
 def _positive(owner: str, **values: int | float) -> None:
@@ -104,7 +113,7 @@ class ModelConfig:
     family: str = "wanva"  # model family: an entry of flexpack.models.registry (families() lists them)
     # the family's preset (wanva: "tiny", "small" (the CPU demo: 48-channel latents) or "wan2.2-5b")
     preset: str = "tiny"
-    # any field of the family's config (or an alias it takes) but activation_checkpointing (a runtime key)
+    # any field of the family's config (or an alias it takes) but activation_checkpointing (a parallel key)
     overrides: dict[str, Any] = field(default_factory=dict)
     pretrained: str = ""  # "" = random init
     # self-attention mask, "" = the family's first (wanva: "document", "chunk_causal" or "teacher_forcing")
@@ -115,7 +124,7 @@ class ModelConfig:
         if "activation_checkpointing" in self.overrides:  # one setting, applied from outside the model
             raise ValueError("model.overrides.activation_checkpointing = "
                              f"{self.overrides['activation_checkpointing']!r} "
-                             "is not a model setting: set runtime.activation_checkpointing instead (true, a block "
+                             "is not a model setting: set parallel.activation_checkpointing instead (true, a block "
                              "count or 'selective')")
         # resolved once, here: unknown preset or override fields raise at load time, and with
         # model.pretrained its config.json is read once per config, not once per caller
@@ -264,92 +273,6 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class RuntimeConfig:
-    # run folder: checkpoints/, metrics.jsonl, config.json (+ config_history.jsonl), tb/, profile/
-    out_dir: str = "out/run"
-    adopt_dir: bool = False  # add the run to an out_dir holding other files (never changing them); train --force
-    device: str = "auto"  # auto: cuda:LOCAL_RANK when available, else cpu
-    dtype: str = "float32"  # bfloat16: FSDP mixed precision (params bf16, reduce fp32) or autocast
-    activation_checkpointing: bool | int | str = False  # true: every block; n: the first n blocks; "selective": per op
-    compile: bool | str = "auto"  # compile each block (fused step); auto: on CUDA in pack mode
-    # compiled blocks only: the share of the activations their default partition saves that they may
-    # keep; below 1 the partitioner recomputes the cheapest ops (by FLOPs) in the backward instead
-    activation_memory_budget: float = 1.0
-    float8: str = "off"  # "tensorwise" / "rowwise": float8 matmuls in the blocks (flexpack.parallel.float8; torchao)
-    peak_tflops: float | None = None  # bf16 peak for `mfu` (metrics.jsonl, profile); None: measured at start (CUDA)
-    profile_steps: int = 0  # steps profiled by torch.profiler into RUN/profile/; 0 = off; LINGBOT_PROFILE wins if set
-    profile_warmup: int = 2  # steps run before the profiled ones (compilation); LINGBOT_PROFILE_WARMUP wins if set
-    seed: int = 0  # seed of the model init and the noise draws
-    # torch threads on a CPU device (flexpack.run.cpu_threads): N, or "auto": OMP_NUM_THREADS where set, else
-    # 1 for a model under 10M parameters (its ops are too small for a thread pool), else one per core
-    cpu_threads: int | str = "auto"
-    log_every: int = 1  # optimizer steps between metrics.jsonl lines and plain log lines (a terminal: >= 10)
-    progress: bool = True  # a progress bar on rank 0 where stderr is a terminal (log lines print either way)
-    tensorboard: bool = True  # event files under RUN/tb/ (flexpack.training.observe.tracking)
-    wandb: bool = False  # also log to Weights & Biases (needs the wandb package; WANDB_MODE=offline works)
-    wandb_project: str = "flexpack"  # W&B project of the run
-    wandb_entity: str = ""  # "" = W&B's default entity (WANDB_ENTITY or the account's)
-    wandb_tags: tuple[str, ...] = ()  # W&B tags of the run
-    eval_every: int = 0  # steps between validation losses on the held-out episodes; 0 = none
-    # sampling of held-out episodes during training (flexpack.sampling.hook): RUN/samples/step_N/ + sample/* metrics
-    sample_every: int = 0  # steps between samplings; 0 = none (needs held-out episodes, like eval_every)
-    sample_steps: int = 10  # Euler steps from noise to data (1 to 10,000)
-    sample_episodes: int = 4  # the first N held-out episodes (1 to 100,000)
-    sample_cuts: int = 2  # forecast cut points per episode (1 to 1,000)
-    sample_horizon: int = 0  # latent frames predicted per cut (up to 10,000); 0 = two context chunks (at least 4)
-    # episodes plotted per sampling; every sampled episode also gets a video (0 = metrics only; up to 1,000)
-    sample_plots: int = 2
-    # forecasts per (episode, cut), each from its own noise, packed together: sample/*_kmean (MSE of their mean),
-    # *_spread and *_crps; 1 keeps the cost of one (flexpack sample --samples defaults to 4; up to 1,000)
-    sample_draws: int = 1
-    # latent frames of context a cut point needs: frame 0 alone is one video frame and shows no motion (up to 10,000)
-    sample_min_context: int = 2
-    sample_ema: bool = False  # sample with the EMA weights (needs optim.ema_decay > 0)
-
-    def __post_init__(self) -> None:
-        if self.eval_every < 0:
-            raise ValueError(f"runtime.eval_every must be >= 0, got {self.eval_every!r}")
-        for name in ("sample_every", "profile_steps", "profile_warmup"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"runtime.{name} must be >= 0, got {getattr(self, name)!r}")
-        for name, low, high in (("sample_steps", 1, bounds.SOLVER_STEPS), ("sample_episodes", 1, bounds.EPISODES),
-                                ("sample_cuts", 1, bounds.CUTS), ("sample_horizon", 0, bounds.HORIZON),
-                                ("sample_plots", 0, bounds.PLOTS), ("sample_draws", 1, bounds.SAMPLES),
-                                ("sample_min_context", 0, bounds.HORIZON)):  # flexpack.run.bounds: hours at most
-            check_count(f"runtime.{name}", getattr(self, name), low, high)
-        if self.dtype not in DTYPES:
-            raise ValueError(f"runtime.dtype must be one of {DTYPES}, got {self.dtype!r}")
-        check_device_string(self.device)  # whether CUDA is there is checked when training starts
-        if not self.out_dir:
-            raise ValueError("runtime.out_dir is empty: set it to the run folder")
-        _positive("runtime", log_every=self.log_every)
-        if self.cpu_threads != "auto" and not (type(self.cpu_threads) is int and self.cpu_threads >= 1):
-            raise ValueError(f"runtime.cpu_threads must be \"auto\" or a thread count >= 1, got {self.cpu_threads!r}")
-        if self.compile not in (True, False, "auto"):
-            raise ValueError(f"runtime.compile must be true, false or 'auto', got {self.compile!r}")
-        if isinstance(self.activation_checkpointing, str) and self.activation_checkpointing != "selective":
-            raise ValueError("runtime.activation_checkpointing must be true, false, a block count >= 0 or 'selective', "
-                             f"got {self.activation_checkpointing!r}")
-        from flexpack.parallel.float8 import check_mode
-
-        check_mode(self.float8)
-        if isinstance(self.activation_checkpointing, int) and self.activation_checkpointing < 0:
-            raise ValueError(f"runtime.activation_checkpointing must be true, false or a block count >= 0, "
-                             f"got {self.activation_checkpointing!r}")
-        if not (isinstance(self.activation_memory_budget, (int, float))
-                and 0.0 <= self.activation_memory_budget <= 1.0):
-            raise ValueError(f"runtime.activation_memory_budget must be between 0 and 1 (1: save what the compiled "
-                             f"blocks would), got {self.activation_memory_budget!r}")
-        if self.compile is False:  # known at load time; "auto" is decided where the run starts (plan.parallel_options)
-            from flexpack.parallel.parallelize import check_memory_budget
-
-            check_memory_budget(self.activation_memory_budget, False, "runtime.activation_memory_budget",
-                                ", but runtime.compile = false; set runtime.compile = true (or 'auto' on CUDA)")
-        if self.peak_tflops is not None and not (self.peak_tflops > 0 and math.isfinite(self.peak_tflops)):
-            raise ValueError(f"runtime.peak_tflops must be a positive number, got {self.peak_tflops!r}")
-
-
-@dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -358,16 +281,21 @@ class TrainConfig:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
 
     def __post_init__(self) -> None:
         check_finite(self)  # every float of every section, model.overrides included
         # the objective section as the model family reads it (some families map its keys onto their fields)
         object.__setattr__(self, "model", self.model.with_objective(self.objective))
         fam = self.model.model_family()
-        if self.runtime.sample_every and (fam.sampler is None or not fam.sample_during_training):
-            raise ValueError(f"runtime.sample_every={self.runtime.sample_every}: model.family = {self.model.family!r} "
+        if self.sample.every and (fam.sampler is None or not fam.sample_during_training):
+            raise ValueError(f"sample.every={self.sample.every}: model.family = {self.model.family!r} "
                              "cannot be sampled during training yet (flexpack sample samples its checkpoints); set "
-                             "runtime.sample_every = 0")
+                             "sample.every = 0")
         if self.objective.teacher_forcing and self.model.mask != "teacher_forcing":
             raise ValueError(f"objective.teacher_forcing needs model.mask = 'teacher_forcing', got {self.model.mask!r}")
         if self.model.mask == "teacher_forcing" and not self.objective.teacher_forcing:
@@ -376,18 +304,18 @@ class TrainConfig:
         if self.objective.latent_weight == 0 and not self.model.resolved().action_channels:
             raise ValueError("objective.latent_weight = 0 on a model without actions (action_channels = 0): "
                              "the loss would be 0; set objective.latent_weight > 0")
-        if self.runtime.eval_every and not (self.data.val_fraction or self.data.val_episodes):
-            raise ValueError(f"runtime.eval_every={self.runtime.eval_every} needs held-out episodes: "
+        if self.validation.every and not (self.data.val_fraction or self.data.val_episodes):
+            raise ValueError(f"validation.every={self.validation.every} needs held-out episodes: "
                              "set data.val_fraction or data.val_episodes")
-        if self.runtime.sample_every and not (self.data.val_fraction or self.data.val_episodes):
-            raise ValueError(f"runtime.sample_every={self.runtime.sample_every} needs held-out episodes: "
+        if self.sample.every and not (self.data.val_fraction or self.data.val_episodes):
+            raise ValueError(f"sample.every={self.sample.every} needs held-out episodes: "
                              "set data.val_fraction or data.val_episodes")
-        if self.runtime.sample_ema and not self.optim.ema_decay:
-            raise ValueError("runtime.sample_ema = true needs EMA weights: set optim.ema_decay > 0")
-        if self.runtime.sample_every and self.objective.chunk_size is None:
-            raise ValueError(f"runtime.sample_every={self.runtime.sample_every}: objective.chunk_size is unset, so the "
+        if self.sample.ema and not self.optim.ema_decay:
+            raise ValueError("sample.ema = true needs EMA weights: set optim.ema_decay > 0")
+        if self.sample.every and self.objective.chunk_size is None:
+            raise ValueError(f"sample.every={self.sample.every}: objective.chunk_size is unset, so the "
                              "model is trained with one σ per episode and can only generate jointly, not forecast "
-                             "from history; set objective.chunk_size or runtime.sample_every = 0")
+                             "from history; set objective.chunk_size or sample.every = 0")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -475,6 +403,90 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
     return out
 
 
+# keys that [runtime] once held -> their place now (section.key); one table for every reader of a config:
+# a TOML file, --set, and the config.json of a run, checkpoint or export made before the split
+RENAMED = {
+    "activation_checkpointing": "parallel.activation_checkpointing",
+    "compile": "parallel.compile",
+    "activation_memory_budget": "parallel.activation_memory_budget",
+    "float8": "parallel.float8",
+    "profile_steps": "profile.steps",
+    "profile_warmup": "profile.warmup",
+    "peak_tflops": "profile.peak_tflops",
+    "log_every": "log.every",
+    "progress": "log.progress",
+    "tensorboard": "log.tensorboard",
+    "wandb": "log.wandb",
+    "wandb_project": "log.wandb_project",
+    "wandb_entity": "log.wandb_entity",
+    "wandb_tags": "log.wandb_tags",
+    "eval_every": "validation.every",
+    "sample_every": "sample.every",
+    "sample_steps": "sample.steps",
+    "sample_episodes": "sample.episodes",
+    "sample_cuts": "sample.cuts",
+    "sample_horizon": "sample.horizon",
+    "sample_plots": "sample.plots",
+    "sample_draws": "sample.draws",
+    "sample_min_context": "sample.min_context",
+    "sample_ema": "sample.ema",
+}
+
+
+def _note(old: str, new: str) -> None:
+    print(f"config: {old} is now {new}", file=sys.stderr)
+
+
+def _same(a: Any, b: Any) -> bool:
+    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)  # true and 1 differ here
+
+
+def upgrade(data: dict[str, Any], *, notes: bool) -> dict[str, Any]:
+    """``data`` (a config as nested dicts) with every key of :data:`RENAMED` moved from ``[runtime]`` to its
+    place now, a note on stderr for each where ``notes``; a key given under both names with two values is an
+    error naming both."""
+    runtime = data.get("runtime")
+    if not isinstance(runtime, dict) or not set(runtime) & set(RENAMED):
+        return data
+    out = {**data, "runtime": {k: v for k, v in runtime.items() if k not in RENAMED}}
+    for old, value in runtime.items():
+        if old not in RENAMED:
+            continue
+        section, key = RENAMED[old].split(".")
+        if not isinstance(out.get(section, {}), dict):
+            raise ValueError(f"{section} must be a table, got {out[section]!r}")
+        table = out[section] = dict(out.get(section, {}))
+        if key in table and not _same(table[key], value):
+            raise ValueError(f"runtime.{old} = {value!r} and {RENAMED[old]} = {table[key]!r} are one setting "
+                             f"(its old and new name) with two values; keep {RENAMED[old]}")
+        table[key] = value
+        if notes:
+            _note(f"runtime.{old}", RENAMED[old])
+    return out
+
+
+def upgrade_overrides(overrides: Sequence[str]) -> list[str]:
+    """``overrides`` with the keys of :data:`RENAMED` (``runtime.OLD=value``) named as now, a note on
+    stderr for each; an old and a new name of one key with two values is an error naming both."""
+    out, given = [], {}
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        section, _, leaf = key.strip().partition(".")
+        new = RENAMED.get(leaf) if section == "runtime" and sep else None
+        if new is not None:
+            _note(key.strip(), new)
+            item = f"{new}={text}"
+        name = item.partition("=")[0].strip()
+        earlier = given.get(name)
+        if earlier is not None and earlier[0] != key.strip() and not _same(_parse_value(earlier[1].strip()),
+                                                                          _parse_value(text.strip())):
+            raise ValueError(f"--set {earlier[0]}={earlier[1].strip()} and --set {key.strip()}={text.strip()} are "
+                             f"one setting (its old and new name) with two values; keep {name}")
+        given[name] = (key.strip(), text)
+        out.append(item)
+    return out
+
+
 def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
@@ -497,7 +509,10 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
     """The defaults, updated by the file at ``path`` (TOML/JSON) and then by ``overrides``."""
     data = read_config_file(path) if path is not None else {}
     try:
-        return from_dict(TrainConfig, apply_overrides(data, overrides))
+        # a JSON config is what flexpack writes (a run's config.json): its older keys move without a note
+        data = upgrade(data, notes=path is not None and Path(path).suffix != ".json")
+        renamed = upgrade_overrides(overrides)
+        return from_dict(TrainConfig, apply_overrides(data, renamed))
     except (ValueError, TypeError) as exc:
         raise ValueError(f"{_source(exc, path, overrides)}: {exc}") from None
 
@@ -508,6 +523,8 @@ def _source(exc: Exception, path: str | os.PathLike | None, overrides: Sequence[
     text = str(exc)
     for item in reversed(overrides):
         key = item.partition("=")[0].strip()
+        section, _, old = key.partition(".")
+        key = RENAMED.get(old, key) if section == "runtime" else key  # errors name the key as it is now
         parent, _, leaf = key.rpartition(".")
         named = re.search(rf"(?<![\w.]){re.escape(key)}(?![\w])", text)
         # model.overrides.dimm is reported as "model.overrides has unknown ... fields ['dimm']",

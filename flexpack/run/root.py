@@ -235,24 +235,24 @@ class Run:
 
 
 def use_compile(cfg: TrainConfig, device: torch.device) -> bool:
-    """``runtime.compile``: ``"auto"`` compiles the blocks on CUDA in pack mode (one shape per pack;
+    """``parallel.compile``: ``"auto"`` compiles the blocks on CUDA in pack mode (one shape per pack;
     pad mode's many shapes would each compile)."""
-    if cfg.runtime.compile == "auto":
+    if cfg.parallel.compile == "auto":
         return device.type == "cuda" and cfg.data.mode == "pack"
-    return bool(cfg.runtime.compile)
+    return bool(cfg.parallel.compile)
 
 
 def parallel_options(cfg: TrainConfig, device: torch.device) -> ParallelOptions:
-    """The config's :class:`ParallelOptions` on ``device``: ``runtime.compile = "auto"`` resolved
+    """The config's :class:`ParallelOptions` on ``device``: ``parallel.compile = "auto"`` resolved
     there, and the memory-budget rule checked against it (once, for train, verify and benchmarks)."""
     from flexpack.parallel.parallelize import check_memory_budget
 
     r, compiled = cfg.runtime, use_compile(cfg, device)
-    check_memory_budget(r.activation_memory_budget, compiled, "runtime.activation_memory_budget",
-                        f", which runtime.compile = {r.compile!r} leaves off here "
-                        f"({device.type}, {cfg.data.mode} mode); set runtime.compile = true")
-    return ParallelOptions(compile=compiled, activation_checkpointing=r.activation_checkpointing,
-                           memory_budget=r.activation_memory_budget, float8=r.float8,
+    check_memory_budget(cfg.parallel.activation_memory_budget, compiled, "parallel.activation_memory_budget",
+                        f", which parallel.compile = {cfg.parallel.compile!r} leaves off here "
+                        f"({device.type}, {cfg.data.mode} mode); set parallel.compile = true")
+    return ParallelOptions(compile=compiled, activation_checkpointing=cfg.parallel.activation_checkpointing,
+                           memory_budget=cfg.parallel.activation_memory_budget, float8=cfg.parallel.float8,
                            param_dtype=torch.bfloat16 if r.dtype == "bfloat16" else None)
 
 

@@ -2,5 +2,5 @@
 
 Layer rule (``tests/test_layers.py``): sampling may import packing, attention, models, data and, of
 training, only objective, noise, build, checkpoint, export, resume, checks, config, holdout and
-parallel; of the other wings only training's loop imports sampling (the ``runtime.sample_every`` hook).
+parallel; of the other wings only training's loop imports sampling (the ``sample.every`` hook).
 """

@@ -1,6 +1,6 @@
 """Sample held-out episodes and write what a user looks at: ``metrics.json``, plots, videos.
 
-Shared by ``flexpack sample`` (:mod:`flexpack.commands.sample`) and training's ``runtime.sample_every``
+Shared by ``flexpack sample`` (:mod:`flexpack.commands.sample`) and training's ``sample.every``
 (:class:`SampleHook`), so both write the same files for the same episodes:
 
 - ``metrics.json``: the model's metrics and the ``baselines`` (:mod:`flexpack.sampling.metrics`),

@@ -1,10 +1,10 @@
-"""``runtime.sample_every``: sample fixed held-out episodes during training.
+"""``sample.every``: sample fixed held-out episodes during training.
 
-Every ``runtime.sample_every`` optimizer steps the model (the weights being trained, or with
-``runtime.sample_ema`` their EMA) forecasts the first ``runtime.sample_episodes`` held-out episodes
-at ``runtime.sample_cuts`` cut points each with ``runtime.sample_steps`` Euler steps, from noise
-fixed per (episode, cut) pair (:mod:`flexpack.sampling.pairs`), ``runtime.sample_draws`` samples
-each, cut points with at least ``runtime.sample_min_context`` latent frames of context: the numbers
+Every ``sample.every`` optimizer steps the model (the weights being trained, or with
+``sample.ema`` their EMA) forecasts the first ``sample.episodes`` held-out episodes
+at ``sample.cuts`` cut points each with ``sample.steps`` Euler steps, from noise
+fixed per (episode, cut) pair (:mod:`flexpack.sampling.pairs`), ``sample.draws`` samples
+each, cut points with at least ``sample.min_context`` latent frames of context: the numbers
 are comparable across steps, across runs of the same config and across a resume. Files go to
 ``RUN/samples/step_NNNNNNNN/`` (the same as ``flexpack sample``); ``sample/action_mse``,
 ``sample/action_mse_kmean``, ``sample/action_crps``, ``sample/latent_mse``, the baselines'
@@ -34,29 +34,29 @@ KEYS = ("action_mse", "action_mse_kmean", "action_crps", "action_l1", "action_ms
 
 class SampleHook:
     def __init__(self, run: Run, *, action_stats: ActionStats | None = None) -> None:
-        cfg, r = run.config, run.config.runtime
+        cfg, r = run.config, run.config.sample
         self.cfg, self.device, self.rank, self.action_stats = cfg, run.device, run.rank, action_stats
-        self.dataset = dataset_for(cfg, run.split.held_out[: r.sample_episodes])  # the run's own held-out episodes
+        self.dataset = dataset_for(cfg, run.split.held_out[: r.episodes])  # the run's own held-out episodes
         if action_stats is not None:  # the statistics the weights are trained with (kept on resume)
             self.dataset.normalizer = action_stats.normalizer()
-        self.plan = PairPlan(mode="forecast", cuts=r.sample_cuts, horizon=r.sample_horizon or None,
-                             samples=r.sample_draws, min_context=r.sample_min_context)
+        self.plan = PairPlan(mode="forecast", cuts=r.cuts, horizon=r.horizon or None,
+                             samples=r.draws, min_context=r.min_context)
         try:  # before the first step: held-out episodes too short for the horizon fail now, not mid-run
             build_pairs(cfg, self.dataset, self.plan, note=self.rank == 0)
         except ValueError as exc:
-            raise ValueError(f"runtime.sample_every={r.sample_every}: {exc} (runtime.sample_horizon, "
-                             "runtime.sample_min_context, data.val_episodes)") from None
+            raise ValueError(f"sample.every={r.every}: {exc} (sample.horizon, "
+                             "sample.min_context, data.val_episodes)") from None
         from flexpack.sampling.solver import SampleOptions
 
-        self.options = SampleOptions(steps=r.sample_steps, solver="euler")
+        self.options = SampleOptions(steps=r.steps, solver="euler")
 
     def after_step(self, model: nn.Module, step: int, *, ema: Any = None) -> HookReport | None:
-        """Every ``runtime.sample_every`` steps: sample (collective), write the files on rank 0 and report
-        the metrics; with ``runtime.sample_ema`` the EMA weights stand in for the trained ones meanwhile."""
+        """Every ``sample.every`` steps: sample (collective), write the files on rank 0 and report
+        the metrics; with ``sample.ema`` the EMA weights stand in for the trained ones meanwhile."""
         from flexpack.parallel.parallelize import is_sharded
 
         r = self.cfg.runtime
-        if not r.sample_every or step % r.sample_every:
+        if not self.cfg.sample.every or step % self.cfg.sample.every:
             return None
         out = Path(r.out_dir) / "samples" / f"step_{step:08d}"
         options = self.options
@@ -64,9 +64,9 @@ class SampleHook:
             from dataclasses import replace
 
             options = replace(options, dtype="bfloat16")
-        with _ema_weights(model, ema if r.sample_ema else None):
+        with _ema_weights(model, ema if self.cfg.sample.ema else None):
             metrics, files = evaluate(model, self.cfg, self.dataset, self.plan, options, device=self.device,
-                                      action_stats=self.action_stats, out=out, plots=r.sample_plots,
+                                      action_stats=self.action_stats, out=out, plots=self.cfg.sample.plots,
                                       write=self.rank == 0, note=False)  # the note was said once, at start
         rec: dict[str, Any] = {"step": step, **{f"sample/{k}": metrics[k] for k in KEYS}}
         for name, b in metrics["baselines"].items():
@@ -96,8 +96,8 @@ def _ema_weights(model: nn.Module, ema: Any) -> Iterator[None]:
 
 
 def make_sample_hook(ctx: HookContext) -> SampleHook | None:
-    """A SampleHook when ``runtime.sample_every`` > 0, else None (a :data:`~flexpack.run.hooks.HookFactory`)."""
+    """A SampleHook when ``sample.every`` > 0, else None (a :data:`~flexpack.run.hooks.HookFactory`)."""
     run = ctx.run
-    if not run.config.runtime.sample_every:
+    if not run.config.sample.every:
         return None
     return SampleHook(run, action_stats=ctx.action_stats)

@@ -22,7 +22,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
-from flexpack.run.config import TrainConfig
+from flexpack.run.config import RENAMED, TrainConfig
 
 REGENERATE = "flexpack config markdown > docs/CONFIG.md"
 
@@ -163,4 +163,8 @@ def render_markdown() -> str:
             section = k.section
         default = "unset" if k.default is None else f"`{_md_cell(toml_value(k.default))}`"
         lines.append(f"| `{k.name}` | `{_md_cell(k.type)}` | {default} | {_md_cell(k.doc)} |")
+    lines += ["", "## Renamed keys", "",
+              "Keys `[runtime]` once held load at their new place: a TOML file or `--set` says so on stderr, an older",
+              "run's saved config.json loads quietly.", "", "| old key | key now |", "|---|---|"]
+    lines += [f"| `runtime.{old}` | `{new}` |" for old, new in RENAMED.items()]
     return "\n".join(lines) + "\n"

@@ -17,12 +17,12 @@ anything above its tolerance, or any non-finite gradient, fails (exit status 1).
 
 Micro-batches, collate and forward options come from the run's plan (:mod:`flexpack.run.root`),
 as in training. The model is built as training builds it (:meth:`~flexpack.run.root.Run.build_model`): on
-the run's device, blocks compiled where ``runtime.compile`` compiles them, bf16 autocast (one process) or FSDP2 mixed
+the run's device, blocks compiled where ``parallel.compile`` compiles them, bf16 autocast (one process) or FSDP2 mixed
 precision (``torchrun``, every rank checks the same micro-batches) for ``runtime.dtype =
 "bfloat16"``, the configured attention backend (FA4 or Triton flex on CUDA). Tolerances depend on
 that dtype (:data:`TOLERANCES`): float32 paths agree to rounding; bf16 rounds every activation to
 8 bits of mantissa, and a packed row and an episode alone reduce in different orders. With
-``runtime.float8`` the blocks' linears run float8 as in training, and a packed row and an episode alone
+``parallel.float8`` the blocks' linears run float8 as in training, and a packed row and an episode alone
 differ by float8 rounding under different scales too (a tensorwise scale spans the whole pack). The
 bf16 tolerances apply and separate both modes from a dropped packing on the H200 (5B width, 2 compiled
 blocks, 36 tokens per frame; ``benchmarks/float8_h200.sh``'s ``verify8`` stage): largest error 6.5e-3
@@ -200,9 +200,9 @@ def verify_config(cfg: TrainConfig, *, micro_batches: int = 2, checkpoint_dir: s
     device = resolve_device(cfg.runtime.device) if run is None else run.device
     m = cfg.model.resolved()
     check_backend(cfg, device, m)
-    float8.check(cfg.runtime.float8, device)  # torchao and an sm89+ GPU, or one line
+    float8.check(cfg.parallel.float8, device)  # torchao and an sm89+ GPU, or one line
     data = build_run(cfg, device=device) if run is None else run
-    float8.check_tokens(cfg.runtime.float8, cfg.data, data.geometry, device)
+    float8.check_tokens(cfg.parallel.float8, cfg.data, data.geometry, device)
     model, compiled = data.build_model(), data.parallel.compile  # as training builds it
     if checkpoint_dir:
         # pick_checkpoint says which one and why a newer one was skipped
@@ -217,7 +217,8 @@ def verify_config(cfg: TrainConfig, *, micro_batches: int = 2, checkpoint_dir: s
     mode = "FSDP2 mixed precision" if bf16 and sharded else "autocast" if bf16 else "no autocast"
     report = VerifyReport(tol=TOLERANCES[cfg.runtime.dtype] if tol is None else Tolerance.uniform(tol), setup=(
         f"{device} ({name}), runtime.dtype {cfg.runtime.dtype} ({mode}), blocks {'compiled' if compiled else 'eager'}, "
-        f"attention {m.attn_backend}, float8 {cfg.runtime.float8}, {world()[1]} rank(s){', FSDP2' if sharded else ''}"))
+        f"attention {m.attn_backend}, float8 {cfg.parallel.float8}, {world()[1]} rank(s)"
+        f"{', FSDP2' if sharded else ''}"))
     with cpu_threads(cfg.runtime.cpu_threads, device, model, say=world()[0] == 0):
         for i, indices in enumerate(data.sampler):
             if i >= micro_batches:
@@ -230,5 +231,5 @@ def verify_config(cfg: TrainConfig, *, micro_batches: int = 2, checkpoint_dir: s
             verify_batch(model, items, data.collate, data.objective, seed=cfg.runtime.seed, forward=data.forward,
                          drop_packing=drop_packing, report=report,
                          autocast=torch.bfloat16 if bf16 and not sharded else None,
-                         alone_collate=data.collate if compiled or cfg.runtime.float8 != "off" else None)
+                         alone_collate=data.collate if compiled or cfg.parallel.float8 != "off" else None)
     return report

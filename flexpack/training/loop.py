@@ -18,11 +18,11 @@ Order of one optimizer step (nanoGPT's): lr → checkpoint → micro-steps → c
   (:mod:`flexpack.run.state.runfolder`); signals, data errors and non-finite steps end a run cleanly
   (:mod:`flexpack.run.state.faults`).
 - One step (:func:`~flexpack.training.step.train_step`) queues its work without waiting for the GPU;
-  on CUDA in pack mode each block is compiled once for all layers (``runtime.compile``). The host
+  on CUDA in pack mode each block is compiled once for all layers (``parallel.compile``). The host
   reads device values at logged steps only (loss, grad norm, throughput: :mod:`flexpack.training.observe.metrics`).
-- What a person reads: a progress bar on a terminal and a plain line every ``runtime.log_every`` steps in a
+- What a person reads: a progress bar on a terminal and a plain line every ``log.every`` steps in a
   log file (:mod:`flexpack.training.observe.console`).
-- ``runtime.profile_steps = n`` profiles n steps (:mod:`flexpack.training.observe.profiling`); metrics also go to
+- ``profile.steps = n`` profiles n steps (:mod:`flexpack.training.observe.profiling`); metrics also go to
   TensorBoard / W&B (:mod:`flexpack.training.observe.tracking`).
 """
 
@@ -89,21 +89,21 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, run: Run | None = 
     a :class:`~flexpack.run.root.Run` over other episodes than ``data.root``'s (in-memory episodes,
     :func:`flexpack.run.memory_data.synthetic_run`, e.g. ``benchmarks/profile_step.py``).
     ``hooks``: what runs after each step (:mod:`flexpack.run.hooks`); default validation only.
-    Sampling during training (``runtime.sample_every``) is a sibling's hook: ``flexpack train``
+    Sampling during training (``sample.every``) is a sibling's hook: ``flexpack train``
     (:func:`flexpack.commands.train.train`) wires it in.
     Faults (:mod:`flexpack.run.state.faults`): a signal saves and raises ``Interrupted``, a non-finite
     step raises ``NonFiniteError`` (or is skipped), a data error on any rank saves the steps done and re-raises."""
     rank, size = world()
     hooks = (make_validator,) if hooks is None else tuple(hooks)
-    if cfg.runtime.sample_every and len(hooks) < 2:
-        raise ValueError(f"runtime.sample_every={cfg.runtime.sample_every} needs the sampling hook: run "
+    if cfg.sample.every and len(hooks) < 2:
+        raise ValueError(f"sample.every={cfg.sample.every} needs the sampling hook: run "
                          "'flexpack train' (or call flexpack.commands.train.train), or pass hooks=")
     if rank == 0:
         tracking.check(cfg)  # a missing logger package fails before any data or model work
     device = preflight(cfg, stop_after)  # device, run folder, finite numbers: before data and model
     if rank == 0:
         runfolder.claim(cfg.runtime.out_dir, adopt=cfg.runtime.adopt_dir)  # flexpack's own folder, or refused
-    float8.check(cfg.runtime.float8, device)  # torchao and an sm89+ GPU, before data and model
+    float8.check(cfg.parallel.float8, device)  # torchao and an sm89+ GPU, before data and model
     found = resume.find(cfg, rank)
     if found is not None and resume.step_of(found) >= cfg.schedule.steps:  # nothing to do: touch nothing
         done = resume.step_of(found)
@@ -120,7 +120,7 @@ def _train(cfg: TrainConfig, found: Path | None, stop: faults.GracefulStop, stop
            device: torch.device, given: Run | None, hooks: Sequence[HookFactory]) -> TrainResult:
     rank, size = world()
     run = build_run(cfg, rank, size, device=device) if given is None else given
-    float8.check_tokens(cfg.runtime.float8, cfg.data, run.geometry, device)  # before the model is built
+    float8.check_tokens(cfg.parallel.float8, cfg.data, run.geometry, device)  # before the model is built
     model = run.build_model()  # model.pretrained under FSDP2: each rank loads its shards
     o, folder = cfg.optim, Path(cfg.runtime.out_dir)
     opt = build_optimizer(model, o, log=rank == 0, fused=device.type == "cuda")  # no decay on norms, biases, ...
@@ -152,8 +152,8 @@ def _train(cfg: TrainConfig, found: Path | None, stop: faults.GracefulStop, stop
         guard.flush()  # never the weights of a non-finite step
         return saver.save(step, model, opt, sampler_state=sampler_state, extra=extra, config=cfg.to_dict(), ema=ema)
 
-    console = Console(total=cfg.schedule.steps, start=start, end=end, log_every=cfg.runtime.log_every,
-                      progress=cfg.runtime.progress, rank=rank)  # a bar on a terminal, plain lines in a log
+    console = Console(total=cfg.schedule.steps, start=start, end=end, log_every=cfg.log.every,
+                      progress=cfg.log.progress, rank=rank)  # a bar on a terminal, plain lines in a log
     with (StepProfiler.for_training(cfg, rank, steps_left=end - step, first_step=step, model=run.model,
                                     geometry=run.geometry, device=device) as prof,
           tracking.MetricSinks(folder, cfg, rank=rank, start_step=start) as sinks, _QuietGC() as gc_pause,
@@ -187,7 +187,7 @@ def _train(cfg: TrainConfig, found: Path | None, stop: faults.GracefulStop, stop
             console.update()
             result.lrs.append(lr)
             result.episodes += [b.layout.episode_index.tolist() for b in batches]
-            if step % cfg.runtime.log_every == 0 or step == end or nonfinite:
+            if step % cfg.log.every == 0 or step == end or nonfinite:
                 guard.flush()
                 rec = _log(step, lr, sums, norm, batches, tpf, meter, extra={"skipped": True} if nonfinite else None)
                 result.losses.append(rec["loss"])

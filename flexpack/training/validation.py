@@ -6,7 +6,7 @@ episodes with the smallest ``episode_seed(data.seed, VAL_TAG, episode)``: a pure
 dataset's episode list and the config, so every rank (and every rerun) holds out the same ones
 without communicating, and adding episodes to a dataset moves few of them.
 
-Loss. Every ``runtime.eval_every`` steps :class:`Validator` runs the model without gradients over
+Loss. Every ``validation.every`` steps :class:`Validator` runs the model without gradients over
 every held-out item once and logs ``val_loss``, ``val_latent_loss`` and ``val_action_loss`` (the
 training objective, the run's: sums over all items divided by all counts, so the result does not depend on
 batching or rank count) to ``metrics.jsonl``. σ and noise are drawn per item from
@@ -99,13 +99,13 @@ class Validator:
                 "val_action_loss": act}
 
     def after_step(self, model: nn.Module, step: int, *, ema: Any = None) -> HookReport | None:
-        """Every ``runtime.eval_every`` steps: evaluate (collective) and report the losses."""
-        if step % self.run.config.runtime.eval_every:
+        """Every ``validation.every`` steps: evaluate (collective) and report the losses."""
+        if step % self.run.config.validation.every:
             return None
         return HookReport(row={"step": step, **self.evaluate(model)})
 
 
 def make_validator(ctx: HookContext) -> Validator | None:
-    """A Validator when ``runtime.eval_every`` > 0 (the config then holds episodes out), else None
+    """A Validator when ``validation.every`` > 0 (the config then holds episodes out), else None
     (a :data:`~flexpack.run.hooks.HookFactory`)."""
-    return Validator(ctx.run) if ctx.run.config.runtime.eval_every else None
+    return Validator(ctx.run) if ctx.run.config.validation.every else None

@@ -52,7 +52,7 @@ class NonFiniteError(ValueError):
         episodes = [b.layout.episode_index.tolist() for b in batches]
         rank = world()[0]
         when = ("stopped before the optimizer step" if found_at is None else
-                f"found at the check after step {found_at} (checks run at every logged step, runtime.log_every)")
+                f"found at the check after step {found_at} (checks run at every logged step, log.every)")
         super().__init__(
             f"step {step}: non-finite loss {loss} / gradient norm {grad_norm} on micro-batches with episodes "
             f"{episodes} (rank {rank}); {when}, no checkpoint of these weights "

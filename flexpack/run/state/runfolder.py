@@ -260,7 +260,10 @@ def record_start(
                 previous = json.loads(line)["config"]
             except (ValueError, KeyError):
                 pass  # a line cut short by a kill
-    changed = config_changes(previous, config)
+    from flexpack.run.config import upgrade
+
+    # a start before the config's sections were split: its keys at their new place (not a change)
+    changed = config_changes(upgrade(previous, notes=False), config)
     rec = {"start_step": start_step, "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "host": socket.gethostname(), "world_size": world_size, "changed": changed, "config": config}
     with open(history, "a") as f:  # append-only: one line per start

@@ -7,7 +7,7 @@ read it from).
 another model, mask, objective or token geometry would check (or sample) something that was never trained.
 :func:`check_trained` compares the keys that decide what was trained (:func:`trained_values`) and refuses a
 disagreement in one line naming each key, both values and both files. Keys that say where the data is or how
-to run (``data.root``, ``runtime.*``, ``model.pretrained``, the attention backend) may differ.
+to run (``data.root``, ``runtime`` to ``sample``, ``model.pretrained``, the attention backend) may differ.
 """
 
 from __future__ import annotations

@@ -1,20 +1,20 @@
 """What a person reads while a run trains (rank 0 only): a progress bar on a terminal, and plain lines that
 a file, a pipe or a cluster's job log keeps readable.
 
-- stderr is a terminal and ``runtime.progress`` is on: the tqdm bar, plus one line every
-  :func:`line_every` steps, the smallest multiple of ``runtime.log_every`` that is at least
+- stderr is a terminal and ``log.progress`` is on: the tqdm bar, plus one line every
+  :func:`line_every` steps, the smallest multiple of ``log.every`` that is at least
   :data:`TERMINAL_LINE_STEPS` (the bar shows the current step; the lines leave a record that scrolls).
-- otherwise (a file, a pipe, a job log, or ``runtime.progress = false``): no bar (written to a file, its
+- otherwise (a file, a pipe, a job log, or ``log.progress = false``): no bar (written to a file, its
   carriage-return updates pile up into one line of tens of thousands of characters) and one line every
-  ``runtime.log_every`` steps.
+  ``log.every`` steps.
 
 The last step of a run and a skipped non-finite step always get a line. Lines go to stdout, flushed at
 once (a job log shows them as they happen); ``metrics.jsonl`` holds the same numbers and more. A line::
 
     step 30/300  loss 0.4123  val 0.4410  grad 1.21  lr 2.95e-03  tok/s 1.23k  mfu 0.41  mem 12.3 GB  eta 3m05s
 
-``val`` is the newest validation loss (``runtime.eval_every``), marked with its step when it is older than
-the line; ``mfu`` appears where a bf16 peak is known (CUDA, or ``runtime.peak_tflops``); ``mem`` is the
+``val`` is the newest validation loss (``validation.every``), marked with its step when it is older than
+the line; ``mfu`` appears where a bf16 peak is known (CUDA, or ``profile.peak_tflops``); ``mem`` is the
 peak memory of the window (the GPU's, else the process's resident set).
 """
 

@@ -13,7 +13,7 @@ the count here is the document mask's, so MFU for those masks is an upper bound.
 
 MFU = useful FLOPs / (seconds × peak). The peak is what an 8192³ bf16 matmul reaches on the GPU
 itself, measured once per process (:func:`measured_bf16_peak`; 755–795 TFLOP/s on the H200, whose
-datasheet gives 989 dense), unless ``runtime.peak_tflops`` sets it: that key is the only override, so
+datasheet gives 989 dense), unless ``profile.peak_tflops`` sets it: that key is the only override, so
 metrics.jsonl's ``mfu`` and the profile summary divide by the same figure.
 ``benchmarks/train_step.py``, metrics.jsonl's ``mfu`` and the profile summary all count useful FLOPs
 through :func:`batch_flops`, fed by the run's token geometry (:mod:`flexpack.run.root`:
@@ -162,7 +162,7 @@ def measured_bf16_peak(device: torch.device | str, n: int = 8192, reps: int = 10
 
 
 def peak_flops(device: torch.device | str | None = None, tflops: float | None = None) -> float | None:
-    """Dense bf16 peak FLOP/s of ``device``: ``tflops`` (``runtime.peak_tflops``) if set, else
+    """Dense bf16 peak FLOP/s of ``device``: ``tflops`` (``profile.peak_tflops``) if set, else
     :func:`measured_bf16_peak` on CUDA; ``None`` on CPU (no MFU)."""
     if tflops:
         return float(tflops) * 1e12

@@ -28,7 +28,7 @@ class StepMeter:
     def __init__(self, cfg: TrainConfig, device: torch.device, *, model: WanVAConfig, geometry: TokenGeometry) -> None:
         self.device, self.model_cfg, self.geometry = device, model, geometry
         self.tpf = geometry.tokens_per_frame
-        self.peak = peak_flops(device, cfg.runtime.peak_tflops)
+        self.peak = peak_flops(device, cfg.profile.peak_tflops)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         self._open()

@@ -3,7 +3,7 @@ norm from ``RUN/metrics.jsonl``.
 
 Losses: each training loss and its validation loss (``loss`` / ``val_loss``, ``latent_loss`` /
 ``val_latent_loss``, ``action_loss`` / ``val_action_loss``) share a colour, training solid,
-validation dashed with markers. Where the run sampled held-out episodes (``runtime.sample_every``)
+validation dashed with markers. Where the run sampled held-out episodes (``sample.every``)
 one panel per stream shows the model's held-out MSE (one sample, and the mean of the samples)
 against the ``last`` and ``mean`` baselines over the steps. Keys a record lacks are left out of
 the figure, so older runs and records with more keys (``mfu``) plot alike. The PNG is written

@@ -1,7 +1,7 @@
-"""Step profiling: ``runtime.profile_steps = n`` (or the environment variable ``LINGBOT_PROFILE=n``).
+"""Step profiling: ``profile.steps = n`` (or the environment variable ``LINGBOT_PROFILE=n``).
 
 With ``n > 0`` the train loop profiles ``n`` whole optimizer steps with ``torch.profiler`` after
-``runtime.profile_warmup`` (default 2) steps of warm-up (compilation, allocator growth) plus one
+``profile.warmup`` (default 2) steps of warm-up (compilation, allocator growth) plus one
 profiler warm-up step, and writes to ``RUN/profile/``:
 
     steps_rank{r}.jsonl   one line per micro-step of the warm-up and profiled steps: step, micro_step,
@@ -22,7 +22,7 @@ FLOPs come from the run (:meth:`StepProfiler.for_training`, :mod:`flexpack.run.r
 
 The variables ``LINGBOT_PROFILE`` and ``LINGBOT_PROFILE_WARMUP`` stay for runs started without
 touching the config: where one is set it wins over its config key, and rank 0 prints one line
-saying so (:func:`resolve`). The peak behind MFU is ``runtime.peak_tflops`` (measured at the start
+saying so (:func:`resolve`). The peak behind MFU is ``profile.peak_tflops`` (measured at the start
 when unset), the same figure as ``metrics.jsonl``'s ``mfu``.
 """
 
@@ -126,7 +126,7 @@ class StepProfiler:
         first_step: the run's step count before the first hooked step (steps are logged 1-based after it).
         tokens_per_frame, copies: computed tokens of a micro-batch = frames × tokens_per_frame × copies.
         flops: useful FLOPs of one micro-batch (for MFU on CUDA); None: no MFU.
-        peak_tflops: the bf16 peak MFU is measured against (``runtime.peak_tflops``); None: measured.
+        peak_tflops: the bf16 peak MFU is measured against (``profile.peak_tflops``); None: measured.
         source: where ``steps`` came from, for the note of a run too short for the window.
         device: where the step runs (CUDA: device time and peak memory; else CPU op time and RSS).
     """
@@ -183,12 +183,12 @@ class StepProfiler:
             return batch_flops(model, geometry, batch.layout)
 
         rt = cfg.runtime
-        steps = resolve(ENV, "runtime.profile_steps", rt.profile_steps, rank)
-        source = ENV if os.environ.get(ENV, "").strip() else "runtime.profile_steps"
-        warmup = resolve(ENV_WARMUP, "runtime.profile_warmup", rt.profile_warmup, rank) if steps else 0
+        steps = resolve(ENV, "profile.steps", cfg.profile.steps, rank)
+        source = ENV if os.environ.get(ENV, "").strip() else "profile.steps"
+        warmup = resolve(ENV_WARMUP, "profile.warmup", cfg.profile.warmup, rank) if steps else 0
         return cls(rt.out_dir, rank, steps, warmup, steps_left=steps_left, first_step=first_step,
                    tokens_per_frame=geometry.tokens_per_frame, copies=geometry.copies, flops=flops, device=device,
-                   peak_tflops=rt.peak_tflops, source=source)
+                   peak_tflops=cfg.profile.peak_tflops, source=source)
 
     @property
     def enabled(self) -> bool:

@@ -1,4 +1,4 @@
-"""Metrics a user can watch: TensorBoard event files under ``RUN/tb/`` and, with ``runtime.wandb``,
+"""Metrics a user can watch: TensorBoard event files under ``RUN/tb/`` and, with ``log.wandb``,
 Weights & Biases. ``metrics.jsonl`` stays the source of truth: every numeric key of each of its
 records is logged as it is (a key added to the record later shows up without a change here);
 nested tables are logged as ``key/subkey``.
@@ -9,7 +9,7 @@ Tags are grouped as dashboards expect them: ``train/…`` (loss parts, lr, grad 
 Only rank 0 logs. W&B reads its usual environment (``WANDB_MODE=offline`` needs no account;
 ``wandb sync RUN/wandb/offline-run-*`` uploads later). Its run id is stored in ``RUN/wandb_run_id``
 on the first start; every resume of the run folder continues that W&B run (``resume="allow"``)
-instead of starting a new one. ``runtime.wandb_project`` / ``wandb_entity`` / ``wandb_tags`` pass through.
+instead of starting a new one. ``log.wandb_project`` / ``wandb_entity`` / ``wandb_tags`` pass through.
 """
 
 from __future__ import annotations
@@ -78,19 +78,19 @@ def wandb_run_id(run: Path) -> str:
 
 def check(cfg: TrainConfig) -> None:
     """Fail before any data or model work when a requested logger is not installed."""
-    r = cfg.runtime
+    r = cfg.log
     if r.tensorboard:
         try:
             import tensorboard  # noqa: F401
         except ImportError:
-            raise ValueError("runtime.tensorboard = true needs the tensorboard package: pip install tensorboard "
-                             "(or set runtime.tensorboard = false)") from None
+            raise ValueError("log.tensorboard = true needs the tensorboard package: pip install tensorboard "
+                             "(or set log.tensorboard = false)") from None
     if r.wandb:
         try:
             import wandb  # noqa: F401
         except ImportError:
-            raise ValueError("runtime.wandb = true needs the wandb package: pip install 'flexpack[wandb]' "
-                             "(or set runtime.wandb = false)") from None
+            raise ValueError("log.wandb = true needs the wandb package: pip install 'flexpack[wandb]' "
+                             "(or set log.wandb = false)") from None
 
 
 class MetricSinks:
@@ -111,7 +111,7 @@ class MetricSinks:
         if self.rank != 0:
             return self
         check(self.cfg)
-        r = self.cfg.runtime
+        r = self.cfg.log
         if r.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -169,14 +169,14 @@ def outputs(run: str | os.PathLike, checkpoint: Path | None, cfg: TrainConfig) -
     """Where a finished ``train`` left its outputs, one line each."""
     run = Path(run)
     rows = [("run folder", str(run)), ("metrics", str(run / "metrics.jsonl"))]
-    if cfg.runtime.tensorboard:
+    if cfg.log.tensorboard:
         rows.append(("tensorboard", f"{run / 'tb'}  (tensorboard --logdir {run / 'tb'})"))
-    if cfg.runtime.wandb:
+    if cfg.log.wandb:
         rows.append(("wandb", str(run / "wandb")))
     if (run / "profile").is_dir():
         rows.append(("profile", str(run / "profile")))
     if (run / "samples").is_dir():
-        rows.append(("samples", f"{run / 'samples'}  (runtime.sample_every)"))
+        rows.append(("samples", f"{run / 'samples'}  (sample.every)"))
     rows.append(("checkpoint", str(checkpoint) if checkpoint else "none"))
     rows.append(("plot", f"flexpack plot {run}"))
     if checkpoint:
