@@ -58,7 +58,7 @@ def run_diffusers(args, name: str, lengths: list[int], batches: list[list[int]],
 
     mode, compile_ = variant(name)
     train_cfg = config(args, "pack", False)
-    cfg = train_cfg.model.wan_config()
+    cfg = train_cfg.model.resolved()
     geometry = geometry_for(cfg, items.shape[1:], train_cfg)  # the flexpack variants' tokens per frame
     torch.manual_seed(0)
     with device:

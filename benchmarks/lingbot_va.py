@@ -138,8 +138,8 @@ def run_flexpack(args, items: LingbotItems, float8: str, device: torch.device, p
     tokens = [int(b.layout.episode_frames.sum()) * tpf for b in timed]
     flops = []
     for k, b in enumerate(timed):  # the chunk sizes and windows the step drew (the same seeds, on the host)
-        d = lingbot_draws(b, run.model, noise_seeds(b.layout, cfg.runtime.seed, first + k))
-        flops.append(step_flops(run.model, run.geometry, b, d.chunk_size, d.window))
+        d = lingbot_draws(b, run.model_config, noise_seeds(b.layout, cfg.runtime.seed, first + k))
+        flops.append(step_flops(run.model_config, run.geometry, b, d.chunk_size, d.window))
     losses = [float(s[0]) for s in sums]
     out = {"tokens_per_s": statistics.median(n / t for n, t in zip(tokens, times)),
            "step_s": statistics.median(times), "mfu": statistics.median(f / t / peak for f, t in zip(flops, times)),

@@ -77,7 +77,7 @@ def main() -> None:
         "log.every=1", "log.tensorboard=false", "parallel.activation_checkpointing=false",
         f"optim.accum_steps={args.accum}",
         "data.num_workers=2" if cuda else "data.num_workers=0"] + (["parallel.compile=false"] if args.eager else []))
-    m = cfg.model.wan_config()
+    m = cfg.model.resolved()
     dataset = RandomEpisodes(lengths, channels=m.in_channels, hw=hw, action_channels=m.action_channels,
                              action_steps=cfg.data.action_steps, text_len=text_len, text_dim=text_dim,
                              mask_drop=0.0)  # every action value counts, as before

@@ -92,7 +92,7 @@ def _timed(fn, device: torch.device) -> float:
 
 def run_set(args, lengths: list[int], device: torch.device) -> dict:
     cfg = config(args)
-    m = cfg.model.wan_config()
+    m = cfg.model.resolved()
     C, H, W, L, Dt = (4, 4, 4, 6, 32) if args.tiny else (48, 8, 16, 512, 4096)
     tpf = geometry_for(m, (H, W), cfg).tokens_per_frame  # patches + action steps, as training counts them
     items = make_items(lengths, C, H, W, m.action_channels, L, Dt)

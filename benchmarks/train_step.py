@@ -209,7 +209,7 @@ def run_flexpack(args, name: str, lengths: list[int], batches: list[list[int]], 
                  compile_: bool, device: torch.device, peak: float) -> dict:
     cfg = config(args, mode, compile_, float8_of(name))
     run = run_for(items, cfg, device=device)  # the train loop's geometry, sampler, collate and forward options
-    m, geometry, collate = run.model, run.geometry, run.collate
+    m, geometry, collate = run.model_config, run.geometry, run.collate
     tpf = geometry.tokens_per_frame
     plan = batches if mode == "pack" else list(run.sampler)[: len(batches)]
     model = run.build_model()  # as `flexpack train` builds, wraps and loads it

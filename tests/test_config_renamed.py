@@ -1,4 +1,4 @@
-"""Keys that [runtime] once held load at their new place (flexpack.run.config.RENAMED): a TOML file and
+"""Keys that [runtime] once held load at their new place (flexpack.run.config_renamed.RENAMED): a TOML file and
 --set with one note per key on stderr, a run's saved config.json without one; each section checks its own
 values and names the key as it is now."""
 

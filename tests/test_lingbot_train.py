@@ -68,7 +68,7 @@ def test_the_step_draws_chunk_and_window_per_episode_and_matches_the_objective()
     assert isinstance(run.objective, LingbotObjective)
     batch = run.collate([ds[i] for i in range(4)])
     sample = run.objective.sample(batch, noise_seeds(batch.layout, 0, 0))
-    lo, hi = run.model.chunk_range
+    lo, hi = run.model_config.chunk_range
     assert sample.chunk_size.shape == (4,) and int(sample.chunk_size.min()) >= lo and int(sample.chunk_size.max()) <= hi
     assert int(sample.window.max()) <= 3 and len(set(sample.window.tolist())) > 1  # one per episode
     torch.manual_seed(0)

@@ -44,17 +44,17 @@ def test_teacher_forcing_flops_agree_between_meter_profiler_and_benchmark(tmp_pa
 
     clock = [10.0]
     monkeypatch.setattr(metrics, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
-    meter = metrics.StepMeter(cfg, CPU, model=plan.model, geometry=g)
+    meter = metrics.StepMeter(cfg, CPU, model=plan.model_config, geometry=g)
     meter.add(batches)
     clock[0] = 12.0  # the window took 2 s
     mfu = meter.read()["mfu"]
 
-    prof = StepProfiler.for_training(cfg, 0, steps_left=1, first_step=0, model=plan.model,
+    prof = StepProfiler.for_training(cfg, 0, steps_left=1, first_step=0, model=plan.model_config,
                                          geometry=plan.geometry, device=CPU)
     profiled = sum(prof.flops(b) for b in batches)
-    bench = sum(batch_flops(plan.model, g, b.layout) for b in batches)  # benchmarks/train_step.py's count
-    two = sum(useful_flops(plan.model, b.layout, video_tokens=1, action_tokens=4, copies=2) for b in batches)
-    one = sum(useful_flops(plan.model, b.layout, video_tokens=1, action_tokens=4, copies=1) for b in batches)
+    bench = sum(batch_flops(plan.model_config, g, b.layout) for b in batches)  # benchmarks/train_step.py's count
+    two = sum(useful_flops(plan.model_config, b.layout, video_tokens=1, action_tokens=4, copies=2) for b in batches)
+    one = sum(useful_flops(plan.model_config, b.layout, video_tokens=1, action_tokens=4, copies=1) for b in batches)
     assert profiled == bench == two > 1.5 * one
     assert mfu == pytest.approx(two / 2.0 / 1e12, rel=1e-12)
     assert prof.copies == 2 and prof.tpf == 5
@@ -71,7 +71,7 @@ def test_metrics_jsonl_mfu_counts_both_copies(tmp_path, monkeypatch):
     rec = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     fresh = synthetic_run(cfg, text_len=4)  # the same epoch-0 order the run started from
     batches = [fresh.collate([fresh.dataset[i] for i in idx]) for idx, _ in zip(fresh.sampler, range(2))]
-    want = sum(useful_flops(fresh.model, b.layout, video_tokens=1, action_tokens=4, copies=2) for b in batches)
+    want = sum(useful_flops(fresh.model_config, b.layout, video_tokens=1, action_tokens=4, copies=2) for b in batches)
     assert rec["mfu"] * rec["step_s"] * 1e12 == pytest.approx(want, rel=1e-6)
 
 
@@ -86,7 +86,7 @@ def test_run_of_a_lerobot_dataset(tiny_dataset, tmp_path):
     # 2x2 latents in 2x2 patches: one video token, plus data.action_steps action tokens
     assert (g.video_tokens, g.action_tokens, g.copies, g.tokens_per_frame, g.frame_budget) == (1, 4, 1, 5, 12)
     assert plan.sampler.budget_frames == plan.collate.collate.frame_budget == g.frame_budget
-    assert plan.model is cfg.model.resolved()
+    assert plan.model_config is cfg.model.resolved()
     assert plan.forward == ForwardOptions(mask="document", chunk_size=None, text_slots=run_text_slots(plan.sampler))
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.geometry = g  # type: ignore[misc]
@@ -112,7 +112,7 @@ def test_the_model_config_is_resolved_once_per_run(tmp_path, monkeypatch):
     assert len(calls) == 1
     run = synthetic_run(cfg, text_len=4)
     train(cfg, run=run)
-    assert len(calls) == 1 and run.model is cfg.model.resolved()
+    assert len(calls) == 1 and run.model_config is cfg.model.resolved()
 
 
 def test_token_geometry_owns_budget_and_too_long():

@@ -36,7 +36,7 @@ def test_pretrained_folder_gives_diffusers_outputs_and_an_initialized_action_str
     m.save_pretrained(tmp_path / "transformer", **({"max_shard_size": "30KB"} if sharded else {}))
     assert (tmp_path / "transformer" / "diffusion_pytorch_model.safetensors.index.json").exists() == sharded
     cfg = cfg_for(tmp_path / "transformer")
-    wc = cfg.model.wan_config()
+    wc = cfg.model.resolved()
     # the checkpoint's shape replaced the tiny preset's; options come from the config
     assert (wc.dim, wc.num_heads, wc.ffn_dim, wc.freq_dim, wc.action_channels) == (32, 2, 48, 16, 6)
     model = build_model(cfg)

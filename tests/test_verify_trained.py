@@ -24,7 +24,7 @@ def trained_run(tmp_path: Path, *sets: str, own: bool = True) -> tuple[Path, Pat
     checkpoint carries its config.json (as training writes it); else only the run's first config.json."""
     cfg = load_config(TINY, [f"--set {s}".split(" ", 1)[1] for s in sets])
     run = tmp_path / "run"
-    model = WanVA(cfg.model.wan_config())
+    model = WanVA(cfg.model.resolved())
     found = checkpoint.save(run / "checkpoints", 3, model, None, config=cfg.to_dict() if own else None)
     save_config(load_config(TINY), run / "config.json")  # the first start's config: another mask
     return run, found

@@ -14,7 +14,7 @@ nothing else branches on a family's name.
 
 Every family config offers the shape properties generic code reads (``patch_size``, ``in_channels``,
 ``out_dim``, ``action_channels``, ``text_dim``, ``dim``, ``num_heads``, ``head_dim``, ``ffn_dim``,
-``num_layers``, ``attn_backend``), whatever its own field names are.
+``num_layers``, ``attn_backend``), whatever its own field names are (:class:`ModelShape`).
 """
 
 from __future__ import annotations
@@ -22,11 +22,38 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Protocol
 
 from torch import Tensor, nn
 
 from .conventions import Alias, DataConventions
+
+
+class ModelShape(Protocol):
+    """What generic code reads of any family's resolved model config (fields or properties)."""
+
+    @property
+    def patch_size(self) -> tuple[int, int, int]: ...
+    @property
+    def in_channels(self) -> int: ...
+    @property
+    def out_dim(self) -> int: ...
+    @property
+    def action_channels(self) -> int: ...
+    @property
+    def text_dim(self) -> int: ...
+    @property
+    def dim(self) -> int: ...
+    @property
+    def num_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def ffn_dim(self) -> int: ...
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def attn_backend(self) -> str: ...
 
 
 def _wan_conventions(config: Any) -> DataConventions:

@@ -6,7 +6,7 @@ Variants are small files in ``configs/`` that name only what differs from the de
 nothing is ever executed. :func:`load_config` rejects unknown keys (naming the file and the key)
 and values of the wrong type, and applies ``section.key=value`` overrides (values parsed as TOML,
 falling back to a plain string), e.g. ``schedule.steps=40`` or ``model.overrides.dim=128``.
-Keys that once lived under ``[runtime]`` (:data:`RENAMED`) load at their new place: a run folder's saved
+Keys that once lived under ``[runtime]`` (:data:`~flexpack.run.config_renamed.RENAMED`) load at their new place: a run folder's saved
 config quietly, a TOML file or ``--set`` with a note on stderr naming the new key.
 """
 
@@ -18,9 +18,7 @@ import json
 import math
 import os
 import re
-import sys
 import tomllib
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +27,8 @@ from typing import Any, Sequence
 from flexpack.atomic import atomic_path
 from flexpack.flow.objective import FlowMatchingConfig
 from flexpack.run.checks import check_finite
+from flexpack.run.config_parse import apply_overrides, check_type, from_dict
+from flexpack.run.config_renamed import RENAMED, upgrade, upgrade_overrides
 from flexpack.run.config_sections import (
     LogConfig,
     ParallelConfig,
@@ -157,7 +157,6 @@ class ModelConfig:
         :mod:`flexpack.run.root`)."""
         return self._resolved
 
-    wan_config = resolved  # the name under which callers of the WanVA family know it
 
     def with_objective(self, objective: Any) -> "ModelConfig":
         """This model config with the objective section applied to its resolved config where the family
@@ -179,7 +178,7 @@ class ModelConfig:
             raise ValueError(f"model.overrides has unknown {fam.config_class.__name__} fields {unknown} "
                              f"(known: {sorted(known)})")
         hints = typing.get_type_hints(fam.config_class)
-        kw = {k: _check_type(v, fam.override_type(k, hints), f"model.overrides.{k}")
+        kw = {k: check_type(v, fam.override_type(k, hints), f"model.overrides.{k}")
               for k, v in self.overrides.items()}
         prefix = f"{fam.config_class.__name__}."
         try:
@@ -322,171 +321,6 @@ class TrainConfig:
 
 
 # ---------------------------------------------------------------------------- loading
-def _check_type(value: Any, tp: Any, where: str) -> Any:
-    """``value`` converted to ``tp`` (lists → tuples, ints → floats) or a ValueError naming ``where``."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for a in (a for a in args if a is not type(None)):
-            try:
-                return _check_type(value, a, where)
-            except ValueError as exc:
-                errors.append(str(exc))
-        raise ValueError(errors[0])
-    if tp is Any:
-        return value
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)):
-            raise ValueError(f"{where} must be a list, got {value!r}")
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_check_type(v, args[0], f"{where}[{i}]") for i, v in enumerate(value))
-        if len(value) != len(args):
-            raise ValueError(f"{where} must have {len(args)} entries, got {value!r}")
-        return tuple(_check_type(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ValueError(f"{where} must be a table, got {value!r}")
-        return dict(value)
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if tp is float and isinstance(value, float) and not math.isfinite(value):
-        raise ValueError(f"{where} must be a finite number, got {value!r}")
-    if tp in (int, float, str, bool) and not (isinstance(value, tp) and not (tp is int and isinstance(value, bool))):
-        raise ValueError(f"{where} must be {tp.__name__}, got {value!r}")
-    return value
-
-
-def from_dict(cls: type, data: dict[str, Any], where: str = "") -> Any:
-    """Build the dataclass ``cls`` from a nested dict, rejecting unknown keys and wrong types."""
-    if not isinstance(data, dict):
-        raise ValueError(f"{where or cls.__name__} must be a table, got {data!r}")
-    hints = typing.get_type_hints(cls)
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        names = ", ".join(f"{where}{k}" for k in unknown)
-        raise ValueError(f"unknown config key(s) {names} "
-                         f"(known in {where.rstrip('.') or 'the top level'}: {sorted(known)})")
-    kw = {}
-    for name, value in data.items():
-        tp = hints[name]
-        if dataclasses.is_dataclass(tp):
-            kw[name] = from_dict(tp, value, f"{where}{name}.")
-        else:
-            kw[name] = _check_type(value, tp, f"{where}{name}")
-    return cls(**kw)
-
-
-def _parse_value(text: str) -> Any:
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text  # a bare word: a string
-
-
-def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
-    """``["schedule.steps=40", ...]`` applied to a nested dict (a copy)."""
-    out = json.loads(json.dumps(data))
-    for item in overrides:
-        key, sep, text = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"override {item!r} is not KEY=VALUE (e.g. schedule.steps=40)")
-        *parents, leaf = key.strip().split(".")
-        node = out
-        for p in parents:
-            node = node.setdefault(p, {})
-            if not isinstance(node, dict):
-                raise ValueError(f"override {item!r}: {p!r} is not a table")
-        node[leaf] = _parse_value(text.strip())
-    return out
-
-
-# keys that [runtime] once held -> their place now (section.key); one table for every reader of a config:
-# a TOML file, --set, and the config.json of a run, checkpoint or export made before the split
-RENAMED = {
-    "activation_checkpointing": "parallel.activation_checkpointing",
-    "compile": "parallel.compile",
-    "activation_memory_budget": "parallel.activation_memory_budget",
-    "float8": "parallel.float8",
-    "profile_steps": "profile.steps",
-    "profile_warmup": "profile.warmup",
-    "peak_tflops": "profile.peak_tflops",
-    "log_every": "log.every",
-    "progress": "log.progress",
-    "tensorboard": "log.tensorboard",
-    "wandb": "log.wandb",
-    "wandb_project": "log.wandb_project",
-    "wandb_entity": "log.wandb_entity",
-    "wandb_tags": "log.wandb_tags",
-    "eval_every": "validation.every",
-    "sample_every": "sample.every",
-    "sample_steps": "sample.steps",
-    "sample_episodes": "sample.episodes",
-    "sample_cuts": "sample.cuts",
-    "sample_horizon": "sample.horizon",
-    "sample_plots": "sample.plots",
-    "sample_draws": "sample.draws",
-    "sample_min_context": "sample.min_context",
-    "sample_ema": "sample.ema",
-}
-
-
-def _note(old: str, new: str) -> None:
-    print(f"config: {old} is now {new}", file=sys.stderr)
-
-
-def _same(a: Any, b: Any) -> bool:
-    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)  # true and 1 differ here
-
-
-def upgrade(data: dict[str, Any], *, notes: bool) -> dict[str, Any]:
-    """``data`` (a config as nested dicts) with every key of :data:`RENAMED` moved from ``[runtime]`` to its
-    place now, a note on stderr for each where ``notes``; a key given under both names with two values is an
-    error naming both."""
-    runtime = data.get("runtime")
-    if not isinstance(runtime, dict) or not set(runtime) & set(RENAMED):
-        return data
-    out = {**data, "runtime": {k: v for k, v in runtime.items() if k not in RENAMED}}
-    for old, value in runtime.items():
-        if old not in RENAMED:
-            continue
-        section, key = RENAMED[old].split(".")
-        if not isinstance(out.get(section, {}), dict):
-            raise ValueError(f"{section} must be a table, got {out[section]!r}")
-        table = out[section] = dict(out.get(section, {}))
-        if key in table and not _same(table[key], value):
-            raise ValueError(f"runtime.{old} = {value!r} and {RENAMED[old]} = {table[key]!r} are one setting "
-                             f"(its old and new name) with two values; keep {RENAMED[old]}")
-        table[key] = value
-        if notes:
-            _note(f"runtime.{old}", RENAMED[old])
-    return out
-
-
-def upgrade_overrides(overrides: Sequence[str]) -> list[str]:
-    """``overrides`` with the keys of :data:`RENAMED` (``runtime.OLD=value``) named as now, a note on
-    stderr for each; an old and a new name of one key with two values is an error naming both."""
-    out, given = [], {}
-    for item in overrides:
-        key, sep, text = item.partition("=")
-        section, _, leaf = key.strip().partition(".")
-        new = RENAMED.get(leaf) if section == "runtime" and sep else None
-        if new is not None:
-            _note(key.strip(), new)
-            item = f"{new}={text}"
-        name = item.partition("=")[0].strip()
-        earlier = given.get(name)
-        if earlier is not None and earlier[0] != key.strip() and not _same(_parse_value(earlier[1].strip()),
-                                                                          _parse_value(text.strip())):
-            raise ValueError(f"--set {earlier[0]}={earlier[1].strip()} and --set {key.strip()}={text.strip()} are "
-                             f"one setting (its old and new name) with two values; keep {name}")
-        given[name] = (key.strip(), text)
-        out.append(item)
-    return out
-
-
 def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():

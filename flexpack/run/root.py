@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from flexpack.flow.objectives import Objective, objective_for
-from flexpack.models.registry import DataConventions, ModelFamily
+from flexpack.models.registry import DataConventions, ModelFamily, ModelShape
 from flexpack.packing.collate import Batch, PackCollate, PadCollate
 from flexpack.packing.geometry import TokenGeometry
 from flexpack.parallel.parallelize import ParallelOptions
@@ -157,7 +157,7 @@ class Run:
 
     config: TrainConfig
     family: ModelFamily
-    model: Any  # the family's resolved model config (WanVAConfig for "wanva")
+    model_config: ModelShape  # the family's resolved model config (WanVAConfig for "wanva")
     objective: Objective  # the family's objective (flexpack.flow.objectives)
     geometry: TokenGeometry
     device: torch.device
@@ -211,12 +211,12 @@ class Run:
         """(sampler, collate) of ``data.mode`` over episode ``lengths`` with this run's geometry."""
         sampler, collate = batching(self.config, lengths, self.geometry, self.rank if rank is None else rank,
                                     self.world_size if world_size is None else world_size)
-        return sampler, model_collate(collate, self.model, self.family)
+        return sampler, model_collate(collate, self.model_config, self.family)
 
     def with_dataset(self, dataset: EpisodeDataset) -> "Run":
         """This run over other episodes (the held-out ones, say): their own sampler and collate, the same
         geometry, model and options."""
-        check_fits_model(dataset, self.model, self.config)
+        check_fits_model(dataset, self.model_config, self.config)
         sampler, collate = self.batching(dataset.lengths())
         return replace(self, data=Data(dataset=dataset, sampler=sampler, collate=collate))
 
@@ -228,9 +228,9 @@ class Run:
         from flexpack.run.model import build_model, materialize
 
         with self.device:  # built where it runs: no full fp32 copy of a 5B model in host memory per rank
-            model = build_model(self.config, self.model, self.family)
+            model = build_model(self.config, self.model_config, self.family)
         model = parallelize(model, device=self.device, options=self.parallel)
-        materialize(model, self.config, self.device, self.model, self.family)
+        materialize(model, self.config, self.device, self.model_config, self.family)
         return model
 
 
@@ -347,7 +347,7 @@ def run_for(dataset: EpisodeDataset, cfg: TrainConfig, *, rank: int = 0, world_s
         check_token_budget(cfg, dataset, geometry)
     sampler, collate = batching(cfg, dataset.lengths(), geometry, rank, world_size)
     data = Data(dataset=dataset, sampler=sampler, collate=model_collate(collate, model_cfg, family))
-    return Run(config=cfg, family=family, model=model_cfg,
+    return Run(config=cfg, family=family, model_config=model_cfg,
                objective=objective_for(family.objective, cfg.objective, model_cfg),
                geometry=geometry, device=device, rank=rank, world_size=world_size,
                forward=forward_options(cfg, run_text_slots(sampler)), split=split or Split(), data=data)

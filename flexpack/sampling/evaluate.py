@@ -92,7 +92,7 @@ def dataset_for(cfg: TrainConfig, episodes: Sequence[int] | None = None, *, val:
     return open_dataset(cfg, episodes, segments=False)
 
 
-def geometry(cfg: TrainConfig, dataset: Any) -> TokenGeometry:
+def geometry(cfg: TrainConfig, dataset: LatentEpisodeDataset) -> TokenGeometry:
     """The token geometry of ``dataset`` for the config's model, as training derives it
     (:func:`flexpack.run.root.geometry_for`), with ``data.max_tokens`` per pack in either
     ``data.mode``: sampling always packs."""
@@ -101,15 +101,15 @@ def geometry(cfg: TrainConfig, dataset: Any) -> TokenGeometry:
     from flexpack.run.root import geometry_for
 
     _, _, H, W = dataset[0]["latent"].shape
-    return replace(geometry_for(cfg.model.wan_config(), (H, W), cfg), max_tokens=cfg.data.max_tokens)
+    return replace(geometry_for(cfg.model.resolved(), (H, W), cfg), max_tokens=cfg.data.max_tokens)
 
 
-def tokens_per_frame(cfg: TrainConfig, dataset: Any) -> int:
+def tokens_per_frame(cfg: TrainConfig, dataset: LatentEpisodeDataset) -> int:
     """Tokens of one latent frame of ``dataset`` for the config's model (its :func:`geometry`)."""
     return geometry(cfg, dataset).tokens_per_frame
 
 
-def build_pairs(cfg: TrainConfig, dataset: Any, plan: PairPlan, *, limit_pairs: int | None = None,
+def build_pairs(cfg: TrainConfig, dataset: LatentEpisodeDataset, plan: PairPlan, *, limit_pairs: int | None = None,
                 note: bool = True) -> list[Pair]:
     """Pairs of every episode of ``dataset``: forecast cut points, or one rollout from the first allowed
     cut; ``plan.samples`` consecutive pairs (samples 0..K-1, each its own noise) per (episode, cut)."""
@@ -127,7 +127,7 @@ def build_pairs(cfg: TrainConfig, dataset: Any, plan: PairPlan, *, limit_pairs: 
         raise ValueError(f"cut points {low} have less context than --min-context {plan.min_context} latent frames; "
                          "lower --min-context")
     first = first_cut(chunk, plan.min_context)
-    actions = cfg.model.wan_config().action_channels > 0
+    actions = cfg.model.resolved().action_channels > 0
     # a pair is one document of a pack: automatic cut points and rollouts stay within one pack's frames
     budget = geometry(cfg, dataset).frame_budget
     lengths = dataset.lengths()
@@ -171,7 +171,7 @@ def build_pairs(cfg: TrainConfig, dataset: Any, plan: PairPlan, *, limit_pairs: 
     return pairs
 
 
-def _swap_histories(pairs: list[Pair], dataset: Any, lengths: Sequence[int]) -> None:
+def _swap_histories(pairs: list[Pair], dataset: LatentEpisodeDataset, lengths: Sequence[int]) -> None:
     """Each pair's history from the next episode of ``dataset`` (cyclic) that is long enough."""
     index = {dataset.items[i][0]: i for i in range(len(lengths))}
     items: dict[int, dict[str, Any]] = {}
@@ -185,7 +185,7 @@ def _swap_histories(pairs: list[Pair], dataset: Any, lengths: Sequence[int]) -> 
         borrow_history(p, items.setdefault(j, dataset[j]))
 
 
-def checkpoint_stats(dataset: Any, saved: ActionStats | None, where: str) -> ActionStats | None:
+def checkpoint_stats(dataset: LatentEpisodeDataset, saved: ActionStats | None, where: str) -> ActionStats | None:
     """The action statistics the weights were trained with (``saved``, read from ``where``; None: the
     dataset's own); the dataset must normalize the same way."""
     from flexpack.run.state.resume import normalizer_state
@@ -203,7 +203,7 @@ def checkpoint_stats(dataset: Any, saved: ActionStats | None, where: str) -> Act
     return saved
 
 
-def action_names(dataset: Any) -> list[str]:
+def action_names(dataset: LatentEpisodeDataset) -> list[str]:
     """Names of the dataset's action columns (``meta/info.json``), else ``a0, a1, ...``."""
     names = dataset.source.meta.features[dataset.action_key].get("names")
     if isinstance(names, dict):  # LeRobot v2-style {"motors": [...]}
@@ -212,7 +212,7 @@ def action_names(dataset: Any) -> list[str]:
     return [str(x) for x in names] if isinstance(names, list) and len(names) == n else [f"a{i}" for i in range(n)]
 
 
-def mean_action(dataset: Any) -> list[float] | None:
+def mean_action(dataset: LatentEpisodeDataset) -> list[float] | None:
     from flexpack.data.action_stats import lerobot_stats
 
     stats = lerobot_stats(dataset.source, [dataset.action_key]).get(dataset.action_key) or {}
@@ -221,7 +221,7 @@ def mean_action(dataset: Any) -> list[float] | None:
 
 def sample_pairs(model: nn.Module, cfg: TrainConfig, pairs: list[Pair], *, tpf: int, device: torch.device,
                  options: SampleOptions, stage: int | None = None, text_slots: int | None = None,
-                 dataset: Any = None) -> PackedSampler:
+                 dataset: LatentEpisodeDataset = None) -> PackedSampler:
     sampler = sampler_class(cfg)(model, cfg, tpf, device, options, text_slots=text_slots, stage=stage, dataset=dataset)
     sampler.run(pairs)
     return sampler
@@ -247,7 +247,7 @@ def _headline(r: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def score(pairs: Sequence[Pair], dataset: Any, action_stats: ActionStats | None) -> dict[str, Any]:
+def score(pairs: Sequence[Pair], dataset: LatentEpisodeDataset, action_stats: ActionStats | None) -> dict[str, Any]:
     """All pairs' metrics (K samples per (episode, cut): :class:`Metrics`), plus ``per_episode`` and
     ``per_cut`` (keyed by the cut point: latent frames of context): the headline numbers of each
     episode's and each context length's pairs (which episodes a model gets wrong; how the error falls
@@ -266,7 +266,8 @@ def score(pairs: Sequence[Pair], dataset: Any, action_stats: ActionStats | None)
     return out
 
 
-def write_media(out: Path, pairs: Sequence[Pair], dataset: Any, plots: int, device: torch.device | str = "cpu", *,
+def write_media(out: Path, pairs: Sequence[Pair], dataset: LatentEpisodeDataset, plots: int,
+                device: torch.device | str = "cpu", *,
                 action_stats: ActionStats | None = None, mode: str = "forecast", chunk: int = 1
                 ) -> tuple[dict[str, Path], dict[str, float]]:
     """:func:`flexpack.sampling.pictures.write_media` with the dataset's action names and mean action."""
@@ -300,7 +301,8 @@ def table(metrics: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def evaluate(model: nn.Module, cfg: TrainConfig, dataset: Any, plan: PairPlan, options: SampleOptions, *,
+def evaluate(model: nn.Module, cfg: TrainConfig, dataset: LatentEpisodeDataset, plan: PairPlan,
+             options: SampleOptions, *,
              device: torch.device, action_stats: ActionStats | None, out: Path | None, plots: int = 4,
              write: bool = True, text_slots: int | None = None, note: bool = True
              ) -> tuple[dict[str, Any], dict[str, Path]]:
@@ -329,7 +331,7 @@ def evaluate(model: nn.Module, cfg: TrainConfig, dataset: Any, plan: PairPlan, o
     return metrics, files
 
 
-def _write_all(out: Path, pairs: list[Pair], dataset: Any, plots: int, device: torch.device,
+def _write_all(out: Path, pairs: list[Pair], dataset: LatentEpisodeDataset, plots: int, device: torch.device,
                metrics: dict[str, Any], **media: Any) -> dict[str, Path]:
     """Plots, videos and ``metrics.json`` into ``out``, all or nothing: written into a temporary folder beside
     it and moved in (a rename each) once every file is whole. A full disk leaves ``out`` as it was, in one line."""

@@ -15,7 +15,7 @@ Titles say forecast or rollout, the episode, the context and the horizon in late
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import torch
@@ -25,6 +25,9 @@ from flexpack.data.normalization import ActionStats
 from flexpack.sampling import frames, media
 from flexpack.sampling.metrics import Metrics, denormalize
 from flexpack.sampling.pairs import Pair
+
+if TYPE_CHECKING:
+    from flexpack.data.dataset import LatentEpisodeDataset
 
 PANEL_PX = 192  # the shorter side of each video panel, at least (latents are upscaled to it)
 
@@ -55,7 +58,7 @@ def _columns(x_CLA: torch.Tensor, mask: torch.Tensor, channels: np.ndarray) -> n
     return a.permute(1, 2, 0).numpy()
 
 
-def action_series(group: Sequence[Pair], dataset: Any, action_stats: ActionStats | None,
+def action_series(group: Sequence[Pair], dataset: LatentEpisodeDataset, action_stats: ActionStats | None,
                   mean_raw: Sequence[float] | None, fps: float) -> dict[str, Any]:
     """What :func:`media.action_plot` draws for the K samples of one (episode, cut), in original units:
     ``t`` (seconds), ``true`` (T, D), ``pred`` (K, T, D), ``baselines`` {name: (T, D)}, ``context``
@@ -77,7 +80,8 @@ def action_series(group: Sequence[Pair], dataset: Any, action_stats: ActionStats
             "baselines": base, "context": int(keep.reshape(L, A)[:p.cut].sum())}
 
 
-def write_media(out: Path, pairs: Sequence[Pair], dataset: Any, plots: int, device: torch.device | str = "cpu", *,
+def write_media(out: Path, pairs: Sequence[Pair], dataset: LatentEpisodeDataset, plots: int,
+                device: torch.device | str = "cpu", *,
                 action_stats: ActionStats | None = None, mean_raw: Sequence[float] | None = None,
                 names: Sequence[str] | None = None, mode: str = "forecast", chunk: int = 1
                 ) -> tuple[dict[str, Path], dict[str, float]]:

@@ -37,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -51,6 +51,9 @@ from flexpack.run.config import TrainConfig
 from flexpack.run.root import forward_options
 from flexpack.sampling.pairs import Pair, pair_noise
 from flexpack.sampling.schedule import check_solver, sigma_grid, solve
+
+if TYPE_CHECKING:
+    from flexpack.data.dataset import LatentEpisodeDataset
 
 
 def context_chunk(cfg: TrainConfig) -> int:
@@ -96,7 +99,7 @@ class PackedSampler:
 
     def __init__(self, model: nn.Module, cfg: TrainConfig, tokens_per_frame: int, device: torch.device,
                  options: SampleOptions = SampleOptions(), *, max_tokens: int | None = None,
-                 text_slots: int | None = None, stage: int | None = None, dataset: Any = None) -> None:
+                 text_slots: int | None = None, stage: int | None = None, dataset: LatentEpisodeDataset = None) -> None:
         # dataset: the pairs' episodes, for a family's sampler that reads more of them (its negative prompt)
         context_chunk(cfg)
         check_solver(options.solver)
@@ -105,7 +108,7 @@ class PackedSampler:
         self.text_slots = text_slots
         # frames per stage: one chunk under teacher forcing, else set by the caller (rollout) or the horizon
         self.stage = int(cfg.model.chunk_size) if cfg.model.mask == "teacher_forcing" else stage
-        self.actions = cfg.model.wan_config().action_channels > 0
+        self.actions = cfg.model.resolved().action_channels > 0
         o = cfg.objective
         self.grid_v = sigma_grid(options.steps, o.shift).float()
         self.grid_a = sigma_grid(options.steps, o.action_shift).float()

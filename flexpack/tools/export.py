@@ -174,7 +174,7 @@ def write_diffusers(job: Any, folder: Path) -> None:
     """The ``diffusers`` format (the module docstring's layout but ``flexpack_config.json`` and
     ``export.json``, which every format gets) into ``folder``."""
     cfg, model, dtype = job.cfg, job.model, job.options.dtype
-    model_cfg = cfg.model.wan_config()
+    model_cfg = cfg.model.resolved()
     write_weights(folder, model.state_dict(), model_cfg, action_steps=cfg.data.action_steps, dtype=dtype)
     if job.averaged is not None:
         (folder / "ema").mkdir()

@@ -168,7 +168,7 @@ def check_backend(cfg: TrainConfig, device: torch.device, model: Any = None) -> 
     ``model``: the resolved model config (default: resolved here)."""
     from flexpack.attention.flex import has_flash
 
-    backend, dtype = (cfg.model.wan_config() if model is None else model).attn_backend, cfg.runtime.dtype
+    backend, dtype = (cfg.model.resolved() if model is None else model).attn_backend, cfg.runtime.dtype
     if backend == "flex-flash" and dtype != "bfloat16":
         raise UserError(f"model.overrides.attn_backend = 'flex-flash' (FA4) takes bfloat16 inputs, but runtime.dtype = "
                         f"{dtype!r}; set runtime.dtype = 'bfloat16' or attn_backend = 'flex'")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,9 @@ from flexpack.parallel.parallelize import world
 from flexpack.run.config import TrainConfig
 from flexpack.run.state import checkpoint
 from flexpack.run.state.runfolder import config_changes
+
+if TYPE_CHECKING:
+    from flexpack.data.dataset import LatentEpisodeDataset
 
 # config keys that fix the order of an epoch (and so the sampler state's meaning), per data.mode
 ORDER_KEYS = {
@@ -113,7 +116,7 @@ def _data_changes(saved: dict[str, Any] | None, cfg: TrainConfig) -> str:
 STATS_KEY = "action_normalizer"  # train_state.json's extra: the action statistics the weights are trained with
 
 
-def normalizer_state(dataset: Any) -> ActionStats | None:
+def normalizer_state(dataset: LatentEpisodeDataset) -> ActionStats | None:
     """The action statistics ``dataset`` normalizes with (None: a dataset without a normalizer)."""
     n = getattr(dataset, "normalizer", None)
     return None if n is None else ActionStats.of(n)
@@ -131,7 +134,7 @@ def saved_stats(state: dict[str, Any], where: str | Path, *, width: int | None =
     return None if saved is None else ActionStats.from_json(saved, f"{where} (extra.{STATS_KEY})", width=width)
 
 
-def _restore_normalizer(path: Path, dataset: Any, saved: Any, rank: int) -> None:
+def _restore_normalizer(path: Path, dataset: LatentEpisodeDataset, saved: Any, rank: int) -> None:
     """Keep the checkpoint's action statistics (``saved``: its ``extra.action_normalizer`` as read) on ``dataset``."""
     if saved is None or getattr(dataset, "normalizer", None) is None:
         return

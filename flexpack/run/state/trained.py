@@ -39,7 +39,7 @@ def trained_values(cfg: TrainConfig) -> dict[str, Any]:
     d = cfg.to_dict()
     model = {k: v for k, v in d["model"].items() if k not in ("overrides", "pretrained", "preset")}
     how = HOW_TO_RUN + cfg.model.model_family().sampling_fields  # the family's sampling knobs say how, not what
-    wan = {k: v for k, v in dataclasses.asdict(cfg.model.wan_config()).items() if k not in how}
+    wan = {k: v for k, v in dataclasses.asdict(cfg.model.resolved()).items() if k not in how}
     data = {k: d["data"][k] for k in DATA_KEYS if k in d["data"]}
     return {"model": {**model, **wan}, "objective": d["objective"], "data": data}
 

@@ -1,0 +1,94 @@
+"""A config's nested dicts into its dataclasses (:func:`from_dict`: unknown keys and wrong types refused,
+naming the key) and ``section.key=value`` overrides (:func:`apply_overrides`: values parsed as TOML, a bare
+word a string). What the dataclasses are is :mod:`flexpack.run.config`'s."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import tomllib
+import types
+import typing
+from typing import Any, Sequence
+
+
+def check_type(value: Any, tp: Any, where: str) -> Any:
+    """``value`` converted to ``tp`` (lists → tuples, ints → floats) or a ValueError naming ``where``."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in (a for a in args if a is not type(None)):
+            try:
+                return check_type(value, a, where)
+            except ValueError as exc:
+                errors.append(str(exc))
+        raise ValueError(errors[0])
+    if tp is Any:
+        return value
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{where} must be a list, got {value!r}")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(check_type(v, args[0], f"{where}[{i}]") for i, v in enumerate(value))
+        if len(value) != len(args):
+            raise ValueError(f"{where} must have {len(args)} entries, got {value!r}")
+        return tuple(check_type(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"{where} must be a table, got {value!r}")
+        return dict(value)
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{where} must be a finite number, got {value!r}")
+    if tp in (int, float, str, bool) and not (isinstance(value, tp) and not (tp is int and isinstance(value, bool))):
+        raise ValueError(f"{where} must be {tp.__name__}, got {value!r}")
+    return value
+
+
+def from_dict(cls: type, data: dict[str, Any], where: str = "") -> Any:
+    """Build the dataclass ``cls`` from a nested dict, rejecting unknown keys and wrong types."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{where or cls.__name__} must be a table, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        names = ", ".join(f"{where}{k}" for k in unknown)
+        raise ValueError(f"unknown config key(s) {names} "
+                         f"(known in {where.rstrip('.') or 'the top level'}: {sorted(known)})")
+    kw = {}
+    for name, value in data.items():
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            kw[name] = from_dict(tp, value, f"{where}{name}.")
+        else:
+            kw[name] = check_type(value, tp, f"{where}{name}")
+    return cls(**kw)
+
+
+def parse_value(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text  # a bare word: a string
+
+
+def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """``["schedule.steps=40", ...]`` applied to a nested dict (a copy)."""
+    out = json.loads(json.dumps(data))
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"override {item!r} is not KEY=VALUE (e.g. schedule.steps=40)")
+        *parents, leaf = key.strip().split(".")
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"override {item!r}: {p!r} is not a table")
+        node[leaf] = parse_value(text.strip())
+    return out
