@@ -159,6 +159,7 @@ def test_bad_inputs_are_one_line_and_exit_2(trained, tmp_path, capsys, case, arg
     if case == "ema":  # a run trained without EMA
         run = tmp_path / "noema"
         train(load_config(CONFIGS / "tiny_cpu.toml", _sets(root, run, "schedule.steps=1")))
+        capsys.readouterr()  # what the training printed
         message = "holds no EMA weights"
     code, _, err = _cli(capsys, run, "--checkpoint", run, "--out", tmp_path / "o", "--plots", 0, "--steps", 1, *args)
     assert code == 2

@@ -201,7 +201,14 @@ def solver_steps(sampler: Any, cfg: TrainConfig, given: int | None) -> int:
 def run(args: argparse.Namespace) -> int:
     from flexpack.run.checks import resolve_device
     from flexpack.run.cpu_threads import cpu_threads
-    from flexpack.sampling.evaluate import PairPlan, checkpoint_stats, dataset_for, evaluate, table
+    from flexpack.sampling.evaluate import (
+        PairPlan,
+        build_pairs,
+        checkpoint_stats,
+        dataset_for,
+        evaluate,
+        table,
+    )
     from flexpack.sampling.solver import SampleOptions, context_chunk, sampler_class
 
     check_flags(args)
@@ -224,6 +231,7 @@ def run(args: argparse.Namespace) -> int:
     steps = solver_steps(sampler_class(cfg), cfg, args.steps)
     val = args.val or (args.episodes is None and bool(cfg.data.val_fraction or cfg.data.val_episodes))
     dataset = dataset_for(cfg, args.episodes, val=val)
+    build_pairs(cfg, dataset, plan, note=False)  # cut points and horizons that do not fit fail before any weights load
     model, saved, label = load_weights(cfg, source, ema=args.ema)
     action_stats = checkpoint_stats(dataset, saved, label)
     model.to(device)

@@ -6,8 +6,8 @@ Variants are small files in ``configs/`` that name only what differs from the de
 nothing is ever executed. :func:`load_config` rejects unknown keys (naming the file and the key)
 and values of the wrong type, and applies ``section.key=value`` overrides (values parsed as TOML,
 falling back to a plain string), e.g. ``schedule.steps=40`` or ``model.overrides.dim=128``.
-Keys that once lived under ``[runtime]`` (:data:`~flexpack.run.config_renamed.RENAMED`) load at their new place: a run folder's saved
-config quietly, a TOML file or ``--set`` with a note on stderr naming the new key.
+Keys that once lived under ``[runtime]`` (:data:`~flexpack.run.config_renamed.RENAMED`) load at their new
+place: a run folder's saved config quietly, a TOML file or ``--set`` with a note on stderr naming the new key.
 """
 
 from __future__ import annotations
