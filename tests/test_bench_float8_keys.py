@@ -102,6 +102,7 @@ def test_without_float8_pack_stays_the_bf16_step():
     assert [train_step.parse_ac(x) for x in ("true", "False", "26", "selective")] == [True, False, 26, "selective"]
 
 
+@pytest.mark.slow  # a benchmark subprocess that compiles its steps: over a minute on 2 cores
 def test_loop_is_timed_on_the_bare_steps_packs(tmp_path):
     """``--smoke`` end to end (tiny model, CPU): the loop's first measured window covers exactly the packs the
     bare step timed, and ``loop_vs_step`` is set from that window; a --steps that differs is refused."""
