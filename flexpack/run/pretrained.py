@@ -35,7 +35,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from flexpack.models.registry import ModelFamily
+from flexpack.models.registry import ModelFamily, ModelShape
 from flexpack.parallel.parallelize import plain_name
 
 
@@ -96,7 +96,7 @@ def pretrained_config(path: str, base: Any, overrides: Mapping[str, Any], family
     return replace(base, **{name: getattr(ckpt, name) for name in family.shape_fields}, **kept)
 
 
-def load_single(family: ModelFamily, path: str, model_cfg: Any, seed: int) -> nn.Module:
+def load_single(family: ModelFamily, path: str, model_cfg: ModelShape, seed: int) -> nn.Module:
     """The whole model in one process: float32 on the current default device (``model_cfg``: the family's
     resolved model config, e.g. a ``WanVAConfig``)."""
     if family.load_checkpoint is None:
@@ -119,7 +119,7 @@ def _copy_into(param: torch.Tensor, full: torch.Tensor) -> None:
         param.copy_(full)
 
 
-def load_pretrained(model: nn.Module, path: str, model_cfg: Any, family: ModelFamily, *, device: torch.device,
+def load_pretrained(model: nn.Module, path: str, model_cfg: ModelShape, family: ModelFamily, *, device: torch.device,
                     seed: int) -> None:
     """Fill a (sharded) model built on the meta device from the checkpoint at ``path``, slice by slice."""
     from safetensors import safe_open

@@ -256,7 +256,7 @@ def parallel_options(cfg: TrainConfig, device: torch.device) -> ParallelOptions:
                            param_dtype=torch.bfloat16 if r.dtype == "bfloat16" else None)
 
 
-def model_collate(collate: PackCollate | PadCollate, model_cfg: Any, family: ModelFamily) -> ModelCollate:
+def model_collate(collate: PackCollate | PadCollate, model_cfg: ModelShape, family: ModelFamily) -> ModelCollate:
     """``collate`` for ``model_cfg`` of ``family``: actions where it has them, text as its conventions want it."""
     return ModelCollate(collate, actions=model_cfg.action_channels > 0,
                         text_tokens=family.conventions(model_cfg).text_tokens)
@@ -267,7 +267,7 @@ def forward_options(cfg: TrainConfig, text_slots: int | None = None) -> ForwardO
     return ForwardOptions(mask=cfg.model.mask, chunk_size=cfg.model.chunk_size, text_slots=text_slots)
 
 
-def geometry_for(model_cfg: Any, latent_hw: tuple[int, int], cfg: TrainConfig) -> TokenGeometry:
+def geometry_for(model_cfg: ModelShape, latent_hw: tuple[int, int], cfg: TrainConfig) -> TokenGeometry:
     """The token geometry of latents of ``latent_hw`` (H, W) for ``model_cfg`` under ``cfg``: the
     frame's patches, ``data.action_steps`` action tokens (none for a model without actions; the
     family's, where its conventions fix them), the family's copies (``objective.teacher_forcing``
@@ -314,7 +314,7 @@ def run_text_slots(sampler: BatchSampler) -> int:
     return max(1, sampler.most_per_batch())
 
 
-def check_fits_model(dataset: EpisodeDataset, model_cfg: Any, cfg: TrainConfig) -> tuple[int, int]:
+def check_fits_model(dataset: EpisodeDataset, model_cfg: ModelShape, cfg: TrainConfig) -> tuple[int, int]:
     """The (H, W) of the dataset's latents, after checking that they and its text fit ``model_cfg``."""
     item = dataset[0]
     C, _, H, W = item["latent"].shape
