@@ -63,7 +63,6 @@ def test_aliases_and_objective_keys() -> None:
     ("objective.teacher_forcing=true", r"objective.teacher_forcing = True does not apply"),
     ("model.overrides.snr_shift=4.0", r"objective.shift = 3.0 and model.overrides.snr_shift both set"),
     ("objective.num_train_timesteps=999.5", r"num_train_timesteps must be an integer >= 1"),
-    ("sample.every=2", r"cannot be sampled during training yet \(flexpack sample samples"),
     ("model.overrides.attention_head_dim=10", r"attention_head_dim=10 does not fit LeRobot's RoPE"),
 ])
 def test_what_does_not_apply_is_one_line(setting: str, message: str) -> None:

@@ -96,7 +96,6 @@ class ModelFamily:
     # how flexpack sample / sample.every sample it: "flow" (flexpack.sampling.solver's), a sampler's
     # "module:Class", or None: not yet
     sampler: str | None = "flow"
-    sample_during_training: bool = True  # sample.every may sample it (else flexpack sample only)
     # config fields that say how the family samples, not what it trains (a sample may set them; the
     # trained-config check skips them)
     sampling_fields: tuple[str, ...] = ()
@@ -203,7 +202,7 @@ def _lingbot_va() -> ModelFamily:
                        masks=("lingbot",), copies=COPIES, objective="flexpack.flow.lingbot:LingbotObjective",
                        apply_objective=apply_objective,
                        conventions=conventions, sampler="flexpack.sampling.lingbot:LingbotSampler",
-                       sample_during_training=False, sampling_fields=LEROBOT_INFERENCE,
+                       sampling_fields=LEROBOT_INFERENCE,
                        export_formats=("lerobot",))
 
 

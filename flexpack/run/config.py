@@ -291,10 +291,9 @@ class TrainConfig:
         # the objective section as the model family reads it (some families map its keys onto their fields)
         object.__setattr__(self, "model", self.model.with_objective(self.objective))
         fam = self.model.model_family()
-        if self.sample.every and (fam.sampler is None or not fam.sample_during_training):
+        if self.sample.every and fam.sampler is None:
             raise ValueError(f"sample.every={self.sample.every}: model.family = {self.model.family!r} "
-                             "cannot be sampled during training yet (flexpack sample samples its checkpoints); set "
-                             "sample.every = 0")
+                             "has no sampler yet; set sample.every = 0")
         if self.objective.teacher_forcing and self.model.mask != "teacher_forcing":
             raise ValueError(f"objective.teacher_forcing needs model.mask = 'teacher_forcing', got {self.model.mask!r}")
         if self.model.mask == "teacher_forcing" and not self.objective.teacher_forcing:

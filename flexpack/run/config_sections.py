@@ -125,7 +125,7 @@ class SampleConfig:
     sample/* metrics. The ranges are flexpack.run.bounds' (hours of sampling at most)."""
 
     every: int = 0  # steps between samplings; 0 = none (needs held-out episodes, like validation.every)
-    steps: int = 10  # Euler steps from noise to data (1 to 10,000)
+    steps: int = 10  # Euler steps from noise to data (1 to 10,000); lingbot-va: its model's own step counts
     episodes: int = 4  # the first N held-out episodes (1 to 100,000)
     cuts: int = 2  # forecast cut points per episode (1 to 1,000)
     horizon: int = 0  # latent frames predicted per cut (up to 10,000); 0 = two context chunks (at least 4)
