@@ -149,6 +149,7 @@ def _cli_limited(limit: int, *argv: str) -> subprocess.CompletedProcess:
                           cwd=ROOT, timeout=300, preexec_fn=_limited(limit))
 
 
+@pytest.mark.slow  # 13-17 s on 2 cores
 def test_a_full_disk_during_export_is_one_line_and_leaves_nothing(run2, tmp_path):
     out = tmp_path / "exp"
     proc = _cli_limited(20_000, "export", str(run2), str(out))  # the weights files are larger
@@ -158,6 +159,7 @@ def test_a_full_disk_during_export_is_one_line_and_leaves_nothing(run2, tmp_path
     assert not out.exists() and not list(tmp_path.glob(".tmp-*"))
 
 
+@pytest.mark.slow  # 13-17 s on 2 cores
 def test_a_full_disk_during_sample_is_one_line_and_keeps_the_earlier_files(run2, tmp_path):
     out = tmp_path / "samples"
     out.mkdir()

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from flexpack.run.cpu_threads import SMALL_MODEL, choose, cpu_threads, set_cpu_threads
@@ -105,6 +106,7 @@ def test_cpu_threads_are_set_said_and_restored(monkeypatch, capsys):
         torch.set_num_threads(before)
 
 
+@pytest.mark.slow  # 14 s on 2 cores (a training process)
 def test_train_into_a_log_file_writes_plain_lines(tiny_dataset, tmp_path):
     """``flexpack train ... > log`` as a cluster job runs it: a line every log.every steps with the
     validation loss, no carriage return, short lines; OMP_NUM_THREADS unset: the thread count is said."""

@@ -52,6 +52,7 @@ def _spawn(root: Path, out: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
 
 
+@pytest.mark.slow  # 13-17 s on 2 cores
 def test_sigterm_saves_the_step_exits_143_and_a_second_train_is_refused_meanwhile(train_dataset, tmp_path):
     out = tmp_path / "run"
     proc = _spawn(train_dataset, out, "schedule.steps=500")

@@ -189,6 +189,7 @@ def _limited(limit: int):
     return setup
 
 
+@pytest.mark.slow  # 13-17 s on 2 cores
 def test_full_disk_during_a_shard_write_is_one_line_and_leaves_no_temporary(tiny_dataset, run4, tmp_path):
     shard = run4 / "checkpoints" / "step_00000002" / "state" / "__0_0.distcp"
     run = tmp_path / "run"
@@ -243,6 +244,7 @@ def test_manifestless_folder_newer_than_the_last_checkpoint_or_with_other_files_
     assert (mine / "notes.txt").read_text() == "mine" and newer.is_dir()
 
 
+@pytest.mark.slow  # 13-17 s on 2 cores
 def test_sighup_saves_like_sigterm(tiny_dataset, tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "flexpack.cli", "train", str(TINY),

@@ -151,6 +151,7 @@ def test_a_chunk_after_context_equals_lerobots_cache(setup) -> None:
     assert torch.equal(pair.pred_latent[:, :C], ctx_lat[0])  # the context stays the truth
 
 
+@pytest.mark.slow  # 15 s on 2 cores
 def test_packed_pairs_equal_each_pair_alone(setup) -> None:
     """Several pairs (cuts inside a block and on one, one stage and several, other lengths) in one pack give each
     pair's result alone (their own noise, keyed by the pair); the stages end on LeRobot's chunk boundaries."""
