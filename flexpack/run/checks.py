@@ -3,35 +3,32 @@
 :func:`preflight` runs at the top of ``train``: ``--stop-after``, non-finite numbers anywhere in
 the config, the device and the run folder. Each failure is one :class:`~flexpack.errors.UserError`
 line naming the config key (``runtime.device``) as the user writes it in TOML or ``--set``.
-The device and number checks that need no system state also run when the config is loaded
-(:func:`check_device_string`, :func:`check_finite`).
+The device and number checks that need no system state run when the config is loaded
+(:func:`~flexpack.run.config_parse.check_device_string`, :func:`~flexpack.run.config_parse.check_finite`).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import math
 import os
 import re
 import uuid
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flexpack.errors import UserError
+from flexpack.run.config_parse import check_device_string, check_finite
 
-_DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
+if TYPE_CHECKING:
+    import torch
+
+    from flexpack.packing.geometry import TokenGeometry
+    from flexpack.run.config import TrainConfig
 
 
-def check_device_string(spec: str) -> None:
-    """``runtime.device`` is ``auto``, ``cpu``, ``cuda`` or ``cuda:N`` (nothing else reaches torch)."""
-    if not isinstance(spec, str) or not _DEVICE.match(spec):
-        raise UserError(f"runtime.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {spec!r}")
-
-
-def resolve_device(spec: str) -> "torch.device":  # noqa: F821 (torch imported lazily)
+def resolve_device(spec: str) -> torch.device:  # torch imported lazily
     """The device ``runtime.device`` names on this rank, made current.
 
     ``auto``: ``cuda:LOCAL_RANK`` when CUDA is available, else ``cpu``. ``cuda`` means
@@ -56,22 +53,6 @@ def resolve_device(spec: str) -> "torch.device":  # noqa: F821 (torch imported l
     device = torch.device("cuda", index)
     torch.cuda.set_device(device)
     return device
-
-
-def check_finite(node: Any, where: str = "") -> None:
-    """Every float in a config tree (dataclasses, dicts, tuples) is finite: NaN slips through
-    every ``<= 0`` check and a NaN ``optim.grad_clip`` trains NaN weights for a whole run."""
-    if dataclasses.is_dataclass(node) and not isinstance(node, type):
-        for f in dataclasses.fields(node):
-            check_finite(getattr(node, f.name), f"{where}.{f.name}" if where else f.name)
-    elif isinstance(node, dict):
-        for k, v in node.items():
-            check_finite(v, f"{where}.{k}" if where else str(k))
-    elif isinstance(node, (list, tuple)):
-        for i, v in enumerate(node):
-            check_finite(v, f"{where}[{i}]")
-    elif isinstance(node, float) and not math.isfinite(node):
-        raise UserError(f"{where} must be a finite number, got {node!r}")
 
 
 def check_out_dir(path: str | os.PathLike) -> Path:
@@ -109,7 +90,7 @@ def positive_int(text: str) -> int:
     return value
 
 
-def preflight(cfg: Any, stop_after: int | None = None) -> "torch.device":  # noqa: F821
+def preflight(cfg: TrainConfig, stop_after: int | None = None) -> torch.device:
     """Everything about ``cfg`` that can fail without data or a model; returns the device."""
     # 0 is a library use (build, load, take no step: tests and tools); the CLI asks for >= 1
     if stop_after is not None and (isinstance(stop_after, bool) or not isinstance(stop_after, int) or stop_after < 0):
@@ -124,7 +105,7 @@ def preflight(cfg: Any, stop_after: int | None = None) -> "torch.device":  # noq
     return device
 
 
-def device_memory(device: "torch.device") -> int:  # noqa: F821
+def device_memory(device: torch.device) -> int:
     """Total bytes of ``device`` (host RAM for the CPU)."""
     import torch
 
@@ -133,7 +114,7 @@ def device_memory(device: "torch.device") -> int:  # noqa: F821
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-def check_memory_ceiling(cfg: Any, device: "torch.device") -> None:  # noqa: F821
+def check_memory_ceiling(cfg: TrainConfig, device: torch.device) -> None:
     """Pack mode: refuse a ``data.max_tokens`` that cannot fit, before any data or model work. The
     bound is deliberately loose: one hidden state (``dim`` values per token, in the run's dtype) of
     one micro-batch, a small part of what a step keeps, must fit the device's total memory."""
@@ -149,7 +130,7 @@ def check_memory_ceiling(cfg: Any, device: "torch.device") -> None:  # noqa: F82
 
 
 @contextmanager
-def config_terms(cfg: Any) -> Iterator[None]:
+def config_terms(cfg: TrainConfig) -> Iterator[None]:
     """Re-word the data library's hints in config keys: the dataset takes ``action_dim`` from the
     model's ``action_channels``, which the user sets as ``model.overrides.action_channels``, and
     ``normalize`` from ``data.normalize``."""
@@ -168,7 +149,7 @@ def config_terms(cfg: Any) -> Iterator[None]:
         raise
 
 
-def check_token_budget(cfg: Any, dataset: Any, geometry: Any) -> None:
+def check_token_budget(cfg: TrainConfig, dataset: Any, geometry: TokenGeometry) -> None:
     """Pack mode: every item fits ``data.max_tokens`` unless ``data.crop`` cuts it (named by episode).
     ``geometry``: the run's :class:`~flexpack.packing.geometry.TokenGeometry` (its too-long rule)."""
     d, tokens_per_frame = cfg.data, geometry.tokens_per_frame

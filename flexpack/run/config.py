@@ -26,8 +26,7 @@ from typing import Any, Sequence
 
 from flexpack.atomic import atomic_path
 from flexpack.flow.objective import FlowMatchingConfig
-from flexpack.run.checks import check_finite
-from flexpack.run.config_parse import apply_overrides, check_type, from_dict
+from flexpack.run.config_parse import apply_overrides, check_finite, check_type, from_dict
 from flexpack.run.config_renamed import RENAMED, upgrade, upgrade_overrides
 from flexpack.run.config_sections import (
     LogConfig,

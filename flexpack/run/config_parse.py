@@ -1,16 +1,22 @@
 """A config's nested dicts into its dataclasses (:func:`from_dict`: unknown keys and wrong types refused,
 naming the key) and ``section.key=value`` overrides (:func:`apply_overrides`: values parsed as TOML, a bare
-word a string). What the dataclasses are is :mod:`flexpack.run.config`'s."""
+word a string), and the checks of config values that need no system state (:func:`check_finite`,
+:func:`check_device_string`). What the dataclasses are is :mod:`flexpack.run.config`'s."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
+import re
 import tomllib
 import types
 import typing
 from typing import Any, Sequence
+
+from flexpack.errors import UserError
+
+_DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
 
 
 def check_type(value: Any, tp: Any, where: str) -> Any:
@@ -92,3 +98,25 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
                 raise ValueError(f"override {item!r}: {p!r} is not a table")
         node[leaf] = parse_value(text.strip())
     return out
+
+
+def check_finite(node: Any, where: str = "") -> None:
+    """Every float in a config tree (dataclasses, dicts, tuples) is finite: NaN slips through
+    every ``<= 0`` check and a NaN ``optim.grad_clip`` trains NaN weights for a whole run."""
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        for f in dataclasses.fields(node):
+            check_finite(getattr(node, f.name), f"{where}.{f.name}" if where else f.name)
+    elif isinstance(node, dict):
+        for k, v in node.items():
+            check_finite(v, f"{where}.{k}" if where else str(k))
+    elif isinstance(node, (list, tuple)):
+        for i, v in enumerate(node):
+            check_finite(v, f"{where}[{i}]")
+    elif isinstance(node, float) and not math.isfinite(node):
+        raise UserError(f"{where} must be a finite number, got {node!r}")
+
+
+def check_device_string(spec: str) -> None:
+    """``runtime.device`` is ``auto``, ``cpu``, ``cuda`` or ``cuda:N`` (nothing else reaches torch)."""
+    if not isinstance(spec, str) or not _DEVICE.match(spec):
+        raise UserError(f"runtime.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {spec!r}")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from flexpack.run import bounds
 from flexpack.run.bounds import check_count
-from flexpack.run.checks import check_device_string
+from flexpack.run.config_parse import check_device_string
 
 DTYPES = ("float32", "bfloat16")
 
