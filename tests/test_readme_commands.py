@@ -50,7 +50,9 @@ def test_readme_block_runs_fresh_and_again_over_its_outputs(tmp_path):
     assert re.search(r"^step 40/40 ", fresh.stdout, flags=re.M)  # plain log lines: stdout is not a terminal
     assert "\r" not in fresh.stdout + fresh.stderr
     # OMP_NUM_THREADS unset: train, verify and sample each put the tiny model on one thread and say so
-    assert fresh.stderr.count('cpu: 1 torch thread (runtime.cpu_threads = "auto", a model of 167k parameters)') == 3
+    params = re.search(r"no weight decay \(\d+ tensors, ([\d,]+) parameters\)", fresh.stdout + fresh.stderr)[1]
+    note = f'cpu: 1 torch thread (runtime.cpu_threads = "auto", a model of {int(params.replace(",", "")) / 1e6:.3g}M'
+    assert fresh.stderr.count(note) == 3
 
     again = _run(clone)  # as after `make demo`: the dataset folder exists, the run is finished
     assert again.returncode == 0, again.stdout[-4000:] + again.stderr[-6000:]
