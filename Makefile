@@ -49,14 +49,14 @@ demo: $(STAMP)
 	@$(BIN)/flexpack plot $(OUT)/demo-run
 	@$(BIN)/python -m flexpack.commands.demo_summary $(OUT) --bin $(BIN)
 
-# Lint (ruff, pyproject's [tool.ruff] rules), then the fast CPU tests, 3-4 min on 2 cores (GPU tests skip
-# themselves without CUDA). Tests marked `slow` (over ~30 s each: several processes, whole runs, compilation)
+# Lint (ruff, pyproject's [tool.ruff] rules), then the fast CPU tests, about 12 min on 2 cores (GPU tests skip
+# themselves without CUDA). Tests marked `slow` (over ~12 s each: several processes, whole runs, compilation)
 # are left to `make test-slow`.
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -m "not slow"
 
-# The slow CPU tests alone (about 4 min on 2 cores with a warm compile cache); CI runs them after `make test`.
+# The slow CPU tests alone (about 20 min on 2 cores; each test run compiles afresh in its own cache); CI runs them after `make test`.
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
 
