@@ -186,18 +186,6 @@ def check_trained_config(cfg: TrainConfig, source: Path, given: str) -> None:
     check_trained(cfg, load_config(trained), given_from=given, trained_from=trained, command="sample")
 
 
-def solver_steps(sampler: Any, cfg: TrainConfig, given: int | None) -> int:
-    """``--steps`` (default 10), or where the family's sampler takes its steps from the model config (lingbot-va:
-    LeRobot's fields), those; ``--steps`` given there is one line naming the fields."""
-    if not hasattr(sampler, "config_steps"):
-        return 10 if given is None else given
-    if given is not None:
-        raise ValueError(f"--steps {given}: model.family = {cfg.model.family!r} samples with its config's solver steps "
-                         "(LeRobot's num_inference_steps for the video, action_num_inference_steps for the actions); "
-                         "set them with --set model.overrides.num_inference_steps=N")
-    return sampler.config_steps(cfg)
-
-
 def run(args: argparse.Namespace) -> int:
     from flexpack.run.checks import resolve_device
     from flexpack.run.cpu_threads import cpu_threads
@@ -209,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
         evaluate,
         table,
     )
-    from flexpack.sampling.solver import SampleOptions, context_chunk, sampler_class
+    from flexpack.sampling.solver import SampleOptions, context_chunk, solver_steps
 
     check_flags(args)
     if args.out is not None and args.out.exists() and not args.out.is_dir():
@@ -228,10 +216,10 @@ def run(args: argparse.Namespace) -> int:
                     seed=args.seed, samples=args.samples, min_context=args.min_context,
                     foreign_history=args.foreign_history)
     context_chunk(cfg)  # a one-σ-per-episode model fails here, before any loading
-    steps = solver_steps(sampler_class(cfg), cfg, args.steps)
+    steps = solver_steps(cfg, args.steps)
     val = args.val or (args.episodes is None and bool(cfg.data.val_fraction or cfg.data.val_episodes))
     dataset = dataset_for(cfg, args.episodes, val=val)
-    build_pairs(cfg, dataset, plan, note=False)  # cut points and horizons that do not fit fail before any weights load
+    pairs = build_pairs(cfg, dataset, plan)  # cut points and horizons that do not fit fail before any weights load
     model, saved, label = load_weights(cfg, source, ema=args.ema)
     action_stats = checkpoint_stats(dataset, saved, label)
     model.to(device)
@@ -240,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
                             dtype=cfg.runtime.dtype if device.type == "cuda" else "float32")
     with cpu_threads(cfg.runtime.cpu_threads, device, model):  # a tiny model: one thread, said so
         metrics, files = evaluate(model, cfg, dataset, plan, options, device=device, action_stats=action_stats, out=out,
-                                  plots=args.plots)
+                                  plots=args.plots, pairs=pairs)
     print(f"{label}: {metrics['mode']} of {len(metrics['episodes'])} episode(s), {metrics['pairs']} pair(s) x "
           f"{args.samples} sample(s), context >= {args.min_context} latent frames, horizon {metrics['horizon']}, "
           f"{steps} {args.solver} steps" + (", control: each pair from another episode's history"

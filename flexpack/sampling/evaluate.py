@@ -221,7 +221,7 @@ def mean_action(dataset: LatentEpisodeDataset) -> list[float] | None:
 
 def sample_pairs(model: nn.Module, cfg: TrainConfig, pairs: list[Pair], *, tpf: int, device: torch.device,
                  options: SampleOptions, stage: int | None = None, text_slots: int | None = None,
-                 dataset: LatentEpisodeDataset = None) -> PackedSampler:
+                 dataset: LatentEpisodeDataset | None = None) -> PackedSampler:
     sampler = sampler_class(cfg)(model, cfg, tpf, device, options, text_slots=text_slots, stage=stage, dataset=dataset)
     sampler.run(pairs)
     return sampler
@@ -304,10 +304,12 @@ def table(metrics: dict[str, Any]) -> str:
 def evaluate(model: nn.Module, cfg: TrainConfig, dataset: LatentEpisodeDataset, plan: PairPlan,
              options: SampleOptions, *,
              device: torch.device, action_stats: ActionStats | None, out: Path | None, plots: int = 4,
-             write: bool = True, text_slots: int | None = None, note: bool = True
+             write: bool = True, text_slots: int | None = None, note: bool = True, pairs: list[Pair] | None = None
              ) -> tuple[dict[str, Any], dict[str, Path]]:
-    """Sample, score, and (``write``: rank 0) write ``metrics.json`` and the plots into ``out``."""
-    pairs = build_pairs(cfg, dataset, plan, note=note)
+    """Sample, score, and (``write``: rank 0) write ``metrics.json`` and the plots into ``out``; ``pairs``: those
+    :func:`build_pairs` made of ``dataset`` and ``plan`` already (sampled in place), else built here."""
+    if pairs is None:
+        pairs = build_pairs(cfg, dataset, plan, note=note)
     tpf = tokens_per_frame(cfg, dataset)
     stage = (plan.horizon or default_horizon(cfg)) if plan.mode == "rollout" else None
     was = model.training

@@ -46,11 +46,10 @@ class SampleHook:
         except ValueError as exc:
             raise ValueError(f"sample.every={r.every}: {exc} (sample.horizon, "
                              "sample.min_context, data.val_episodes)") from None
-        from flexpack.sampling.solver import SampleOptions, sampler_class
+        from flexpack.sampling.solver import SampleOptions, solver_steps
 
-        sampler = sampler_class(cfg)  # a family whose sampler takes its steps from the model config: those
-        steps = sampler.config_steps(cfg) if hasattr(sampler, "config_steps") else r.steps
-        self.options = SampleOptions(steps=steps, solver="euler")
+        # sample.steps, or a family's own step counts where its sampler takes them from the model config
+        self.options = SampleOptions(steps=solver_steps(cfg, None, default=r.steps), solver="euler")
 
     def after_step(self, model: nn.Module, step: int, *, ema: Any = None) -> HookReport | None:
         """Every ``sample.every`` steps: sample (collective), write the files on rank 0 and report

@@ -82,6 +82,19 @@ def sampler_class(cfg: TrainConfig) -> type["PackedSampler"]:
     return getattr(importlib.import_module(module), name)
 
 
+def solver_steps(cfg: TrainConfig, given: int | None, *, default: int = 10) -> int:
+    """``given`` solver steps (``--steps``; None: ``default``), or where the family's sampler takes its steps
+    from the model config (lingbot-va: LeRobot's fields), those; ``given`` there is one line naming the fields."""
+    sampler = sampler_class(cfg)
+    if not hasattr(sampler, "config_steps"):
+        return default if given is None else given
+    if given is not None:
+        raise ValueError(f"--steps {given}: model.family = {cfg.model.family!r} samples with its config's solver steps "
+                         "(LeRobot's num_inference_steps for the video, action_num_inference_steps for the actions); "
+                         "set them with --set model.overrides.num_inference_steps=N")
+    return sampler.config_steps(cfg)
+
+
 def stage_frames(cfg: TrainConfig, horizon: int) -> int:
     """Target frames generated per stage: one chunk under teacher forcing, else the horizon."""
     return int(cfg.model.chunk_size) if cfg.model.mask == "teacher_forcing" else int(horizon)
