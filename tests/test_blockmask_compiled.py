@@ -206,4 +206,6 @@ def test_compiled_builder_compiles_every_sampler_shape_on_cuda(part: str) -> Non
     graphs = [g for b in builders for g in b._graphs.values()]
     assert graphs and all(g is not None for g in graphs)  # every signature replays a CUDA graph
     shapes = {(kind, tuple(sl.frame_doc.shape)) for _, sl, kind, _, _ in cases}  # a window is a closure value
-    assert sum(len(b._compiled) for b in builders) == len(shapes) < len(cases)  # not one per episode count
+    assert sum(len(b._compiled) for b in builders) == len(shapes)
+    if part != "pad":  # pack budgets: many episode counts share one fixed grid (pad rows differ in shape)
+        assert len(shapes) < len(cases)

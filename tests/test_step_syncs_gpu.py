@@ -60,7 +60,7 @@ def run_steps(cfg: TrainConfig, device: torch.device, *, warmup: int, checked: i
 
     data = synthetic_run(cfg, hw=(4, 4), text_len=8, device=device)
     if lengths is not None:
-        m = data.model
+        m = data.model_config
         dataset = RandomEpisodes(lengths, channels=m.in_channels, hw=(4, 4), action_channels=m.action_channels,
                                  action_steps=cfg.data.action_steps, text_len=8, text_dim=m.text_dim)
         data = data.with_dataset(dataset)
