@@ -16,10 +16,11 @@ Both at the 5B width (the ``lingbot-va-5b`` preset) with ``--layers`` layers; 2 
 video tokens per latent frame) and 4 action steps per frame, 30 action channels (7 filled), 512 text tokens.
 
 Tokens/s count useful tokens: latent frames x 36 tokens of one copy, for both (each trains a noisy and a clean
-copy of every frame). MFU counts useful FLOPs (``flexpack.training.observe.flops``) with self-attention on
-the pairs LingBot-VA's mask keeps for each episode's drawn chunk size and window (:func:`lingbot_pairs`), not
-the document mask's n², against an 8192^3 bf16 matmul measured in the same run. Recompiles: graphs compiled
-after the warm-up (flexpack's counter; dynamo's for LeRobot).
+copy of every frame). MFU counts useful FLOPs (``flexpack.training.observe.flops.UsefulFlops``, as
+metrics.jsonl's ``mfu``) with self-attention on the pairs LingBot-VA's mask keeps for each episode's drawn chunk
+size and window (``flexpack.flow.lingbot.lingbot_pairs``), not the document mask's n², against an 8192^3 bf16
+matmul measured in the same run. Recompiles: graphs compiled after the warm-up (flexpack's counter; dynamo's for
+LeRobot).
 
     python benchmarks/lingbot_va.py                                  # H200: ref + short, bf16 + float8 tensorwise
     python benchmarks/lingbot_va.py --sets short --lerobot-batch 64  # no batch search
@@ -48,12 +49,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from diffusers_step import _dynamo_graphs  # noqa: E402
-from flexpack.flow.lingbot import lingbot_draws  # noqa: E402
-from flexpack.flow.noise import noise_seeds  # noqa: E402
 from flexpack.parallel.parallelize import compiled_graphs  # noqa: E402
 from flexpack.run.config import TrainConfig, from_dict  # noqa: E402
 from flexpack.run.root import run_for  # noqa: E402
-from flexpack.training.observe.flops import flops_breakdown, measured_bf16_peak  # noqa: E402
+from flexpack.training.observe.flops import UsefulFlops, measured_bf16_peak  # noqa: E402
 from flexpack.training.optim import build_optimizer  # noqa: E402
 from flexpack.training.step import train_step  # noqa: E402
 from train_step import (  # noqa: E402
@@ -67,30 +66,6 @@ from train_step import (  # noqa: E402
 )
 
 CLIP_FRAMES = 4  # LeRobot's frame_chunk_size: latent frames per training clip
-
-
-def lingbot_pairs(frames: int, nv: int, na: int, chunk: int, window: int) -> int:
-    """(query, key) pairs LingBot-VA's mask keeps in one episode of ``frames`` latent frames, ``nv`` video and
-    ``na`` action tokens per frame and copy: clean->clean where the key's block id is <= the query's,
-    noisy->clean where it is <, noisy->noisy where it is equal, all within ``window`` block ids."""
-    block = np.arange(frames) // chunk * 2
-    ids, size = np.concatenate([block, block + 1]), np.concatenate([np.full(frames, nv), np.full(frames, na)])
-    uniq, inv = np.unique(ids, return_inverse=True)
-    n = np.bincount(inv, weights=size)  # tokens of one copy per block id
-    d = uniq[:, None] - uniq[None, :]  # query block - key block
-    both = n[:, None] * n[None, :] * (np.abs(d) <= window)
-    return int(both[d >= 0].sum() + both[d > 0].sum() + (n * n).sum())
-
-
-def step_flops(model, geometry, batch, chunk: torch.Tensor, window: torch.Tensor) -> float:
-    """Useful FLOPs (forward + backward) of one packed step, self-attention on the mask's kept pairs."""
-    lay = batch.layout
-    frames, texts = lay.episode_frames.tolist(), lay.text_len.tolist()
-    sf = flops_breakdown(model, frames, texts, video_tokens=geometry.video_tokens,
-                         action_tokens=geometry.action_tokens, copies=geometry.copies)
-    pairs = sum(lingbot_pairs(f, geometry.video_tokens, geometry.action_tokens, int(c), int(w))
-                for f, c, w in zip(frames, chunk.tolist(), window.tolist()))
-    return 3.0 * (sf.linear + sf.cross_attention + model.num_layers * pairs * 4 * model.dim)
 
 
 class LingbotItems(Items):
@@ -136,10 +111,8 @@ def run_flexpack(args, items: LingbotItems, float8: str, device: torch.device, p
                                device)
     tpf = run.geometry.tokens_per_frame
     tokens = [int(b.layout.episode_frames.sum()) * tpf for b in timed]
-    flops = []
-    for k, b in enumerate(timed):  # the chunk sizes and windows the step drew (the same seeds, on the host)
-        d = lingbot_draws(b, run.model_config, noise_seeds(b.layout, cfg.runtime.seed, first + k))
-        flops.append(step_flops(run.model_config, run.geometry, b, d.chunk_size, d.window))
+    useful = UsefulFlops(run.model_config, run.geometry, objective=run.objective, seed=cfg.runtime.seed)
+    flops = [useful(b.layout, first + k) for k, b in enumerate(timed)]  # the chunks and windows the steps drew
     losses = [float(s[0]) for s in sums]
     out = {"tokens_per_s": statistics.median(n / t for n, t in zip(tokens, times)),
            "step_s": statistics.median(times), "mfu": statistics.median(f / t / peak for f, t in zip(flops, times)),

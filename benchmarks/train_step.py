@@ -63,7 +63,7 @@ from flexpack.packing.lengths import read_frames_file  # noqa: E402
 from flexpack.parallel.parallelize import compiled_graphs  # noqa: E402
 from flexpack.run.config import TrainConfig, from_dict  # noqa: E402
 from flexpack.run.root import run_for  # noqa: E402
-from flexpack.training.observe.flops import batch_flops, measured_bf16_peak  # noqa: E402
+from flexpack.training.observe.flops import UsefulFlops, measured_bf16_peak  # noqa: E402
 from flexpack.training.optim import build_optimizer  # noqa: E402
 from flexpack.training.step import train_step  # noqa: E402
 
@@ -233,7 +233,8 @@ def run_flexpack(args, name: str, lengths: list[int], batches: list[list[int]], 
                                len(timed), device)
     losses = [float(x[0]) for x in sums]
     tokens = [int(b.layout.episode_frames.sum()) * tpf for b in timed]
-    flops = [batch_flops(m, geometry, b.layout) for b in timed]
+    useful = UsefulFlops(m, geometry, objective=run.objective, seed=cfg.runtime.seed)
+    flops = [useful(b.layout, warm + len(timed) + k) for k, b in enumerate(timed)]  # the steps of pass 2
     out = _medians(times, host, tokens, flops, peak)
     out.update(peak_mem_gb=_peak_gb(device), recompiles_after_warmup=compiled_graphs() - graphs_after_warmup,
                host_syncs_per_step=syncs, float8=cfg.parallel.float8,

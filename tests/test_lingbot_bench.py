@@ -1,5 +1,6 @@
-"""benchmarks/lingbot_va.py: its count of the pairs LingBot-VA's mask keeps (behind its MFU) is the mask's own,
-its CPU smoke run writes every key of the results JSON, and full_5b comes from a run's metrics.jsonl."""
+"""The count of the pairs LingBot-VA's mask keeps (behind every lingbot-va MFU) is the mask's own; of
+benchmarks/lingbot_va.py: its CPU smoke run writes every key of the results JSON, and full_5b comes from a
+run's metrics.jsonl."""
 
 from __future__ import annotations
 
@@ -13,12 +14,13 @@ import pytest
 import torch
 
 from flexpack.attention.masks import dense_mask, make_mask
+from flexpack.flow.lingbot import lingbot_pairs
 from flexpack.packing.layout import SequenceLayout
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from lingbot_va import full_5b, lingbot_pairs, search_batches  # noqa: E402
+from lingbot_va import full_5b, search_batches  # noqa: E402
 
 SET_KEYS = {"flexpack_tokens_per_s", "lerobot_tokens_per_s", "flexpack_vs_lerobot", "mfu", "peak_mem_gb",
             "recompiles_after_warmup", "command"}

@@ -130,10 +130,12 @@ def test_the_variable_wins_over_runtime_profile_steps_with_a_line(monkeypatch, c
 
     cfg = load_config(CONFIGS / "tiny_cpu.toml", ["profile.steps=3", "profile.warmup=1",
                                                   "profile.peak_tflops=50"])
+    from flexpack.flow.objectives import as_objective
     from flexpack.packing.geometry import TokenGeometry
 
     kw = {"steps_left": 100, "first_step": 0, "model": cfg.model.resolved(),
-          "geometry": TokenGeometry(video_tokens=1, action_tokens=4), "device": torch.device("cpu")}
+          "geometry": TokenGeometry(video_tokens=1, action_tokens=4), "device": torch.device("cpu"),
+          "objective": as_objective(cfg.objective)}
     monkeypatch.delenv("LINGBOT_PROFILE", raising=False)
     monkeypatch.delenv("LINGBOT_PROFILE_WARMUP", raising=False)
     p = StepProfiler.for_training(cfg, 0, **kw)

@@ -135,9 +135,6 @@ def lingbot_draws(batch: Any, cfg: LingbotObjectiveConfig, seeds: Sequence[int])
     def per_frame(k: int, low: float = 0.0) -> Tensor:
         return torch.where(valid, _step_id(_uniform24(_mix32(pos ^ k_RFK[..., k])), N, low), 0)
 
-    def per_episode(k: int, counter: int) -> Tensor:
-        return _uniform24(_mix32(keys_EK[:, k] ^ counter))
-
     R, C, Fr, H, W = x.shape
     c = torch.arange(C, device=dev).view(1, C, 1, 1, 1)
     yx = torch.arange(H * W, device=dev).view(1, 1, 1, H, W)
@@ -152,13 +149,33 @@ def lingbot_draws(batch: Any, cfg: LingbotObjectiveConfig, seeds: Sequence[int])
         actr = (pos.view(R, 1, Fr, 1) * Ca + torch.arange(Ca, device=dev).view(1, Ca, 1, 1)) * A + torch.arange(
             A, device=dev).view(1, 1, 1, A)
         action_noise = _normal(actr, k_RFK[..., 6].view(R, 1, Fr, 1), k_RFK[..., 7].view(R, 1, Fr, 1)).to(a.dtype)
-    (c_lo, c_hi), (w_lo, w_hi) = cfg.chunk_range, cfg.window_range
+    chunk, window = _chunk_window(keys_EK, cfg)
     return LingbotDraws(
         step=per_frame(0), action_step=per_frame(1), cond_step=per_frame(3, COND_LOW),
-        noisy_cond=per_episode(2, 0) < cfg.noisy_cond_prob,
+        noisy_cond=_per_episode(keys_EK, 2, 0) < cfg.noisy_cond_prob,
         noise=latent_noise(4), cond_noise=latent_noise(8), action_noise=action_noise,
-        chunk_size=_int_in(per_episode(10, 0), c_lo, c_hi), window=_int_in(per_episode(10, 1), w_lo, w_hi),
+        chunk_size=chunk, window=window,
     )
+
+
+def _chunk_window(keys_EK: Tensor, cfg: LingbotObjectiveConfig) -> tuple[Tensor, Tensor]:
+    """Each episode's attention chunk size and window from its keys (key 10, counters 0 and 1)."""
+    (c_lo, c_hi), (w_lo, w_hi) = cfg.chunk_range, cfg.window_range
+    return _int_in(_per_episode(keys_EK, 10, 0), c_lo, c_hi), _int_in(_per_episode(keys_EK, 10, 1), w_lo, w_hi)
+
+
+def _per_episode(keys_EK: Tensor, k: int, counter: int) -> Tensor:
+    """One uniform in (0, 1) per episode from its key ``k`` and ``counter``."""
+    return _uniform24(_mix32(keys_EK[:, k] ^ counter))
+
+
+def drawn_chunk_window(layout: Any, cfg: LingbotObjectiveConfig, seeds: Sequence[int]) -> tuple[list[int], list[int]]:
+    """The chunk sizes and windows :func:`lingbot_draws` draws for the episodes of ``layout`` with ``seeds``,
+    computed on the host from the layout's host copy (no GPU work, no wait): what the step's mask kept."""
+    host = layout.on_host() if hasattr(layout, "on_host") else layout
+    keys_EK, _ = episode_keys(host, seeds, _KEYS, torch.device("cpu"))
+    chunk, window = _chunk_window(keys_EK, cfg)
+    return chunk.tolist(), window.tolist()
 
 
 @dataclass(frozen=True, eq=False)
@@ -189,6 +206,25 @@ class LingbotSample:
     def model_kwargs(self) -> dict[str, Tensor]:
         return {"timestep": self.timestep, "action_timestep": self.action_timestep,
                 "chunk_size": self.chunk_size, "window": self.window}
+
+
+def lingbot_pairs(frames: int, video_tokens: int, action_tokens: int, chunk_size: int, window: int) -> int:
+    """(query, key) pairs :func:`flexpack.attention.masks.lingbot_mask` keeps inside one episode of ``frames``
+    latent frames with ``video_tokens`` and ``action_tokens`` per frame and copy, both copies: what its
+    self-attention does (useful FLOPs). Linear in the block ids (prefix sums over the tokens per id), so the
+    train loop can count every step."""
+    if frames <= 0:
+        return 0
+    block = torch.arange(frames) // chunk_size * 2
+    fid = torch.cat([block, block + 1])
+    size = torch.cat([torch.full((frames,), video_tokens), torch.full((frames,), action_tokens)])
+    n = torch.zeros(int(fid.max()) + 1, dtype=torch.int64).index_add_(0, fid, size)  # tokens of one copy per id
+    before = torch.cat([torch.zeros(1, dtype=torch.int64), n.cumsum(0)])  # before[i]: tokens of ids < i
+    q = torch.arange(n.numel())
+    lowest = before[(q - window).clamp(min=0)]  # tokens of ids below the window
+    at_most = before[q + 1] - lowest  # key ids in [q - window, q]: clean -> clean
+    below = before[q] - lowest  # key ids in [q - window, q): noisy -> clean
+    return int((n * (at_most + below + n)).sum())  # + n: noisy -> noisy, the same id
 
 
 def lingbot_sample(batch: Any, cfg: LingbotObjectiveConfig, draws: LingbotDraws) -> LingbotSample:
@@ -286,6 +322,12 @@ class LingbotObjective:
 
     def counts(self, batch: Any) -> tuple[Tensor, Tensor]:
         return lingbot_loss_counts(batch)
+
+    def attention_pairs(self, layout: Any, geometry: Any, seeds: Sequence[int]) -> list[int]:
+        """Pairs of the lingbot mask per episode with the chunk size and window ``seeds`` draw, both copies."""
+        chunk, window = drawn_chunk_window(layout, self.cfg, seeds)
+        return [lingbot_pairs(f, geometry.video_tokens, geometry.action_tokens, c, w)
+                for f, c, w in zip(layout.episode_frames.tolist(), chunk, window)]
 
 
 def lingbot_training_loss(

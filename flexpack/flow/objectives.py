@@ -38,6 +38,11 @@ class Objective(Protocol):
 
     def counts(self, batch: Any) -> tuple[Tensor, Tensor]: ...
 
+    def attention_pairs(self, layout: Any, geometry: Any, seeds: Sequence[int]) -> list[int] | None:
+        """Self-attention (query, key) pairs per episode of a host ``layout`` that the training mask keeps
+        under the draws of ``seeds`` (all copies; useful FLOPs), or None: the document mask's n²."""
+        ...
+
 
 @dataclass(frozen=True)
 class FlowObjective:
@@ -65,6 +70,9 @@ class FlowObjective:
 
     def counts(self, batch: Any) -> tuple[Tensor, Tensor]:
         return loss_counts(batch)
+
+    def attention_pairs(self, layout: Any, geometry: Any, seeds: Sequence[int]) -> None:
+        return None  # the document mask's count (an upper bound for the chunk masks: observe/flops.py)
 
 
 def objective_for(spec: str, objective: FlowMatchingConfig, model: Any) -> Objective:

@@ -146,7 +146,8 @@ def _train(cfg: TrainConfig, found: Path | None, stop: faults.GracefulStop, stop
     after = [h for h in (make(context) for make in hooks) if h is not None]  # built before the first step
 
     guard, meter = (faults.StepGuard(stop, o.skip_nonfinite),
-                    StepMeter(cfg, device, model=run.model_config, geometry=run.geometry))
+                    StepMeter(cfg, device, model=run.model_config, geometry=run.geometry,
+                              objective=run.objective))
 
     def save() -> Path:
         guard.flush()  # never the weights of a non-finite step
@@ -155,7 +156,7 @@ def _train(cfg: TrainConfig, found: Path | None, stop: faults.GracefulStop, stop
     console = Console(total=cfg.schedule.steps, start=start, end=end, log_every=cfg.log.every,
                       progress=cfg.log.progress, rank=rank)  # a bar on a terminal, plain lines in a log
     with (StepProfiler.for_training(cfg, rank, steps_left=end - step, first_step=step, model=run.model_config,
-                                    geometry=run.geometry, device=device) as prof,
+                                    geometry=run.geometry, objective=run.objective, device=device) as prof,
           tracking.MetricSinks(folder, cfg, rank=rank, start_step=start) as sinks, _QuietGC() as gc_pause,
           cpu_threads(cfg.runtime.cpu_threads, device, model, say=rank == 0)):  # a tiny model: one thread, said
         while step < end and not signum:
@@ -182,7 +183,7 @@ def _train(cfg: TrainConfig, found: Path | None, stop: faults.GracefulStop, stop
             # the run's forward options: one text-key shape for the run, no recompiles per episode count
             sums, norm = train_step(model, opt, batches, run, step=step, prof=prof, guard=guard, ema=ema)
             signum, nonfinite = guard.signum, guard.skipped
-            meter.add(batches)
+            meter.add(batches, step)
             step += 1
             console.update()
             result.lrs.append(lr)

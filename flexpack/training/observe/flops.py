@@ -9,14 +9,16 @@ forward (the backward's two matmuls per forward matmul); recomputation in the ba
 (FlashAttention's, activation checkpointing) is not useful work and is not counted.
 
 Self-attention under a chunk-causal or teacher-forcing mask attends fewer pairs than ``n²``;
-the count here is the document mask's, so MFU for those masks is an upper bound.
+the count here is the document mask's, so MFU for those masks is an upper bound. An objective that
+counts its mask's pairs (``Objective.attention_pairs``: lingbot-va's, whose chunk size and window are
+drawn per episode and step) gets them counted as the step drew them (:class:`UsefulFlops`).
 
 MFU = useful FLOPs / (seconds × peak). The peak is what an 8192³ bf16 matmul reaches on the GPU
 itself, measured once per process (:func:`measured_bf16_peak`; 755–795 TFLOP/s on the H200, whose
 datasheet gives 989 dense), unless ``profile.peak_tflops`` sets it: that key is the only override, so
 metrics.jsonl's ``mfu`` and the profile summary divide by the same figure.
 ``benchmarks/train_step.py``, metrics.jsonl's ``mfu`` and the profile summary all count useful FLOPs
-through :func:`batch_flops`, fed by the run's token geometry (:mod:`flexpack.run.root`:
+through :class:`UsefulFlops` (:func:`batch_flops`), fed by the run's token geometry (:mod:`flexpack.run.root`:
 copies, video and action tokens per frame).
 """
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -85,6 +88,7 @@ def flops_breakdown(
     action_tokens: int = 0,
     copies: int = 1,
     backward: bool = True,
+    pairs: Sequence[int] | None = None,
 ) -> StepFlops:
     """Useful forward FLOPs of one micro-batch of a :class:`WanVA` with ``config``, by kind.
 
@@ -92,14 +96,17 @@ def flops_breakdown(
     :class:`SequenceLayout` / a list of latent frames per episode together with ``video_tokens``
     (and ``action_tokens``) per latent frame and ``copies`` (2 with teacher forcing).
     ``text_len``: valid text tokens per episode (an int for all); default the layout's, or none.
+    ``pairs``: self-attention (query, key) pairs per episode, all copies; default ``n²`` (document mask).
     """
     frames, texts, nv, na, c = _episodes(layout_or_counts, text_len, video_tokens, action_tokens, copies)
+    if pairs is not None and len(pairs) != len(frames):
+        raise ValueError(f"pairs has {len(pairs)} entries for {len(frames)} episodes")
     D, Fd, Ly = config.dim, config.ffn_dim, config.num_layers
     Ca = config.action_channels if na else 0
     S = 2 if na else 1  # timestep streams per unit
     per_token_block = 4 * 2 * D * D + 2 * D * Fd * 2  # self q, k, v, o + FFN
     linear = self_attn = cross_attn = 0.0
-    for f, t in zip(frames, texts):
+    for e, (f, t) in enumerate(zip(frames, texts)):
         video, action = f * nv * c, f * na * c
         n = video + action
         per_token = per_token_block + (2 * 2 * D * D if t else 0)  # cross-attention q, o
@@ -108,7 +115,7 @@ def flops_breakdown(
         linear += f * c * S * (2 * config.freq_dim * D + 2 * D * D + 2 * D * 6 * D)  # timestep MLP, modulation
         linear += f * nv * 2 * D * config.out_dim * config.patch_volume + f * na * 2 * D * Ca  # heads: noisy copy
         linear += t * (Ly * 2 * 2 * D * D + 2 * config.text_dim * D + 2 * D * D)  # cross k, v; text MLP
-        self_attn += Ly * n * n * 4 * D  # 4 · head_dim · heads per pair
+        self_attn += Ly * (n * n if pairs is None else pairs[e]) * 4 * D  # 4 · head_dim · heads per pair
         cross_attn += Ly * n * t * 4 * D
     return StepFlops(linear=float(linear), self_attention=float(self_attn), cross_attention=float(cross_attn),
                      backward=backward)
@@ -126,14 +133,32 @@ def useful_flops(
 
 
 def batch_flops(
-    config: WanVAConfig, geometry: TokenGeometry, layout: SequenceLayout, *, backward: bool = True
+    config: WanVAConfig, geometry: TokenGeometry, layout: SequenceLayout, *, backward: bool = True,
+    pairs: Sequence[int] | None = None,
 ) -> float:
     """Useful FLOPs of one collated micro-batch: its layout's episodes and text lengths, with the
-    video and action tokens per frame and the copies of the run's ``geometry`` (the one count
-    metrics.jsonl's ``mfu``, the profile summary and ``benchmarks/`` share). A layout on the GPU is
-    read through its host copy (no wait for the GPU)."""
+    video and action tokens per frame and the copies of the run's ``geometry``. A layout on the GPU is
+    read through its host copy (no wait for the GPU). ``pairs``: as :func:`flops_breakdown`."""
     return useful_flops(config, layout.on_host(), None, video_tokens=geometry.video_tokens,
-                        action_tokens=geometry.action_tokens, copies=geometry.copies, backward=backward)
+                        action_tokens=geometry.action_tokens, copies=geometry.copies, backward=backward, pairs=pairs)
+
+
+class UsefulFlops:
+    """Useful FLOPs of a run's training micro-batches, the one count metrics.jsonl's ``mfu``, the profile
+    summary and ``benchmarks/`` share: :func:`batch_flops` with the run's model config and geometry, and
+    self-attention on the pairs the run's objective says its mask kept in that step."""
+
+    def __init__(self, config: Any, geometry: TokenGeometry, *, objective: Any, seed: int) -> None:
+        self.config, self.geometry, self.objective, self.seed = config, geometry, objective, seed
+
+    def __call__(self, layout: SequenceLayout, step: int, *, backward: bool = True) -> float:
+        """FLOPs of the micro-batch with ``layout`` trained at optimizer step ``step`` (0-based, as
+        :func:`flexpack.training.step.train_step` keys its draws)."""
+        from flexpack.flow.noise import noise_seeds
+
+        host = layout.on_host()
+        pairs = self.objective.attention_pairs(host, self.geometry, noise_seeds(host, self.seed, step))
+        return batch_flops(self.config, self.geometry, layout, backward=backward, pairs=pairs)
 
 
 _MEASURED: dict[str, float] = {}

@@ -3,7 +3,7 @@
 Measured over the window of steps since the previous log, ending at a device synchronization, so
 no step waits for the GPU to be timed (timing each step would put a sync on every step). Tokens per
 frame, copies and useful FLOPs come from the run's token geometry (:mod:`flexpack.run.root`,
-:func:`flexpack.training.observe.flops.batch_flops`), the same count the profiler and benchmarks use.
+:class:`flexpack.training.observe.flops.UsefulFlops`), the same count the profiler and benchmarks use.
 """
 
 from __future__ import annotations
@@ -18,17 +18,19 @@ import torch
 from flexpack.models.wan_config import WanVAConfig
 from flexpack.packing.geometry import TokenGeometry
 from flexpack.run.config import TrainConfig
-from flexpack.training.observe.flops import batch_flops, peak_flops
+from flexpack.training.observe.flops import UsefulFlops, peak_flops
 
 
 class StepMeter:
     """Accumulates the steps of one logging window; :meth:`read` closes it. ``model`` and
-    ``geometry``: the run's (:mod:`flexpack.run.root`), so FLOPs count its copies."""
+    ``geometry`` and ``objective``: the run's (:mod:`flexpack.run.root`), so FLOPs count its copies and mask."""
 
-    def __init__(self, cfg: TrainConfig, device: torch.device, *, model: WanVAConfig, geometry: TokenGeometry) -> None:
+    def __init__(self, cfg: TrainConfig, device: torch.device, *, model: WanVAConfig, geometry: TokenGeometry,
+                 objective: Any) -> None:
         self.device, self.model_cfg, self.geometry = device, model, geometry
         self.tpf = geometry.tokens_per_frame
         self.peak = peak_flops(device, cfg.profile.peak_tflops)
+        self.useful = UsefulFlops(model, geometry, objective=objective, seed=cfg.runtime.seed)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         self._open()
@@ -36,13 +38,14 @@ class StepMeter:
     def _open(self) -> None:
         self.t0, self.steps, self.valid_tokens, self.flops = time.perf_counter(), 0, 0, 0.0
 
-    def add(self, batches: Sequence[Any]) -> None:
-        """Count one optimizer step's micro-batches (host-side layouts: no device work)."""
+    def add(self, batches: Sequence[Any], step: int) -> None:
+        """Count the micro-batches of optimizer step ``step`` (0-based, as ``train_step`` got it; host-side
+        layouts: no device work)."""
         self.steps += 1
         for b in batches:
             self.valid_tokens += int(b.layout.episode_frames.sum()) * self.tpf
             if self.peak is not None:
-                self.flops += batch_flops(self.model_cfg, self.geometry, b.layout)
+                self.flops += self.useful(b.layout, step)
 
     def read(self) -> dict[str, Any]:
         """``tokens_per_s``, ``step_s``, ``peak_mem_gb`` and (CUDA) ``mfu`` of the window; starts the next."""

@@ -125,7 +125,8 @@ class StepProfiler:
         steps_left: optimizer steps the run will do (the window is fitted into them).
         first_step: the run's step count before the first hooked step (steps are logged 1-based after it).
         tokens_per_frame, copies: computed tokens of a micro-batch = frames × tokens_per_frame × copies.
-        flops: useful FLOPs of one micro-batch (for MFU on CUDA); None: no MFU.
+        flops: useful FLOPs of one micro-batch, ``flops(layout, step)`` with the 0-based optimizer step (for MFU
+            on CUDA); None: no MFU.
         peak_tflops: the bf16 peak MFU is measured against (``profile.peak_tflops``); None: measured.
         source: where ``steps`` came from, for the note of a run too short for the window.
         device: where the step runs (CUDA: device time and peak memory; else CPU op time and RSS).
@@ -133,7 +134,7 @@ class StepProfiler:
 
     def __init__(self, out_dir: str | os.PathLike, rank: int = 0, steps: int | None = None, warmup: int | None = None,
                  *, steps_left: int | None = None, first_step: int = 0, tokens_per_frame: int = 1, copies: int = 1,
-                 flops: Callable[[Any], float] | None = None, device: torch.device | str | None = None,
+                 flops: Callable[[Any, int], float] | None = None, device: torch.device | str | None = None,
                  peak_tflops: float | None = None, source: str = ENV) -> None:
         self.steps = _env_int(ENV, 0) if steps is None else steps
         self.warmup = ((_env_int(ENV_WARMUP, 2) if self.steps else 0)  # read only when profiling
@@ -173,14 +174,13 @@ class StepProfiler:
 
     @classmethod
     def for_training(cls, cfg: TrainConfig, rank: int, *, steps_left: int, first_step: int, model: Any, geometry: Any,
-                     device: torch.device) -> "StepProfiler":
+                     device: torch.device, objective: Any) -> "StepProfiler":
         """The profiler of :func:`flexpack.training.loop.train`: steps, warm-up and the peak from the config
         (``LINGBOT_PROFILE`` / ``LINGBOT_PROFILE_WARMUP`` win where set); token counts, copies and FLOPs
-        from the run's model config and token geometry (:class:`~flexpack.run.root.Run`)."""
-        from flexpack.training.observe.flops import batch_flops
+        from the run's model config, token geometry and objective (:class:`~flexpack.run.root.Run`)."""
+        from flexpack.training.observe.flops import UsefulFlops
 
-        def flops(batch: Any) -> float:
-            return batch_flops(model, geometry, batch.layout)
+        flops = UsefulFlops(model, geometry, objective=objective, seed=cfg.runtime.seed)
 
         rt = cfg.runtime
         steps = resolve(ENV, "profile.steps", cfg.profile.steps, rank)
@@ -274,7 +274,8 @@ class StepProfiler:
         return {"tokens": lay.frame_doc.numel() * self.tpf * self.copies,
                 "valid_tokens": int(lay.episode_frames.sum()) * self.tpf * self.copies,
                 "episodes": int(lay.episode_frames.numel()),
-                "useful_flops": float(self.flops(batch)) if self.flops is not None else None}
+                "useful_flops": float(self.flops(batch.layout, self.first_step + self._calls - 1))
+                if self.flops is not None else None}
 
     def _new_micro(self, counts: dict[str, Any], mark: Any) -> dict[str, Any]:
         k = self._calls - 1
