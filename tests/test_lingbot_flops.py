@@ -3,6 +3,10 @@ the pairs the lingbot mask kept with the chunk sizes and windows the step drew, 
 
 from __future__ import annotations
 
+import json
+import sys
+
+import pytest
 import torch
 
 from flexpack.attention.masks import dense_mask, make_mask
@@ -10,6 +14,7 @@ from flexpack.flow.lingbot import drawn_chunk_window, lingbot_draws
 from flexpack.flow.noise import noise_seeds
 from flexpack.run.memory_data import synthetic_run
 from flexpack.training.observe.flops import UsefulFlops, batch_flops
+from helpers import ROOT, TINY, run_cli, set_args, tiny_sets
 from test_plan import _cfg
 
 LINGBOT = ("model.family=lingbot-va", "model.preset=lingbot-va-tiny", "data.max_tokens=80",
@@ -58,3 +63,27 @@ def test_wanva_keeps_the_document_count(tmp_path):
     b = run.collate([run.dataset[i] for i in next(iter(run.sampler))])
     useful = UsefulFlops(run.model_config, run.geometry, objective=run.objective, seed=0)
     assert useful(b.layout, 5) == batch_flops(run.model_config, run.geometry, b.layout)
+
+
+def test_recount_replays_the_runs_batches(tiny_dataset, tmp_path, capsys):
+    """benchmarks/recount_mfu.py replays a run's stream of batches (its tokens per window are the logged
+    ones), scales each logged mfu by the mask's count over the document count, and refuses another stream."""
+    pytest.importorskip("lerobot")
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from recount_mfu import recount
+
+    run = tmp_path / "run"
+    sets = [*tiny_sets(tiny_dataset, run, "schedule.steps=4", "log.every=2", "profile.peak_tflops=1"),
+            "model.family=lingbot-va", "model.preset=lingbot-va-tiny"]
+    code, err = run_cli(capsys, "train", str(TINY), *set_args(sets))
+    assert code == 0, err
+    got = recount(run)
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [w["step"] for w in got["windows"]] == [2, 4]
+    for w, r in zip(got["windows"], rows):
+        assert 0 < w["flops_ratio"] < 1 and w["mfu"] == pytest.approx(r["mfu"] * w["flops_ratio"])
+    rows[1]["tokens_per_s"] *= 1.5  # not what the replay finds
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(SystemExit, match="not the run's stream"):
+        recount(run)
