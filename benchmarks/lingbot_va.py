@@ -25,6 +25,7 @@ LeRobot).
     python benchmarks/lingbot_va.py                                  # H200: ref + short, bf16 + float8 tensorwise
     python benchmarks/lingbot_va.py --sets short --lerobot-batch 64  # no batch search
     python benchmarks/lingbot_va.py --smoke                          # CPU, tiny shapes: checks the code paths
+    python benchmarks/lingbot_va.py --lerobot-mfu                    # CPU: LeRobot's MFU from the recorded run
     python benchmarks/lingbot_va.py --full-5b-metrics RUN/metrics.jsonl --full-5b-command "..."   # adds full_5b
 
 On the CPU (``--smoke``) LeRobot's step runs forward only, with eager flex attention (FlexAttention has no
@@ -49,10 +50,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from diffusers_step import _dynamo_graphs  # noqa: E402
+from flexpack.flow.lingbot import lingbot_pairs  # noqa: E402
+from flexpack.models.registry import family  # noqa: E402
 from flexpack.parallel.parallelize import compiled_graphs  # noqa: E402
 from flexpack.run.config import TrainConfig, from_dict  # noqa: E402
 from flexpack.run.root import run_for  # noqa: E402
-from flexpack.training.observe.flops import UsefulFlops, measured_bf16_peak  # noqa: E402
+from flexpack.training.observe.flops import UsefulFlops, flops_breakdown, measured_bf16_peak  # noqa: E402
 from flexpack.training.optim import build_optimizer  # noqa: E402
 from flexpack.training.step import train_step  # noqa: E402
 from train_step import (  # noqa: E402
@@ -66,6 +69,22 @@ from train_step import (  # noqa: E402
 )
 
 CLIP_FRAMES = 4  # LeRobot's frame_chunk_size: latent frames per training clip
+VIDEO_TOKENS, ACTION_TOKENS = 32, 4  # per latent frame and copy: 2 cameras of 128x128, 4 action steps
+
+
+def lerobot_flops_per_token(layers: int, smoke: bool, nv: int, text_len: int) -> float:
+    """Useful FLOPs (forward + backward) per token of one copy of LeRobot's step, counted as flexpack's
+    (``flexpack.training.observe.flops``, both copies, the lingbot mask's pairs), averaged over the chunk sizes
+    and windows LeRobot draws (uniform over the family's ``chunk_range`` and ``window_range``): each
+    ``CLIP_FRAMES``-frame clip is one episode with its own ``text_len`` text tokens."""
+    preset = "lingbot-va-tiny" if smoke else "lingbot-va-5b"
+    m = family("lingbot-va").config(preset, num_layers=layers)
+    na = ACTION_TOKENS
+    per = [flops_breakdown(m, [CLIP_FRAMES], [text_len], video_tokens=nv, action_tokens=na, copies=2,
+                           pairs=[lingbot_pairs(CLIP_FRAMES, nv, na, c, w)]).total
+           for c in range(m.chunk_range[0], m.chunk_range[1] + 1)
+           for w in range(m.window_range[0], m.window_range[1] + 1)]
+    return statistics.mean(per) / (CLIP_FRAMES * (nv + na))
 
 
 class LingbotItems(Items):
@@ -269,6 +288,8 @@ def main() -> None:
     p.add_argument("--lerobot-max-batch", type=int, default=4096, help="the search's upper bound")
     p.add_argument("--lerobot-steps", type=int, default=4, help="timed LeRobot steps per batch size")
     p.add_argument("--no-lerobot", action="store_true", help="flexpack only (e.g. without lerobot installed)")
+    p.add_argument("--lerobot-mfu", action="store_true",
+                   help="only add LeRobot's MFU (useful FLOPs as flexpack's) to --out from its recorded tokens/s")
     p.add_argument("--full-5b-metrics", type=Path, default=None, help="a flexpack train run's metrics.jsonl: full_5b")
     p.add_argument("--full-5b-command", default="", help="the command of that run")
     p.add_argument("--full-5b-float8", default="tensorwise")
@@ -277,6 +298,18 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/lingbot_va_h200.json"))
     args = p.parse_args()
     results = json.loads(args.out.read_text()) if args.out.exists() else {}
+    if args.lerobot_mfu:  # LeRobot's MFU from the recorded tokens/s and peak of --out
+        if results.get("smoke", True):
+            raise SystemExit(f"--lerobot-mfu: {args.out} is not a recorded GPU run (its shapes are the default ones)")
+        for name in ("ref", "short"):
+            le = results.get(name, {}).get("lerobot", {})
+            if le.get("tokens_per_s"):
+                le["mfu"] = le["tokens_per_s"] * lerobot_flops_per_token(
+                    results["layers"], results["smoke"], VIDEO_TOKENS, 512) / (results["bf16_matmul_tflops"] * 1e12)
+                results[name]["lerobot_mfu"] = le["mfu"]
+        save(args.out, results)
+        print(json.dumps({n: results[n].get("lerobot_mfu") for n in ("ref", "short") if n in results}))
+        return
     if args.full_5b_metrics is not None:
         results["full_5b"] = full_5b(args.full_5b_metrics, args.full_5b_command, args.full_5b_float8, args.full_5b_ac)
         save(args.out, results)
@@ -318,6 +351,9 @@ def main() -> None:
     if not args.no_lerobot:  # one measurement: LeRobot's clips do not depend on the length set
         try:
             lerobot = lerobot_side(args, (C, H, W, L), device)
+            if lerobot.get("tokens_per_s"):
+                fpt = lerobot_flops_per_token(args.layers, args.smoke, (H // 2) * (W // 2), L)
+                lerobot["mfu"] = lerobot["tokens_per_s"] * fpt / peak
         except Exception as exc:
             lerobot = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
     for set_name in sets:
@@ -340,7 +376,8 @@ def summarize(res: dict) -> None:
     res.update(flexpack_tokens_per_s=ours, lerobot_tokens_per_s=theirs,
                flexpack_vs_lerobot=ours / theirs if ours and theirs else None, mfu=bf16.get("mfu"),
                peak_mem_gb=bf16.get("peak_mem_gb"), recompiles_after_warmup=bf16.get("recompiles_after_warmup"),
-               lerobot_batch=le.get("batch"), lerobot_recompiles_after_warmup=le.get("recompiles_after_warmup"))
+               lerobot_batch=le.get("batch"), lerobot_recompiles_after_warmup=le.get("recompiles_after_warmup"),
+               lerobot_mfu=le.get("mfu"))
     for name, r in res["flexpack"].items():
         if name.startswith("float8") and r.get("tokens_per_s"):
             res.setdefault("float8", {})[name.removeprefix("float8-")] = {

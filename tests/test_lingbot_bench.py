@@ -76,6 +76,7 @@ def test_smoke_run_writes_every_key(tmp_path) -> None:
         got = res[name]
         assert SET_KEYS <= set(got), sorted(SET_KEYS - set(got))
         assert got["flexpack_tokens_per_s"] > 0 and got["lerobot_tokens_per_s"] > 0 and got["mfu"] > 0
+        assert got["lerobot_mfu"] > 0
         assert got["recompiles_after_warmup"] == 0 and got["flexpack"]["bf16"]["finite"]
         assert got["lerobot"]["finite"] and got["lerobot"]["batch"] == 2
     assert torch.isfinite(torch.tensor(res["ref"]["flexpack_vs_lerobot"]))
