@@ -69,17 +69,24 @@ from train_step import (  # noqa: E402
 )
 
 CLIP_FRAMES = 4  # LeRobot's frame_chunk_size: latent frames per training clip
-VIDEO_TOKENS, ACTION_TOKENS = 32, 4  # per latent frame and copy: 2 cameras of 128x128, 4 action steps
+ACTION_STEPS = 4  # action tokens per latent frame and copy
 
 
-def lerobot_flops_per_token(layers: int, smoke: bool, nv: int, text_len: int) -> float:
+def shape(smoke: bool) -> tuple[int, int, int, int, int]:
+    """(latent channels, latent H, latent W, text tokens, text width) of the benchmark's episodes; the H200 shape
+    is 2 cameras of 128x128 joined on width (32 video tokens a frame in 2x2 patches)."""
+    return (48, 4, 4, 512, 64) if smoke else (48, 8, 16, 512, 4096)
+
+
+def lerobot_flops_per_token(layers: int, smoke: bool) -> float:
     """Useful FLOPs (forward + backward) per token of one copy of LeRobot's step, counted as flexpack's
     (``flexpack.training.observe.flops``, both copies, the lingbot mask's pairs), averaged over the chunk sizes
     and windows LeRobot draws (uniform over the family's ``chunk_range`` and ``window_range``): each
     ``CLIP_FRAMES``-frame clip is one episode with its own ``text_len`` text tokens."""
     preset = "lingbot-va-tiny" if smoke else "lingbot-va-5b"
     m = family("lingbot-va").config(preset, num_layers=layers)
-    na = ACTION_TOKENS
+    _, H, W, text_len, _ = shape(smoke)
+    nv, na = (H // m.patch_size[1]) * (W // m.patch_size[2]), ACTION_STEPS
     per = [flops_breakdown(m, [CLIP_FRAMES], [text_len], video_tokens=nv, action_tokens=na, copies=2,
                            pairs=[lingbot_pairs(CLIP_FRAMES, nv, na, c, w)]).total
            for c in range(m.chunk_range[0], m.chunk_range[1] + 1)
@@ -100,7 +107,7 @@ class LingbotItems(Items):
 def config(args: argparse.Namespace, float8: str) -> TrainConfig:
     over = {"num_layers": args.layers, "attn_backend": "dense" if args.smoke else "auto"}
     return from_dict(TrainConfig, {
-        "data": {"mode": "pack", "max_tokens": args.max_tokens, "action_steps": 4},
+        "data": {"mode": "pack", "max_tokens": args.max_tokens, "action_steps": ACTION_STEPS},
         "model": {"family": "lingbot-va", "preset": "lingbot-va-tiny" if args.smoke else "lingbot-va-5b",
                   "overrides": over},
         "optim": {"lr": 1e-5, "betas": [0.9, 0.95], "weight_decay": 1e-4, "grad_clip": 1.0},
@@ -304,8 +311,8 @@ def main() -> None:
         for name in ("ref", "short"):
             le = results.get(name, {}).get("lerobot", {})
             if le.get("tokens_per_s"):
-                le["mfu"] = le["tokens_per_s"] * lerobot_flops_per_token(
-                    results["layers"], results["smoke"], VIDEO_TOKENS, 512) / (results["bf16_matmul_tflops"] * 1e12)
+                fpt = lerobot_flops_per_token(results["layers"], smoke=False)
+                le["mfu"] = le["tokens_per_s"] * fpt / (results["bf16_matmul_tflops"] * 1e12)
                 results[name]["lerobot_mfu"] = le["mfu"]
         save(args.out, results)
         print(json.dumps({n: results[n].get("lerobot_mfu") for n in ("ref", "short") if n in results}))
@@ -323,7 +330,7 @@ def main() -> None:
         args.float8, args.lerobot_batch = "", args.lerobot_batch or 2
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     peak = measured_bf16_peak(device) if device.type == "cuda" else 1e12
-    C, H, W, L, Dt = (48, 4, 4, 512, 64) if args.smoke else (48, 8, 16, 512, 4096)  # 2 cameras: 32 video tokens
+    C, H, W, L, Dt = shape(args.smoke)
     command = " ".join(["python", *sys.argv])
     results.update(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                    date=time.strftime("%Y-%m-%d"), torch=torch.__version__, layers=args.layers, smoke=args.smoke,
@@ -331,7 +338,7 @@ def main() -> None:
     variants = ["off", *[m for m in args.float8.split(",") if m]]
     sets = args.sets.split(",")
     for set_name in sets:  # flexpack first: LeRobot's mask build sets a global inductor option as it compiles
-        items = LingbotItems(length_sets(args.smoke)[set_name], C, H, W, L, Dt, Ca=30, A=4)
+        items = LingbotItems(length_sets(args.smoke)[set_name], C, H, W, L, Dt, Ca=30, A=ACTION_STEPS)
         res = results.setdefault(set_name, {})
         res["command"] = command
         for f8 in variants:
@@ -352,8 +359,7 @@ def main() -> None:
         try:
             lerobot = lerobot_side(args, (C, H, W, L), device)
             if lerobot.get("tokens_per_s"):
-                fpt = lerobot_flops_per_token(args.layers, args.smoke, (H // 2) * (W // 2), L)
-                lerobot["mfu"] = lerobot["tokens_per_s"] * fpt / peak
+                lerobot["mfu"] = lerobot["tokens_per_s"] * lerobot_flops_per_token(args.layers, args.smoke) / peak
         except Exception as exc:
             lerobot = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
     for set_name in sets:

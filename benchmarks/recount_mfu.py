@@ -32,6 +32,9 @@ from flexpack.training.observe.flops import UsefulFlops, batch_flops  # noqa: E4
 
 
 def recount(run_dir: Path, data_root: str | None = None) -> dict:
+    for name in ("config.json", "metrics.jsonl"):
+        if not (run_dir / name).is_file():
+            raise SystemExit(f"{run_dir}: no {name} here; give a flexpack run folder")
     d = json.loads((run_dir / "config.json").read_text())
     if data_root:
         d["data"]["root"] = data_root

@@ -172,8 +172,7 @@ def _per_episode(keys_EK: Tensor, k: int, counter: int) -> Tensor:
 def drawn_chunk_window(layout: Any, cfg: LingbotObjectiveConfig, seeds: Sequence[int]) -> tuple[list[int], list[int]]:
     """The chunk sizes and windows :func:`lingbot_draws` draws for the episodes of ``layout`` with ``seeds``,
     computed on the host from the layout's host copy (no GPU work, no wait): what the step's mask kept."""
-    host = layout.on_host() if hasattr(layout, "on_host") else layout
-    keys_EK, _ = episode_keys(host, seeds, _KEYS, torch.device("cpu"))
+    keys_EK, _ = episode_keys(layout.on_host(), seeds, _KEYS, torch.device("cpu"))
     chunk, window = _chunk_window(keys_EK, cfg)
     return chunk.tolist(), window.tolist()
 

@@ -27,7 +27,7 @@ class StepMeter:
 
     def __init__(self, cfg: TrainConfig, device: torch.device, *, model: WanVAConfig, geometry: TokenGeometry,
                  objective: Any) -> None:
-        self.device, self.model_cfg, self.geometry = device, model, geometry
+        self.device = device
         self.tpf = geometry.tokens_per_frame
         self.peak = peak_flops(device, cfg.profile.peak_tflops)
         self.useful = UsefulFlops(model, geometry, objective=objective, seed=cfg.runtime.seed)
