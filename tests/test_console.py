@@ -13,7 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from flexpack.run.cpu_threads import SMALL_MODEL, choose, cpu_threads, set_cpu_threads
+from flexpack.run.cpu_threads import (
+    CACHE_ENV,
+    SMALL_MODEL,
+    choose,
+    cpu_threads,
+    inductor_cache_for,
+    set_cpu_threads,
+)
 from flexpack.training.observe.console import Console, format_line, line_every
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,22 +95,65 @@ def test_cpu_thread_choice():
     assert choose(2, 200_000, 8, "3") == (2, "runtime.cpu_threads = 2")  # the config key wins
 
 
-def test_cpu_threads_are_set_said_and_restored(monkeypatch, capsys):
+def test_cpu_threads_are_set_said_and_restored(monkeypatch, capsys, tmp_path):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "inductor"))
     model, before = torch.nn.Linear(8, 8), torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         with cpu_threads("auto", torch.device("cpu"), model) as n:
             assert n == 1 and torch.get_num_threads() == 1
-        assert torch.get_num_threads() == 2
+            assert os.environ[CACHE_ENV] == str(tmp_path / "inductor" / "cpu-threads-1")  # compiles for 1 thread
+        assert torch.get_num_threads() == 2 and os.environ[CACHE_ENV] == str(tmp_path / "inductor")
         err = capsys.readouterr().err
         assert err == ('cpu: 1 torch thread (runtime.cpu_threads = "auto", a model of 72 parameters); '
                        "set runtime.cpu_threads = N or OMP_NUM_THREADS=N to choose\n")
         assert set_cpu_threads("auto", torch.device("cuda"), model) is None  # a GPU run is left alone
+        assert os.environ[CACHE_ENV] == str(tmp_path / "inductor")  # nor is its inductor cache
         monkeypatch.setenv("OMP_NUM_THREADS", "2")
         assert set_cpu_threads("auto", torch.device("cpu"), model) is None and capsys.readouterr().err == ""
+        assert os.environ[CACHE_ENV] == str(tmp_path / "inductor" / "cpu-threads-2")  # torch's count: the cache's
     finally:
         torch.set_num_threads(before)
+
+
+def test_inductor_cache_is_keyed_by_thread_count(monkeypatch, tmp_path):
+    assert inductor_cache_for(3, str(tmp_path)) == str(tmp_path / "cpu-threads-3")
+    assert inductor_cache_for(1, str(tmp_path / "cpu-threads-3")) == str(tmp_path / "cpu-threads-1")  # not nested
+    assert inductor_cache_for(1, str(tmp_path / "cpu-threads-3") + "/") == str(tmp_path / "cpu-threads-1")
+    monkeypatch.setattr("getpass.getuser", lambda: "someone")
+    assert inductor_cache_for(2, None).endswith(os.path.join("torchinductor_someone", "cpu-threads-2"))
+
+
+_COMPILE_FLEX = """
+import sys, torch
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from flexpack.run.cpu_threads import set_cpu_threads
+set_cpu_threads(int(sys.argv[1]), torch.device("cpu"), torch.nn.Linear(2, 2), say=False)
+g = torch.Generator().manual_seed(0)
+q, k, v = (torch.randn(1, 4, 512, 64, generator=g) for _ in range(3))
+doc = torch.arange(512) // 100
+mask = create_block_mask(lambda b, h, i, j: doc[i] == doc[j], None, None, 512, 512, device="cpu")
+with torch.no_grad():
+    out = torch.compile(flex_attention, dynamic=False)(q, k, v, block_mask=mask)
+print(float(out.double().abs().sum()))
+"""
+
+
+@pytest.mark.slow  # 2-3 min on 2 cores: two processes each compile a CPU FlexAttention kernel
+def test_cpu_runs_of_two_thread_counts_share_no_compiled_kernel(tmp_path):
+    # torch 2.11 alone aborts the second process ("corrupted double-linked list"): it loads the kernel the
+    # first compiled for one thread, whose per-thread scratch buffers are too few for two
+    env = {**os.environ, CACHE_ENV: str(tmp_path / "inductor"), "PYTHONPATH": str(ROOT)}
+    env.pop("OMP_NUM_THREADS", None)
+    outs = []
+    for threads in (1, 2):
+        r = subprocess.run([sys.executable, "-c", _COMPILE_FLEX, str(threads)], env=env, capture_output=True,
+                           text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
+        outs.append(float(r.stdout.split()[-1]))
+    assert outs[0] == pytest.approx(outs[1], rel=1e-5)
+    assert sorted(p.name for p in (tmp_path / "inductor").iterdir()) == ["cpu-threads-1", "cpu-threads-2"]
 
 
 @pytest.mark.slow  # 14 s on 2 cores (a training process)
