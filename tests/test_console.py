@@ -142,8 +142,9 @@ print(float(out.double().abs().sum()))
 
 @pytest.mark.slow  # 2-3 min on 2 cores: two processes each compile a CPU FlexAttention kernel
 def test_cpu_runs_of_two_thread_counts_share_no_compiled_kernel(tmp_path):
-    # torch 2.11 alone aborts the second process ("corrupted double-linked list"): it loads the kernel the
-    # first compiled for one thread, whose per-thread scratch buffers are too few for two
+    # torch 2.11 alone aborts the second process (heap corruption: "corrupted double-linked list", "malloc():
+    # unaligned tcache chunk detected"): it loads the kernel the first compiled for one thread, whose per-thread
+    # scratch buffers are too few for two
     env = {**os.environ, CACHE_ENV: str(tmp_path / "inductor"), "PYTHONPATH": str(ROOT)}
     env.pop("OMP_NUM_THREADS", None)
     outs = []
