@@ -9,6 +9,7 @@
 #   OUT=/path benchmarks/h200_issue32.sh                          # STAGES="wheels step actprof grids"
 #   OUT=/path STAGES="step" SETS="ref,short" benchmarks/h200_issue32.sh   # resume: the sets a cut call left
 #   OUT=/path STAGES="wheels step" SETS=long,short STEP_CAP=520 BUDGET=570 benchmarks/h200_issue32.sh  # longer step
+#   OUT=/path VARIANTS=pack-float8-tensorwise,diffusers-float8-compiled benchmarks/h200_issue32.sh  # one pair only
 #   OUT=/tmp/dry SMOKE=1 benchmarks/h200_issue32.sh               # CPU: every stage's command on tiny shapes
 #
 # stage    cap (min)  what                                                              $OUT file
@@ -64,7 +65,7 @@ def version(m):
 gpu = f"{torch.cuda.get_device_name()}, sm{''.join(map(str, torch.cuda.get_device_capability()))}" if torch.cuda.is_available() else "no GPU"
 print(f"torch {torch.__version__}, {gpu}, FA4 {has_flash()}, torchao {version('torchao')}, diffusers {version('diffusers')}")
 PY
-V="pack-compiled,pack-float8-tensorwise,diffusers-compiled,diffusers-float8-compiled"
+V=${VARIANTS:-pack-compiled,pack-float8-tensorwise,diffusers-compiled,diffusers-float8-compiled}
 stage step 120 "${STEP_CAP:-400}" python3 benchmarks/train_step.py $X --sets "$SETS" --variants "$V" --steps 3 --warmup 2 \
   --diffusers-steps 1 --host-steps 1 --out "$OUT/train_step_issue32_h200.json"
 if [[ -n ${SMOKE:-} ]]; then  # block counts only: no FA4 on the CPU
