@@ -94,6 +94,11 @@ def lerobot_flops_per_token(layers: int, smoke: bool) -> float:
     return statistics.mean(per) / (CLIP_FRAMES * (nv + na))
 
 
+def lerobot_mfu(tokens_per_s: float, layers: int, smoke: bool, peak_flops: float) -> float:
+    """LeRobot's MFU at ``tokens_per_s``: its useful FLOPs (:func:`lerobot_flops_per_token`) over ``peak_flops``."""
+    return tokens_per_s * lerobot_flops_per_token(layers, smoke) / peak_flops
+
+
 class LingbotItems(Items):
     """The benchmark's synthetic items with LeRobot's action layout: 30 channels, the first 7 filled."""
 
@@ -311,8 +316,8 @@ def main() -> None:
         for name in ("ref", "short"):
             le = results.get(name, {}).get("lerobot", {})
             if le.get("tokens_per_s"):
-                fpt = lerobot_flops_per_token(results["layers"], smoke=False)
-                le["mfu"] = le["tokens_per_s"] * fpt / (results["bf16_matmul_tflops"] * 1e12)
+                le["mfu"] = lerobot_mfu(le["tokens_per_s"], results["layers"], False,
+                                        results["bf16_matmul_tflops"] * 1e12)
                 results[name]["lerobot_mfu"] = le["mfu"]
         save(args.out, results)
         print(json.dumps({n: results[n].get("lerobot_mfu") for n in ("ref", "short") if n in results}))
@@ -359,7 +364,7 @@ def main() -> None:
         try:
             lerobot = lerobot_side(args, (C, H, W, L), device)
             if lerobot.get("tokens_per_s"):
-                lerobot["mfu"] = lerobot["tokens_per_s"] * lerobot_flops_per_token(args.layers, args.smoke) / peak
+                lerobot["mfu"] = lerobot_mfu(lerobot["tokens_per_s"], args.layers, args.smoke, peak)
         except Exception as exc:
             lerobot = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
     for set_name in sets:

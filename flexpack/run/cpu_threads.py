@@ -81,9 +81,9 @@ def inductor_cache_for(threads: int, current: str | None) -> str:
     own ``cpu-threads-M`` leaf, if any, is replaced rather than nested."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    base = current or default_cache_dir()
-    if os.path.basename(os.path.normpath(base)).startswith(_LEAF):
-        base = os.path.dirname(os.path.normpath(base))
+    base = os.path.normpath(current or default_cache_dir())
+    if os.path.basename(base).startswith(_LEAF):
+        base = os.path.dirname(base)
     return os.path.join(base, f"{_LEAF}{threads}")
 
 
