@@ -181,7 +181,8 @@ def test_bad_bundles_are_one_line_naming_the_file(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"episodes.jsonl: episode 0: action_config\[0\] frames \[0, 99\) do not fit"):
         BundleDataset(bad)
     with pytest.raises(ValueError, match="data.camera_layout = 'width_concat' needs one latent height"):
-        BundleDataset(root, cameras=[MAIN, LEFT, RIGHT], camera_layout="width_concat", missing="skip")
+        BundleDataset(write_bundle(tmp_path / "e", [SyntheticDataset(name="d", episodes=[[(0, 9)]], cameras=TSHAPE)]),
+                      cameras=[MAIN, LEFT, RIGHT], camera_layout="width_concat")
 
 
 def test_frame_ids_that_do_not_fit_the_rows_name_the_segment(tmp_path: Path) -> None:
