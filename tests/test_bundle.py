@@ -17,7 +17,8 @@ from flexpack.data.bundle import BundleDataset
 from flexpack.data.bundle_actions import relative_pose
 from flexpack.data.bundle_synthetic import SyntheticDataset, segment_latent_frames, write_bundle
 
-MAIN, LEFT, RIGHT = "observation.images.cam_high", "observation.images.cam_left_wrist", "observation.images.cam_right_wrist"
+MAIN = "observation.images.cam_high"
+LEFT, RIGHT = "observation.images.cam_left_wrist", "observation.images.cam_right_wrist"
 TSHAPE = {MAIN: (4, 4), LEFT: (2, 2), RIGHT: (2, 2)}
 ROBOTWIN_CHANNELS = list(range(0, 7)) + [28] + list(range(7, 14)) + [29]
 

@@ -110,7 +110,8 @@ class BundleDataset(torch.utils.data.Dataset):
         self.episode_key = [(d, e) for d, ds in enumerate(self.datasets) for e in ds.episodes]
         keep = None if episodes is None else set(int(e) for e in episodes)
         if keep is not None and (bad := sorted(keep - set(range(len(self.episode_key))))):
-            raise ValueError(f"{self.root}: episodes {bad[:5]} are not in the bundle ({len(self.episode_key)} episodes)")
+            raise ValueError(f"{self.root}: episodes {bad[:5]} are not in the bundle "
+                             f"({len(self.episode_key)} episodes)")
         self.episodes = [g for g in range(len(self.episode_key)) if keep is None or g in keep]
         self.columns = [ds.feature_width("action") for ds in self.datasets]
         self.inverse = [acts.inverse_channels(action_channels if action_channels is not None else range(c),

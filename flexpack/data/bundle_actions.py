@@ -56,7 +56,8 @@ def parse_frame_ids(frame_ids: object, where: str) -> FrameIds:
     ids = ids.astype(np.int64)
     steps = np.diff(ids)
     if steps[0] <= 0 or not np.all(steps == steps[0]):
-        raise ValueError(f"{where}: frame_ids must rise by one constant stride, got steps {sorted(set(steps.tolist()))}")
+        raise ValueError(f"{where}: frame_ids must rise by one constant stride, "
+                         f"got steps {sorted(set(steps.tolist()))}")
     return FrameIds(int(ids[0]), int(steps[0]), (ids.size - 1) // VAE_STRIDE + 1)
 
 
