@@ -202,6 +202,22 @@ class BundleDataset(torch.utils.data.Dataset):
         q01, q99 = np.quantile(pooled, 0.01, axis=0), np.quantile(pooled, 0.99, axis=0)
         return acts.scatter_stats(q01, q99, self.inverse[0])
 
+    @property
+    def normalizer(self) -> Any:
+        """The q01/q99 statistics as an :class:`~flexpack.data.actions.ActionNormalizer` over the model's action
+        space (what checkpoints record; None without normalization). Setting it keeps a checkpoint's."""
+        from flexpack.data.actions import ActionNormalizer
+
+        return None if self.q01 is None else ActionNormalizer("quantile", self.q01, self.q99)
+
+    @normalizer.setter
+    def normalizer(self, value: Any) -> None:
+        if value is not None and (value.mode != "quantile" or np.shape(value.low) != (self.action_dim,)):
+            raise ValueError(f"{self.root}: a bundle normalizes with q01/q99 over the {self.action_dim}-d action space; "
+                             f"got {value.mode} statistics of {np.shape(value.low)[0]} values")
+        self.q01, self.q99 = (None, None) if value is None else (np.asarray(value.low, dtype=np.float64),
+                                                                 np.asarray(value.high, dtype=np.float64))
+
     # ---- the dataset -----------------------------------------------------------------------------------
     def __len__(self) -> int:
         return len(self.items)

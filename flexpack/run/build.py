@@ -13,6 +13,7 @@ from typing import Sequence
 
 import torch
 
+from flexpack.data.formats import is_bundle
 from flexpack.models.registry import DataConventions
 from flexpack.run.checks import config_terms
 from flexpack.run.config import TrainConfig
@@ -34,6 +35,8 @@ def open_dataset(cfg: TrainConfig, episodes: Sequence[int] | None = None, *,
     if not d.root:
         raise ValueError("data.root is empty: set it to a LeRobot dataset folder with a latent cache")
     conv = fam.conventions(model_cfg)
+    if is_bundle(d):
+        return open_bundle(cfg, conv, episodes)
     cameras = list(d.cameras) if d.cameras else None
     if conv.action_channels is not None or conv.cameras:
         cameras = check_conventions(cfg, conv)
@@ -44,6 +47,36 @@ def open_dataset(cfg: TrainConfig, episodes: Sequence[int] | None = None, *,
         segments=d.segments if segments is None else segments,
         episodes=list(episodes) if episodes is not None else None, action_stats=d.action_stats,
     )
+
+
+def open_bundle(cfg: TrainConfig, conv: DataConventions, episodes: Sequence[int] | None = None) -> EpisodeDataset:
+    """The config's :class:`~flexpack.data.bundle.BundleDataset` (``data.format = "lingbot-bundle"``): cameras
+    in the family's order (``obs_cam_keys``) unless ``data.cameras`` names them, actions scattered to the
+    family's channels, ``data.action_steps`` steps a latent frame."""
+    from flexpack.data.bundle import BundleDataset
+    from flexpack.data.formats import read_norm_stat
+
+    d = cfg.data
+    cameras = list(d.cameras) if d.cameras else list(conv.cameras) or None
+    return BundleDataset(
+        d.root, cameras=cameras, camera_layout=d.camera_layout, action_dim=conv.action_dim,
+        action_channels=list(conv.action_channels) if conv.action_channels is not None else None,
+        action_steps=d.action_steps, normalize=d.normalize, norm_stat=read_norm_stat(d.norm_stat),
+        action_transform=d.action_transform, cfg_prob=d.cfg_prob, seed=d.seed, missing=d.missing,
+        episodes=list(episodes) if episodes is not None else None,
+    )
+
+
+def episodes_of(cfg: TrainConfig) -> list[int]:
+    """Every episode index of ``data.root`` (a bundle's: its (dataset, episode) pairs numbered in order)."""
+    from flexpack.data.episodes import EpisodeSource
+
+    if is_bundle(cfg.data):
+        from flexpack.data.bundle_files import find_datasets
+        from flexpack.data.v21 import Dataset21
+
+        return list(range(sum(len(Dataset21.open(f).episodes) for f in find_datasets(cfg.data.root))))
+    return list(EpisodeSource(cfg.data.root).episodes)
 
 
 def check_conventions(cfg: TrainConfig, conv: DataConventions) -> list[str] | None:
@@ -80,7 +113,6 @@ def check_conventions(cfg: TrainConfig, conv: DataConventions) -> list[str] | No
 def split_of(cfg: TrainConfig) -> Split:
     """The train / held-out episodes of ``data.root`` (:mod:`flexpack.run.holdout`); every episode trains
     when the config holds none out."""
-    from flexpack.data.episodes import EpisodeSource
     from flexpack.run.holdout import split_episodes
 
     d = cfg.data
@@ -89,7 +121,7 @@ def split_of(cfg: TrainConfig) -> Split:
     if not (d.val_fraction or d.val_episodes):
         return Split()
     with config_terms(cfg):
-        train, held = split_episodes(EpisodeSource(d.root).episodes, d, d.root)
+        train, held = split_episodes(episodes_of(cfg), d, d.root)
     return Split(train=tuple(train), held_out=tuple(held))
 
 

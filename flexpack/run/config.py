@@ -79,6 +79,19 @@ class DataConfig:
     seed: int = 0  # seed of the sampler's shuffling
     val_fraction: float = 0.0  # share of episodes held out for validation (flexpack.training.validation)
     val_episodes: tuple[int, ...] = ()  # episode indices held out (with val_fraction: both)
+    # "auto": a LingBot-VA post-training bundle where data.root holds empty_emb.pt or v2.1 datasets with .pth
+    # latents, else "lerobot" (v3 with flexpack's latent cache); or name one (flexpack.data.formats)
+    format: str = "auto"
+    # lingbot-bundle: how cameras compose into one latent grid: "auto", "width_concat", "tshape" (upstream's)
+    camera_layout: str = "auto"
+    missing: str = "error"  # lingbot-bundle: a segment whose latent file is missing: "error" or "skip" (listed)
+    cfg_prob: float = 0.1  # lingbot-bundle: probability an item's text is the bundle's empty_emb.pt
+    # lingbot-bundle: a JSON file {"q01": [...], "q99": [...]} in the model's action space (upstream's norm_stat);
+    # "" = exact quantiles pooled over every segment's parquet rows
+    norm_stat: str = ""
+    # lingbot-bundle: "" or "relative_pose:C0,C1,...": each x y z qx qy qz qw slice from column C made relative
+    # to the segment's first frame (upstream's RoboTwin data)
+    action_transform: str = ""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.val_fraction < 1.0:
@@ -93,6 +106,9 @@ class DataConfig:
                   batch_size=self.batch_size, pool_factor=self.pool_factor, pad_multiple=self.pad_multiple)
         if self.stride % self.action_steps:
             raise ValueError(f"data.action_steps = {self.action_steps} must divide data.stride = {self.stride}")
+        from flexpack.data.formats import check_data_options  # the option values alone: no disk read
+
+        check_data_options(self)
         if self.num_workers < 0 or self.seed < 0:
             raise ValueError(f"data.num_workers and data.seed must be >= 0, got {self.num_workers}, {self.seed}")
 

@@ -64,6 +64,8 @@ def _stream(loader: Any, sampler: Any) -> Iterator[tuple[Batch, dict]]:
     """Micro-batches forever, epoch after epoch, each with the sampler state right after it."""
     while True:
         epoch, pos = sampler.epoch, sampler.state_dict()["position"]
+        if hasattr(loader.dataset, "set_epoch"):  # per-epoch draws of the items (a bundle's text dropout)
+            loader.dataset.set_epoch(epoch)
         for batch in loader:
             pos += 1  # count batches trained on, not drawn: loader workers prefetch
             yield batch, sampler.state_dict(position=pos)
