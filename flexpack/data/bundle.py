@@ -213,8 +213,8 @@ class BundleDataset(torch.utils.data.Dataset):
     @normalizer.setter
     def normalizer(self, value: Any) -> None:
         if value is not None and (value.mode != "quantile" or np.shape(value.low) != (self.action_dim,)):
-            raise ValueError(f"{self.root}: a bundle normalizes with q01/q99 over the {self.action_dim}-d action space; "
-                             f"got {value.mode} statistics of {np.shape(value.low)[0]} values")
+            raise ValueError(f"{self.root}: a bundle normalizes with q01/q99 over the {self.action_dim}-d action "
+                             f"space; got {value.mode} statistics of {np.shape(value.low)[0]} values")
         self.q01, self.q99 = (None, None) if value is None else (np.asarray(value.low, dtype=np.float64),
                                                                  np.asarray(value.high, dtype=np.float64))
 
