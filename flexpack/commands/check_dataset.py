@@ -24,6 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="statistics training normalizes with (data.action_stats); warnings are for these")
     parser.add_argument("--clip-warn", type=float, default=0.05,
                         help="warn when more than this share of a dimension's frames is clipped to ±1 (default 0.05)")
+    from flexpack.commands import check_bundle
+
+    check_bundle.add_arguments(parser)
 
 
 def _print_bounds(source: EpisodeSource, args: argparse.Namespace) -> None:
@@ -52,6 +55,15 @@ def _print_bounds(source: EpisodeSource, args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     from flexpack.data import cache
     from flexpack.data.check import check_dataset
+    from flexpack.data.formats import BUNDLE, detect
+
+    if detect(args.root, args.format) == BUNDLE:
+        from flexpack.commands import check_bundle
+
+        return check_bundle.run(args)
+    if args.dump_item:
+        raise UserError("--dump-item takes a lingbot-bundle root (DATASET:EPISODE:SEGMENT); "
+                        f"{args.root} is a LeRobot v3 dataset")
 
     try:
         problems, source = check_dataset(
