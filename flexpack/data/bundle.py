@@ -118,20 +118,22 @@ class BundleDataset(torch.utils.data.Dataset):
                                               action_dim, c, str(ds.root / "meta" / "info.json"))
                         for ds, c in zip(self.datasets, self.columns)]
         self.skipped: list[tuple[str, str]] = []  # (where, why)
-        self.items = self._index(progress)
+        every = self._index(progress)  # every episode's: the pooled statistics are the whole bundle's
+        self.items = [it for it in every if keep is None or it.global_episode in keep]
         if not self.items:
-            raise ValueError(f"{self.root}: no segment left to train on ({len(self.skipped)} skipped)")
+            raise ValueError(f"{self.root}: no segment left to train on ({len(self.skipped)} skipped"
+                             + (f", {len(every)} outside the episodes asked for)" if keep is not None else ")"))
         grids = sorted({(it.heads[0].channels, *self.grid(it)) for it in self.items})
         if len(grids) > 1:
             raise ValueError(f"{self.root}: the datasets' composed latents differ ((C, H, W) {grids}); one run packs "
                              "one grid: train them in separate runs, or choose data.cameras / data.camera_layout "
                              "so they agree")
         self.normalize = normalize
-        self.q01, self.q99 = self._stats(norm_stat) if normalize else (None, None)
+        self.q01, self.q99 = self._stats(norm_stat, every) if normalize else (None, None)
 
     # ---- construction ----------------------------------------------------------------------------------
     def _index(self, progress: bool | None) -> list[BundleItem]:
-        todo = [(g, seg) for g in self.episodes for seg in self._segments(g)]
+        todo = [(g, seg) for g in range(len(self.episode_key)) for seg in self._segments(g)]
         show = sys.stderr.isatty() if progress is None else progress
         bar = _bar(len(todo), f"reading {len(todo)} segment headers of {self.root}") if show else None
         out = []
@@ -186,7 +188,8 @@ class BundleDataset(torch.utils.data.Dataset):
                              f"[{it.seg.start}, {it.seg.end})")
         return rows[it.seg.start:it.seg.end]
 
-    def _stats(self, norm_stat: dict[str, list[float]] | None) -> tuple[np.ndarray, np.ndarray]:
+    def _stats(self, norm_stat: dict[str, list[float]] | None,
+               every: list[BundleItem]) -> tuple[np.ndarray, np.ndarray]:
         if norm_stat is not None:
             q = [np.asarray(norm_stat.get(k, []), dtype=np.float64).reshape(-1) for k in ("q01", "q99")]
             if any(v.shape != (self.action_dim,) for v in q):
@@ -197,10 +200,27 @@ class BundleDataset(torch.utils.data.Dataset):
             raise ValueError(f"{self.root}: datasets with {sorted(set(self.columns))} action columns cannot pool one "
                              "statistic; give data.norm_stat (q01/q99 in the model's action space)")
         kept = [acts.kept_rows(self._rows(it), it.seg.start, it.ids, self.transform, self.where(it))
-                for it in self.items]
+                for it in every]
         pooled = np.concatenate(kept)
         q01, q99 = np.quantile(pooled, 0.01, axis=0), np.quantile(pooled, 0.99, axis=0)
         return acts.scatter_stats(q01, q99, self.inverse[0])
+
+    @property
+    def stride(self) -> int:
+        """Video frames per latent frame of the first item's encoding (4 × its frame_ids stride)."""
+        return self.items[0].ids.steps
+
+    @property
+    def fps(self) -> float:
+        return self.datasets[self.items[0].dataset].fps or 30.0
+
+    encoder = "lingbot-bundle"  # pre-extracted Wan2.2 VAE latents; the bundle names no decoder
+
+    @property
+    def channels(self) -> np.ndarray:
+        """The model channel of each action "column" of an item: a bundle's items are already in the model's
+        action space (scattered at construction), so every channel is its own column."""
+        return np.arange(self.action_dim)
 
     @property
     def normalizer(self) -> Any:

@@ -23,7 +23,7 @@ SPLITS = ("train", "val")
 
 
 def open_dataset(cfg: TrainConfig, episodes: Sequence[int] | None = None, *,
-                 segments: bool | str | None = None) -> EpisodeDataset:
+                 segments: bool | str | None = None, text_dropout: bool = True) -> EpisodeDataset:
     """The config's ``LatentEpisodeDataset`` over ``episodes`` (dataset episode indices; all by default);
     ``segments`` overrides ``data.segments`` (sampling takes whole episodes). The action width, the
     channels the dataset's action columns fill and the cameras are the model family's data conventions
@@ -36,7 +36,7 @@ def open_dataset(cfg: TrainConfig, episodes: Sequence[int] | None = None, *,
         raise ValueError("data.root is empty: set it to a LeRobot dataset folder with a latent cache")
     conv = fam.conventions(model_cfg)
     if is_bundle(d):
-        return open_bundle(cfg, conv, episodes)
+        return open_bundle(cfg, conv, episodes, text_dropout=text_dropout)
     cameras = list(d.cameras) if d.cameras else None
     if conv.action_channels is not None or conv.cameras:
         cameras = check_conventions(cfg, conv)
@@ -49,7 +49,8 @@ def open_dataset(cfg: TrainConfig, episodes: Sequence[int] | None = None, *,
     )
 
 
-def open_bundle(cfg: TrainConfig, conv: DataConventions, episodes: Sequence[int] | None = None) -> EpisodeDataset:
+def open_bundle(cfg: TrainConfig, conv: DataConventions, episodes: Sequence[int] | None = None, *,
+                text_dropout: bool = True) -> EpisodeDataset:
     """The config's :class:`~flexpack.data.bundle.BundleDataset` (``data.format = "lingbot-bundle"``): cameras
     in the family's order (``obs_cam_keys``) unless ``data.cameras`` names them, actions scattered to the
     family's channels, ``data.action_steps`` steps a latent frame."""
@@ -62,7 +63,7 @@ def open_bundle(cfg: TrainConfig, conv: DataConventions, episodes: Sequence[int]
         d.root, cameras=cameras, camera_layout=d.camera_layout, action_dim=conv.action_dim,
         action_channels=list(conv.action_channels) if conv.action_channels is not None else None,
         action_steps=d.action_steps, normalize=d.normalize, norm_stat=read_norm_stat(d.norm_stat),
-        action_transform=d.action_transform, cfg_prob=d.cfg_prob, seed=d.seed, missing=d.missing,
+        action_transform=d.action_transform, cfg_prob=d.cfg_prob if text_dropout else 0.0, seed=d.seed, missing=d.missing,
         episodes=list(episodes) if episodes is not None else None,
     )
 
@@ -136,5 +137,5 @@ def build_run(cfg: TrainConfig, rank: int = 0, world_size: int = 1, *, split: st
     parts = split_of(cfg)
     episodes = parts.held_out if split == "val" else parts.train
     with config_terms(cfg):
-        ds = open_dataset(cfg, episodes)
+        ds = open_dataset(cfg, episodes, text_dropout=split == "train")
     return run_for(ds, cfg, rank=rank, world_size=world_size, device=device, split=parts)

@@ -82,14 +82,14 @@ def dataset_for(cfg: TrainConfig, episodes: Sequence[int] | None = None, *, val:
                              "data.val_episodes (pass --episodes instead)")
         episodes = split_of(cfg).held_out
     elif episodes is not None:
-        from flexpack.data.episodes import EpisodeSource
+        from flexpack.run.build import episodes_of
 
-        known = EpisodeSource(d.root).episodes
+        known = episodes_of(cfg)
         bad = sorted(set(episodes) - set(known))
         if bad:
             raise ValueError(f"episodes {bad} are not in {d.root} (it has {len(known)} episodes: "
                              f"{known[0]}..{known[-1]})")
-    return open_dataset(cfg, episodes, segments=False)
+    return open_dataset(cfg, episodes, segments=False, text_dropout=False)
 
 
 def geometry(cfg: TrainConfig, dataset: LatentEpisodeDataset) -> TokenGeometry:
@@ -133,7 +133,7 @@ def build_pairs(cfg: TrainConfig, dataset: LatentEpisodeDataset, plan: PairPlan,
     lengths = dataset.lengths()
     pairs, short, cut_short = [], [], []
     for i, F_full in enumerate(lengths):
-        episode = dataset.items[i][0]
+        episode = episode_of(dataset, i)
         F = F_full if plan.cut_points else min(F_full, budget)
         if F < F_full:
             cut_short.append(episode)
@@ -171,9 +171,15 @@ def build_pairs(cfg: TrainConfig, dataset: LatentEpisodeDataset, plan: PairPlan,
     return pairs
 
 
+def episode_of(dataset: LatentEpisodeDataset, i: int) -> int:
+    """The episode index item ``i`` belongs to (a bundle's: its bundle episode id)."""
+    it = dataset.items[i]
+    return it[0] if isinstance(it, tuple) else it.global_episode
+
+
 def _swap_histories(pairs: list[Pair], dataset: LatentEpisodeDataset, lengths: Sequence[int]) -> None:
     """Each pair's history from the next episode of ``dataset`` (cyclic) that is long enough."""
-    index = {dataset.items[i][0]: i for i in range(len(lengths))}
+    index = {episode_of(dataset, i): i for i in range(len(lengths))}
     items: dict[int, dict[str, Any]] = {}
     for p in pairs:
         i = index[p.episode]
@@ -205,6 +211,8 @@ def checkpoint_stats(dataset: LatentEpisodeDataset, saved: ActionStats | None, w
 
 def action_names(dataset: LatentEpisodeDataset) -> list[str]:
     """Names of the dataset's action columns (``meta/info.json``), else ``a0, a1, ...``."""
+    if not hasattr(dataset, "source"):  # a bundle: its items' actions are the model's channels
+        return [f"ch{i}" for i in range(len(dataset.channels))]
     names = dataset.source.meta.features[dataset.action_key].get("names")
     if isinstance(names, dict):  # LeRobot v2-style {"motors": [...]}
         names = next(iter(names.values()), None)
@@ -215,6 +223,8 @@ def action_names(dataset: LatentEpisodeDataset) -> list[str]:
 def mean_action(dataset: LatentEpisodeDataset) -> list[float] | None:
     from flexpack.data.action_stats import lerobot_stats
 
+    if not hasattr(dataset, "source"):  # a bundle carries no per-column means
+        return None
     stats = lerobot_stats(dataset.source, [dataset.action_key]).get(dataset.action_key) or {}
     return None if "mean" not in stats else np.asarray(stats["mean"], dtype=np.float64).reshape(-1).tolist()
 

@@ -81,6 +81,9 @@ def negative_prompt(dataset: Any) -> tuple[Tensor, int]:
     from flexpack.data import cache
     from flexpack.data.text import text_encoder_named
 
+    empty = getattr(dataset, "empty_text", None)  # a bundle's empty_emb.pt: upstream's negative prompt itself
+    if empty is not None:
+        return empty, int(empty.shape[0])
     task = next(iter(dataset.source.tasks()))
     file = cache.text_path(dataset.latents_dir, task)
     name = cache.read_text_header(file).encoder

@@ -92,8 +92,11 @@ def write_media(out: Path, pairs: Sequence[Pair], dataset: LatentEpisodeDataset,
     if plots <= 0:
         return {}, {}
     files: dict[str, Path] = {}
-    header = read_latent_header(dataset.latent_file(0))
-    s, fps = dataset.stride, float(header.fps)
+    if hasattr(dataset, "latent_file"):
+        header = read_latent_header(dataset.latent_file(0))
+        s, fps, encoder = dataset.stride, float(header.fps), header.encoder
+    else:  # a bundle: its encoding's video frames per latent frame, its fps; no decoder named
+        s, fps, encoder = dataset.stride, dataset.fps, dataset.encoder
     psnrs, base = [], []
     for n, group in enumerate(first_groups(pairs)):
         p, stem = group[0], f"episode_{group[0].episode:06d}"
@@ -105,10 +108,10 @@ def write_media(out: Path, pairs: Sequence[Pair], dataset: LatentEpisodeDataset,
                 out / f"{stem}_actions.png", series["pred"], series["true"], context=series["context"], title=head,
                 names=names, t=series["t"], baselines=series["baselines"], boundaries=edges,
                 xlabel="time (s): each action step at its video frame; dotted: baselines")
-        pred = media.decode_latents(p.pred_latent, header.encoder, device=str(device))
+        pred = media.decode_latents(p.pred_latent, encoder, device=str(device))
         context = s * (p.cut - 1) + 1  # video frames of the context
         if pred is None:  # no decoder: the latents rendered large
-            (pred_rgb, true_rgb), note = frames.latent_rgb([p.pred_latent.numpy(), p.latent.numpy()], header.encoder)
+            (pred_rgb, true_rgb), note = frames.latent_rgb([p.pred_latent.numpy(), p.latent.numpy()], encoder)
             if n < plots:
                 times = [s * f / fps for f in range(p.frames)]
                 files[f"sample/{stem}/latents"] = frames.latent_figure(
@@ -116,7 +119,7 @@ def write_media(out: Path, pairs: Sequence[Pair], dataset: LatentEpisodeDataset,
             pred, true = (frames.to_uint8(frames.video_rate(x, s)) for x in (pred_rgb, true_rgb))
             head = f"{head}\n{note}"
         else:
-            true = media.decode_latents(p.latent, header.encoder, device=str(device))
+            true = media.decode_latents(p.latent, encoder, device=str(device))
             to = lambda v: v[context:].astype(np.float32) / 127.5 - 1.0  # noqa: E731
             psnrs.append(media.psnr(to(pred), to(true)))
             last = np.repeat(true[context - 1:context], len(true) - context, axis=0)
