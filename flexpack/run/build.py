@@ -58,13 +58,16 @@ def open_bundle(cfg: TrainConfig, conv: DataConventions, episodes: Sequence[int]
     from flexpack.data.formats import read_norm_stat
 
     d = cfg.data
-    cameras = list(d.cameras) if d.cameras else list(conv.cameras) or None
+    cameras = list(conv.cameras) or (list(d.cameras) if d.cameras else None)
+    if conv.cameras and d.cameras and list(d.cameras) != list(conv.cameras):
+        raise ValueError(f"data.cameras = {list(d.cameras)}, but the model composes {list(conv.cameras)} in this "
+                         f"order ({conv.cameras_key}); drop data.cameras or make them agree")
     return BundleDataset(
         d.root, cameras=cameras, camera_layout=d.camera_layout, action_dim=conv.action_dim,
         action_channels=list(conv.action_channels) if conv.action_channels is not None else None,
         action_steps=d.action_steps, normalize=d.normalize, norm_stat=read_norm_stat(d.norm_stat),
-        action_transform=d.action_transform, cfg_prob=d.cfg_prob if text_dropout else 0.0, seed=d.seed, missing=d.missing,
-        episodes=list(episodes) if episodes is not None else None,
+        action_transform=d.action_transform, cfg_prob=d.cfg_prob if text_dropout else 0.0, seed=d.seed,
+        missing=d.missing, episodes=list(episodes) if episodes is not None else None,
     )
 
 
