@@ -119,6 +119,7 @@ class BundleDataset(torch.utils.data.Dataset):
                         for ds, c in zip(self.datasets, self.columns)]
         self.skipped: list[tuple[str, str]] = []  # (where, why)
         every = self._index(progress)  # every episode's: the pooled statistics are the whole bundle's
+        self._every = every
         self.items = [it for it in every if keep is None or it.global_episode in keep]
         if not self.items:
             raise ValueError(f"{self.root}: no segment left to train on ({len(self.skipped)} skipped"
@@ -196,14 +197,18 @@ class BundleDataset(torch.utils.data.Dataset):
                 raise ValueError(f"data.norm_stat: q01 and q99 must each hold {self.action_dim} values (the model's "
                                  f"action space), got {q[0].shape[0]} and {q[1].shape[0]}")
             return q[0], q[1]
+        pooled = self.segment_rows(every)
+        q01, q99 = np.quantile(pooled, 0.01, axis=0), np.quantile(pooled, 0.99, axis=0)
+        return acts.scatter_stats(q01, q99, self.inverse[0])
+
+    def segment_rows(self, every: list[BundleItem] | None = None) -> np.ndarray:
+        """Every segment's action rows as its items see them (from the first encoded frame, transformed), over
+        the whole bundle: what pooled statistics are computed over, ``(rows, columns)``."""
         if len(set(self.columns)) > 1:
             raise ValueError(f"{self.root}: datasets with {sorted(set(self.columns))} action columns cannot pool one "
                              "statistic; give data.norm_stat (q01/q99 in the model's action space)")
-        kept = [acts.kept_rows(self._rows(it), it.seg.start, it.ids, self.transform, self.where(it))
-                for it in every]
-        pooled = np.concatenate(kept)
-        q01, q99 = np.quantile(pooled, 0.01, axis=0), np.quantile(pooled, 0.99, axis=0)
-        return acts.scatter_stats(q01, q99, self.inverse[0])
+        return np.concatenate([acts.kept_rows(self._rows(it), it.seg.start, it.ids, self.transform, self.where(it))
+                               for it in (self._every if every is None else every)])
 
     @property
     def stride(self) -> int:

@@ -32,8 +32,8 @@ def detect(root: str | os.PathLike, format: str = "auto") -> str:
 
 
 def is_bundle(data: Any) -> bool:
-    """Whether a config's data section reads a bundle (``data.root`` given)."""
-    return bool(data.root) and detect(data.root, data.format) == BUNDLE
+    """Whether a config's data section reads bundles (a mixture of them, or a ``data.root`` that is one)."""
+    return bool(getattr(data, "datasets", ())) or (bool(data.root) and detect(data.root, data.format) == BUNDLE)
 
 
 def check_data_options(data: Any) -> None:

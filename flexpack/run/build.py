@@ -9,6 +9,7 @@ same micro-batches.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -32,9 +33,11 @@ def open_dataset(cfg: TrainConfig, episodes: Sequence[int] | None = None, *,
     from flexpack.data import LatentEpisodeDataset
 
     d, model_cfg, fam = cfg.data, cfg.model.resolved(), cfg.model.model_family()
+    conv = fam.conventions(model_cfg)
+    if d.datasets:
+        return open_mixture(cfg, conv, episodes, text_dropout=text_dropout)
     if not d.root:
         raise ValueError("data.root is empty: set it to a LeRobot dataset folder with a latent cache")
-    conv = fam.conventions(model_cfg)
     if is_bundle(d):
         return open_bundle(cfg, conv, episodes, text_dropout=text_dropout)
     cameras = list(d.cameras) if d.cameras else None
@@ -71,10 +74,62 @@ def open_bundle(cfg: TrainConfig, conv: DataConventions, episodes: Sequence[int]
     )
 
 
+def open_mixture(cfg: TrainConfig, conv: DataConventions, episodes: Sequence[int] | None = None, *,
+                 text_dropout: bool = True) -> EpisodeDataset:
+    """The config's :class:`~flexpack.data.mixture.MixtureDataset` (``[[data.datasets]]``): one
+    :class:`~flexpack.data.bundle.BundleDataset` per entry with its own options (the family's where it sets
+    none), ``episodes`` as mixture-wide ids; sources of one ``embodiment`` share their pooled statistics."""
+    from flexpack.data.bundle import BundleDataset
+    from flexpack.data.formats import read_norm_stat
+    from flexpack.data.mixture import MixtureDataset, pooled_model_space
+
+    d = cfg.data
+    counts = entry_episode_counts(cfg)
+    offsets = [sum(counts[:k]) for k in range(len(counts))]
+    sources: list[BundleDataset | None] = []
+    for k, e in enumerate(d.datasets):
+        local = None if episodes is None else [g - offsets[k] for g in episodes if 0 <= g - offsets[k] < counts[k]]
+        if local is not None and not local:
+            sources.append(None)
+            continue
+        channels = e.action_channels if e.action_channels is not None else conv.action_channels
+        try:
+            sources.append(BundleDataset(
+                e.root, cameras=list(e.cameras or conv.cameras or ()) or None, camera_layout=e.camera_layout,
+                action_dim=conv.action_dim, action_channels=list(channels) if channels is not None else None,
+                action_steps=d.action_steps, normalize=d.normalize, norm_stat=read_norm_stat(e.norm_stat),
+                action_transform=e.action_transform, cfg_prob=d.cfg_prob if text_dropout else 0.0,
+                seed=d.seed + 7919 * k, missing=d.missing, episodes=local))
+        except ValueError as exc:
+            raise ValueError(f"data.datasets[{k}] ({e.root}): {exc}") from None
+    for group in {e.embodiment for e in d.datasets if e.embodiment and not e.norm_stat}:
+        members = [s for s, e in zip(sources, d.datasets) if s is not None and e.embodiment == group
+                   and not e.norm_stat]
+        if d.normalize and len(members) > 1:
+            q01, q99 = pooled_model_space(members)
+            for s in members:
+                s.q01, s.q99 = q01, q99
+    names = [e.name or Path(e.root).name for e in d.datasets]
+    # weights shape training epochs; held-out loss and sampling see every held-out item once
+    weighted = d.datasets[0].weight is not None and text_dropout
+    weights = [float(e.weight) for e in d.datasets] if weighted else None
+    return MixtureDataset(sources, names, counts, weights)
+
+
+def entry_episode_counts(cfg: TrainConfig) -> list[int]:
+    """Episodes of every ``data.datasets`` entry (each a bundle root or a v2.1 dataset), read from metadata."""
+    from flexpack.data.bundle_files import find_datasets
+    from flexpack.data.v21 import Dataset21
+
+    return [sum(len(Dataset21.open(f).episodes) for f in find_datasets(e.root)) for e in cfg.data.datasets]
+
+
 def episodes_of(cfg: TrainConfig) -> list[int]:
     """Every episode index of ``data.root`` (a bundle's: its (dataset, episode) pairs numbered in order)."""
     from flexpack.data.episodes import EpisodeSource
 
+    if cfg.data.datasets:
+        return list(range(sum(entry_episode_counts(cfg))))
     if is_bundle(cfg.data):
         from flexpack.data.bundle_files import find_datasets
         from flexpack.data.v21 import Dataset21
@@ -120,7 +175,7 @@ def split_of(cfg: TrainConfig) -> Split:
     from flexpack.run.holdout import split_episodes
 
     d = cfg.data
-    if not d.root:
+    if not d.root and not d.datasets:
         raise ValueError("data.root is empty: set it to a LeRobot dataset folder with a latent cache")
     if not (d.val_fraction or d.val_episodes):
         return Split()

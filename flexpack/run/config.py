@@ -51,6 +51,37 @@ def _positive(owner: str, **values: int | float) -> None:
 
 
 @dataclass(frozen=True, kw_only=True)
+class DatasetEntry:
+    """One source of a mixture (``[[data.datasets]]``): an upstream bundle root, or one LeRobot v2.1 dataset with
+    its pre-extracted ``.pth`` latents; the options a bundle's ``data.*`` keys give, per source."""
+
+    root: str  # the source's folder
+    name: str = ""  # its name in metrics and check-dataset ("" = the folder's name)
+    weight: float | None = None  # its share of an epoch's tokens (relative); none set anywhere = natural shares
+    # the model channel of each of its action columns (used_action_channel_ids); unset = the family's
+    action_channels: tuple[int, ...] | None = None
+    cameras: tuple[str, ...] | None = None  # its camera keys in composition order; unset = the family's
+    camera_layout: str = "auto"  # "auto", "width_concat" or "tshape"
+    norm_stat: str = ""  # a JSON file with q01/q99 in the model's action space; "" = pooled
+    # sources naming one embodiment pool their statistics; "" = pooled within the source alone
+    embodiment: str = ""
+    action_transform: str = ""  # "" or "relative_pose:C0,C1,..."
+
+    def __post_init__(self) -> None:
+        if not self.root:
+            raise ValueError("data.datasets: every entry needs a root")
+        if self.weight is not None and not (math.isfinite(self.weight) and self.weight > 0):
+            raise ValueError(f"data.datasets ({self.root}): weight must be a positive number, got {self.weight!r}")
+        from flexpack.data.bundle_actions import parse_transform
+        from flexpack.data.bundle_grid import LAYOUTS
+
+        if self.camera_layout not in LAYOUTS:
+            raise ValueError(f"data.datasets ({self.root}): camera_layout must be one of {LAYOUTS}, "
+                             f"got {self.camera_layout!r}")
+        parse_transform(self.action_transform)
+
+
+@dataclass(frozen=True, kw_only=True)
 class DataConfig:
     """Where episodes come from and how micro-batches are formed.
 
@@ -92,6 +123,9 @@ class DataConfig:
     # lingbot-bundle: "" or "relative_pose:C0,C1,...": each x y z qx qy qz qw slice from column C made relative
     # to the segment's first frame (upstream's RoboTwin data)
     action_transform: str = ""
+    # a mixture: several sources in one run, each a bundle root or a v2.1 dataset with .pth latents, with its own
+    # cameras, channel map, statistics and sampling weight ([[data.datasets]] tables; data.root stays "")
+    datasets: tuple[DatasetEntry, ...] = ()
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.val_fraction < 1.0:
@@ -109,6 +143,14 @@ class DataConfig:
         from flexpack.data.formats import check_data_options  # the option values alone: no disk read
 
         check_data_options(self)
+        if self.datasets and self.root:
+            raise ValueError(f"data.root = {self.root!r} and data.datasets both name data; a mixture lists every "
+                             "source under data.datasets (leave data.root empty)")
+        weighted = [e.weight is not None for e in self.datasets]
+        if any(weighted) and not all(weighted):
+            raise ValueError("data.datasets: give every entry a weight, or none (natural shares)")
+        if any(weighted) and self.mode != "pack":
+            raise ValueError("data.datasets weights need data.mode = 'pack' (the packed sampler honours them)")
         if self.num_workers < 0 or self.seed < 0:
             raise ValueError(f"data.num_workers and data.seed must be >= 0, got {self.num_workers}, {self.seed}")
 

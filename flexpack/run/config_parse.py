@@ -34,6 +34,8 @@ def check_type(value: Any, tp: Any, where: str) -> Any:
         raise ValueError(errors[0])
     if tp is Any:
         return value
+    if dataclasses.is_dataclass(tp):  # a table of a list of tables ([[data.datasets]])
+        return value if isinstance(value, tp) else from_dict(tp, value, f"{where}.")
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
             raise ValueError(f"{where} must be a list, got {value!r}")

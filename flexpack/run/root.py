@@ -217,7 +217,9 @@ class Run:
         """This run over other episodes (the held-out ones, say): their own sampler and collate, the same
         geometry, model and options."""
         check_fits_model(dataset, self.model_config, self.config)
-        sampler, collate = self.batching(dataset.lengths())
+        sampler, collate = batching(self.config, dataset.lengths(), self.geometry, self.rank, self.world_size,
+                                    mixture=getattr(dataset, "mixture_weights", None))
+        collate = model_collate(collate, self.model_config, self.family)
         return replace(self, data=Data(dataset=dataset, sampler=sampler, collate=collate))
 
     def build_model(self) -> nn.Module:
@@ -290,12 +292,21 @@ def check_action_steps(conv: DataConventions, cfg: TrainConfig, family: ModelFam
 
 
 def batching(cfg: TrainConfig, lengths: Sequence[int], geometry: TokenGeometry, rank: int = 0,
-             world_size: int = 1) -> tuple[BatchSampler, PackCollate | PadCollate]:
+             world_size: int = 1, *, mixture: tuple[Sequence[int], Sequence[float]] | None = None
+             ) -> tuple[BatchSampler, PackCollate | PadCollate]:
     """(sampler, collate) of ``data.mode`` over episode ``lengths`` (latent frames): the token-budget
-    sampler with its pack collate, or the length-bucket sampler with the pad collate."""
+    sampler with its pack collate, or the length-bucket sampler with the pad collate; ``mixture`` (the source
+    of every item, the weight of every source): the weighted token-budget sampler."""
     from flexpack.packing.batch_sampler import LengthBucketBatchSampler, TokenBudgetBatchSampler
 
     d, tpf = cfg.data, geometry.tokens_per_frame
+    if d.mode == "pack" and mixture is not None:
+        from flexpack.packing.weighted import WeightedTokenBudgetBatchSampler
+
+        sampler = WeightedTokenBudgetBatchSampler(lengths, d.max_tokens, tokens_per_frame=tpf, groups=mixture[0],
+                                                  weights=mixture[1], crop=d.crop, rank=rank,
+                                                  world_size=world_size, seed=d.seed)
+        return sampler, PackCollate.from_token_budget(d.max_tokens, tpf, crop=d.crop)
     if d.mode == "pack":
         sampler = TokenBudgetBatchSampler(lengths, d.max_tokens, tokens_per_frame=tpf, crop=d.crop, rank=rank,
                                           world_size=world_size, seed=d.seed)
@@ -345,7 +356,8 @@ def run_for(dataset: EpisodeDataset, cfg: TrainConfig, *, rank: int = 0, world_s
     geometry = geometry_for(model_cfg, check_fits_model(dataset, model_cfg, cfg), cfg)
     if cfg.data.mode == "pack":
         check_token_budget(cfg, dataset, geometry)
-    sampler, collate = batching(cfg, dataset.lengths(), geometry, rank, world_size)
+    sampler, collate = batching(cfg, dataset.lengths(), geometry, rank, world_size,
+                                mixture=getattr(dataset, "mixture_weights", None))
     data = Data(dataset=dataset, sampler=sampler, collate=model_collate(collate, model_cfg, family))
     return Run(config=cfg, family=family, model_config=model_cfg,
                objective=objective_for(family.objective, cfg.objective, model_cfg),

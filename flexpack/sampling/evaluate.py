@@ -74,7 +74,7 @@ def dataset_for(cfg: TrainConfig, episodes: Sequence[int] | None = None, *, val:
     from flexpack.run.build import open_dataset, split_of
 
     d = cfg.data
-    if not d.root:
+    if not d.root and not d.datasets:
         raise ValueError("data.root is empty: set it to a LeRobot dataset folder with a latent cache")
     if val:
         if not (d.val_fraction or d.val_episodes):

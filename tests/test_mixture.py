@@ -1,0 +1,122 @@
+"""Mixtures: the weighted packed sampler (shares of an epoch's tokens within 2 % of the weights, deterministic per
+seed and epoch, equal batches per rank, exact resume) and several sources in one run (episode ids, channel maps,
+statistics per source or per embodiment)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from flexpack.packing.weighted import WeightedTokenBudgetBatchSampler
+
+rng = np.random.default_rng(0)
+LENGTHS = [int(x) for x in rng.integers(5, 41, 300)] + [int(x) for x in rng.integers(5, 41, 60)]
+GROUPS = [0] * 300 + [1] * 60
+
+
+def sampler(weights, **kw) -> WeightedTokenBudgetBatchSampler:
+    return WeightedTokenBudgetBatchSampler(LENGTHS, 136 * 240, tokens_per_frame=136, groups=GROUPS, weights=weights,
+                                           **kw)
+
+
+def shares(s: WeightedTokenBudgetBatchSampler, epoch: int) -> np.ndarray:
+    s.set_epoch(epoch)
+    per = np.zeros(2)
+    for batch in s:
+        for i in batch:
+            per[GROUPS[i]] += LENGTHS[i]
+    return per / per.sum()
+
+
+@pytest.mark.parametrize("weights", [[1.0, 1.0], [3.0, 1.0], [1.0, 9.0], [5.0, 1.0]])
+def test_each_source_gets_its_weight_of_an_epochs_tokens(weights) -> None:
+    s = sampler(weights)
+    want = np.asarray(weights) / sum(weights)
+    for epoch in range(3):
+        assert np.abs(shares(s, epoch) - want).max() <= 0.02, (epoch, shares(s, epoch), want)
+
+
+def test_deterministic_per_seed_and_epoch_and_equal_per_rank() -> None:
+    a, b = sampler([1.0, 1.0], seed=4), sampler([1.0, 1.0], seed=4)
+    assert [list(x) for x in a] == [list(x) for x in b]
+    a.set_epoch(1)
+    b.set_epoch(2)
+    assert sorted(Counter(i for x in a for i in x).items()) != sorted(Counter(i for x in b for i in x).items())
+    ranks = [sampler([1.0, 1.0], seed=4, rank=r, world_size=4) for r in range(4)]
+    assert len({len(list(r)) for r in ranks}) == 1
+    drawn = Counter(i for r in ranks for x in r for i in x)
+    assert max(drawn[i] for i in range(300, 360)) >= 2  # the small source repeats to reach its half
+
+
+def test_resume_is_exact_on_the_same_ranks_and_refused_on_others() -> None:
+    s = sampler([2.0, 1.0], seed=1, world_size=2, rank=1)
+    s.set_epoch(3)
+    it = iter(s)
+    head = [next(it) for _ in range(4)]
+    state = s.state_dict()
+    rest = list(it)
+    again = sampler([2.0, 1.0], seed=1, world_size=2, rank=1)
+    again.load_state_dict(state)
+    assert list(again) == rest and head
+    other = sampler([2.0, 1.0], seed=1, world_size=4, rank=1)
+    with pytest.raises(ValueError, match=r"resumes on the number of ranks it stopped on \(2\), not 4"):
+        other.load_state_dict(state)
+    with pytest.raises(ValueError, match="does not match"):
+        sampler([1.0, 1.0], seed=1, world_size=2, rank=1).load_state_dict(state)
+
+
+def test_most_per_batch_bounds_every_pack() -> None:
+    s = sampler([1.0, 20.0])
+    bound = s.most_per_batch()
+    for epoch in range(4):
+        s.set_epoch(epoch)
+        assert max(len(b) for b in s) <= bound
+
+
+def test_a_mixture_run_reads_each_source_with_its_own_map_and_statistics(tmp_path: Path) -> None:
+    from flexpack.data.bundle_synthetic import SyntheticDataset, write_bundle
+    from flexpack.run.build import open_dataset
+    from flexpack.run.config import load_config
+
+    cams = {"observation.images.cam_high": (4, 4)}
+    a = write_bundle(tmp_path / "a", [SyntheticDataset(name="d", episodes=[[(0, 30)], [(0, 21)]], cameras=cams,
+                                                       action_columns=6)], text=(16, 64))
+    b = write_bundle(tmp_path / "b", [SyntheticDataset(name="e", episodes=[[(0, 25), (10, 33)]], cameras=cams,
+                                                       action_columns=3)], text=(16, 64), seed=5)
+    cfg_file = tmp_path / "mix.toml"
+    cfg_file.write_text(f"""
+[data]
+max_tokens = 800
+[[data.datasets]]
+root = "{a}"
+weight = 1.0
+[[data.datasets]]
+root = "{b}"
+name = "arm3"
+weight = 2.0
+action_channels = [0, 1, 29]
+[model]
+family = "lingbot-va"
+preset = "lingbot-va-tiny"
+""")
+    cfg = load_config(cfg_file, [])
+    ds = open_dataset(cfg)
+    assert len(ds) == 4 and ds.lengths() == [8, 6, 7, 6]
+    assert [ds[i]["episode_index"] for i in range(4)] == [0, 1, 2, 2]  # source b's episode 0 is mixture episode 2
+    assert [ds[i]["dataset"] for i in range(4)] == ["a/d", "a/d", "arm3/e", "arm3/e"]
+    mask = ds[2]["action_mask"].any(dim=(1, 2))
+    assert mask.nonzero().flatten().tolist() == [0, 1, 29]
+    assert ds[0]["action_mask"].any(dim=(1, 2)).nonzero().flatten().tolist() == list(range(6))
+    groups, weights = ds.mixture_weights
+    assert groups.tolist() == [0, 0, 1, 1] and weights == [1.0, 2.0]
+    assert not np.array_equal(ds.sources[0].q01[:2], ds.sources[1].q01[:2])  # each pooled within itself
+    same = load_config(cfg_file, ["data.datasets=[{root = '%s', embodiment = 'x'}, {root = '%s', embodiment = 'x', "
+                                  "action_channels = [0, 1, 29]}]" % (a, b)])
+    shared = open_dataset(same)
+    np.testing.assert_array_equal(shared.sources[0].q01, shared.sources[1].q01)
+    assert shared.mixture_weights is None and shared.normalizer is not None
+    with pytest.raises(ValueError, match="give every entry a weight, or none"):
+        load_config(cfg_file, [f"data.datasets=[{{root = '{a}', weight = 1.0}}, {{root = '{b}'}}]"])
