@@ -91,3 +91,17 @@ def test_train_resume_and_verify_read_the_bundle_in_place(bundle: Path, tmp_path
     check = flexpack("verify", str(run), "--checkpoint", str(run), cwd=repo)
     assert check.returncode == 0 and "OK: max rel err" in check.stdout, check.stdout + check.stderr
     assert sorted((p, p.stat().st_mtime_ns) for p in bundle.rglob("*")) == before
+
+
+def test_stats_on_a_bundle_gives_its_geometry_and_a_row_per_dataset(bundle: Path, capsys) -> None:
+    from flexpack.cli import main
+
+    assert main(["stats", "--dataset", str(bundle), "--mode", "pack", "--max-tokens", "800", "--json"]) == 0
+    out = capsys.readouterr()
+    s = json.loads(out.out)
+    assert "10 tokens per frame" in out.err and "composed latent 6x4 (tshape)" in out.err  # 3x2 patches + 4 steps
+    ds = BundleDataset(bundle, normalize=False, cfg_prob=0.0)
+    frames = {"robotwin/a": sum(ds.lengths()[:4]), "robotwin/b": sum(ds.lengths()[4:])}
+    assert {k: v["segments"] for k, v in s["datasets"].items()} == {"robotwin/a": 4, "robotwin/b": 2}
+    for name, n in frames.items():
+        assert s["datasets"][name]["token_share"] == pytest.approx(n / sum(frames.values()))

@@ -36,7 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--frames-file", metavar="FILE", help="video frame counts, one per line")
     src.add_argument("--dataset", metavar="ROOT",
-                     help="LeRobot dataset folder or repo id in lerobot's cache (lengths from its metadata)")
+                     help="LeRobot dataset folder or repo id in lerobot's cache (lengths from its metadata), or an "
+                          "upstream LingBot-VA bundle root (lengths from its latent files; a row per dataset)")
     p.add_argument("--mode", choices=("pad", "pack"), required=True, help="bucket+pad or token-budget packing")
     p.add_argument("--batch-size", type=int, default=4, help="pad mode: episodes per batch (default 4)")
     p.add_argument("--pool-factor", type=int, default=50, help="pad mode: batches per sorted pool (default 50)")
@@ -58,9 +59,43 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", metavar="PNG", help="write a length histogram and per-batch fill plot")
 
 
+def _bundle(args: argparse.Namespace) -> Any:
+    """The upstream bundle ``--dataset`` names (items from the latent files' headers), or None."""
+    if args.dataset is None:
+        return None
+    from flexpack.data.formats import BUNDLE, detect
+
+    if detect(args.dataset) != BUNDLE:
+        return None
+    if getattr(args, "_bundle", None) is None:
+        from flexpack.data.bundle import BundleDataset
+
+        args._bundle = BundleDataset(args.dataset, cameras=args.cameras, normalize=False, cfg_prob=0.0,
+                                     missing="skip", progress=sys.stderr.isatty())
+    return args._bundle
+
+
+def per_dataset_shares(bundle: Any, sampler: Any) -> dict[str, dict[str, float]]:
+    """Per dataset of a bundle: its segments and its share of the epoch's packed tokens."""
+    names = [bundle.names[it.dataset] for it in bundle.items]
+    tokens: dict[str, float] = {n: 0.0 for n in bundle.names}
+    segments: dict[str, int] = {n: 0 for n in bundle.names}
+    for n in names:
+        segments[n] += 1
+    lengths = bundle.lengths()
+    for rank in sampler._plan():
+        for batch in rank:
+            for i in batch:
+                tokens[names[i]] += lengths[i]
+    total = sum(tokens.values()) or 1.0
+    return {n: {"segments": segments[n], "token_share": tokens[n] / total} for n in bundle.names}
+
+
 def _load_lengths(args: argparse.Namespace) -> list[int]:
     if args.frames_file is not None:
         return read_frames_file(args.frames_file, args.stride)
+    if _bundle(args) is not None:
+        return _bundle(args).lengths()
     try:
         from flexpack.data.lengths import dataset_latent_frames
     except ImportError as e:
@@ -125,6 +160,14 @@ def _geometry(args: argparse.Namespace) -> None:
     if args.dataset is None:
         args.tokens_per_frame = 36  # the reference geometry: 32 video + 4 action tokens per latent frame
         return
+    bundle = _bundle(args)
+    if bundle is not None:  # the composed grid of the bundle's cameras, the steps its frame_ids give
+        h, w = bundle.grid(bundle.items[0])
+        steps = bundle.items[0].ids.steps if args.action_steps else 0
+        args.tokens_per_frame = (h // args.patch) * (w // args.patch) + steps
+        print(f"{args.tokens_per_frame} tokens per frame from {bundle.root}: composed latent {h}x{w} "
+              f"({bundle.items[0].layout}) / patch {args.patch} + {steps} action steps", file=sys.stderr)
+        return
     args.tokens_per_frame, how = dataset_tokens_per_frame(args.dataset, patch=args.patch,
                                                           action_steps=args.action_steps,
                                                           latents_dir=args.latents_dir, cameras=args.cameras)
@@ -156,5 +199,12 @@ def run(args: argparse.Namespace) -> int:
             write_plot(args.plot, lengths, st, f"flexpack stats --mode {args.mode}")
         except OSError as e:
             raise UserError(f"cannot write plot {args.plot}: {e}") from e
+    bundle = _bundle(args)
+    if bundle is not None:
+        s["datasets"] = per_dataset_shares(bundle, sampler)
     print(json.dumps(s) if args.json else table(s))
+    if bundle is not None and not args.json:
+        print(f"{'dataset':<32} {'segments':>8} {'token share':>11}")
+        for name, row in s["datasets"].items():
+            print(f"{name:<32} {row['segments']:>8} {row['token_share']:>11.1%}")
     return 0
