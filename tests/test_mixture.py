@@ -120,3 +120,34 @@ preset = "lingbot-va-tiny"
     assert shared.mixture_weights is None and shared.normalizer is not None
     with pytest.raises(ValueError, match="give every entry a weight, or none"):
         load_config(cfg_file, [f"data.datasets=[{{root = '{a}', weight = 1.0}}, {{root = '{b}'}}]"])
+
+
+def test_metrics_split_the_loss_parts_and_tokens_per_dataset(tmp_path: Path) -> None:
+    import json
+
+    from flexpack.data.bundle_synthetic import SyntheticDataset, write_bundle
+    from flexpack.run.config import load_config
+    from flexpack.training.loop import train
+
+    cams = {"observation.images.cam_high": (4, 4)}
+    a = write_bundle(tmp_path / "a", [SyntheticDataset(name="d", episodes=[[(0, 30)], [(0, 21)]], cameras=cams,
+                                                       action_columns=6),
+                                      SyntheticDataset(name="f", episodes=[[(0, 17)]], cameras=cams,
+                                                       action_columns=6)], text=(16, 64))
+    b = write_bundle(tmp_path / "b", [SyntheticDataset(name="e", episodes=[[(0, 25), (10, 33)]], cameras=cams,
+                                                       action_columns=3)], text=(16, 64), seed=5)
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.toml", [
+        "data.root=",
+        f"data.datasets=[{{root = '{a}'}}, {{root = '{b}', name = 'arm3', action_channels = [0, 1, 29]}}]",
+        "model.family=lingbot-va", "model.preset=lingbot-va-tiny", "data.max_tokens=400", "schedule.steps=2",
+        "optim.accum_steps=2", f"runtime.out_dir={tmp_path / 'run'}", "checkpoint.every=0"])
+    train(cfg)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    names = ["a/d", "a/f", "arm3/e"]
+    for row in (r for r in rows if "loss" in r):
+        frames = {n: row[f"dataset/{n}/tokens"] for n in names}
+        seen = [n for n in names if frames[n]]
+        for part in ("latent_loss", "action_loss"):
+            mean = sum(row[f"dataset/{n}/{part}"] * frames[n] for n in seen) / sum(frames[n] for n in seen)
+            assert mean == pytest.approx(row[part], rel=1e-5)
+    assert sum(r["dataset/arm3/e/tokens"] for r in rows if "loss" in r) > 0

@@ -222,6 +222,13 @@ class BundleDataset(torch.utils.data.Dataset):
     encoder = "lingbot-bundle"  # pre-extracted Wan2.2 VAE latents; the bundle names no decoder
 
     @property
+    def episode_sources(self) -> tuple[list[str], dict[int, int]] | None:
+        """(dataset names, bundle episode id -> dataset) for per-dataset metrics; None for one dataset."""
+        if len(self.names) < 2:
+            return None
+        return list(self.names), {it.global_episode: it.dataset for it in self._every}
+
+    @property
     def channels(self) -> np.ndarray:
         """The model channel of each action "column" of an item: a bundle's items are already in the model's
         action space (scattered at construction), so every channel is its own column."""

@@ -58,6 +58,20 @@ class MixtureDataset(torch.utils.data.Dataset):
         item["dataset"] = f"{self.names[self.source_ids[k]]}/{item['dataset']}"
         return item
 
+    @property
+    def episode_sources(self) -> tuple[list[str], dict[int, int]]:
+        """(``"<source>/<dataset>"`` names, mixture episode id -> name index) for per-dataset metrics."""
+        names: list[str] = []
+        of: dict[int, int] = {}
+        for k, s in enumerate(self.sources):
+            base = self.names[self.source_ids[k]]
+            for it in s._every:
+                name = f"{base}/{s.names[it.dataset]}"
+                if name not in names:
+                    names.append(name)
+                of[self.offsets[self.source_ids[k]] + it.global_episode] = names.index(name)
+        return names, of
+
     def set_epoch(self, epoch: int) -> None:
         for s in self.sources:
             s.set_epoch(epoch)

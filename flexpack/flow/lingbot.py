@@ -295,8 +295,15 @@ def lingbot_loss(pred: Any, sample: LingbotSample, batch: Any, *, latent_weight:
         act_sum = torch.where(valid, a_frame, 0.0).sum()
     denom = count.to(lat_sum.device).clamp(min=1)
     lat_loss, act_loss = lat_sum / denom, act_sum / denom
+    # per episode slot, without a host sync: pad frames go to an extra slot E that is dropped
+    E = batch.layout.episode_frames.shape[0]
+    slot = torch.where(valid, batch.layout.frame_doc.to(valid.device), E).reshape(-1)
+    per = torch.stack([torch.where(valid, per_frame, 0.0).reshape(-1),
+                       torch.where(valid, a_frame, 0.0).reshape(-1) if sample.target_action is not None
+                       else torch.zeros_like(slot, dtype=per_frame.dtype)], dim=1)
+    episode_sums = torch.zeros(E + 1, 2, device=per.device, dtype=per.dtype).index_add_(0, slot, per)[:E]
     return FlowLoss(latent_weight * lat_loss + action_weight * act_loss, lat_loss, act_loss, lat_sum, act_sum, count,
-                    count.clone(), latent_weight, action_weight)
+                    count.clone(), latent_weight, action_weight, episode_sums)
 
 
 @dataclass(frozen=True)

@@ -202,6 +202,9 @@ class FlowLoss:
     action_count: Tensor
     latent_weight: float
     action_weight: float
+    # (E, 2): each episode slot's latent and action sums (the parts' numerators), where the objective gives them:
+    # per-source loss parts of a mixture are sums of these
+    episode_sums: Tensor | None = None
 
     def accumulation_loss(self, totals: tuple[Tensor | float, Tensor | float]) -> Tensor:
         """This micro-batch's share of the accumulated loss; ``totals`` = Σ of :func:`loss_counts`

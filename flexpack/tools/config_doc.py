@@ -102,6 +102,8 @@ def toml_value(v: Any) -> str:
         return "[" + ", ".join(toml_value(x) for x in v) + "]"
     if isinstance(v, dict):
         return "{" + ", ".join(f"{json.dumps(str(k))} = {toml_value(x)}" for k, x in v.items()) + "}"
+    if dataclasses.is_dataclass(v):  # an entry of a list of tables (a [[data.datasets]] entry): its set keys
+        return toml_value({f.name: getattr(v, f.name) for f in dataclasses.fields(v) if getattr(v, f.name) is not None})
     raise TypeError(f"no TOML form for {type(v).__name__} {v!r}")
 
 
@@ -144,6 +146,28 @@ def render_defaults() -> str:
     return "\n".join(lines) + "\n"
 
 
+def _entry_tables() -> list[str]:
+    """A table per list-of-tables key (``[[data.datasets]]``): the keys of one entry."""
+    out = []
+    for section in dataclasses.fields(TrainConfig):
+        sec_cls = typing.get_type_hints(TrainConfig)[section.name]
+        for f in dataclasses.fields(sec_cls):
+            args = typing.get_args(typing.get_type_hints(sec_cls)[f.name])
+            if not (args and dataclasses.is_dataclass(args[0])):
+                continue
+            cls, docs = args[0], field_docs(args[0])
+            hints = typing.get_type_hints(cls)
+            out += ["", f"## `[[{section.name}.{f.name}]]` (each entry)", "", "| key | type | default | doc |",
+                    "|---|---|---|---|"]
+            for e in dataclasses.fields(cls):
+                has = e.default is not dataclasses.MISSING
+                default = ("required" if not has else "unset" if e.default is None
+                           else f"`{_md_cell(toml_value(e.default))}`")
+                out.append(f"| `{e.name}` | `{_md_cell(_type_name(hints[e.name]))}` | {default} | "
+                           f"{_md_cell(docs.get(e.name, ''))} |")
+    return out
+
+
 def _md_cell(text: str) -> str:
     return text.replace("|", "\\|")
 
@@ -163,6 +187,7 @@ def render_markdown() -> str:
             section = k.section
         default = "unset" if k.default is None else f"`{_md_cell(toml_value(k.default))}`"
         lines.append(f"| `{k.name}` | `{_md_cell(k.type)}` | {default} | {_md_cell(k.doc)} |")
+    lines += _entry_tables()
     lines += ["", "## Renamed keys", "",
               "Keys `[runtime]` once held load at their new place: a TOML file or `--set` says so on stderr, an older",
               "run's saved config.json loads quietly.", "", "| old key | key now |", "|---|---|"]

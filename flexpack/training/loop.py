@@ -56,7 +56,7 @@ from flexpack.training.observe.console import Console
 from flexpack.training.observe.metrics import StepMeter
 from flexpack.training.observe.profiling import StepProfiler
 from flexpack.training.optim import build_optimizer
-from flexpack.training.step import accumulate, train_step  # noqa: F401  (accumulate: public here too)
+from flexpack.training.step import accumulate, episode_sources, train_step  # noqa: F401  (accumulate: public too)
 from flexpack.training.validation import make_validator
 
 
@@ -137,6 +137,7 @@ def _train(cfg: TrainConfig, found: Path | None, stop: faults.GracefulStop, stop
     loader = torch.utils.data.DataLoader(run.dataset, batch_sampler=run.sampler, collate_fn=run.collate,
                                          num_workers=cfg.data.num_workers, pin_memory=device.type == "cuda")
     stream = _stream(loader, run.sampler)
+    sources = (episode_sources(run.dataset) or ([], {}))[0]  # per-dataset loss parts and tokens in the metrics
     end = cfg.schedule.steps if stop_after is None else min(stop_after, cfg.schedule.steps)
     result = TrainResult(step=start, start_step=start, checkpoint=found, model=model)
     sampler_state, step, tpf, signum = run.sampler.state_dict(), start, run.tokens_per_frame, 0
@@ -192,7 +193,8 @@ def _train(cfg: TrainConfig, found: Path | None, stop: faults.GracefulStop, stop
             result.episodes += [b.layout.episode_index.tolist() for b in batches]
             if step % cfg.log.every == 0 or step == end or nonfinite:
                 guard.flush()
-                rec = _log(step, lr, sums, norm, batches, tpf, meter, extra={"skipped": True} if nonfinite else None)
+                rec = _log(step, lr, sums, norm, batches, tpf, meter, extra={"skipped": True} if nonfinite else None,
+                           sources=sources)
                 result.losses.append(rec["loss"])
                 result.metrics.append(rec)
                 sinks.log(rec)
@@ -262,16 +264,24 @@ def _prepare_run(run: Path, cfg: TrainConfig, start: int, size: int, old_world: 
 
 
 def _log(step: int, lr: float, sums: torch.Tensor, norm: torch.Tensor, batches: Sequence[Batch], tpf: int,
-         meter: StepMeter, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+         meter: StepMeter, extra: dict[str, Any] | None = None, sources: Sequence[str] = ()) -> dict[str, Any]:
     """Global loss parts, LR, grad norm, waste of this step, and the throughput of the steps since
-    the last log (tokens/s, step time, peak memory, MFU). One of the few points where the host waits
-    for the GPU."""
+    the last log (tokens/s, step time, peak memory, MFU); per source of a bundle or mixture
+    (``sources``), its loss parts over its own frames and its tokens (``dataset/<name>/...``). One of the
+    few points where the host waits for the GPU."""
     valid = sum(int(b.layout.episode_frames.sum()) for b in batches) * tpf
     computed = sum(b.layout.frame_doc.numel() for b in batches) * tpf
-    stats = torch.cat([sums.float().cpu(), torch.tensor([valid, computed], dtype=torch.float32)])
+    sums = sums.float().cpu()
+    stats = torch.cat([sums[:3], torch.tensor([valid, computed], dtype=torch.float32), sums[3:]])
     if world()[1] > 1:
         dist.all_reduce(stats)
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a DTensor under FSDP
+    per: dict[str, float] = {}
+    for k, name in enumerate(sources):
+        lat, act, frames = (float(x) for x in stats[5 + 3 * k: 8 + 3 * k])
+        if frames:
+            per.update({f"dataset/{name}/latent_loss": lat / frames, f"dataset/{name}/action_loss": act / frames})
+        per[f"dataset/{name}/tokens"] = frames * tpf
     return {"step": step, "loss": float(stats[0]), "latent_loss": float(stats[1]), "action_loss": float(stats[2]),
-            "lr": lr, "grad_norm": float(norm), "waste": 1.0 - float(stats[3]) / float(stats[4]), **meter.read(),
-            **(extra or {})}
+            "lr": lr, "grad_norm": float(norm), "waste": 1.0 - float(stats[3]) / float(stats[4]), **per,
+            **meter.read(), **(extra or {})}

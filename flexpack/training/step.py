@@ -41,10 +41,13 @@ def accumulate(model: nn.Module, batches: Sequence[Batch], run: Run, *, step: in
     totals = (float(counts[0]), float(counts[1]))
     sharded = is_sharded(model)
     out = torch.zeros(3, device=device)
+    sources = episode_sources(run.dataset)
+    by_source = torch.zeros(len(sources[0]) if sources else 0, 3, device=device)  # latent sum, action sum, frames
     for i, batch in enumerate(batches):
         if sharded:  # reduce-scatter gradients once per step, not per micro-batch
             model.set_requires_gradient_sync(i == len(batches) - 1)
         seeds = noise_seeds(batch.layout, cfg.runtime.seed, step)  # from the host-side layout
+        slot_source = source_slots(batch.layout, sources[1]) if sources else None  # host-side too
         prof.phase("data")
         batch = batch.to(device, non_blocking=True)
         prof.phase("forward", batch)
@@ -58,7 +61,25 @@ def accumulate(model: nn.Module, batches: Sequence[Batch], run: Run, *, step: in
         prof.phase(None)
         parts = [fl.latent_sum / max(totals[0], 1.0), fl.action_sum / max(totals[1], 1.0)]
         out += torch.stack([share.detach(), *(p.detach() for p in parts)]).float()
-    return out
+        if slot_source is not None:
+            pin = device.type == "cuda"  # a copy from pageable memory would wait for the GPU
+            src, frames = ((t.pin_memory() if pin else t).to(device, non_blocking=True) for t in slot_source)
+            per = fl.episode_sums.detach().float() if fl.episode_sums is not None else torch.full(
+                (src.shape[0], 2), float("nan"), device=device)
+            by_source.index_add_(0, src, torch.cat([per, frames[:, None]], dim=1))
+    return torch.cat([out, by_source.reshape(-1)]) if sources else out
+
+
+def episode_sources(dataset: Any) -> tuple[list[str], dict[int, int]] | None:
+    """(source names, episode index -> source) of a dataset that reads several sources (a bundle's datasets, a
+    mixture's), for the per-source loss parts and tokens of the metrics; None for one source."""
+    return getattr(dataset, "episode_sources", None)
+
+
+def source_slots(layout: Any, source_of: dict[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per episode slot of ``layout`` (host): its source and its valid frames."""
+    src = torch.tensor([source_of.get(int(e), 0) for e in layout.episode_index.tolist()], dtype=torch.int64)
+    return src, layout.episode_frames.float()
 
 
 def train_step(model: nn.Module, opt: torch.optim.Optimizer, batches: Sequence[Batch], run: Run, *, step: int,
