@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import replace
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -101,11 +101,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def load_weights(cfg: TrainConfig, source: str | Path, *, ema: bool = False
                  ) -> tuple[nn.Module, ActionStats | None, str]:
     """The config's model with the weights of a run / checkpoint / export folder; returns
-    (model, the action statistics it was trained with or None, a label naming the weights)."""
+    (model, the action statistics it was trained with or None, a label naming the weights). The model is of the
+    shape ``cfg`` resolves to (:func:`load_trained`: the one the weights record); ``model.pretrained`` is not read."""
+    import torch
+
     from flexpack.data.normalization import ActionStats
     from flexpack.models.wan_config import check_action_positions
     from flexpack.run.checks import check_state_shapes
-    from flexpack.run.model import build_model
     from flexpack.run.state import checkpoint
     from flexpack.run.state.locate import load_newest
     from flexpack.run.state.resume import saved_stats
@@ -113,8 +115,8 @@ def load_weights(cfg: TrainConfig, source: str | Path, *, ema: bool = False
     path = Path(source)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such run, checkpoint or export folder")
-    cfg = replace(cfg, model=replace(cfg.model, pretrained=""))  # the weights come from the checkpoint
-    model = build_model(cfg)
+    torch.manual_seed(cfg.runtime.seed)
+    model = cfg.model.model_family().build(cfg.model.resolved())  # its init is replaced by the weights below
     if (path / "flexpack_config.json").is_file():  # an export folder
         folder = path / "ema" if ema else path
         if ema and not folder.is_dir():
@@ -176,14 +178,26 @@ def check_flags(args: argparse.Namespace) -> None:
         check_count("--cut-points", c, 1, bounds.HORIZON, unit="latent frames of context")
 
 
+def load_trained(config: Path, overrides: Sequence[str], source: Path) -> TrainConfig:
+    """The config argument with ``--set`` ``overrides``, of the model the weights at ``source`` record
+    (:func:`~flexpack.run.state.trained.recorded_model`): a run fine-tuned from a checkpoint of another shape than
+    its preset samples in its own shape, and ``model.pretrained`` (which may have moved) is not read. Weights that
+    record no model (older checkpoints): the config as it resolves."""
+    from flexpack.run.state.trained import pinned, recorded_model
+
+    record = recorded_model(source)
+    if record is None:
+        return load(config, overrides)
+    return pinned(load(config, ['model.pretrained=""', *overrides]), record)
+
+
 def check_trained_config(cfg: TrainConfig, source: Path, given: str) -> None:
     """A config (or ``--set``) that disagrees with what the weights at ``source`` were trained with is one line:
     sampling it would build another model or mask around the weights (:mod:`flexpack.run.state.trained`)."""
-    from flexpack.run.config import load_config
     from flexpack.run.state.trained import check_trained, run_config
 
     trained = run_config(source)
-    check_trained(cfg, load_config(trained), given_from=given, trained_from=trained, command="sample")
+    check_trained(cfg, load_trained(trained, (), source), given_from=given, trained_from=trained, command="sample")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -208,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
     if args.checkpoint is None and not args.config.is_dir():
         raise ValueError(f"{args.config} is a config file: add --checkpoint RUN (a run, checkpoint or export folder) "
                          "for the weights")
-    cfg = load(args.config, args.overrides)
+    cfg = load_trained(args.config, args.overrides, Path(source))
     given = str(args.config) + (" with --set " + " ".join(args.overrides) if args.overrides else "")
     check_trained_config(cfg, Path(source), given)
     device = resolve_device(args.device or cfg.runtime.device)
