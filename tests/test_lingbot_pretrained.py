@@ -217,3 +217,39 @@ def test_sample_a_run_fine_tuned_from_a_policy_of_another_width(tiny_dataset, tm
     code, err = run_cli(capsys, "sample", str(run), "--set", "model.overrides.attention_head_dim=32", *fast)
     assert code == 2 and "model.attention_head_dim = 32, trained 24" in err and err.count("\n") == 1, err
 
+
+def test_a_resume_of_another_model_is_refused_before_any_weights_load(tiny_dataset, tmp_path, capsys,
+                                                                       monkeypatch) -> None:
+    """Resuming a run fine-tuned from a policy with another preset, another model.pretrained shape or another
+    family is one line naming the key, the checkpoint's value and the new one; no weights are read for it and
+    the run folder is left as it was. The same config resumes."""
+    from flexpack.run import pretrained
+
+    save_policy(tmp_path / "policy", attention_head_dim=24)
+    save_policy(tmp_path / "wider")  # the preset's width: 2 heads of 32
+    run = tmp_path / "run"
+    sets = [*tiny_sets(tiny_dataset, run, "schedule.steps=1"), *LINGBOT, f'model.pretrained="{tmp_path / "policy"}"']
+    assert run_cli(capsys, "train", str(TINY), *set_args(sets))[0] == 0
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+
+    def no_weights(*a, **k):
+        raise AssertionError("weights were loaded")
+
+    monkeypatch.setattr(pretrained, "load_single", no_weights)
+    ckpt = run / "checkpoints" / "step_00000001"
+    for extra, named in (
+            (["model.preset=lingbot-va-5b"], "model.preset is 'lingbot-va-tiny' there and 'lingbot-va-5b' now"),
+            ([f'model.pretrained="{tmp_path / "wider"}"'],
+             "model.attention_head_dim is 24 there and 32 now (model.pretrained)"),
+            (["model.family=wanva", "model.preset=small", 'model.pretrained=""'],
+             "model.family is 'lingbot-va' there and 'wanva' now; model.preset is 'lingbot-va-tiny' there and "
+             "'small' now")):
+        code, err = run_cli(capsys, "train", str(TINY), *set_args([*sets, "schedule.steps=2", *extra]))
+        assert code == 2 and err.count("\n") == 1, err
+        assert err.startswith(f"flexpack train: error: cannot resume from {ckpt}: its model has another shape or "
+                              f"family ({named}); its weights are of its own model"), err
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+    monkeypatch.undo()
+    code, err = run_cli(capsys, "train", str(TINY), *set_args([*sets, "schedule.steps=2"]))
+    assert code == 0 and json.loads((run / "checkpoints" / "step_00000002" / "train_state.json").read_text())[
+        "step"] == 2, err
