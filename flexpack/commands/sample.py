@@ -109,6 +109,7 @@ def load_weights(cfg: TrainConfig, source: str | Path, *, ema: bool = False
     from flexpack.models.wan_config import check_action_positions
     from flexpack.run.checks import check_state_shapes
     from flexpack.run.state import checkpoint
+    from flexpack.run.state.finite import check_finite
     from flexpack.run.state.locate import load_newest
     from flexpack.run.state.resume import saved_stats
 
@@ -121,6 +122,7 @@ def load_weights(cfg: TrainConfig, source: str | Path, *, ema: bool = False
         folder = path / "ema" if ema else path
         if ema and not folder.is_dir():
             raise ValueError(f"{path}: --ema but the export has no ema/ folder (exported without --ema)")
+        check_export_files(path, folder)
         if (path / "action_stream.json").is_file():  # the diffusers format
             from flexpack.tools.export import load_export
 
@@ -129,6 +131,8 @@ def load_weights(cfg: TrainConfig, source: str | Path, *, ema: bool = False
         else:  # another format: the family reads its own checkpoints (lingbot-va: a LeRobot policy folder)
             loaded = cfg.model.model_family().load_checkpoint(str(folder), cfg.model.resolved())
         check_state_shapes(folder, loaded.state_dict(), model)
+        check_finite(loaded.state_dict(), str(folder), "it cannot sample: export the run again from an intact "
+                     "checkpoint")
         model.load_state_dict(loaded.state_dict())
         norm = path / "normalization.json"
         return model, ActionStats.from_json(json.loads(norm.read_text()), str(norm)), str(folder)
@@ -150,6 +154,21 @@ def load_weights(cfg: TrainConfig, source: str | Path, *, ema: bool = False
     if len(tried) > 1 or (found.parent.name == "checkpoints" and found.name != newest):  # name what it fell back to
         print(f"sample: checkpoint {found} (step {int(state['step'])})", file=sys.stderr)
     return model, saved_stats(state, found / "train_state.json"), str(found)
+
+
+def check_export_files(path: Path, folder: Path) -> None:
+    """Every JSON and safetensors file of an export (``folder``: it, or its ``ema/``) reads, or one line naming the
+    first that does not (a copy cut short, a file overwritten), before any weights load."""
+    from flexpack.run.pretrained import check_headers
+
+    for f in sorted({*path.glob("*.json"), *folder.glob("*.json")}):
+        try:
+            json.loads(f.read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{f}: not readable as JSON ({exc}); the export is damaged: export the run "
+                             "again") from None
+    check_headers([str(f) for f in sorted(folder.glob("*.safetensors"))], "the export is damaged (cut short?): "
+                  "export the run again")
 
 
 def _default_out(source: Path, label: str, mode: str) -> Path:
@@ -230,6 +249,8 @@ def run(args: argparse.Namespace) -> int:
                     seed=args.seed, samples=args.samples, min_context=args.min_context,
                     foreign_history=args.foreign_history)
     context_chunk(cfg)  # a one-σ-per-episode model fails here, before any loading
+    if (Path(source) / "flexpack_config.json").is_file():  # a damaged export fails before the dataset is read
+        check_export_files(Path(source), Path(source) / ("ema" if args.ema else ""))
     steps = solver_steps(cfg, args.steps)
     val = args.val or (args.episodes is None and bool(cfg.data.val_fraction or cfg.data.val_episodes))
     dataset = dataset_for(cfg, args.episodes, val=val)
