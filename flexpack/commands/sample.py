@@ -132,7 +132,7 @@ def load_weights(cfg: TrainConfig, source: str | Path, *, ema: bool = False
             loaded = cfg.model.model_family().load_checkpoint(str(folder), cfg.model.resolved())
         check_state_shapes(folder, loaded.state_dict(), model)
         check_finite(loaded.state_dict(), str(folder), "it cannot sample: export the run again from an intact "
-                     "checkpoint")
+                     "checkpoint", collective=False)
         model.load_state_dict(loaded.state_dict())
         norm = path / "normalization.json"
         return model, ActionStats.from_json(json.loads(norm.read_text()), str(norm)), str(folder)

@@ -330,7 +330,7 @@ def read_tensors(path: str | os.PathLike, part: str = "model") -> dict[str, torc
     state = {part: {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in shapes.items()}}
     with _quiet():
         load_state(state, Path(path) / "state")
-    check_finite(state, str(path), NONFINITE)
+    check_finite(state, str(path), NONFINITE, collective=False)  # full tensors, read by one process or each alike
     return state[part]
 
 

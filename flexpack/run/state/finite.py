@@ -44,12 +44,13 @@ def first_nonfinite(tensors: Mapping[str, Any]) -> tuple[str, str] | None:
     return None
 
 
-def check_finite(tensors: Mapping[str, Any], where: str, fix: str) -> None:
+def check_finite(tensors: Mapping[str, Any], where: str, fix: str, *, collective: bool = True) -> None:
     """ValueError ``"{where}: weight NAME holds ... ; {fix}"`` for the first non-finite tensor of ``tensors``.
-    Under several ranks each checks its shards and every rank raises or none (one that went on would wait
-    forever in its next collective); the name is the lowest rank's."""
+    ``collective`` (every rank calls it, each holding its shards): every rank raises or none (one that went on
+    would wait forever in its next collective), naming the lowest rank's; else (full tensors, the same on every
+    rank that reads them) each rank checks alone."""
     found = first_nonfinite(tensors)
-    if world()[1] > 1:
+    if collective and world()[1] > 1:
         seen: list[Any] = [None] * world()[1]
         dist.all_gather_object(seen, found)
         found = next((f for f in seen if f is not None), None)
