@@ -1,15 +1,16 @@
 """flexpack: packed, variable-length robot episodes for video/VLA diffusion transformers.
 
-Three wings, each importing only downwards:
+The package is a stack of layers, each importing only downwards (docs/ARCHITECTURE.md):
 
     packing/    samplers, bin packing, collates, the sequence layout, waste stats (every user)
     attention/  mask_mods, block masks, ``FlexAttnFunc`` (any model; needs only the layout types)
-    training/   config, build, train loop, objective, noise, parallelism, checkpoints, profiling, metrics, verify
+    models/     the model families (WanVA, LingBot-VA); data/: LeRobot datasets, latent and text caches
+    run/        config, the composition root, pretrained weights, run state (checkpoints, resume)
+    training/   loop, step, validation; sampling/: solvers, metrics, media; tools/: export, verify
 
-beside ``data/`` (LeRobot datasets, latent and text caches, encoders) and ``models/`` (the Wan
-DiT). ``flexpack.atomic``, ``flexpack.errors`` and the command line stay at the top. The names users write most are
-re-exported here and imported on first use, so ``import flexpack`` stays cheap and never
-imports lerobot (``flexpack.data`` imports it lazily).
+``flexpack.atomic``, ``flexpack.errors`` and the command line stay at the top. The names users write most
+(:data:`__all__`) are re-exported here and imported on first use, so ``import flexpack`` stays cheap and
+never imports lerobot (``flexpack.data`` imports it lazily).
 """
 
 from __future__ import annotations
@@ -19,20 +20,46 @@ from typing import Any
 
 __version__ = "0.1.0"
 
+# the public names: what users import from flexpack (a name moved elsewhere keeps its old path for one minor
+# version with a DeprecationWarning; CHANGELOG.md lists each move)
+__all__ = [
+    "Batch",
+    "FlexAttnFunc",
+    "LatentEpisodeDataset",
+    "LengthBucketBatchSampler",
+    "LingbotConfig",
+    "LingbotVA",
+    "PackCollate",
+    "PadCollate",
+    "SequenceLayout",
+    "TokenBudgetBatchSampler",
+    "TokenLayout",
+    "TrainConfig",
+    "WanVA",
+    "WanVAConfig",
+    "load_config",
+    "train",
+]
+
+# name -> the module that defines it, imported on first use
 _LAZY = {
-    "LengthBucketBatchSampler": "flexpack.packing.batch_sampler",
-    "TokenBudgetBatchSampler": "flexpack.packing.batch_sampler",
-    "PadCollate": "flexpack.packing.collate",
-    "PackCollate": "flexpack.packing.collate",
     "Batch": "flexpack.packing.collate",
-    "SequenceLayout": "flexpack.packing.layout",
-    "TokenLayout": "flexpack.packing.layout",
     "FlexAttnFunc": "flexpack.attention.flex",
+    "LatentEpisodeDataset": "flexpack.data",
+    "LengthBucketBatchSampler": "flexpack.packing.batch_sampler",
+    "LingbotConfig": "flexpack.models.lingbot_config",
+    "LingbotVA": "flexpack.models.lingbot",
+    "PackCollate": "flexpack.packing.collate",
+    "PadCollate": "flexpack.packing.collate",
+    "SequenceLayout": "flexpack.packing.layout",
+    "TokenBudgetBatchSampler": "flexpack.packing.batch_sampler",
+    "TokenLayout": "flexpack.packing.layout",
+    "TrainConfig": "flexpack.run.config",
     "WanVA": "flexpack.models.wan",
     "WanVAConfig": "flexpack.models.wan_config",
+    "load_config": "flexpack.run.config",
+    "train": "flexpack.training.loop",
 }
-
-__all__ = sorted(_LAZY)
 
 
 def __getattr__(name: str) -> Any:

@@ -81,3 +81,27 @@ def torchrun_worker(worker: str, *args: str | Path, cwd: Path, ranks: int = 2) -
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=cwd)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
+
+
+def save_policy(path: Path, seed: int = 0, **kw: Any) -> Any:
+    """A tiny LeRobot lingbot_va policy of the demo data's shape (the lingbot-va-tiny preset's, ``kw`` changing its
+    fields), every tensor moved off its init (LeRobot zero-inits some, so a load is checked), saved with LeRobot's
+    save_pretrained; returns the policy."""
+    import torch
+    from lerobot.configs.types import FeatureType, PolicyFeature
+    from lerobot.policies.lingbot_va.configuration_lingbot_va import LingBotVAConfig
+    from lerobot.policies.lingbot_va.modeling_lingbot_va import LingBotVAPolicy
+
+    fields = dict(num_attention_heads=2, attention_head_dim=32, text_dim=64, freq_dim=32, ffn_dim=128, num_layers=2,
+                  used_action_channel_ids=list(range(6)), obs_cam_keys=["observation.images.cam0"], dtype="float32",
+                  device="cpu", snr_shift=4.0)
+    fields.update(kw)
+    torch.manual_seed(seed)
+    cfg = LingBotVAConfig(input_features={"observation.images.cam0": PolicyFeature(type=FeatureType.VISUAL,
+                                                                                  shape=(3, 32, 32))}, **fields)
+    policy = LingBotVAPolicy(cfg)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    policy.save_pretrained(path)
+    return policy

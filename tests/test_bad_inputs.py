@@ -3,6 +3,7 @@ config key, file, episode or value (and where a value came from); tracebacks onl
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -15,6 +16,7 @@ import torch
 
 from flexpack.cli import main
 from flexpack.run.config import load_config
+from flexpack.run.state.manifest import describe
 from helpers import run_cli, set_args, tiny_sets
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -258,11 +260,26 @@ def test_checkpoint_of_another_model_shape_is_one_line(capsys, tiny_dataset, tra
     assert code == 2 and len(err.strip().splitlines()) == 1
     ckpt = tmp_path / "run" / "checkpoints" / "step_00000001"
     assert line.startswith(f"flexpack train: error: cannot resume from {ckpt}: its model has another shape")
-    assert "(70 tensors differ, e.g. " in line and "model.overrides.dim is None there and 32 now" in line
+    assert "(model.dim is 256 there and 32 now (model.overrides.dim))" in line  # before any weights load
+    # a checkpoint written before the model record: its shape as model.overrides set it, then tensor by tensor
+    state = json.loads((ckpt / "train_state.json").read_text())
+    del state["extra"]["model_config"]
+    (ckpt / "train_state.json").write_text(json.dumps(state))
+    body = json.loads((ckpt / "manifest.json").read_text())
+    for key, value in describe(ckpt, ["train_state.json"]).items():
+        body[key].update(value)
+    (ckpt / "manifest.json").write_text(json.dumps(body))
+    code, err = run_cli(capsys, *train_args(tiny_dataset, tmp_path / "run", "schedule.steps=3",
+                                            "model.overrides.dim=32"))
+    line = one_error_line(err, "train")
+    assert code == 2 and "(model.overrides.dim is None there and 32 now)" in line
     code, err = run_cli(capsys, "verify", str(TINY), "--set", f'data.root="{tiny_dataset}"', "--set",
                         "model.overrides.num_layers=1", "--checkpoint", str(tmp_path / "run"))
     line = one_error_line(err, "verify")  # refused before any weight is read: not the model that was trained
     assert code == 2 and "disagrees with what" in line and "num_layers = 1, trained 2" in line
+    code, err = run_cli(capsys, *train_args(tiny_dataset, tmp_path / "run", "schedule.steps=3",
+                                            "model.overrides.rope_theta=500.0"))  # shapes no tensor: resumes
+    assert code == 0, err
 
 
 @pytest.mark.parametrize("tol", ["-1", "0", "nan"])

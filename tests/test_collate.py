@@ -145,7 +145,8 @@ def test_bad_items_name_the_episode():
 def test_batch_to_moves_layout():
     b = PackCollate(30)(ITEMS).to("meta")
     assert b.latent.device.type == "meta" and b.layout.frame_doc.device.type == "meta"
-    assert {f.name for f in dataclasses.fields(b)} == {"latent", "action", "action_mask", "text", "layout"}
+    assert {f.name for f in dataclasses.fields(b)} == {"latent", "action", "action_mask", "text", "layout",
+                                                       "tokens_per_frame"}
 
 
 def _hf_items(frames: list[int]) -> list[dict]:

@@ -162,10 +162,12 @@ def test_top_level_reexports():
 # What a sub-package may import from the rest of its package (besides itself): the strongest rule the code
 # keeps. training/observe/ reads the config and measures, it never drives a step or holds run state;
 # run/state/ persists and restores a run from the config and the shape checks, and knows nothing of the
-# composition root, build or the data split.
+# composition root, build or the data split. training/runstate/ holds only the deprecated old paths of run/state/'s
+# modules (CHANGELOG.md): each reads its names from there, warning through training/deprecated.py.
 SUBPACKAGE_MAY_IMPORT = {
     "training/observe": {"flexpack.run.config"},
     "run/state": {"flexpack.run.config", "flexpack.run.checks"},
+    "training/runstate": {"flexpack.run.state", "flexpack.training.deprecated"},
 }
 
 

@@ -6,15 +6,12 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("lerobot.policies.lingbot_va", reason="the installed lerobot has no lingbot_va policy")
 
-from lerobot.configs.types import FeatureType, PolicyFeature  # noqa: E402
-from lerobot.policies.lingbot_va.configuration_lingbot_va import LingBotVAConfig  # noqa: E402
 from lerobot.policies.lingbot_va.modeling_lingbot_va import LingBotVAPolicy  # noqa: E402
 
 from flexpack.models.lingbot_convert import to_lerobot_state_dict  # noqa: E402
@@ -22,27 +19,10 @@ from flexpack.run.config import save_config  # noqa: E402
 from flexpack.run.model import build_model  # noqa: E402
 from flexpack.run.pretrained import load_pretrained  # noqa: E402
 from flexpack.training.loop import train  # noqa: E402
-from helpers import TINY, run_cli, set_args, tiny_config, tiny_sets, torchrun_worker  # noqa: E402
+from helpers import TINY, run_cli, save_policy, set_args, tiny_config, tiny_sets, torchrun_worker  # noqa: E402
 
 LINGBOT = ["model.family=lingbot-va", "model.preset=lingbot-va-tiny"]
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def save_policy(path: Path, seed: int = 0, **kw) -> LingBotVAPolicy:
-    """A tiny LeRobot lingbot_va policy of the demo data's shape, saved with LeRobot's save_pretrained."""
-    fields = dict(num_attention_heads=2, attention_head_dim=32, text_dim=64, freq_dim=32, ffn_dim=128, num_layers=2,
-                  used_action_channel_ids=list(range(6)), obs_cam_keys=["observation.images.cam0"], dtype="float32",
-                  device="cpu", snr_shift=4.0)
-    fields.update(kw)
-    torch.manual_seed(seed)
-    cfg = LingBotVAConfig(input_features={"observation.images.cam0": PolicyFeature(type=FeatureType.VISUAL,
-                                                                                  shape=(3, 32, 32))}, **fields)
-    policy = LingBotVAPolicy(cfg)
-    with torch.no_grad():  # every tensor off its init (LeRobot zero-inits some), so the load is checked
-        for p in policy.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    policy.save_pretrained(path)
-    return policy
 
 
 def assert_holds(model: torch.nn.Module, policy: LingBotVAPolicy) -> None:
@@ -148,3 +128,108 @@ def test_fsdp2_start_from_a_lerobot_policy(tiny_dataset, tmp_path) -> None:
     assert set(loaded) == set(single)
     for name, value in single.items():
         assert torch.equal(loaded[name], value), name
+
+
+def test_the_recorded_model_gives_the_shape_without_model_pretrained(tmp_path) -> None:
+    """A checkpoint's record (train_state.json extra.model_config) and an export's config.json give the model
+    config sample builds: the record's shape fields and checkpoint defaults over the preset, model.overrides
+    winning, model.pretrained cleared and not read; a checkpoint without a record has none."""
+    from flexpack.run.state.trained import MODEL_KEY, model_record, pinned, recorded_model
+
+    ckpt = tmp_path / "run" / "checkpoints" / "step_00000002"
+    ckpt.mkdir(parents=True)
+    (ckpt / "train_state.json").write_text(json.dumps({"step": 2, "extra": {}}))
+    assert recorded_model(tmp_path / "run") is None and recorded_model(ckpt) is None
+    cfg = tiny_config("unused", "unused", *LINGBOT, "model.overrides.num_inference_steps=3")
+    width = model_record(cfg.model.resolved()) | {"attention_head_dim": 24, "num_layers": 1, "ffn_dim": 96,
+                                                  "num_inference_steps": 9, "chunk_range": [2, 2]}
+    (ckpt / "train_state.json").write_text(json.dumps({"step": 2, "extra": {MODEL_KEY: width}}))
+    record = recorded_model(ckpt)
+    assert record.where == ckpt / "train_state.json" and record.fields == width
+    m = pinned(cfg, record).model.resolved()
+    assert (m.attention_head_dim, m.dim, m.num_layers, m.ffn_dim) == (24, 48, 1, 96)  # the preset's: 32, 64, 2, 128
+    assert m.num_inference_steps == 3  # model.overrides wins over the record
+    assert m.chunk_range == (1, 4)  # neither a shape field nor a checkpoint default: the config's own
+    assert pinned(cfg, record).model.pretrained == "" and pinned(cfg, None) is cfg
+    ours = tiny_config("unused", "unused", *LINGBOT, "model.overrides.ffn_dim=64")
+    assert pinned(ours, record).model.resolved().ffn_dim == 64  # a set shape field stays (sample's check names it)
+    # an export of the family's format: its config.json, read as model.pretrained's would be
+    policy = tmp_path / "export"
+    save_policy(policy, attention_head_dim=24, num_layers=1, guidance_scale=2.5)
+    (policy / "flexpack_config.json").write_text(json.dumps({"model": {"family": "lingbot-va"}}))
+    record = recorded_model(policy)
+    assert record.where == policy / "config.json" and record.fields["attention_head_dim"] == 24
+    assert record.fields["obs_cam_keys"] == ["observation.images.cam0"] and "chunk_range" not in record.fields
+    m = pinned(cfg, record).model.resolved()
+    assert (m.dim, m.num_layers, m.guidance_scale) == (48, 1, 2.5)  # the policy's guidance: a checkpoint default
+    (policy / "config.json").write_text("{")
+    with pytest.raises(ValueError, match=r"export/config.json: not readable as JSON"):
+        recorded_model(policy)
+
+
+def test_sample_a_run_fine_tuned_from_a_policy_of_another_width(tiny_dataset, tmp_path, capsys) -> None:
+    """A run fine-tuned from a LeRobot policy 48 wide (the lingbot-va-tiny preset: 64) samples, and so does its
+    export, in the policy's shape, after the policy folder has moved away: the weights are the checkpoint's, the
+    run and the export give the same numbers; a --set of a shape field is still refused as another model."""
+    from flexpack.commands.sample import load_trained, load_weights
+    from flexpack.run.state import checkpoint
+
+    save_policy(tmp_path / "policy", attention_head_dim=24)
+    run = tmp_path / "run"
+    sets = [*tiny_sets(tiny_dataset, run, "schedule.steps=2"), *LINGBOT, f'model.pretrained="{tmp_path / "policy"}"']
+    code, err = run_cli(capsys, "train", str(TINY), *set_args(sets))
+    assert code == 0, err
+    assert run_cli(capsys, "export", str(run), str(tmp_path / "export"))[0] == 0
+    (tmp_path / "policy").rename(tmp_path / "moved")  # the run and the export must not need it
+    fast = ["--horizon", "4", "--plots", "0", "--samples", "1", "--set", "model.overrides.num_inference_steps=2",
+            "--set", "model.overrides.action_num_inference_steps=2"]
+    trained = checkpoint.read_tensors(checkpoint.latest(run / "checkpoints"))
+    got = {}
+    for name in ("run", "export"):
+        code, err = run_cli(capsys, "sample", str(tmp_path / name), "--out", str(tmp_path / f"s-{name}"), *fast)
+        assert code == 0, err
+        got[name] = json.loads((tmp_path / f"s-{name}" / "metrics.json").read_text())
+        model, _, _ = load_weights(load_trained(tmp_path / name, (), tmp_path / name), tmp_path / name)
+        assert (model.family_config.attention_head_dim, model.config.dim) == (24, 48)
+        assert all(torch.equal(v, trained[k]) for k, v in model.state_dict().items()), name
+    assert got["run"]["pairs"] == 2 and got["export"]["action_mse"] == pytest.approx(got["run"]["action_mse"], rel=1e-6)
+    assert got["export"]["latent_mse"] == pytest.approx(got["run"]["latent_mse"], rel=1e-6)
+    code, err = run_cli(capsys, "sample", str(run), "--set", "model.overrides.attention_head_dim=32", *fast)
+    assert code == 2 and "model.attention_head_dim = 32, trained 24" in err and err.count("\n") == 1, err
+
+
+def test_a_resume_of_another_model_is_refused_before_any_weights_load(tiny_dataset, tmp_path, capsys,
+                                                                       monkeypatch) -> None:
+    """Resuming a run fine-tuned from a policy with another preset, another model.pretrained shape or another
+    family is one line naming the key, the checkpoint's value and the new one; no weights are read for it and
+    the run folder is left as it was. The same config resumes."""
+    from flexpack.run import pretrained
+
+    save_policy(tmp_path / "policy", attention_head_dim=24)
+    save_policy(tmp_path / "wider")  # the preset's width: 2 heads of 32
+    run = tmp_path / "run"
+    sets = [*tiny_sets(tiny_dataset, run, "schedule.steps=1"), *LINGBOT, f'model.pretrained="{tmp_path / "policy"}"']
+    assert run_cli(capsys, "train", str(TINY), *set_args(sets))[0] == 0
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+
+    def no_weights(*a, **k):
+        raise AssertionError("weights were loaded")
+
+    monkeypatch.setattr(pretrained, "load_single", no_weights)
+    ckpt = run / "checkpoints" / "step_00000001"
+    for extra, named in (
+            (["model.preset=lingbot-va-5b"], "model.preset is 'lingbot-va-tiny' there and 'lingbot-va-5b' now"),
+            ([f'model.pretrained="{tmp_path / "wider"}"'],
+             "model.attention_head_dim is 24 there and 32 now (model.pretrained)"),
+            (["model.family=wanva", "model.preset=small", 'model.pretrained=""'],
+             "model.family is 'lingbot-va' there and 'wanva' now; model.preset is 'lingbot-va-tiny' there and "
+             "'small' now")):
+        code, err = run_cli(capsys, "train", str(TINY), *set_args([*sets, "schedule.steps=2", *extra]))
+        assert code == 2 and err.count("\n") == 1, err
+        assert err.startswith(f"flexpack train: error: cannot resume from {ckpt}: its model has another shape or "
+                              f"family ({named}); its weights are of its own model"), err
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+    monkeypatch.undo()
+    code, err = run_cli(capsys, "train", str(TINY), *set_args([*sets, "schedule.steps=2"]))
+    assert code == 0 and json.loads((run / "checkpoints" / "step_00000002" / "train_state.json").read_text())[
+        "step"] == 2, err

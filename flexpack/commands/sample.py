@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import replace
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -101,24 +101,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def load_weights(cfg: TrainConfig, source: str | Path, *, ema: bool = False
                  ) -> tuple[nn.Module, ActionStats | None, str]:
     """The config's model with the weights of a run / checkpoint / export folder; returns
-    (model, the action statistics it was trained with or None, a label naming the weights)."""
+    (model, the action statistics it was trained with or None, a label naming the weights). The model is of the
+    shape ``cfg`` resolves to (:func:`load_trained`: the one the weights record); ``model.pretrained`` is not read."""
+    import torch
+
     from flexpack.data.normalization import ActionStats
     from flexpack.models.wan_config import check_action_positions
     from flexpack.run.checks import check_state_shapes
-    from flexpack.run.model import build_model
     from flexpack.run.state import checkpoint
+    from flexpack.run.state.finite import check_finite
     from flexpack.run.state.locate import load_newest
     from flexpack.run.state.resume import saved_stats
 
     path = Path(source)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such run, checkpoint or export folder")
-    cfg = replace(cfg, model=replace(cfg.model, pretrained=""))  # the weights come from the checkpoint
-    model = build_model(cfg)
+    torch.manual_seed(cfg.runtime.seed)
+    model = cfg.model.model_family().build(cfg.model.resolved())  # its init is replaced by the weights below
     if (path / "flexpack_config.json").is_file():  # an export folder
         folder = path / "ema" if ema else path
         if ema and not folder.is_dir():
             raise ValueError(f"{path}: --ema but the export has no ema/ folder (exported without --ema)")
+        check_export_files(path, folder)
         if (path / "action_stream.json").is_file():  # the diffusers format
             from flexpack.tools.export import load_export
 
@@ -127,6 +131,8 @@ def load_weights(cfg: TrainConfig, source: str | Path, *, ema: bool = False
         else:  # another format: the family reads its own checkpoints (lingbot-va: a LeRobot policy folder)
             loaded = cfg.model.model_family().load_checkpoint(str(folder), cfg.model.resolved())
         check_state_shapes(folder, loaded.state_dict(), model)
+        check_finite(loaded.state_dict(), str(folder), "it cannot sample: export the run again from an intact "
+                     "checkpoint", collective=False)
         model.load_state_dict(loaded.state_dict())
         norm = path / "normalization.json"
         return model, ActionStats.from_json(json.loads(norm.read_text()), str(norm)), str(folder)
@@ -148,6 +154,21 @@ def load_weights(cfg: TrainConfig, source: str | Path, *, ema: bool = False
     if len(tried) > 1 or (found.parent.name == "checkpoints" and found.name != newest):  # name what it fell back to
         print(f"sample: checkpoint {found} (step {int(state['step'])})", file=sys.stderr)
     return model, saved_stats(state, found / "train_state.json"), str(found)
+
+
+def check_export_files(path: Path, folder: Path) -> None:
+    """Every JSON and safetensors file of an export (``folder``: it, or its ``ema/``) reads, or one line naming the
+    first that does not (a copy cut short, a file overwritten), before any weights load."""
+    from flexpack.run.pretrained import check_headers
+
+    for f in sorted({*path.glob("*.json"), *folder.glob("*.json")}):
+        try:
+            json.loads(f.read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{f}: not readable as JSON ({exc}); the export is damaged: export the run "
+                             "again") from None
+    check_headers([str(f) for f in sorted(folder.glob("*.safetensors"))], "the export is damaged (cut short?): "
+                  "export the run again")
 
 
 def _default_out(source: Path, label: str, mode: str) -> Path:
@@ -176,14 +197,26 @@ def check_flags(args: argparse.Namespace) -> None:
         check_count("--cut-points", c, 1, bounds.HORIZON, unit="latent frames of context")
 
 
+def load_trained(config: Path, overrides: Sequence[str], source: Path) -> TrainConfig:
+    """The config argument with ``--set`` ``overrides``, of the model the weights at ``source`` record
+    (:func:`~flexpack.run.state.trained.recorded_model`): a run fine-tuned from a checkpoint of another shape than
+    its preset samples in its own shape, and ``model.pretrained`` (which may have moved) is not read. Weights that
+    record no model (older checkpoints): the config as it resolves."""
+    from flexpack.run.state.trained import pinned, recorded_model
+
+    record = recorded_model(source)
+    if record is None:
+        return load(config, overrides)
+    return pinned(load(config, ['model.pretrained=""', *overrides]), record)
+
+
 def check_trained_config(cfg: TrainConfig, source: Path, given: str) -> None:
     """A config (or ``--set``) that disagrees with what the weights at ``source`` were trained with is one line:
     sampling it would build another model or mask around the weights (:mod:`flexpack.run.state.trained`)."""
-    from flexpack.run.config import load_config
     from flexpack.run.state.trained import check_trained, run_config
 
     trained = run_config(source)
-    check_trained(cfg, load_config(trained), given_from=given, trained_from=trained, command="sample")
+    check_trained(cfg, load_trained(trained, (), source), given_from=given, trained_from=trained, command="sample")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -208,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
     if args.checkpoint is None and not args.config.is_dir():
         raise ValueError(f"{args.config} is a config file: add --checkpoint RUN (a run, checkpoint or export folder) "
                          "for the weights")
-    cfg = load(args.config, args.overrides)
+    cfg = load_trained(args.config, args.overrides, Path(source))
     given = str(args.config) + (" with --set " + " ".join(args.overrides) if args.overrides else "")
     check_trained_config(cfg, Path(source), given)
     device = resolve_device(args.device or cfg.runtime.device)
@@ -216,6 +249,8 @@ def run(args: argparse.Namespace) -> int:
                     seed=args.seed, samples=args.samples, min_context=args.min_context,
                     foreign_history=args.foreign_history)
     context_chunk(cfg)  # a one-σ-per-episode model fails here, before any loading
+    if (Path(source) / "flexpack_config.json").is_file():  # a damaged export fails before the dataset is read
+        check_export_files(Path(source), Path(source) / ("ema" if args.ema else ""))
     steps = solver_steps(cfg, args.steps)
     val = args.val or (args.episodes is None and bool(cfg.data.val_fraction or cfg.data.val_episodes))
     dataset = dataset_for(cfg, args.episodes, val=val)

@@ -18,6 +18,7 @@ kind of layout, so the model cannot tell them apart.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping, Sequence
 
@@ -40,6 +41,8 @@ class Batch:
         action_mask: (R, Ca, Fr, A) bool or None — True where a real action value exists.
         text:        (E, L, Dt) or None, zero beyond each episode's ``text_len``.
         layout:      the :class:`SequenceLayout` (doc ids, positions, valid frames, text lengths).
+        tokens_per_frame: the model's tokens of one latent frame (video + action, one copy) as the
+                     collate knows them (:meth:`PackCollate.from_token_budget`), or None.
 
     HF-style callers get packing keys (``position_ids``, ``seq_idx``, ``cu_seq_lens_q/k``,
     ``max_length_q/k``) from the layout when they ask: :meth:`hf_packing_kwargs`.
@@ -50,6 +53,7 @@ class Batch:
     action_mask: Tensor | None
     text: Tensor | None
     layout: SequenceLayout
+    tokens_per_frame: int | None = None
 
     @property
     def valid_frames(self) -> Tensor:
@@ -68,10 +72,26 @@ class Batch:
     def text_len(self) -> Tensor:
         return self.layout.text_len
 
-    def hf_packing_kwargs(self, tokens_per_frame: int = 1) -> dict[str, Tensor | int]:
-        """HF-compatible packing keys of this batch's layout, counted in tokens of ``tokens_per_frame``
-        per latent frame (:func:`~flexpack.packing.layout.hf_packing_kwargs`; pack mode)."""
+    def hf_packing_kwargs(self, tokens_per_frame: int | None = None) -> dict[str, Tensor | int]:
+        """HF-compatible packing keys of this batch's layout, counted in tokens of ``tokens_per_frame`` per
+        latent frame (:func:`~flexpack.packing.layout.hf_packing_kwargs`; pack mode). Default: the tokens per
+        frame the collate recorded (:attr:`tokens_per_frame`); without a record, one per frame (the keys then
+        count latent frames, not the model's tokens), with a warning."""
+        if tokens_per_frame is None:
+            tokens_per_frame = self.tokens_per_frame
+        if tokens_per_frame is None:
+            warnings.warn("Batch.hf_packing_kwargs(): the batch records no tokens per frame (its collate was not "
+                          "made by PackCollate.from_token_budget), so the keys count latent frames; pass "
+                          "tokens_per_frame= to count the model's tokens", UserWarning, stacklevel=2)
+            tokens_per_frame = 1
         return hf_packing_kwargs(self.layout, tokens_per_frame)
+
+    @property
+    def extras(self) -> dict[str, Tensor | int]:
+        """Deprecated (goes in flexpack 0.3): :meth:`hf_packing_kwargs` (pack mode; ``{}`` in pad mode, as before)."""
+        warnings.warn("Batch.extras is deprecated (it goes in flexpack 0.3): use Batch.hf_packing_kwargs(), which "
+                      "counts the tokens per frame the collate recorded", DeprecationWarning, stacklevel=2)
+        return self.hf_packing_kwargs(self.tokens_per_frame or 1) if self.layout.mode == "pack" else {}
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
         """The batch on ``device``. To a GPU the layout always copies without blocking, from page-locked
@@ -216,21 +236,33 @@ class PackCollate:
 
     Every micro-batch has the same shape ``(1, C, frame_budget, H, W)``. Items that do not fit are
     an error naming them (the token-budget sampler never produces such a micro-batch); with
-    ``crop=True`` a single item longer than the budget is cut to it instead.
+    ``crop=True`` a single item longer than the budget is cut to it instead. A collate made by
+    :meth:`from_token_budget` records its tokens per frame in every batch (``Batch.tokens_per_frame``).
+    ``tokens_per_frame=`` here is deprecated (it goes in flexpack 0.3): use :meth:`from_token_budget`.
     """
 
-    def __init__(self, frame_budget: int, *, crop: bool = False) -> None:
+    def __init__(self, frame_budget: int, *, crop: bool = False, tokens_per_frame: int | None = None) -> None:
         if frame_budget <= 0:
             raise ValueError(f"frame_budget must be positive, got {frame_budget}")
+        if tokens_per_frame is not None:
+            warnings.warn("PackCollate(frame_budget, tokens_per_frame=...) is deprecated (it goes in flexpack 0.3): "
+                          "use PackCollate.from_token_budget(max_tokens, tokens_per_frame)", DeprecationWarning,
+                          stacklevel=2)
+            if tokens_per_frame <= 0:
+                raise ValueError(f"tokens_per_frame must be positive, got {tokens_per_frame}")
         self.frame_budget = frame_budget
         self.crop = crop
+        self.tokens_per_frame = tokens_per_frame
 
     @staticmethod
     def from_token_budget(max_tokens: int, tokens_per_frame: int, *, crop: bool = False) -> "PackCollate":
-        """The collate matching a token-budget sampler: ``frame_budget = max_tokens // tokens_per_frame``."""
+        """The collate matching a token-budget sampler: ``frame_budget = max_tokens // tokens_per_frame``; its
+        batches record ``tokens_per_frame`` (the unit of :meth:`Batch.hf_packing_kwargs`)."""
         if tokens_per_frame <= 0 or max_tokens < tokens_per_frame:
             raise ValueError(f"need 0 < tokens_per_frame <= max_tokens, got {tokens_per_frame}, {max_tokens}")
-        return PackCollate(frame_budget(max_tokens, tokens_per_frame), crop=crop)
+        out = PackCollate(frame_budget(max_tokens, tokens_per_frame), crop=crop)
+        out.tokens_per_frame = tokens_per_frame
+        return out
 
     def __call__(self, items: Sequence[Item]) -> Batch:
         frames, has_action, has_text = _check_items(items)
@@ -247,4 +279,4 @@ class PackCollate:
             episode_index=[int(it.get("episode_index", -1)) for it in items], text_len=text_len, mode="pack",
             segment=_segments(items),
         )
-        return Batch(latent, action, mask, text, layout)
+        return Batch(latent, action, mask, text, layout, tokens_per_frame=self.tokens_per_frame)

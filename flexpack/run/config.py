@@ -22,7 +22,7 @@ import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from flexpack.atomic import atomic_path
 from flexpack.flow.objective import FlowMatchingConfig
@@ -214,6 +214,20 @@ class ModelConfig:
         :mod:`flexpack.run.root`)."""
         return self._resolved
 
+    def pinned(self, recorded: Mapping[str, Any], where: str) -> "ModelConfig":
+        """This model config of the shape trained weights record (``recorded``: field -> value, read from
+        ``where``) instead of ``model.pretrained``'s, which is cleared (the weights come from the checkpoint):
+        the record's shape fields and the family's checkpoint defaults it holds replace the preset's where
+        ``model.overrides`` does not set them, as model.pretrained's config.json does. A ``dataclasses.replace``
+        of the result resolves from the preset again."""
+        fam = self.model_family()
+        given, keep = fam.fields(self.overrides), (*fam.shape_fields, *fam.checkpoint_defaults)
+        out = copy.copy(self)
+        object.__setattr__(out, "pretrained", "")
+        base = out._resolve({k: v for k, v in recorded.items() if k in keep and k not in given}, where)
+        object.__setattr__(out, "_base", base)
+        object.__setattr__(out, "_resolved", base)
+        return out
 
     def with_objective(self, objective: Any) -> "ModelConfig":
         """This model config with the objective section applied to its resolved config where the family
@@ -227,7 +241,9 @@ class ModelConfig:
         object.__setattr__(out, "_resolved", fam.apply_objective(self._base, objective, overridden))
         return out
 
-    def _resolve(self) -> Any:
+    def _resolve(self, recorded: Mapping[str, Any] | None = None, where: str = "") -> Any:
+        """The preset with ``recorded`` (field -> value: :meth:`pinned`'s), then the overrides, then
+        ``model.pretrained``'s shape."""
         fam = self.model_family()
         known = fam.field_names()
         unknown = sorted(set(self.overrides) - known)
@@ -235,8 +251,9 @@ class ModelConfig:
             raise ValueError(f"model.overrides has unknown {fam.config_class.__name__} fields {unknown} "
                              f"(known: {sorted(known)})")
         hints = typing.get_type_hints(fam.config_class)
-        kw = {k: check_type(v, fam.override_type(k, hints), f"model.overrides.{k}")
-              for k, v in self.overrides.items()}
+        kw = {k: check_type(v, hints[k], f"{where}: {k}") for k, v in (recorded or {}).items()}
+        kw.update({k: check_type(v, fam.override_type(k, hints), f"model.overrides.{k}")
+                   for k, v in self.overrides.items()})
         prefix = f"{fam.config_class.__name__}."
         try:
             wc = fam.config(self.preset, **kw)

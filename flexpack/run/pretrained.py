@@ -37,6 +37,7 @@ from torch import nn
 
 from flexpack.models.registry import ModelFamily, ModelShape
 from flexpack.parallel.parallelize import plain_name
+from flexpack.run.state.finite import first_nonfinite, nonfinite
 
 
 def transformer_path(path: str | os.PathLike) -> str:
@@ -56,9 +57,10 @@ def checkpoint_files(path: str | os.PathLike, family: ModelFamily) -> tuple[list
         raise FileNotFoundError(f"model.pretrained: {exc}") from None
 
 
-def _check_headers(files: list[str]) -> None:
-    """Each weight file opens as safetensors (its header only is read): garbage fails here, in one line
-    at config time, not deep in the model build after the data is loaded."""
+def check_headers(files: list[str], fix: str = "") -> None:
+    """Each weight file opens as safetensors (its header only is read, and the file must cover the tensors it
+    lists: a file cut short fails): garbage fails here, in one line, not deep in a model build after the data
+    is loaded. ``fix``: what to do, appended to the message."""
     from safetensors import safe_open
 
     for fn in files:
@@ -67,7 +69,7 @@ def _check_headers(files: list[str]) -> None:
                 f.keys()
         except Exception as exc:  # SafetensorError is no ValueError; every failure here is the file's
             why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise ValueError(f"{fn}: not a readable safetensors file ({why})") from None
+            raise ValueError(f"{fn}: not a readable safetensors file ({why})" + (f"; {fix}" if fix else "")) from None
 
 
 def pretrained_config(path: str, base: Any, overrides: Mapping[str, Any], family: ModelFamily) -> Any:
@@ -75,7 +77,7 @@ def pretrained_config(path: str, base: Any, overrides: Mapping[str, Any], family
     from dataclasses import replace
 
     files, cfg_path = checkpoint_files(path, family)
-    _check_headers(files)
+    check_headers(files)
     if cfg_path is None or family.read_checkpoint_config is None:
         return base  # a bare .safetensors file: the config's shape, checked against every tensor on load
     raw = json.loads(Path(cfg_path).read_text())
@@ -96,13 +98,37 @@ def pretrained_config(path: str, base: Any, overrides: Mapping[str, Any], family
     return replace(base, **{name: getattr(ckpt, name) for name in family.shape_fields}, **kept)
 
 
+def _nonfinite_weight(path: str, fn: str, key: str, what: str) -> ValueError:
+    return ValueError(f"model.pretrained = {path!r}: {fn}: weight {key!r} holds non-finite values ({what}); the "
+                      "checkpoint itself is damaged (training from it fails at its first step, whatever the "
+                      "learning rate): use an intact copy")
+
+
+def _check_finite_weights(path: str, family: ModelFamily, model: nn.Module) -> None:
+    """Name the checkpoint's first non-finite tensor (file and key) when the loaded ``model`` holds one: the
+    model is checked in memory, the files are read again only to name it."""
+    from safetensors import safe_open
+
+    found = first_nonfinite(dict(model.named_parameters()))
+    if found is None:
+        return
+    for fn in checkpoint_files(path, family)[0]:
+        with safe_open(fn, framework="pt") as f:
+            for key in f.keys():
+                what = nonfinite(f.get_tensor(key))
+                if what is not None:
+                    raise _nonfinite_weight(path, fn, key, what)
+    raise _nonfinite_weight(path, "the loaded model", found[0], found[1])  # not in a file: made so by the load
+
+
 def load_single(family: ModelFamily, path: str, model_cfg: ModelShape, seed: int) -> nn.Module:
     """The whole model in one process: float32 on the current default device (``model_cfg``: the family's
-    resolved model config, e.g. a ``WanVAConfig``)."""
+    resolved model config, e.g. a ``WanVAConfig``); a non-finite weight is named, before any step."""
     if family.load_checkpoint is None:
         raise ValueError(f"model.pretrained: the {family.name} family cannot load checkpoints")
     torch.manual_seed(seed)  # the fresh tensors' init (WanVA: the action stream)
     model = family.load_checkpoint(transformer_path(path), model_cfg)
+    _check_finite_weights(path, family, model)
     return model.to(device=torch.get_default_device(), dtype=torch.float32)
 
 
@@ -138,6 +164,9 @@ def load_pretrained(model: nn.Module, path: str, model_cfg: ModelShape, family: 
                 if conv is None or conv[0] not in params:
                     raise ValueError(f"{fn}: weight {key!r} has no counterpart in the model")
                 name, t = conv
+                what = nonfinite(t)  # every rank reads the whole tensor: all raise here, or none
+                if what is not None:
+                    raise _nonfinite_weight(path, fn, key, what)
                 if tuple(t.shape) != tuple(params[name].shape):
                     raise ValueError(f"{fn}: weight {key!r} has shape {tuple(t.shape)}, the model's {name} "
                                      f"{tuple(params[name].shape)}")

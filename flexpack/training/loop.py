@@ -47,7 +47,7 @@ from flexpack.run.config import TrainConfig
 from flexpack.run.cpu_threads import cpu_threads
 from flexpack.run.hooks import HookContext, HookFactory
 from flexpack.run.root import Run
-from flexpack.run.state import checkpoint, faults, resume, runfolder
+from flexpack.run.state import checkpoint, faults, resume, runfolder, trained
 from flexpack.training import resume_note
 from flexpack.training.ema import make_ema
 from flexpack.training.lr_schedule import lr_at
@@ -144,7 +144,8 @@ def _train(cfg: TrainConfig, found: Path | None, stop: faults.GracefulStop, stop
     saver = checkpoint.Checkpointer(folder / "checkpoints", keep=cfg.checkpoint.keep,
                                     async_save=cfg.checkpoint.async_save)
     stats = resume.normalizer_state(run.dataset)  # after a resume: the checkpoint's, which the weights learned under
-    extra = resume.stats_extra(stats)
+    # the model the weights are of, as resolved (flexpack sample builds it, a resume compares against it)
+    extra = {**resume.stats_extra(stats), trained.MODEL_KEY: trained.model_record(run.model_config)}
     context = HookContext(run=run, action_stats=stats)
     after = [h for h in (make(context) for make in hooks) if h is not None]  # built before the first step
 

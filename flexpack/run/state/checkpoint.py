@@ -58,9 +58,11 @@ from flexpack.models.wan_config import check_action_positions
 from flexpack.parallel.parallelize import world
 from flexpack.run.checks import check_state_shapes
 from flexpack.run.state import manifest, torch_file
+from flexpack.run.state.finite import check_finite
 from flexpack.run.state.manifest import MANIFEST, problem  # noqa: F401  (public here too)
 from flexpack.run.state.safeload import UnsafeCheckpointError, load_state, read_metadata_file
 
+NONFINITE = "no step or sample can use them: take an earlier checkpoint (move this step_* folder aside)"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 _TEMPORARY = re.compile(r"^\.(tmp|old|trash)-step_\d{8}")
 # what a checkpoint folder holds: a manifest-less step_* made only of these is a pruning cut short
@@ -328,6 +330,7 @@ def read_tensors(path: str | os.PathLike, part: str = "model") -> dict[str, torc
     state = {part: {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in shapes.items()}}
     with _quiet():
         load_state(state, Path(path) / "state")
+    check_finite(state, str(path), NONFINITE, collective=False)  # full tensors, read by one process or each alike
     return state[part]
 
 
@@ -374,6 +377,7 @@ def load(
     state = _state(model, optimizer, ema if has_ema else None)
     with _quiet():
         load_state(state, path / "state")
+    check_finite(state, str(path), NONFINITE)  # the first NaN / inf weight named, before any step or sample
     if ema is not None:
         ema.load_state_dict(state["ema"] if has_ema else None)
     if optimizer is None:

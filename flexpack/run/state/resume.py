@@ -8,7 +8,10 @@ What a resume can honour and what it cannot:
 - Another schedule, LR, logging or checkpoint setting: yes (recorded in ``config_history.jsonl``).
 - Another order of the epoch (``data.mode``, ``data.max_tokens``, ``data.seed``, ...): no — one
   line naming each value, the checkpoint's and the new one, and how to go on.
-- Another model shape: no — one line naming the differing ``model.*`` values.
+- Another model family, preset or shape: no — one line naming each key, the checkpoint's value and the new
+  one (:func:`check_model`, from the checkpoint's config and the model config it records, before any weights
+  load, ``model.pretrained``'s included); a checkpoint without that record is compared tensor by tensor
+  once the model is built (:func:`check_shapes`).
 
 The dataset's action normalization statistics are saved with each checkpoint; a resume keeps
 the checkpoint's (the weights learned under them) and warns if the dataset's have changed.
@@ -29,6 +32,7 @@ from flexpack.parallel.parallelize import world
 from flexpack.run.config import TrainConfig
 from flexpack.run.state import checkpoint
 from flexpack.run.state.runfolder import config_changes
+from flexpack.run.state.trained import MODEL_KEY, model_record
 
 if TYPE_CHECKING:
     from flexpack.data.dataset import LatentEpisodeDataset
@@ -62,6 +66,8 @@ def find(cfg: TrainConfig, rank: int = 0) -> Path | None:
     if found is not None and not cfg.checkpoint.resume:
         raise ValueError(f"{run}: holds checkpoint {found.name} but checkpoint.resume is false; "
                          "choose another runtime.out_dir (or set checkpoint.resume = true)")
+    if found is not None:
+        check_model(found, cfg)
     return found
 
 
@@ -86,6 +92,52 @@ def check_order(path: Path, saved: dict[str, Any] | None, cfg: TrainConfig) -> N
         fix = " ".join(f"--set data.{k}={json.dumps(a)}" for k, a, _ in diff)
         raise ValueError(f"cannot resume from {path}: {what} (the epoch's order depends on it); "
                          f"resume with {fix}, or train into a new runtime.out_dir")
+
+
+# fields that shape tensors though no checkpoint of the family decides them (WanVA's action stream)
+SHAPE_EXTRA = ("action_channels",)
+
+
+def _field(fam: Any, key: str) -> str:
+    """The model config field a ``model.overrides`` key sets (its own name, or the field of an alias)."""
+    alias = fam.aliases.get(key, key)
+    return alias if isinstance(alias, str) else alias.field
+
+
+def _set_by(cfg: TrainConfig, name: str) -> str:
+    """The config key that gives the resolved model field ``name`` its value now."""
+    fam = cfg.model.model_family()
+    for key in cfg.model.overrides:
+        if _field(fam, key) == name:
+            return f"model.overrides.{key}"
+    return "model.pretrained" if cfg.model.pretrained and name in fam.shape_fields else "model.preset"
+
+
+def check_model(path: Path, cfg: TrainConfig) -> None:
+    """Refuse, in one line and before any weights load, a resume whose model has another family, preset or
+    shape than the checkpoint's: each key with the checkpoint's value and the new one. The shape is the
+    resolved model config's (``model.pretrained``'s config.json included) against the one the checkpoint
+    records; a checkpoint written without that record compares the ``model.overrides`` of shape fields."""
+    saved = _saved_config(path)
+    model = (saved or {}).get("model") or {}
+    fam = cfg.model.model_family()
+    parts = [f"model.{k} is {model[k]!r} there and {getattr(cfg.model, k)!r} now" for k in ("family", "preset")
+             if k in model and model[k] != getattr(cfg.model, k)]
+    recorded = (json.loads((path / "train_state.json").read_text()).get("extra") or {}).get(MODEL_KEY)
+    if not parts and recorded is not None:
+        now = model_record(cfg.model.resolved())
+        names = [*fam.shape_fields, *(n for n in SHAPE_EXTRA if n in recorded and n not in fam.shape_fields)]
+        parts = [f"model.{n} is {recorded.get(n)!r} there and {now.get(n)!r} now ({_set_by(cfg, n)})"
+                 for n in names if recorded.get(n) != now.get(n)]
+    elif not parts:  # an older checkpoint: its shape fields as model.overrides set them
+        shape = set(fam.shape_fields) | set(SHAPE_EXTRA)
+        old, new = (dict(o) for o in (model.get("overrides") or {}, cfg.model.overrides))
+        parts = [f"model.overrides.{k} is {old.get(k)!r} there and {new.get(k)!r} now" for k in sorted(old | new)
+                 if old.get(k) != new.get(k) and _field(fam, k) in shape]
+    if parts:
+        raise ValueError(f"cannot resume from {path}: its model has another shape or family ({'; '.join(parts)}); "
+                         "its weights are of its own model: resume with the checkpoint's model values, or train "
+                         "into another runtime.out_dir")
 
 
 def check_shapes(path: Path, saved: dict[str, Any] | None, cfg: TrainConfig, model: torch.nn.Module) -> None:

@@ -1,7 +1,9 @@
 """What a run was trained with, against the config a command is given.
 
 :func:`run_config` finds the config a checkpoint was trained with (the one place export, verify and sample
-read it from).
+read it from); :func:`recorded_model` the model config its weights record, so a command builds the shape the
+weights have (a run fine-tuned from a checkpoint of another width than its preset) without reading
+``model.pretrained`` again (:func:`pinned`).
 
 ``verify --checkpoint RUN`` and ``sample --checkpoint RUN`` load a trained model; a config that describes
 another model, mask, objective or token geometry would check (or sample) something that was never trained.
@@ -13,9 +15,10 @@ to run (``data.root``, ``runtime`` to ``sample``, ``model.pretrained``, the atte
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from flexpack.errors import UserError
 from flexpack.run.state import checkpoint as ckpt
@@ -30,6 +33,7 @@ if TYPE_CHECKING:
 # which sampling and export check against the dataset's on their own.
 DATA_KEYS = ("cameras", "action_steps", "stride", "segments")
 HOW_TO_RUN = ("attn_backend", "activation_checkpointing")  # WanVAConfig fields that say how, not what
+MODEL_KEY = "model_config"  # train_state.json's extra: the resolved model config of the weights (model_record)
 
 
 def trained_values(cfg: TrainConfig) -> dict[str, Any]:
@@ -61,6 +65,17 @@ def check_trained(given: Any, trained: Any, *, given_from: str, trained_from: st
                     f"checks the trained model: leave the config out to use the run's own, or make it agree")
 
 
+def _folders(run: Path, checkpoint: str | os.PathLike | None, content: bool = False) -> tuple[Path, Path | None]:
+    """(the run folder, the checkpoint that says what it trained: ``checkpoint``, ``run`` itself when it is a
+    checkpoint folder, else the run's newest one, intact by sizes (``content``: and checksums), or None)."""
+    if (run / "train_state.json").is_file():  # a checkpoint folder itself
+        checkpoint = run if checkpoint is None else checkpoint
+        run = run.parent.parent if run.parent.name == "checkpoints" else run
+    if checkpoint is None:  # by default sizes only (a content check reads every shard)
+        checkpoint = ckpt.latest(run / "checkpoints", content=content)
+    return run, None if checkpoint is None else Path(checkpoint)
+
+
 def run_config(run: str | os.PathLike, checkpoint: str | os.PathLike | None = None) -> Path:
     """The config file that says what ``checkpoint`` (default: the run's newest intact one) was trained
     with: the checkpoint's own ``config.json`` (a run started over with another model keeps its first
@@ -70,13 +85,74 @@ def run_config(run: str | os.PathLike, checkpoint: str | os.PathLike | None = No
     run = Path(run)
     if (run / "flexpack_config.json").is_file():  # an export: its config.json is the diffusers one
         return run / "flexpack_config.json"
-    if (run / "train_state.json").is_file():  # a checkpoint folder itself
-        checkpoint = run if checkpoint is None else checkpoint
-        run = run.parent.parent if run.parent.name == "checkpoints" else run
-    if checkpoint is None:  # sizes only (a content check reads every shard); weights are checked where loaded
-        checkpoint = ckpt.latest(run / "checkpoints", content=False)
-    for folder in ((Path(checkpoint),) if checkpoint is not None else ()) + (run,):
+    run, checkpoint = _folders(run, checkpoint)
+    for folder in ((checkpoint,) if checkpoint is not None else ()) + (run,):
         if (folder / "config.json").is_file():
             return folder / "config.json"
     raise FileNotFoundError(f"{run}: no config.json in it{' nor in ' + str(checkpoint) if checkpoint else ''}; "
                             "not a flexpack run, checkpoint or export folder")
+
+
+class ModelRecord(NamedTuple):
+    """The model config trained weights record: ``fields`` (field -> value, as JSON has them) read from ``where``."""
+
+    fields: dict[str, Any]
+    where: Path
+
+
+def model_record(model_cfg: Any) -> dict[str, Any]:
+    """A resolved model config (a family's config dataclass) as a checkpoint records it (JSON values)."""
+    return json.loads(json.dumps(dataclasses.asdict(model_cfg)))
+
+
+def _json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: not readable as JSON ({exc})") from None
+
+
+def recorded_model(source: str | os.PathLike) -> ModelRecord | None:
+    """The model config the weights at ``source`` record: a checkpoint's (``train_state.json``'s
+    ``extra.model_config``, every field), a run folder's newest checkpoint's, or an export's (the diffusers
+    format: ``action_stream.json``'s ``wanva_config``; another format: its ``config.json`` as the family reads a
+    checkpoint's, the shape fields and the family's checkpoint defaults it holds). A run's checkpoint is its newest
+    intact one, as the weights are loaded. None for a checkpoint written before the record."""
+    from flexpack.models.registry import family
+
+    source = Path(source)
+    if (source / "flexpack_config.json").is_file():  # an export
+        stream = source / "action_stream.json"  # the diffusers format: its WanVA config whole
+        if stream.is_file():
+            return ModelRecord(dict(_json(stream)["wanva_config"]), stream)
+        fam = family(_json(source / "flexpack_config.json").get("model", {}).get("family", "wanva"))
+        if fam.read_checkpoint_config is None or fam.checkpoint_files is None:
+            return None
+        try:
+            _, found = fam.checkpoint_files(str(source))
+        except ValueError as exc:
+            raise ValueError(f"{source}: not an export of the {fam.name} family ({exc})") from None
+        if found is None:
+            return None
+        raw = _json(Path(found))
+        try:
+            read = fam.read_checkpoint_config(raw)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise ValueError(f"{found}: not a checkpoint config of the {fam.name} family: {exc}") from None
+        values = model_record(read)
+        names = [*fam.shape_fields, *(n for n in fam.checkpoint_defaults if n in raw)]
+        return ModelRecord({n: values[n] for n in names}, Path(found))
+    _, checkpoint = _folders(source, None, content=True)  # the one the weights come from (the check is cached)
+    if checkpoint is None or not (checkpoint / "train_state.json").is_file():
+        return None
+    where = checkpoint / "train_state.json"
+    found = (_json(where).get("extra") or {}).get(MODEL_KEY)
+    return None if found is None else ModelRecord(dict(found), where)
+
+
+def pinned(cfg: TrainConfig, record: ModelRecord | None) -> TrainConfig:
+    """``cfg`` of the model the weights record (:meth:`~flexpack.run.config.ModelConfig.pinned`), ``cfg`` itself
+    without a record."""
+    if record is None:
+        return cfg
+    return dataclasses.replace(cfg, model=cfg.model.pinned(record.fields, str(record.where)))
