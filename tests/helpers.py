@@ -38,12 +38,19 @@ def set_args(sets: list[str]) -> list[str]:
     return [arg for s in sets for arg in ("--set", s)]
 
 
-def run_cli(capsys, *argv: str) -> tuple[int, str]:
-    """(exit status, stderr) of ``flexpack ARGV``; argparse errors count as exit status 2 too."""
+def run_cli(capsys, *argv: str, keep_stdout: bool = False) -> tuple[int, str]:
+    """(exit status, stderr) of ``flexpack ARGV``; argparse errors count as exit status 2 too. ``keep_stdout``:
+    leave stdout in ``capsys`` for the caller to read (stderr is read either way)."""
     try:
         code = main(list(argv))
     except SystemExit as exc:
         code = exc.code
+    if keep_stdout:
+        import sys
+
+        out = capsys.readouterr()
+        sys.stdout.write(out.out)  # captured again, for the caller's capsys.readouterr()
+        return code, out.err
     return code, capsys.readouterr().err
 
 

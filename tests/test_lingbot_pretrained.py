@@ -64,11 +64,21 @@ def test_fine_tune_and_resume_from_a_lerobot_policy(tiny_dataset, tmp_path, caps
     assert (m.snr_shift, m.obs_cam_keys, m.used_action_channel_ids) == (4.0, ("observation.images.cam0",),
                                                                         tuple(range(6)))
     assert_holds(build_model(cfg), policy)
-    code, err = run_cli(capsys, "train", str(TINY), *set_args(sets))
+    code, err = run_cli(capsys, "train", str(TINY), *set_args(sets), keep_stdout=True)
     assert code == 0, err
+    # the start line names the weights, their shape and the tensors matched: every one of LeRobot's
+    out = capsys.readouterr().out
+    n = len(policy.state_dict())
+    assert (f"model.pretrained: {tmp_path / 'policy'} (1 safetensors file, shape from "
+            f"{tmp_path / 'policy' / 'config.json'}): dim 64 (2 heads x 32), 2 layers, ffn 128, 48 latent channels, "
+            f"text 64; ") in out
+    assert f"; {n} tensors matched the model by name and shape and were loaded, all {n} of the model's tensors " \
+           "came from it\n" in out
     full = [json.loads(x)["loss"] for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
     first = train(cfg, stop_after=1)
+    capsys.readouterr()
     second = train(cfg)
+    assert "model.pretrained:" not in capsys.readouterr().out  # a resume starts from its checkpoint, not from these
     assert (second.start_step, second.step) == (1, 3)
     assert first.losses + second.losses == pytest.approx(full, rel=1e-5)
 

@@ -154,5 +154,30 @@ def load_pretrained(model: nn.Module, path: str, model_cfg: ModelShape, family: 
         raise ValueError(f"load_pretrained cannot initialize buffer {name!r}")
 
 
+def loaded_note(path: str, model_cfg: ModelShape, family: ModelFamily, model: nn.Module) -> str:
+    """The start line of a run from ``model.pretrained`` (after a load, which is strict: every checkpoint tensor
+    filled a tensor of the model): the weights read, the shape they gave and how many tensors matched.
+    Counts come from the safetensors headers and the model's parameters (under FSDP2 their global shapes)."""
+    from safetensors import safe_open
+
+    files, cfg_path = checkpoint_files(path, family)
+    loaded = 0
+    for fn in files:
+        with safe_open(fn, framework="pt") as f:  # the header only
+            loaded += len(list(f.keys()))
+    params = [p for _, p in model.named_parameters()]
+    total, numel = len(params), sum(p.numel() for p in params)
+    fresh = total - loaded
+    shape = (f"dim {model_cfg.dim} ({model_cfg.num_heads} heads x {model_cfg.head_dim}), {model_cfg.num_layers} "
+             f"layers, ffn {model_cfg.ffn_dim}, {model_cfg.in_channels} latent channels, text {model_cfg.text_dim}; "
+             f"{numel / 1e6:,.2f}M parameters")
+    where = f"{len(files)} safetensors file{'s' if len(files) != 1 else ''}" + (
+        f", shape from {cfg_path}" if cfg_path else ", shape from the config (no config.json)")
+    rest = (f"all {total} of the model's tensors came from it" if fresh <= 0 else
+            f"{fresh} of the model's {total} tensors are not in it and start fresh (new to the {family.name} model)")
+    return (f"model.pretrained: {path} ({where}): {shape}; {loaded} tensors matched the model by name and shape "
+            f"and were loaded, {rest}")
+
+
 def is_meta(model: nn.Module) -> bool:
     return any(p.is_meta for p in model.parameters())
