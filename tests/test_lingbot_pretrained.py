@@ -106,9 +106,12 @@ def test_upstream_transformer_folder_and_the_streaming_loader(tmp_path) -> None:
     ("tensors", r"model.safetensors: tensor '[\w.]+' has shape \([\d, ]+\), the config needs \([\d, ]+\) "
                 r"\(a checkpoint of another width\?\)"),
     ("layout", r"camera_layout 'robotwin_tshape'; flexpack's latent cache joins cameras on width"),
-    ("cameras", r"the model joins cameras \['observation.images.image'\] on width in this order"),
-    ("columns", r"'action' has 6 columns, but model.overrides.used_action_channel_ids = \[0, 1, 2, 3, 4, 5, 6\] "
-                r"places 7: channel\(s\) \[6\] would have no column"),
+    ("cameras", r"camera \['observation.images.image'\] of obs_cam_keys = \['observation.images.image'\] \(from "
+                r"model.pretrained's config.json, .*/policy/config.json\) is not in the dataset, whose cameras are "
+                r"\['observation.images.cam0'\]"),
+    ("columns", r"'action' has 6 columns, but used_action_channel_ids = \[0, 1, 2, 3, 4, 5, 6\] \(from "
+                r"model.pretrained's config.json, .*/policy/config.json\) places 7: channel\(s\) \[6\] would have no "
+                r"column; set model.overrides.action_channels = 6"),
 ])
 def test_bad_checkpoints_are_one_line_and_exit_2(tiny_dataset, tmp_path, capsys, change, message) -> None:
     policy = tmp_path / "policy"

@@ -96,6 +96,23 @@ def pretrained_config(path: str, base: Any, overrides: Mapping[str, Any], family
     return replace(base, **{name: getattr(ckpt, name) for name in family.shape_fields}, **kept)
 
 
+def field_source(model: Any, name: str) -> str:
+    """Where the resolved model config's field ``name`` got its value, as a user finds it: the override that set
+    it (``model.overrides.KEY``, an alias included), ``model.pretrained``'s config.json (a shape field, or a
+    training field the checkpoint records), else the preset. ``model``: a :class:`~flexpack.run.config.ModelConfig`."""
+    fam = model.model_family()
+    for key in model.overrides:
+        alias = fam.aliases.get(key, key)
+        if (alias if isinstance(alias, str) else alias.field) == name:
+            return f"model.overrides.{key}"
+    if model.pretrained and fam.checkpoint_files is not None:
+        _, cfg_path = checkpoint_files(model.pretrained, fam)
+        if cfg_path is not None and (name in fam.shape_fields or (
+                name in fam.checkpoint_defaults and name in json.loads(Path(cfg_path).read_text()))):
+            return f"model.pretrained's config.json, {cfg_path}"
+    return f"model.preset = {model.preset!r}"
+
+
 def load_single(family: ModelFamily, path: str, model_cfg: ModelShape, seed: int) -> nn.Module:
     """The whole model in one process: float32 on the current default device (``model_cfg``: the family's
     resolved model config, e.g. a ``WanVAConfig``)."""
