@@ -27,6 +27,7 @@ from flexpack.run.state import checkpoint  # noqa: E402
 from flexpack.tools import export_lerobot  # noqa: E402
 from flexpack.training.loop import train  # noqa: E402
 from helpers import run_cli, tiny_config  # noqa: E402
+from lingbot_tiny import save_frozen_modules  # noqa: E402
 
 LINGBOT = ["model.family=lingbot-va", "model.preset=lingbot-va-tiny"]
 CAM = "observation.images.cam0"
@@ -217,28 +218,6 @@ def test_fields_cameras_and_statistics_lerobot_has_no_place_for(tiny_dataset, tm
                                                           "activation_checkpointing"))
     with pytest.raises(ValueError, match="LeRobot's lingbot_va config has no field 'noisy_cond_prob'"):
         export_lerobot.check_config(cfg)
-
-
-def save_frozen_modules(folder: Path, text_dim: int) -> Path:
-    """A local wan_pretrained_path: a tiny random Wan2.2-style VAE (48 latent channels, 16 pixels and 4 frames per
-    latent cell, patchified by 2 as Wan2.2's), a tiny random UMT5 encoder of width ``text_dim`` and a T5 tokenizer
-    built from a small vocabulary, in vae/, text_encoder/, tokenizer/ (nothing downloaded)."""
-    from diffusers import AutoencoderKLWan
-    from transformers import T5TokenizerFast, UMT5Config, UMT5EncoderModel
-
-    torch.manual_seed(0)
-    g = torch.Generator().manual_seed(1)
-    AutoencoderKLWan(base_dim=8, decoder_base_dim=8, z_dim=48, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
-                     temperal_downsample=[False, True, True], is_residual=True, in_channels=12, out_channels=12,
-                     patch_size=2, scale_factor_spatial=16, latents_mean=(torch.randn(48, generator=g) * 0.1).tolist(),
-                     latents_std=(1 + torch.rand(48, generator=g)).tolist()).save_pretrained(folder / "vae")
-    words = "pick up the red cube open drawer push button twice stack blue block on green one".split()
-    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)] + [(f"\u2581{w}", -1.0 - i) for i, w in enumerate(words)]
-    tok = T5TokenizerFast(vocab=vocab, extra_ids=0)
-    tok.save_pretrained(folder / "tokenizer")
-    UMT5EncoderModel(UMT5Config(vocab_size=len(vocab), d_model=text_dim, d_kv=16, d_ff=2 * text_dim, num_layers=1,
-                                num_heads=2)).save_pretrained(folder / "text_encoder")
-    return folder
 
 
 def test_lerobot_runs_the_export_end_to_end(lingbot_run, tmp_path, capsys) -> None:

@@ -6,15 +6,12 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("lerobot.policies.lingbot_va", reason="the installed lerobot has no lingbot_va policy")
 
-from lerobot.configs.types import FeatureType, PolicyFeature  # noqa: E402
-from lerobot.policies.lingbot_va.configuration_lingbot_va import LingBotVAConfig  # noqa: E402
 from lerobot.policies.lingbot_va.modeling_lingbot_va import LingBotVAPolicy  # noqa: E402
 
 from flexpack.models.lingbot_convert import to_lerobot_state_dict  # noqa: E402
@@ -23,26 +20,10 @@ from flexpack.run.model import build_model  # noqa: E402
 from flexpack.run.pretrained import load_pretrained  # noqa: E402
 from flexpack.training.loop import train  # noqa: E402
 from helpers import TINY, run_cli, set_args, tiny_config, tiny_sets, torchrun_worker  # noqa: E402
+from lingbot_tiny import save_policy  # noqa: E402
 
 LINGBOT = ["model.family=lingbot-va", "model.preset=lingbot-va-tiny"]
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def save_policy(path: Path, seed: int = 0, **kw) -> LingBotVAPolicy:
-    """A tiny LeRobot lingbot_va policy of the demo data's shape, saved with LeRobot's save_pretrained."""
-    fields = dict(num_attention_heads=2, attention_head_dim=32, text_dim=64, freq_dim=32, ffn_dim=128, num_layers=2,
-                  used_action_channel_ids=list(range(6)), obs_cam_keys=["observation.images.cam0"], dtype="float32",
-                  device="cpu", snr_shift=4.0)
-    fields.update(kw)
-    torch.manual_seed(seed)
-    cfg = LingBotVAConfig(input_features={"observation.images.cam0": PolicyFeature(type=FeatureType.VISUAL,
-                                                                                  shape=(3, 32, 32))}, **fields)
-    policy = LingBotVAPolicy(cfg)
-    with torch.no_grad():  # every tensor off its init (LeRobot zero-inits some), so the load is checked
-        for p in policy.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    policy.save_pretrained(path)
-    return policy
 
 
 def assert_holds(model: torch.nn.Module, policy: LingBotVAPolicy) -> None:
