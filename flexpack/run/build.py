@@ -65,16 +65,19 @@ def check_conventions(cfg: TrainConfig, conv: DataConventions) -> list[str] | No
     cameras = list(cfg.data.cameras) if cfg.data.cameras else None
     if conv.cameras:
         keys = src.video_keys
-        field = f"{conv.cameras_field} = {list(conv.cameras)} (from {field_source(cfg.model, conv.cameras_field)})"
+
+        def field() -> str:  # read only for an error: model.pretrained's config.json may be opened
+            return f"{conv.cameras_field} = {list(conv.cameras)} (from {field_source(cfg.model, conv.cameras_field)})"
+
         absent = [c for c in conv.cameras if c not in keys]
         if absent:
-            raise ValueError(f"{src.info_file}: camera{'s' if len(absent) > 1 else ''} {absent} of {field} "
+            raise ValueError(f"{src.info_file}: camera{'s' if len(absent) > 1 else ''} {absent} of {field()} "
                              f"{'are' if len(absent) > 1 else 'is'} not in the dataset, whose cameras are {keys}; "
                              "train on a dataset with those cameras (the model joins them on width in this order) or "
                              f"set model.overrides.{conv.cameras_field} to cameras of this one")
         chosen = resolve_cameras(keys, cameras, src.info_file) if cameras else list(conv.cameras)
         if chosen != list(conv.cameras):
-            raise ValueError(f"{src.info_file}: the model joins cameras on width in the order of {field}, but "
+            raise ValueError(f"{src.info_file}: the model joins cameras on width in the order of {field()}, but "
                              f"data.cameras = {chosen}; drop data.cameras or set it to that list")
         cameras = chosen
     return cameras
