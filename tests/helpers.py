@@ -38,12 +38,19 @@ def set_args(sets: list[str]) -> list[str]:
     return [arg for s in sets for arg in ("--set", s)]
 
 
-def run_cli(capsys, *argv: str) -> tuple[int, str]:
-    """(exit status, stderr) of ``flexpack ARGV``; argparse errors count as exit status 2 too."""
+def run_cli(capsys, *argv: str, keep_stdout: bool = False) -> tuple[int, str]:
+    """(exit status, stderr) of ``flexpack ARGV``; argparse errors count as exit status 2 too. ``keep_stdout``:
+    leave stdout in ``capsys`` for the caller to read (stderr is read either way)."""
     try:
         code = main(list(argv))
     except SystemExit as exc:
         code = exc.code
+    if keep_stdout:
+        import sys
+
+        out = capsys.readouterr()
+        sys.stdout.write(out.out)  # captured again, for the caller's capsys.readouterr()
+        return code, out.err
     return code, capsys.readouterr().err
 
 
@@ -84,24 +91,8 @@ def torchrun_worker(worker: str, *args: str | Path, cwd: Path, ranks: int = 2) -
 
 
 def save_policy(path: Path, seed: int = 0, **kw: Any) -> Any:
-    """A tiny LeRobot lingbot_va policy of the demo data's shape (the lingbot-va-tiny preset's, ``kw`` changing its
-    fields), every tensor moved off its init (LeRobot zero-inits some, so a load is checked), saved with LeRobot's
-    save_pretrained; returns the policy."""
-    import torch
-    from lerobot.configs.types import FeatureType, PolicyFeature
-    from lerobot.policies.lingbot_va.configuration_lingbot_va import LingBotVAConfig
-    from lerobot.policies.lingbot_va.modeling_lingbot_va import LingBotVAPolicy
+    """A tiny LeRobot lingbot_va policy (:func:`lingbot_tiny.save_policy`)."""
+    from lingbot_tiny import save_policy as save
 
-    fields = dict(num_attention_heads=2, attention_head_dim=32, text_dim=64, freq_dim=32, ffn_dim=128, num_layers=2,
-                  used_action_channel_ids=list(range(6)), obs_cam_keys=["observation.images.cam0"], dtype="float32",
-                  device="cpu", snr_shift=4.0)
-    fields.update(kw)
-    torch.manual_seed(seed)
-    cfg = LingBotVAConfig(input_features={"observation.images.cam0": PolicyFeature(type=FeatureType.VISUAL,
-                                                                                  shape=(3, 32, 32))}, **fields)
-    policy = LingBotVAPolicy(cfg)
-    with torch.no_grad():
-        for p in policy.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    policy.save_pretrained(path)
-    return policy
+    return save(path, seed, **kw)
+

@@ -116,6 +116,46 @@ def test_lock_refuses_a_live_holder_and_other_hosts_and_takes_over_a_dead_one(tm
     assert "taking over the lock of PID" in capfd.readouterr().err and not (tmp_path / LOCK).exists()
 
 
+def test_a_stale_lock_is_named_with_its_pid_and_the_kills_likely_cause(tmp_path, capfd, monkeypatch):
+    """A lock left behind means its train had no orderly exit (each releases it): the warning names the PID, when
+    it started, its last logged step and the likely cause; an out-of-memory kill where the kernel log shows one
+    (after the lock was taken: an earlier process of the same PID is not blamed)."""
+    import subprocess as sp
+
+    from flexpack.run.state import runfolder
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = os.uname().nodename
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3))
+                                            + '{"step": 4, "lo')  # the last line cut short by the kill
+    since = "2026-12-05T10:00:00+00:00"
+    monkeypatch.setattr(runfolder, "_oom_kill_line", lambda pid, since=None: None)  # a kernel log naming no kill
+    (tmp_path / LOCK).write_text(json.dumps({"pid": dead.pid, "host": host, "since": since}))
+    with RunLock(tmp_path):
+        pass
+    (line,) = [x for x in capfd.readouterr().err.splitlines() if "taking over" in x]
+    assert line == (f"warning: {tmp_path / LOCK}: taking over the lock of PID {dead.pid} on {host}, which is no "
+                    f"longer running (a killed train, started {since}): it ended without an exit line or releasing its "
+                    "lock: killed by a signal, possibly the kernel's out-of-memory killer (see `dmesg`; the kernel log "
+                    "is not readable here or names no kill of it) or a scheduler's hard limit, or a crash in native "
+                    f"code; its last logged step was 3 ({tmp_path / 'metrics.jsonl'})")
+    monkeypatch.undo()
+    # the kernel log (dmesg, stamped in seconds since boot) with an out-of-memory kill of this PID after the start
+    boot = next(int(x.split()[1]) for x in open("/proc/stat").read().splitlines() if x.startswith("btime "))
+    import datetime
+
+    start = datetime.datetime.fromtimestamp(boot + 1000, datetime.timezone.utc).isoformat(timespec="seconds")
+    kill = f"[ 1500.250000] Out of memory: Killed process {dead.pid} (python) total-vm:9000kB, anon-rss:8000kB"
+    log = f"[  900.000000] Out of memory: Killed process {dead.pid} (old) total-vm:1kB\n{kill}\n[ 1600.0] other\n"
+    monkeypatch.setattr(sp, "run", lambda *a, **k: sp.CompletedProcess(a, 0, stdout=log, stderr=""))
+    assert runfolder._oom_kill_line(dead.pid, start) == kill.strip()
+    assert "the kernel's out-of-memory killer ended it (kernel log: " in runfolder.stale_cause(dead.pid, start)
+    late = datetime.datetime.fromtimestamp(boot + 2000, datetime.timezone.utc).isoformat(timespec="seconds")
+    assert runfolder._oom_kill_line(dead.pid, late) is None  # both kills happened before that start: another PID's
+    assert runfolder._oom_kill_line(dead.pid + 1, start) is None
+
+
 def test_cut_metrics_keeps_the_checkpoints_steps_and_drops_a_torn_line(tmp_path):
     lines = [json.dumps({"step": s, "loss": 1.0}) for s in (1, 2, 3, 4, 2, 3)] + ['{"step": 5, "lo']
     (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")

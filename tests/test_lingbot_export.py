@@ -27,6 +27,7 @@ from flexpack.run.state import checkpoint  # noqa: E402
 from flexpack.tools import export_lerobot  # noqa: E402
 from flexpack.training.loop import train  # noqa: E402
 from helpers import run_cli, tiny_config  # noqa: E402
+from lingbot_tiny import save_frozen_modules  # noqa: E402
 
 LINGBOT = ["model.family=lingbot-va", "model.preset=lingbot-va-tiny"]
 CAM = "observation.images.cam0"
@@ -63,7 +64,8 @@ def test_export_loads_in_lerobot_with_the_runs_statistics(lingbot_run, tmp_path,
     checkpoint trained with."""
     cfg, run = lingbot_run
     out = tmp_path / "policy"
-    code, err = run_cli(capsys, "export", str(run), str(out), "--ema", "--wan-pretrained-path", "/frozen/wan")
+    code, err = run_cli(capsys, "export", str(run), str(out), "--ema", "--wan-pretrained-path", "/frozen/wan",
+                        "--allow-unrunnable")  # trained on the pool / hash stand-ins
     assert code == 0, err
     raw = json.loads((out / "config.json").read_text())
     assert (raw["type"], raw["attn_mode"], raw["device"]) == ("lingbot_va", "torch", None)
@@ -111,7 +113,8 @@ def test_formats_the_family_cannot_be_written_in(lingbot_run, tiny_dataset, tmp_
     wan = tiny_config(tiny_dataset, tmp_path / "wan", "schedule.steps=1")
     train(wan)
     for extra, msg in ((["--format", "lerobot"], "exports as ['diffusers'], not --format 'lerobot'"),
-                       (["--wan-pretrained-path", "x"], "--wan-pretrained-path applies to --format lerobot")):
+                       (["--wan-pretrained-path", "x"], "--wan-pretrained-path applies to --format lerobot"),
+                       (["--allow-unrunnable"], "--allow-unrunnable applies to --format lerobot")):
         code, err = run_cli(capsys, "export", str(tmp_path / "wan"), str(tmp_path / "o"), *extra)
         assert code == 2 and msg in err, err
     assert not (tmp_path / "o").exists()
@@ -124,7 +127,7 @@ def test_a_full_disk_leaves_nothing(lingbot_run, tmp_path, capsys, monkeypatch) 
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(export_lerobot, "write_policy", full)
-    code, err = run_cli(capsys, "export", str(run), str(tmp_path / "o"))
+    code, err = run_cli(capsys, "export", str(run), str(tmp_path / "o"), "--allow-unrunnable")
     (line,) = [x for x in err.splitlines() if "error:" in x]
     assert code == 2 and "cannot write the export (No space left on device)" in line, err
     assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".tmp-*"))
@@ -137,7 +140,7 @@ def test_flexpack_sample_runs_the_run_and_its_export(lingbot_run, tmp_path, caps
     _, run = lingbot_run
     fast = ["--set", "model.overrides.num_inference_steps=3", "--set", "model.overrides.action_num_inference_steps=4"]
     out = tmp_path / "policy"
-    assert run_cli(capsys, "export", str(run), str(out))[0] == 0
+    assert run_cli(capsys, "export", str(run), str(out), "--allow-unrunnable")[0] == 0
     got = {}
     for name, src, extra in (("run", run, []), ("export", out, []), ("plain", run, ["--set",
                              "model.overrides.guidance_scale=1"]), ("rollout", run, ["--mode", "rollout"])):
@@ -155,6 +158,35 @@ def test_flexpack_sample_runs_the_run_and_its_export(lingbot_run, tmp_path, caps
     assert got["rollout"]["mode"] == "rollout" and got["rollout"]["pairs"] == 4
     code, err = run_cli(capsys, "sample", str(run), "--steps", "3", "--out", str(tmp_path / "x"))
     assert code == 2 and "samples with its config's solver steps" in err and err.count("\n") == 1, err
+
+
+def test_an_export_lerobot_cannot_run_is_refused_unless_allowed(lingbot_run, tmp_path, capsys) -> None:
+    """The run trained on latents and texts of the pool / hash stand-ins (the cache records its encoders): LeRobot's
+    policy encodes frames and prompts with its own Wan2.2 VAE and UMT5, so the export is refused in one line naming
+    both encoders and their files, nothing written; --allow-unrunnable writes it, saying why on stderr. A frozen
+    VAE or text encoder of another width at --wan-pretrained-path is a reason too."""
+    cfg, run = lingbot_run
+    latents = Path(cfg.data.root) / "latents"
+    latent_file, text_file = latents / "video" / "cam0" / "episode_000000.safetensors", latents / "text" / \
+        "task_000000.safetensors"
+    why = (f"its latents came from the 'pool' encoder ({latent_file}), which LeRobot's policy cannot run: it encodes "
+           "camera frames with the Wan2.2 VAE of wan_pretrained_path (flexpack encode --encoder wan-vae:PATH, then "
+           f"train again); its task texts came from the 'hash:64x16' encoder ({text_file}), which LeRobot's policy "
+           "cannot run: it encodes prompts with the UMT5 of wan_pretrained_path (flexpack encode --text-encoder "
+           "umt5:PATH, then train again)")
+    frozen = save_frozen_modules(tmp_path / "wan", text_dim=32)  # a UMT5 of width 32 for a model of text_dim 64
+    code, err = run_cli(capsys, "export", str(run), str(tmp_path / "o"), "--wan-pretrained-path", str(frozen))
+    (line,) = [x for x in err.splitlines() if "error:" in x]
+    assert code == 2 and line == (
+        "flexpack export: error: --format lerobot: LeRobot's lingbot_va policy could not run this export as it "
+        f"trained: {why}; wan_pretrained_path {frozen}/text_encoder/config.json has d_model = 32, but the model's "
+        "text_dim = 64 (set --wan-pretrained-path to the VAE and text encoder the run's cache was encoded with); pass "
+        "--allow-unrunnable to write it anyway"), err
+    assert not (tmp_path / "o").exists()
+    code, err = run_cli(capsys, "export", str(run), str(tmp_path / "o"), "--allow-unrunnable")
+    assert code == 0 and (tmp_path / "o" / "model.safetensors").is_file(), err
+    assert f"export: warning: writing a policy LeRobot cannot run as it trained (--allow-unrunnable): {why}\n" in err
+    assert "robbyant/lingbot-va-base/{vae,text_encoder}/config.json not readable here" in err  # offline, not cached
 
 
 @pytest.mark.parametrize("sets, msg", [
@@ -188,28 +220,6 @@ def test_fields_cameras_and_statistics_lerobot_has_no_place_for(tiny_dataset, tm
         export_lerobot.check_config(cfg)
 
 
-def save_frozen_modules(folder: Path, text_dim: int) -> Path:
-    """A local wan_pretrained_path: a tiny random Wan2.2-style VAE (48 latent channels, 16 pixels and 4 frames per
-    latent cell, patchified by 2 as Wan2.2's), a tiny random UMT5 encoder of width ``text_dim`` and a T5 tokenizer
-    built from a small vocabulary, in vae/, text_encoder/, tokenizer/ (nothing downloaded)."""
-    from diffusers import AutoencoderKLWan
-    from transformers import T5TokenizerFast, UMT5Config, UMT5EncoderModel
-
-    torch.manual_seed(0)
-    g = torch.Generator().manual_seed(1)
-    AutoencoderKLWan(base_dim=8, decoder_base_dim=8, z_dim=48, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
-                     temperal_downsample=[False, True, True], is_residual=True, in_channels=12, out_channels=12,
-                     patch_size=2, scale_factor_spatial=16, latents_mean=(torch.randn(48, generator=g) * 0.1).tolist(),
-                     latents_std=(1 + torch.rand(48, generator=g)).tolist()).save_pretrained(folder / "vae")
-    words = "pick up the red cube open drawer push button twice stack blue block on green one".split()
-    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)] + [(f"\u2581{w}", -1.0 - i) for i, w in enumerate(words)]
-    tok = T5TokenizerFast(vocab=vocab, extra_ids=0)
-    tok.save_pretrained(folder / "tokenizer")
-    UMT5EncoderModel(UMT5Config(vocab_size=len(vocab), d_model=text_dim, d_kv=16, d_ff=2 * text_dim, num_layers=1,
-                                num_heads=2)).save_pretrained(folder / "text_encoder")
-    return folder
-
-
 def test_lerobot_runs_the_export_end_to_end(lingbot_run, tmp_path, capsys) -> None:
     """LeRobot's own factory loads the export (make_policy over the dataset's metadata, make_pre_post_processors)
     with frozen modules from a local wan_pretrained_path, and select_action on fake observations (the dataset's
@@ -223,7 +233,8 @@ def test_lerobot_runs_the_export_end_to_end(lingbot_run, tmp_path, capsys) -> No
     cfg, run = lingbot_run
     frozen = save_frozen_modules(tmp_path / "wan", text_dim=64)
     out = tmp_path / "policy"
-    code, err = run_cli(capsys, "export", str(run), str(out), "--wan-pretrained-path", str(frozen))
+    code, err = run_cli(capsys, "export", str(run), str(out), "--wan-pretrained-path", str(frozen),
+                        "--allow-unrunnable")  # trained on the pool / hash stand-ins
     assert code == 0, err
     config = PreTrainedConfig.from_pretrained(out)
     config.pretrained_path, config.dtype, config.device = out, "float32", "cpu"

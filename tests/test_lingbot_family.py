@@ -77,8 +77,8 @@ def test_geometry_two_copies_and_action_steps() -> None:
     assert (g.video_tokens, g.action_tokens, g.copies, g.frame_budget) == (2, 4, 2, 10)
     bad = cfg("data.action_steps=2")
     with pytest.raises(ValueError, match=r"data.action_steps = 2, but the lingbot-va model takes 4 action steps "
-                                         r"per latent frame \(model.overrides.action_per_frame\); set "
-                                         r"data.action_steps = 4"):
+                                         r"per latent frame \(action_per_frame, from model.preset = "
+                                         r"'lingbot-va-tiny'\); set data.action_steps = 4"):
         geometry_for(bad.model.resolved(), (2, 4), bad)
     # WanVA: one copy without teacher forcing, as before
     wan = load_config(TINY, tiny_sets("unused", "unused"))
@@ -123,16 +123,35 @@ def test_dataset_actions_scattered_at_used_channels(tiny_dataset) -> None:
     assert ours.shape[1] == wan.shape[1] - 1 and torch.equal(ours, wan[:, :-1])
 
 
-def test_missing_action_columns_and_cameras_are_one_line(tiny_dataset) -> None:
-    with pytest.raises(ValueError, match=r"'action' has 6 columns, but model.overrides.used_action_channel_ids = "
-                                         r"\[0, 1, 2, 3, 4, 5, 6\] places 7: channel\(s\) \[6\] would have no column"):
+def test_missing_action_columns_and_cameras_are_one_line(tiny_dataset, tmp_path) -> None:
+    """Each names the field, where its value came from (the override the user wrote), what is missing, and advice
+    that fits the family's 30-d action space."""
+    with pytest.raises(ValueError, match=r"'action' has 6 columns, but used_action_channel_ids = "
+                                         r"\[0, 1, 2, 3, 4, 5, 6\] \(from model.overrides.action_channels\) places 7: "
+                                         r"channel\(s\) \[6\] would have no column; set model.overrides."
+                                         r"action_channels = 6 \(channels 0..5 of the 30-d action space\)"):
         open_dataset(cfg("model.overrides.action_channels=7", root=str(tiny_dataset)))
-    with pytest.raises(ValueError, match=r"the model joins cameras \['observation.images.image', "
-                                         r"'observation.images.image2'\] on width in this order .* lack"):
-        open_dataset(cfg('model.overrides.obs_cam_keys=["observation.images.image", "observation.images.image2"]',
+    with pytest.raises(ValueError, match=r"camera \['observation.images.image2'\] of obs_cam_keys = "
+                                         r"\['observation.images.cam0', 'observation.images.image2'\] \(from "
+                                         r"model.overrides.obs_cam_keys\) is not in the dataset, whose cameras are "
+                                         r"\['observation.images.cam0'\]"):
+        open_dataset(cfg('model.overrides.obs_cam_keys=["observation.images.cam0", "observation.images.image2"]',
                          root=str(tiny_dataset)))
     ok = open_dataset(cfg('model.overrides.obs_cam_keys=["observation.images.cam0"]', root=str(tiny_dataset)))
     assert ok.cameras == ["observation.images.cam0"]
+    # 32 action columns: more than the 30-d action space holds, so no action_channels = 32 advice
+    from flexpack.data.synthetic import make_synthetic_dataset
+
+    wide = make_synthetic_dataset(tmp_path / "wide", lengths=[9], action_dim=32, seed=0)
+    with pytest.raises(ValueError) as info:
+        open_dataset(cfg(root=str(wide)))
+    text = str(info.value)
+    assert "'action' has 32 columns, but used_action_channel_ids = [0, 1, 2, 3, 4, 5] (from " \
+           "model.overrides.action_channels) places 6" in text
+    assert ("the model's action space has 30 channels (action_dim = 30, from model.preset = 'lingbot-va-tiny'), too "
+            "few for 32 columns: keep at most 30 of the dataset's action columns, or train a model of a wider action "
+            "space (model.overrides.action_dim >= 32)") in text
+    assert "action_channels = 32" not in text and "\n" not in text
 
 
 def test_cameras_follow_obs_cam_keys_order(tmp_path) -> None:
@@ -146,9 +165,20 @@ def test_cameras_follow_obs_cam_keys_order(tmp_path) -> None:
     ds = open_dataset(cfg(f"model.overrides.obs_cam_keys={keys}", root=str(root)))
     assert ds.cameras == ["observation.images.cam1", "observation.images.cam0"]
     assert ds.latent_file(0).parent.name == "cam1+cam0"
-    with pytest.raises(ValueError, match=r"on width in this order .* but data.cameras = \['observation.images.cam0', "
-                                         r"'observation.images.cam1'\]"):
+    with pytest.raises(ValueError, match=r"on width in the order of obs_cam_keys = \['observation.images.cam1', "
+                                         r"'observation.images.cam0'\] \(from model.overrides.obs_cam_keys\), but "
+                                         r"data.cameras = \['observation.images.cam0', 'observation.images.cam1'\]"):
         open_dataset(cfg(f"model.overrides.obs_cam_keys={keys}", "data.cameras=['cam0', 'cam1']", root=str(root)))
+    # a cache of one camera: the missing latents name the camera never encoded and the command that encodes both
+    from flexpack.data.encode import encode_dataset
+
+    encode_dataset(root, cameras=["observation.images.cam0"], progress=False)
+    with pytest.raises(FileNotFoundError) as info:
+        open_dataset(cfg(f"model.overrides.obs_cam_keys={keys}", root=str(root)))[0]
+    assert ("latent file does not exist: the cache holds latents of camera set(s) ['cam0'] "
+            f"({root / 'latents' / 'video'}), none of ['observation.images.cam1', 'observation.images.cam0'] joined on "
+            "width in this order (camera(s) ['observation.images.cam1'] never encoded); run `flexpack encode --dataset "
+            "DATASET --cameras observation.images.cam1 observation.images.cam0`") in str(info.value)
 
 
 def test_quantile_normalization_is_lerobots() -> None:

@@ -19,7 +19,8 @@ from flexpack.run.config import save_config  # noqa: E402
 from flexpack.run.model import build_model  # noqa: E402
 from flexpack.run.pretrained import load_pretrained  # noqa: E402
 from flexpack.training.loop import train  # noqa: E402
-from helpers import TINY, run_cli, save_policy, set_args, tiny_config, tiny_sets, torchrun_worker  # noqa: E402
+from helpers import TINY, run_cli, set_args, tiny_config, tiny_sets, torchrun_worker  # noqa: E402
+from lingbot_tiny import save_policy  # noqa: E402
 
 LINGBOT = ["model.family=lingbot-va", "model.preset=lingbot-va-tiny"]
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -44,11 +45,21 @@ def test_fine_tune_and_resume_from_a_lerobot_policy(tiny_dataset, tmp_path, caps
     assert (m.snr_shift, m.obs_cam_keys, m.used_action_channel_ids) == (4.0, ("observation.images.cam0",),
                                                                         tuple(range(6)))
     assert_holds(build_model(cfg), policy)
-    code, err = run_cli(capsys, "train", str(TINY), *set_args(sets))
+    code, err = run_cli(capsys, "train", str(TINY), *set_args(sets), keep_stdout=True)
     assert code == 0, err
+    # the start line names the weights, their shape and the tensors matched: every one of LeRobot's
+    out = capsys.readouterr().out
+    n = len(policy.state_dict())
+    assert (f"model.pretrained: {tmp_path / 'policy'} (1 safetensors file, shape from "
+            f"{tmp_path / 'policy' / 'config.json'}): dim 64 (2 heads x 32), 2 layers, ffn 128, 48 latent channels, "
+            f"text 64; ") in out
+    assert f"; {n} tensors matched the model by name and shape and were loaded, all {n} of the model's tensors " \
+           "came from it\n" in out
     full = [json.loads(x)["loss"] for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
     first = train(cfg, stop_after=1)
+    capsys.readouterr()
     second = train(cfg)
+    assert "model.pretrained:" not in capsys.readouterr().out  # a resume starts from its checkpoint, not from these
     assert (second.start_step, second.step) == (1, 3)
     assert first.losses + second.losses == pytest.approx(full, rel=1e-5)
 
@@ -76,9 +87,12 @@ def test_upstream_transformer_folder_and_the_streaming_loader(tmp_path) -> None:
     ("tensors", r"model.safetensors: tensor '[\w.]+' has shape \([\d, ]+\), the config needs \([\d, ]+\) "
                 r"\(a checkpoint of another width\?\)"),
     ("layout", r"camera_layout 'robotwin_tshape'; flexpack's latent cache joins cameras on width"),
-    ("cameras", r"the model joins cameras \['observation.images.image'\] on width in this order"),
-    ("columns", r"'action' has 6 columns, but model.overrides.used_action_channel_ids = \[0, 1, 2, 3, 4, 5, 6\] "
-                r"places 7: channel\(s\) \[6\] would have no column"),
+    ("cameras", r"camera \['observation.images.image'\] of obs_cam_keys = \['observation.images.image'\] \(from "
+                r"model.pretrained's config.json, .*/policy/config.json\) is not in the dataset, whose cameras are "
+                r"\['observation.images.cam0'\]"),
+    ("columns", r"'action' has 6 columns, but used_action_channel_ids = \[0, 1, 2, 3, 4, 5, 6\] \(from "
+                r"model.pretrained's config.json, .*/policy/config.json\) places 7: channel\(s\) \[6\] would have no "
+                r"column; set model.overrides.action_channels = 6"),
 ])
 def test_bad_checkpoints_are_one_line_and_exit_2(tiny_dataset, tmp_path, capsys, change, message) -> None:
     policy = tmp_path / "policy"

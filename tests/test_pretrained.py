@@ -77,13 +77,27 @@ def test_pretrained_safetensors_file_and_contradicting_overrides(tmp_path):
         cfg_for(tmp_path / "nope")
 
 
-def test_training_starts_from_the_pretrained_weights(tiny_dataset, tmp_path):
+def test_training_starts_from_the_pretrained_weights(tiny_dataset, tmp_path, capsys):
     root = tiny_dataset
-    tiny_diffusers(seed=4).save_pretrained(tmp_path / "t")
+    m = tiny_diffusers(seed=4)
+    m.save_pretrained(tmp_path / "t")
     cfg = cfg_for(tmp_path / "t", "schedule.steps=2", "data.max_tokens=60", root=str(root), out=str(tmp_path / "run"))
     start = build_model(cfg).state_dict()
+    capsys.readouterr()
     res = train(cfg, stop_after=0)  # no step: the model as the loop built it
     for name, value in res.model.state_dict().items():
         assert torch.equal(value, start[name]), name
+    # the start line: which weights, their shape, how many tensors matched (the action stream is new)
+    from flexpack.models.wan import action_stream_init
+
+    fresh, total = len(action_stream_init(cfg.model.resolved())), len(list(res.model.parameters()))
+    assert len(m.state_dict()) + fresh == total and fresh > 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("model.pretrained:")]
+    folder = tmp_path / "t"
+    assert line == (f"model.pretrained: {folder} (1 safetensors file, shape from {folder / 'config.json'}"
+                    f"): dim 32 (2 heads x 16), 2 layers, ffn 48, 48 latent channels, text 64; "
+                    f"{sum(p.numel() for p in res.model.parameters()) / 1e6:,.2f}M parameters; {len(m.state_dict())} "
+                    f"tensors matched the model by name and shape and were loaded, {fresh} of the model's {total} "
+                    "tensors are not in it and start fresh (new to the wanva model)")
     res = train(cfg)
     assert res.step == 2 and all(torch.isfinite(torch.tensor(res.losses)))

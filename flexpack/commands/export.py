@@ -27,6 +27,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--wan-pretrained-path", default=None, metavar="PATH",
                         help="--format lerobot: the policy's wan_pretrained_path, a Hub repo or local folder with "
                              "vae/, text_encoder/, tokenizer/ (default: LeRobot's, robbyant/lingbot-va-base)")
+    parser.add_argument("--allow-unrunnable", action="store_true",
+                        help="--format lerobot: write the policy even where LeRobot could not run it as trained "
+                             "(latents or texts of the pool / hash stand-in encoders, a VAE or text encoder at "
+                             "--wan-pretrained-path of another width); refused otherwise, naming why")
     parser.add_argument("--push-to-hub", metavar="REPO", default=None,
                         help="upload OUT to this Hugging Face model repo (org/name) once written")
     parser.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
@@ -46,7 +50,8 @@ def run(args: argparse.Namespace) -> int:
     from flexpack.tools.export_io import WRITERS
 
     out = export_run(args.run, args.out, ema=args.ema, dtype=getattr(torch, args.dtype), overrides=args.overrides,
-                     policy=not args.no_policy, fmt=args.fmt, wan_pretrained_path=args.wan_pretrained_path)
+                     policy=not args.no_policy, fmt=args.fmt, wan_pretrained_path=args.wan_pretrained_path,
+                     allow_unrunnable=args.allow_unrunnable)
     fmt = json.loads((out / "export.json").read_text())["format"]
     print(f"exported {args.run} -> {out} ({fmt}; load: {WRITERS[fmt].load.format(out=str(out))})")
     if args.push_to_hub:

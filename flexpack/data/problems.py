@@ -116,6 +116,21 @@ def resolve_cameras(video_keys: list[str], cameras: list[str] | None, info_file:
     return out
 
 
+def _missing_latent(path: Path, cameras: list[str]) -> str:
+    """Why an episode's latent file is missing, naming the cameras: where the cache holds no latents of these
+    cameras at all, the camera sets it does hold and the cameras none of them has."""
+    run = f"run `flexpack encode --dataset DATASET --cameras {' '.join(cameras)}`"
+    folder, video = path.parent, path.parent.parent
+    held = sorted(p.name for p in video.iterdir() if p.is_dir()) if video.is_dir() else []
+    if folder.is_dir() or not held:
+        return f"latent file does not exist ({run}; cameras {cameras})"
+    encoded = {name for tag in held for name in tag.split("+")}
+    never = [c for c in cameras if cache.camera_short_name(c).replace("/", "_") not in encoded]
+    which = f"camera(s) {never} never encoded" if never else "not joined in this order"
+    return (f"latent file does not exist: the cache holds latents of camera set(s) {held} ({video}), none of {cameras} "
+            f"joined on width in this order ({which}); {run}")
+
+
 def inspect_latent(
     path: Path,
     *,
@@ -136,7 +151,7 @@ def inspect_latent(
         return Problem(kind, episode, path, msg)
 
     if not path.is_file():
-        return [p("missing", f"latent file does not exist (run `flexpack encode`; cameras {cameras})")], None, None
+        return [p("missing", _missing_latent(path, cameras))], None, None
     try:
         head = cache.read_latent_header(path)
     except ValueError as exc:

@@ -27,7 +27,9 @@ class DataConventions:
     default alignment (``flexpack.data.actions``); ``action_steps``: the action steps per latent frame the
     model was built for (None: ``data.action_steps`` decides); ``text_tokens``: every episode's text
     padded with zero rows to this many tokens, all of them attended (``text_len`` = it; None: each text's
-    own length). The ``*_key`` fields name the config key behind each rule, for error messages."""
+    own length). The ``*_field`` fields name the model config field behind each rule, for error messages
+    (which say where its value came from: :func:`flexpack.run.pretrained.field_source`); ``action_dim_field`` the
+    one of the action space's width."""
 
     action_dim: int
     action_channels: tuple[int, ...] | None = None
@@ -35,6 +37,7 @@ class DataConventions:
     action_offset: int = 0
     action_steps: int | None = None
     text_tokens: int | None = None
-    action_channels_key: str = ""
-    cameras_key: str = ""
-    action_steps_key: str = ""
+    action_dim_field: str = ""
+    action_channels_field: str = ""
+    cameras_field: str = ""
+    action_steps_field: str = ""

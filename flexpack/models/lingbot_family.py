@@ -103,6 +103,5 @@ def conventions(config: LingbotConfig) -> DataConventions:
                            cameras=tuple(config.obs_cam_keys), action_offset=ACTION_OFFSET,
                            action_steps=config.action_per_frame,
                            text_tokens=config.max_sequence_length,
-                           action_channels_key="model.overrides.used_action_channel_ids",
-                           cameras_key="obs_cam_keys (model.pretrained's config.json or model.overrides)",
-                           action_steps_key="model.overrides.action_per_frame")
+                           action_dim_field="action_dim", action_channels_field="used_action_channel_ids",
+                           cameras_field="obs_cam_keys", action_steps_field="action_per_frame")

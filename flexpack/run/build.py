@@ -140,33 +140,61 @@ def episodes_of(cfg: TrainConfig) -> list[int]:
 
 def check_conventions(cfg: TrainConfig, conv: DataConventions) -> list[str] | None:
     """The dataset's action columns and cameras against the model family's conventions, each mismatch in
-    one line naming the file, the config key and what is missing; returns the cameras to read (in order)."""
+    one line naming the file, the model config field with where its value came from (the override, model.pretrained's
+    config.json or the preset), and what is missing; returns the cameras to read (in order)."""
     from flexpack.data.episodes import EpisodeSource
     from flexpack.data.problems import resolve_cameras
+    from flexpack.run.pretrained import field_source
 
     src = EpisodeSource(cfg.data.root)
     if conv.action_channels is not None and "action" in src.meta.features:
         columns = int(math.prod(src.meta.features["action"]["shape"]))
         want = list(conv.action_channels)
         if columns != len(want):
-            missing = want[columns:]
-            what = (f"channel(s) {missing} would have no column" if missing
-                    else f"column(s) {list(range(len(want), columns))} would have no channel")
-            raise ValueError(f"{src.info_file}: 'action' has {columns} columns, but {conv.action_channels_key} = "
-                             f"{want} places {len(want)}: {what}; set it to the {columns} channels the dataset "
-                             f"fills (model.overrides.action_channels = {columns} fills channels 0..{columns - 1})")
+            raise ValueError(f"{src.info_file}: 'action' has {columns} columns, but {conv.action_channels_field} = "
+                             f"{want} (from {field_source(cfg.model, conv.action_channels_field)}) places {len(want)}: "
+                             f"{_unplaced(want, columns)}; {_channels_advice(cfg, conv, columns)}")
     cameras = list(cfg.data.cameras) if cfg.data.cameras else None
     if conv.cameras:
         keys = src.video_keys
+
+        def field() -> str:  # read only for an error: model.pretrained's config.json may be opened
+            return f"{conv.cameras_field} = {list(conv.cameras)} (from {field_source(cfg.model, conv.cameras_field)})"
+
         absent = [c for c in conv.cameras if c not in keys]
+        if absent:
+            raise ValueError(f"{src.info_file}: camera{'s' if len(absent) > 1 else ''} {absent} of {field()} "
+                             f"{'are' if len(absent) > 1 else 'is'} not in the dataset, whose cameras are {keys}; "
+                             "train on a dataset with those cameras (the model joins them on width in this order) or "
+                             f"set model.overrides.{conv.cameras_field} to cameras of this one")
         chosen = resolve_cameras(keys, cameras, src.info_file) if cameras else list(conv.cameras)
-        if absent or chosen != list(conv.cameras):
-            got = f"data.cameras = {chosen}" if cameras else f"the dataset's cameras {keys}"
-            raise ValueError(f"{src.info_file}: the model joins cameras {list(conv.cameras)} on width in this order "
-                             f"({conv.cameras_key}), but {got}"
-                             + (f" lack {absent}" if absent else "") + "; encode the dataset with those cameras")
+        if chosen != list(conv.cameras):
+            raise ValueError(f"{src.info_file}: the model joins cameras on width in the order of {field()}, but "
+                             f"data.cameras = {chosen}; drop data.cameras or set it to that list")
         cameras = chosen
     return cameras
+
+
+def _unplaced(want: list[int], columns: int) -> str:
+    """What a channel list of the wrong length leaves out: channels without a column, or columns without a channel."""
+    if columns < len(want):
+        return f"channel(s) {want[columns:]} would have no column"
+    return f"column(s) {list(range(len(want), columns))} would have no channel"
+
+
+def _channels_advice(cfg: TrainConfig, conv: DataConventions, columns: int) -> str:
+    """How to place ``columns`` action columns in the family's action space of ``conv.action_dim`` channels."""
+    from flexpack.run.pretrained import field_source
+
+    if columns <= conv.action_dim:
+        return (f"set model.overrides.action_channels = {columns} (channels 0..{columns - 1} of the "
+                f"{conv.action_dim}-d action space) or model.overrides.{conv.action_channels_field} to the {columns} "
+                "channels the dataset's columns fill, in column order")
+    space = f"{conv.action_dim_field} = {conv.action_dim}, from {field_source(cfg.model, conv.action_dim_field)}"
+    fix = ("" if cfg.model.pretrained else
+           f", or train a model of a wider action space (model.overrides.{conv.action_dim_field} >= {columns})")
+    return (f"the model's action space has {conv.action_dim} channels ({space}), too few for {columns} columns: "
+            f"keep at most {conv.action_dim} of the dataset's action columns{fix}")
 
 
 def split_of(cfg: TrainConfig) -> Split:

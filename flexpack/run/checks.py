@@ -1,7 +1,8 @@
 """Checks a run passes before any data or model work, worded in config keys.
 
 :func:`preflight` runs at the top of ``train``: ``--stop-after``, non-finite numbers anywhere in
-the config, the device and the run folder. Each failure is one :class:`~flexpack.errors.UserError`
+the config, the device, the memory a step needs (on the CPU: :mod:`flexpack.run.cpu_memory`) and the run
+folder. Each failure is one :class:`~flexpack.errors.UserError`
 line naming the config key (``runtime.device``) as the user writes it in TOML or ``--set``.
 The device and number checks that need no system state run when the config is loaded
 (:func:`~flexpack.run.config_parse.check_device_string`, :func:`~flexpack.run.config_parse.check_finite`).
@@ -100,6 +101,9 @@ def preflight(cfg: TrainConfig, stop_after: int | None = None) -> torch.device:
     check_finite(cfg)
     device = resolve_device(cfg.runtime.device)
     check_memory_ceiling(cfg, device)
+    from flexpack.run.cpu_memory import check_cpu_memory
+
+    check_cpu_memory(cfg, device, world()[1])  # a CPU step that cannot fit: refused now, not OOM-killed later
     if world()[0] == 0:  # only rank 0 writes into the run folder (and one prober avoids mkdir/rmdir races)
         check_out_dir(cfg.runtime.out_dir)  # whose folder it is: runfolder.claim, next in train
     return device

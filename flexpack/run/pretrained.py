@@ -121,6 +121,23 @@ def _check_finite_weights(path: str, family: ModelFamily, model: nn.Module) -> N
     raise _nonfinite_weight(path, "the loaded model", found[0], found[1])  # not in a file: made so by the load
 
 
+def field_source(model: Any, name: str) -> str:
+    """Where the resolved model config's field ``name`` got its value, as a user finds it: the override that set
+    it (``model.overrides.KEY``, an alias included), ``model.pretrained``'s config.json (a shape field, or a
+    training field the checkpoint records), else the preset. ``model``: a :class:`~flexpack.run.config.ModelConfig`."""
+    fam = model.model_family()
+    for key in model.overrides:
+        alias = fam.aliases.get(key, key)
+        if (alias if isinstance(alias, str) else alias.field) == name:
+            return f"model.overrides.{key}"
+    if model.pretrained and fam.checkpoint_files is not None:
+        _, cfg_path = checkpoint_files(model.pretrained, fam)
+        if cfg_path is not None and (name in fam.shape_fields or (
+                name in fam.checkpoint_defaults and name in json.loads(Path(cfg_path).read_text()))):
+            return f"model.pretrained's config.json, {cfg_path}"
+    return f"model.preset = {model.preset!r}"
+
+
 def load_single(family: ModelFamily, path: str, model_cfg: ModelShape, seed: int) -> nn.Module:
     """The whole model in one process: float32 on the current default device (``model_cfg``: the family's
     resolved model config, e.g. a ``WanVAConfig``); a non-finite weight is named, before any step."""
@@ -181,6 +198,31 @@ def load_pretrained(model: nn.Module, path: str, model_cfg: ModelShape, family: 
         raise ValueError(f"model.pretrained={path}: the checkpoint lacks weights {missing[:8]}")
     for name, buf in model.named_buffers():  # the families have none today; a new one must not stay uninitialized
         raise ValueError(f"load_pretrained cannot initialize buffer {name!r}")
+
+
+def loaded_note(path: str, model_cfg: ModelShape, family: ModelFamily, model: nn.Module) -> str:
+    """The start line of a run from ``model.pretrained`` (after a load, which is strict: every checkpoint tensor
+    filled a tensor of the model): the weights read, the shape they gave and how many tensors matched.
+    Counts come from the safetensors headers and the model's parameters (under FSDP2 their global shapes)."""
+    from safetensors import safe_open
+
+    files, cfg_path = checkpoint_files(path, family)
+    loaded = 0
+    for fn in files:
+        with safe_open(fn, framework="pt") as f:  # the header only
+            loaded += len(list(f.keys()))
+    params = [p for _, p in model.named_parameters()]
+    total, numel = len(params), sum(p.numel() for p in params)
+    fresh = total - loaded
+    shape = (f"dim {model_cfg.dim} ({model_cfg.num_heads} heads x {model_cfg.head_dim}), {model_cfg.num_layers} "
+             f"layers, ffn {model_cfg.ffn_dim}, {model_cfg.in_channels} latent channels, text {model_cfg.text_dim}; "
+             f"{numel / 1e6:,.2f}M parameters")
+    where = f"{len(files)} safetensors file{'s' if len(files) != 1 else ''}" + (
+        f", shape from {cfg_path}" if cfg_path else ", shape from the config (no config.json)")
+    rest = (f"all {total} of the model's tensors came from it" if fresh <= 0 else
+            f"{fresh} of the model's {total} tensors are not in it and start fresh (new to the {family.name} model)")
+    return (f"model.pretrained: {path} ({where}): {shape}; {loaded} tensors matched the model by name and shape "
+            f"and were loaded, {rest}")
 
 
 def is_meta(model: nn.Module) -> bool:

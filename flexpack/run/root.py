@@ -286,8 +286,11 @@ def geometry_for(model_cfg: ModelShape, latent_hw: tuple[int, int], cfg: TrainCo
 def check_action_steps(conv: DataConventions, cfg: TrainConfig, family: ModelFamily) -> None:
     """``data.action_steps`` against the action steps per latent frame the family's model takes, in one line."""
     if conv.action_steps is not None and cfg.data.action_steps != conv.action_steps:
+        from flexpack.run.pretrained import field_source
+
         raise ValueError(f"data.action_steps = {cfg.data.action_steps}, but the {family.name} model takes "
-                         f"{conv.action_steps} action steps per latent frame ({conv.action_steps_key}); set "
+                         f"{conv.action_steps} action steps per latent frame ({conv.action_steps_field}, from "
+                         f"{field_source(cfg.model, conv.action_steps_field)}); set "
                          f"data.action_steps = {conv.action_steps}")
 
 

@@ -121,10 +121,11 @@ def write_weights(folder: Path, state_dict: dict[str, torch.Tensor], model_cfg: 
 
 def export_run(run: str | os.PathLike, out: str | os.PathLike, *, ema: bool = False,
                dtype: torch.dtype = torch.float32, overrides: Sequence[str] = (), policy: bool = True,
-               fmt: str | None = None, wan_pretrained_path: str | None = None) -> Path:
+               fmt: str | None = None, wan_pretrained_path: str | None = None, allow_unrunnable: bool = False) -> Path:
     """Export ``run``'s newest intact checkpoint into ``out`` in ``fmt`` (default: the family's first export
     format; ``diffusers`` is the module docstring's layout, ``lerobot`` :mod:`flexpack.tools.export_lerobot`'s);
-    returns ``out``. ``overrides`` (``--set``) apply to the checkpoint's own config."""
+    returns ``out``. ``overrides`` (``--set``) apply to the checkpoint's own config; ``allow_unrunnable``: write a
+    ``lerobot`` export that LeRobot could not run as trained (stand-in encoders, other widths) with a warning."""
     from flexpack.atomic import write_failure
     from flexpack.errors import UserError
     from flexpack.run.config import save_config
@@ -134,7 +135,8 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike, *, ema: bool = Fa
 
     run, out = Path(run), Path(out)
     _check_out(out)
-    options = ExportOptions(fmt=fmt, dtype=dtype, ema=ema, policy=policy, wan_pretrained_path=wan_pretrained_path)
+    options = ExportOptions(fmt=fmt, dtype=dtype, ema=ema, policy=policy, wan_pretrained_path=wan_pretrained_path,
+                            allow_unrunnable=allow_unrunnable)
     found, (cfg, model, averaged, state) = load_newest(run, "export", lambda f: _load(f, run, ema, overrides, options))
     fmt, writer, _ = export_format(cfg, options, found)
     stats, norm = _normalization(cfg, state, str(found / "train_state.json"))

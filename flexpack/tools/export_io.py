@@ -44,7 +44,7 @@ WRITERS: dict[str, Format] = {
     "diffusers": Format(writer="flexpack.tools.export:write_diffusers", package="diffusers", extra="hf",
                         load="diffusers.WanTransformer3DModel.from_pretrained({out!r}); model card {out}/README.md"),
     "lerobot": Format(writer="flexpack.tools.export_lerobot:write_lerobot",
-                      check="flexpack.tools.export_lerobot:check_config",
+                      check="flexpack.tools.export_lerobot:check_export",
                       package="lerobot.policies.lingbot_va.modeling_lingbot_va", extra="hf",
                       load="lerobot's LingBotVAPolicy.from_pretrained({out!r}) and make_pre_post_processors"),
 }
@@ -58,13 +58,15 @@ def _function(target: str) -> Callable[..., Any]:
 @dataclass(frozen=True, kw_only=True)
 class ExportOptions:
     """The command's choices: the format (None: the family's first), the weights' dtype, ``--ema``, the
-    diffusers export's policy folder (``--no-policy``) and the LeRobot export's ``wan_pretrained_path``."""
+    diffusers export's policy folder (``--no-policy``), the LeRobot export's ``wan_pretrained_path`` and whether it
+    may be written where LeRobot could not run it as trained (``--allow-unrunnable``)."""
 
     fmt: str | None = None
     dtype: torch.dtype = torch.float32
     ema: bool = False
     policy: bool = True
     wan_pretrained_path: str | None = None
+    allow_unrunnable: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,6 +104,9 @@ def export_format(cfg: TrainConfig, options: ExportOptions, where: Path | str) -
     if options.wan_pretrained_path is not None and fmt != "lerobot":
         raise ValueError(f"--wan-pretrained-path applies to --format lerobot (LeRobot's frozen VAE and text encoder), "
                          f"not to the {fmt!r} export")
+    if options.allow_unrunnable and fmt != "lerobot":
+        raise ValueError(f"--allow-unrunnable applies to --format lerobot (a policy LeRobot runs with its own VAE and "
+                         f"text encoder), not to the {fmt!r} export")
     if not options.policy and fmt != "diffusers":
         raise ValueError(f"--no-policy applies to --format diffusers (its OUT/lerobot_policy/), not to the {fmt!r} "
                          "export, which is a policy folder itself")

@@ -77,6 +77,102 @@ def check_config(cfg: TrainConfig, options: Any = None) -> None:
                          "policy's actions from [-1, 1] with q01 / q99 (QUANTILES); train with data.normalize = true")
 
 
+def check_export(cfg: TrainConfig, options: Any) -> None:
+    """The ``lerobot`` format's check before any weight is read: :func:`check_config`, then whether LeRobot's policy
+    could run the export as trained (:func:`unrunnable`), refused in one line unless ``--allow-unrunnable``."""
+    check_config(cfg, options)
+    if options is not None and not options.allow_unrunnable:
+        reasons = unrunnable(cfg, options.wan_pretrained_path)
+        if reasons:
+            raise ValueError("--format lerobot: LeRobot's lingbot_va policy could not run this export as it trained: "
+                             f"{'; '.join(reasons)}; pass --allow-unrunnable to write it anyway")
+
+
+def unrunnable(cfg: TrainConfig, wan_pretrained_path: str | None) -> list[str]:
+    """Why LeRobot's policy, which encodes camera frames with the Wan2.2 VAE and prompts with the UMT5 encoder of
+    ``wan_pretrained_path`` (None: LeRobot's default), would not see what the run trained on: latents or texts of
+    flexpack's stand-in encoders (``pool``, ``hash``, ``hf:``; the latent cache records its encoder in every file's
+    safetensors metadata), or a VAE or text encoder there whose width is not the model's."""
+    from flexpack.data import cache
+
+    latent_file, text_file = _cache_files(cfg)
+    reasons = []
+    try:
+        latent = cache.read_latent_header(latent_file).encoder
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{latent_file}: the latent cache the run trained on cannot be read ({exc}); --set "
+                         "data.root=DATASET (with its latents)") from None
+    if not latent.startswith("wan-vae:"):
+        reasons.append(f"its latents came from the {latent!r} encoder ({latent_file}), which LeRobot's policy cannot "
+                       "run: it encodes camera frames with the Wan2.2 VAE of wan_pretrained_path (flexpack encode "
+                       "--encoder wan-vae:PATH, then train again)")
+    if text_file is not None:
+        try:
+            text = cache.read_text_header(text_file).encoder
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{text_file}: the text cache the run trained on cannot be read ({exc})") from None
+        if not text.startswith("umt5:"):
+            reasons.append(f"its task texts came from the {text!r} encoder ({text_file}), which LeRobot's policy "
+                           "cannot run: it encodes prompts with the UMT5 of wan_pretrained_path (flexpack encode "
+                           "--text-encoder umt5:PATH, then train again)")
+    m = cfg.model.resolved()
+    where, configs = _frozen_configs(wan_pretrained_path)
+    for sub, key, field in (("vae", "z_dim", "in_channels"), ("text_encoder", "d_model", "text_dim")):
+        theirs = configs.get(sub, {}).get(key)
+        if theirs is not None and theirs != getattr(m, field):
+            reasons.append(f"wan_pretrained_path {where}/{sub}/config.json has {key} = {theirs}, but the model's "
+                           f"{field} = {getattr(m, field)} (set --wan-pretrained-path to the VAE and text encoder the "
+                           "run's cache was encoded with)")
+    return reasons
+
+
+def _cache_files(cfg: TrainConfig) -> tuple[Path, Path | None]:
+    """(the first episode's latent file, a task text file or None) of the cache the run trained on."""
+    from flexpack.data import cache
+    from flexpack.data.episodes import EpisodeSource
+    from flexpack.data.problems import resolve_cameras
+
+    try:
+        src = EpisodeSource(cfg.data.root)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--format lerobot reads the run's dataset and latent cache, but data.root = "
+                         f"{cfg.data.root!r} cannot be read ({exc}); --set data.root=DATASET (with its latents)"
+                         ) from None
+    model_cfg = cfg.model.resolved()
+    given = list(model_cfg.obs_cam_keys) or (list(cfg.data.cameras) if cfg.data.cameras else None)
+    cams = resolve_cameras(src.video_keys, given, src.info_file)
+    latents = Path(cfg.data.latents_dir) if cfg.data.latents_dir else cache.default_latents_dir(src.root)
+    texts = sorted((latents / "text").glob("task_*.safetensors"))
+    return cache.latent_path(latents, cams, src.episodes[0]), texts[0] if texts else None
+
+
+def _frozen_configs(path: str | None) -> tuple[str, dict[str, dict[str, Any]]]:
+    """(the path, {"vae": its vae/config.json, "text_encoder": ...}) of ``wan_pretrained_path``: a local folder, or a
+    Hub repo in the local Hugging Face cache; what cannot be read here is left out (and said on stderr)."""
+    import sys
+
+    from lerobot.policies.lingbot_va.configuration_lingbot_va import LingBotVAConfig
+
+    path = path if path is not None else LingBotVAConfig.wan_pretrained_path
+    out: dict[str, dict[str, Any]] = {}
+    for sub in ("vae", "text_encoder"):
+        file: Path | str | None = Path(path) / sub / "config.json"
+        if not Path(file).is_file():
+            try:
+                from huggingface_hub import try_to_load_from_cache
+
+                file = try_to_load_from_cache(path, f"{sub}/config.json")
+            except Exception:  # not a repo id, or no hub library: nothing cached to read
+                file = None
+        if isinstance(file, (str, Path)) and Path(file).is_file():
+            out[sub] = json.loads(Path(file).read_text())
+    if len(out) < 2:
+        print(f"export: {path}/{{vae,text_encoder}}/config.json not readable here (not a local folder, not in the "
+              "Hugging Face cache); the widths of LeRobot's frozen VAE and text encoder are not checked",
+              file=sys.stderr)
+    return path, out
+
+
 def policy_layout(cfg: TrainConfig, stats: ActionStats) -> dict[str, Any]:
     """The dataset-side fields of the policy: ``obs_cam_keys``, ``height``, ``width``, the input and output
     features, checked against the latent cache and the checkpoint's statistics (one line each)."""
@@ -159,7 +255,12 @@ def write_policy(folder: Path, config: Any, state_dict: dict[str, torch.Tensor],
 
 def write_lerobot(job: Any, folder: Path) -> None:
     """The ``lerobot`` format of an :class:`~flexpack.tools.export_io.ExportJob` into ``folder``."""
+    import sys
+
     cfg, opts = job.cfg, job.options
+    if opts.allow_unrunnable and (reasons := unrunnable(cfg, opts.wan_pretrained_path)):
+        print(f"export: warning: writing a policy LeRobot cannot run as it trained (--allow-unrunnable): "
+              f"{'; '.join(reasons)}", file=sys.stderr)
     config = policy_config(cfg, policy_layout(cfg, job.stats), opts.wan_pretrained_path)
     write_policy(folder, config, job.model.state_dict(), job.stats, job.norm, opts.dtype)
     if job.averaged is not None:

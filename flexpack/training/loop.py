@@ -124,6 +124,10 @@ def _train(cfg: TrainConfig, found: Path | None, stop: faults.GracefulStop, stop
     run = build_run(cfg, rank, size, device=device) if given is None else given
     float8.check_tokens(cfg.parallel.float8, cfg.data, run.geometry, device)  # before the model is built
     model = run.build_model()  # model.pretrained under FSDP2: each rank loads its shards
+    if rank == 0 and cfg.model.pretrained and found is None:  # the weights a new run starts from, what matched
+        from flexpack.run.pretrained import loaded_note
+
+        print(loaded_note(cfg.model.pretrained, run.model_config, run.family, model), flush=True)
     o, folder = cfg.optim, Path(cfg.runtime.out_dir)
     opt = build_optimizer(model, o, log=rank == 0, fused=device.type == "cuda")  # no decay on norms, biases, ...
     ema = make_ema(model, o.ema_decay)

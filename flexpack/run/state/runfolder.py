@@ -142,7 +142,9 @@ class RunLock:
                     continue
                 if host == me["host"] and isinstance(pid, int) and not pid_alive(pid):
                     print(f"warning: {self.path}: taking over the lock of PID {pid} on {host}, which is no longer "
-                          "running (a killed train)", file=sys.stderr)
+                          f"running (a killed train, started {holder.get('since', '?')}): "
+                          f"{stale_cause(pid, holder.get('since'))}; "
+                          f"{last_logged(self.path.parent)}", file=sys.stderr)
                     self.path.unlink(missing_ok=True)
                     continue
                 raise ValueError(f"{self.path.parent}: in use by train PID {pid} on host {host} (since "
@@ -174,6 +176,61 @@ class RunLock:
                     folder.rmdir()
                 except OSError:
                     break
+
+
+def stale_cause(pid: int, since: str | None = None) -> str:
+    """Why the ``train`` of PID ``pid`` left its lock: every orderly end (done, an error, Ctrl-C or SIGTERM with its
+    checkpoint) releases it and says why on stderr, so a lock left behind means the process got no chance to: a
+    signal it cannot catch (SIGKILL) or a crash in native code. The kernel log names an out-of-memory kill where
+    this user may read it (``dmesg``); ``since``: when the lock was taken (ISO 8601), so that a kill of an earlier
+    process of the same PID is not taken for this one's."""
+    line = _oom_kill_line(pid, since)
+    if line:
+        return f"the kernel's out-of-memory killer ended it (kernel log: {line!r}); lower data.max_tokens or use a " \
+               "machine with more memory"
+    return ("it ended without an exit line or releasing its lock: killed by a signal, possibly the kernel's "
+            "out-of-memory killer (see `dmesg`; the kernel log is not readable here or names no kill of it) or a "
+            "scheduler's hard limit, or a crash in native code")
+
+
+def _oom_kill_line(pid: int, since: str | None = None) -> str | None:
+    """The kernel log's line of an out-of-memory kill of ``pid`` after ``since`` (None where there is none or the
+    log is closed to this user). Its ``[seconds since boot]`` stamps are placed with the boot time of /proc/stat."""
+    import re
+    import subprocess
+
+    try:
+        text = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=5).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    after = None
+    try:
+        boot = next(int(x.split()[1]) for x in Path("/proc/stat").read_text().splitlines() if x.startswith("btime "))
+        after = datetime.datetime.fromisoformat(since).timestamp() - boot if since else None
+    except (OSError, ValueError, StopIteration, IndexError):
+        pass  # no boot time or no start time: any kill of this PID counts
+    hits = []
+    for line in text.splitlines():
+        if not re.search(rf"Kill(?:ed)? process {pid}\b", line):
+            continue
+        stamp = re.match(r"\s*\[\s*(\d+(?:\.\d+)?)\]", line)
+        if after is not None and stamp is not None and float(stamp[1]) < after:
+            continue  # an earlier process of the same PID
+        hits.append(line.strip())
+    return hits[-1] if hits else None
+
+
+def last_logged(run: Path) -> str:
+    """The last step ``metrics.jsonl`` of the run folder ``run`` holds, as a clause of the stale-lock warning."""
+    path = run / "metrics.jsonl"
+    step = None
+    if path.is_file():
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                step = int(json.loads(line)["step"])
+            except (ValueError, KeyError, TypeError):
+                pass  # a line cut short by the kill
+    return f"its last logged step was {step} ({path})" if step is not None else f"it logged no step ({path})"
 
 
 def _create_whole(path: Path, text: str) -> None:
