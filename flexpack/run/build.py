@@ -17,6 +17,7 @@ from flexpack.data.formats import is_bundle
 from flexpack.models.registry import DataConventions
 from flexpack.run.checks import config_terms
 from flexpack.run.config import TrainConfig
+from flexpack.run.pretrained import check_camera_layout
 from flexpack.run.root import EpisodeDataset, Run, Split, run_for
 
 SPLITS = ("train", "val")
@@ -36,7 +37,11 @@ def open_dataset(cfg: TrainConfig, episodes: Sequence[int] | None = None, *,
         raise ValueError("data.root is empty: set it to a LeRobot dataset folder with a latent cache")
     conv = fam.conventions(model_cfg)
     if is_bundle(d):
-        return open_bundle(cfg, conv, episodes, text_dropout=text_dropout)
+        ds = open_bundle(cfg, conv, episodes, text_dropout=text_dropout)
+        for layout in sorted({it.layout for it in ds.items}):
+            check_camera_layout(cfg.model.pretrained, fam, layout, str(d.root))
+        return ds
+    check_camera_layout(cfg.model.pretrained, fam, "width_concat")
     cameras = list(d.cameras) if d.cameras else None
     if conv.action_channels is not None or conv.cameras:
         cameras = check_conventions(cfg, conv)
@@ -63,7 +68,8 @@ def open_bundle(cfg: TrainConfig, conv: DataConventions, episodes: Sequence[int]
         d.root, cameras=cameras, camera_layout=d.camera_layout, action_dim=conv.action_dim,
         action_channels=list(conv.action_channels) if conv.action_channels is not None else None,
         action_steps=d.action_steps, normalize=d.normalize, norm_stat=read_norm_stat(d.norm_stat),
-        action_transform=d.action_transform, cfg_prob=d.cfg_prob if text_dropout else 0.0, seed=d.seed, missing=d.missing,
+        action_transform=d.action_transform, cfg_prob=d.cfg_prob if text_dropout else 0.0, seed=d.seed,
+        missing=d.missing,
         episodes=list(episodes) if episodes is not None else None,
     )
 
