@@ -27,6 +27,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--wan-pretrained-path", default=None, metavar="PATH",
                         help="--format lerobot: the policy's wan_pretrained_path, a Hub repo or local folder with "
                              "vae/, text_encoder/, tokenizer/ (default: LeRobot's, robbyant/lingbot-va-base)")
+    parser.add_argument("--dataset", default=None, metavar="NAME",
+                        help="a run on a lingbot-bundle: the bundle's dataset (its folder under the bundle root, e.g. "
+                             "robotwin/a) whose cameras (frame sizes, latent grids, frame_ids stride) the export "
+                             "describes, needed only where the datasets' cameras differ; the datasets of one bundle "
+                             "share its action statistics (pooled over the whole bundle, or data.norm_stat)")
     parser.add_argument("--push-to-hub", metavar="REPO", default=None,
                         help="upload OUT to this Hugging Face model repo (org/name) once written")
     parser.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
@@ -46,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
     from flexpack.tools.export_io import WRITERS
 
     out = export_run(args.run, args.out, ema=args.ema, dtype=getattr(torch, args.dtype), overrides=args.overrides,
-                     policy=not args.no_policy, fmt=args.fmt, wan_pretrained_path=args.wan_pretrained_path)
+                     policy=not args.no_policy, fmt=args.fmt, wan_pretrained_path=args.wan_pretrained_path,
+                     dataset=args.dataset)
     fmt = json.loads((out / "export.json").read_text())["format"]
     print(f"exported {args.run} -> {out} ({fmt}; load: {WRITERS[fmt].load.format(out=str(out))})")
     if args.push_to_hub:

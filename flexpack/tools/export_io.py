@@ -58,13 +58,15 @@ def _function(target: str) -> Callable[..., Any]:
 @dataclass(frozen=True, kw_only=True)
 class ExportOptions:
     """The command's choices: the format (None: the family's first), the weights' dtype, ``--ema``, the
-    diffusers export's policy folder (``--no-policy``) and the LeRobot export's ``wan_pretrained_path``."""
+    diffusers export's policy folder (``--no-policy``), the LeRobot export's ``wan_pretrained_path`` and, for a
+    run on a lingbot-bundle, the dataset whose cameras an export describes (``--dataset``)."""
 
     fmt: str | None = None
     dtype: torch.dtype = torch.float32
     ema: bool = False
     policy: bool = True
     wan_pretrained_path: str | None = None
+    dataset: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,6 +107,12 @@ def export_format(cfg: TrainConfig, options: ExportOptions, where: Path | str) -
     if not options.policy and fmt != "diffusers":
         raise ValueError(f"--no-policy applies to --format diffusers (its OUT/lerobot_policy/), not to the {fmt!r} "
                          "export, which is a policy folder itself")
+    if options.dataset is not None:
+        from flexpack.data.formats import is_bundle
+
+        if not is_bundle(cfg.data):
+            raise ValueError(f"--dataset applies to a run on a lingbot-bundle (the bundle's dataset an export "
+                             f"describes), not to one on {cfg.data.root!r}")
     spec = WRITERS[fmt]
     try:
         importlib.import_module(spec.package)
