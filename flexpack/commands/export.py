@@ -1,6 +1,7 @@
 """``flexpack export RUN OUT``: a run's newest checkpoint as a folder the ecosystem loads, in a format its
-model family can be written in: ``diffusers`` (WanVA: a diffusers folder plus the action stream) or ``lerobot``
-(lingbot-va: a LeRobot ``lingbot_va`` policy folder) (:func:`flexpack.tools.export.export_run`)."""
+model family can be written in: ``diffusers`` (WanVA: a diffusers folder plus the action stream), ``lerobot``
+(lingbot-va: a LeRobot ``lingbot_va`` policy folder) or ``lingbot-upstream`` (lingbot-va: upstream LingBot-VA's
+``transformer/`` folder) (:func:`flexpack.tools.export.export_run`)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "checkpoint) or a checkpoint folder")
     parser.add_argument("out", type=Path, help="new or empty folder to write")
     parser.add_argument("--format", dest="fmt", default=None, metavar="FORMAT",
-                        help="diffusers (wanva) or lerobot (lingbot-va: a LeRobot lingbot_va policy folder); "
-                             "default: the run's model family's first format")
+                        help="diffusers (wanva), lerobot (lingbot-va: a LeRobot lingbot_va policy folder) or "
+                             "lingbot-upstream (lingbot-va: upstream LingBot-VA's transformer/ folder, "
+                             "diffusers-style, with flexpack_export.json); default: the run's model family's first "
+                             "format")
     parser.add_argument("--ema", action="store_true", help="also write the EMA weights (OUT/ema/, same layout)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="dtype of the exported weights")

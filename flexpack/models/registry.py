@@ -207,7 +207,7 @@ def _lingbot_va() -> ModelFamily:
                        apply_objective=apply_objective,
                        conventions=conventions, sampler="flexpack.sampling.lingbot:LingbotSampler",
                        sampling_fields=LEROBOT_INFERENCE,
-                       export_formats=("lerobot",))
+                       export_formats=("lerobot", "lingbot-upstream"))
 
 
 register("wanva", _wanva)

@@ -2,8 +2,9 @@
 
 ``--format`` picks the layout among the formats the run's family can be written in (its registry entry's
 ``export_formats``; :data:`flexpack.tools.export_io.WRITERS` maps each to its writer): ``diffusers`` (WanVA,
-below) or ``lerobot`` (lingbot-va: a LeRobot ``lingbot_va`` policy folder, :mod:`flexpack.tools.export_lerobot`);
-a run on a lingbot-bundle: :mod:`flexpack.tools.export_bundle`.
+below) or ``lerobot`` (lingbot-va: a LeRobot ``lingbot_va`` policy folder, :mod:`flexpack.tools.export_lerobot`)
+or ``lingbot-upstream`` (lingbot-va: upstream LingBot-VA's ``transformer/`` folder,
+:mod:`flexpack.tools.export_upstream`); a run on a lingbot-bundle: :mod:`flexpack.tools.export_bundle`.
 Every format gets ``flexpack_config.json`` and ``export.json`` beside its own files.
 
 ``OUT`` (a new or empty folder, written under a temporary name and renamed when complete), ``diffusers``::
@@ -129,9 +130,9 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike, *, ema: bool = Fa
                dtype: torch.dtype = torch.float32, overrides: Sequence[str] = (), policy: bool = True,
                fmt: str | None = None, wan_pretrained_path: str | None = None, dataset: str | None = None) -> Path:
     """Export ``run``'s newest intact checkpoint into ``out`` in ``fmt`` (default: the family's first export
-    format; ``diffusers`` is the module docstring's layout, ``lerobot`` :mod:`flexpack.tools.export_lerobot`'s);
-    returns ``out``. ``overrides`` (``--set``) apply to the checkpoint's own config; ``dataset``: a bundle run's
-    dataset whose cameras the export describes."""
+    format; ``diffusers`` is the module docstring's layout, ``lerobot`` :mod:`flexpack.tools.export_lerobot`'s,
+    ``lingbot-upstream`` :mod:`flexpack.tools.export_upstream`'s); returns ``out``. ``overrides`` (``--set``)
+    apply to the checkpoint's own config; ``dataset``: a bundle run's dataset whose cameras the export describes."""
     from flexpack.atomic import write_failure
     from flexpack.errors import UserError
     from flexpack.run.config import save_config

@@ -47,6 +47,9 @@ WRITERS: dict[str, Format] = {
                       check="flexpack.tools.export_lerobot:check_config",
                       package="lerobot.policies.lingbot_va.modeling_lingbot_va", extra="hf",
                       load="lerobot's LingBotVAPolicy.from_pretrained({out!r}) and make_pre_post_processors"),
+    "lingbot-upstream": Format(writer="flexpack.tools.export_upstream:write_upstream", package="safetensors",
+                               load="upstream LingBot-VA's load_transformer({out!r} + '/transformer', ...); "
+                                    "its config fields in {out}/flexpack_export.json"),
 }
 
 
