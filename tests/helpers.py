@@ -96,3 +96,30 @@ def save_policy(path: Path, seed: int = 0, **kw: Any) -> Any:
 
     return save(path, seed, **kw)
 
+
+# a RoboTwin-like bundle for lingbot-va-tiny: the main camera's latents 4x4, two wrists of 2x2 (composed as a T)
+BUNDLE_CAMS = {"observation.images.cam_high": (4, 4), "observation.images.cam_left_wrist": (2, 2),
+               "observation.images.cam_right_wrist": (2, 2)}
+LINGBOT_TINY = ["model.family=lingbot-va", "model.preset=lingbot-va-tiny"]
+
+
+def bundle_run(root: Path, out: Path, *extra: str, cameras: dict[str, tuple[int, int]] = BUNDLE_CAMS,
+               stride: int = 1, train: bool = True) -> Any:
+    """A two-dataset bundle at ``root`` (``robotwin/a``: 3 episodes, ``robotwin/b``: 2; 6 action columns; latents
+    of ``cameras``, every ``stride``-th video frame encoded) and the config of a 2-step lingbot-va-tiny run on it
+    into ``out`` (``extra``: more ``--set`` values), trained unless ``train`` is false."""
+    from flexpack.data.bundle_synthetic import SyntheticDataset, write_bundle
+
+    write_bundle(root, [
+        SyntheticDataset(name="robotwin/a", episodes=[[(0, 30), (20, 45)], [(0, 25)], [(3, 40)]], cameras=cameras,
+                         action_columns=6, stride=stride),
+        SyntheticDataset(name="robotwin/b", episodes=[[(0, 21)], [(0, 33)]], cameras=cameras, action_columns=6,
+                         stride=stride),
+    ], text=(16, 64))
+    cfg = tiny_config(root, out, *LINGBOT_TINY, "data.max_tokens=800", "schedule.steps=2", "schedule.rewarmup_steps=0",
+                      *extra)
+    if train:
+        from flexpack.training.loop import train as run_train
+
+        run_train(cfg)
+    return cfg

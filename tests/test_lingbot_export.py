@@ -104,7 +104,7 @@ def test_formats_the_family_cannot_be_written_in(lingbot_run, tiny_dataset, tmp_
     WanVA run no LeRobot lingbot_va one; options of another format, and a full disk, are one line; nothing is
     written."""
     _, run = lingbot_run
-    cases = [(["--format", "diffusers"], "exports as ['lerobot'], not --format 'diffusers'"),
+    cases = [(["--format", "diffusers"], "exports as ['lerobot', 'lingbot-upstream'], not --format 'diffusers'"),
              (["--no-policy"], "--no-policy applies to --format diffusers"),
              (["--format", "onnx"], "not --format 'onnx'")]
     for extra, msg in cases:

@@ -1,6 +1,7 @@
 """``flexpack export RUN OUT``: a run's newest checkpoint as a folder the ecosystem loads, in a format its
-model family can be written in: ``diffusers`` (WanVA: a diffusers folder plus the action stream) or ``lerobot``
-(lingbot-va: a LeRobot ``lingbot_va`` policy folder) (:func:`flexpack.tools.export.export_run`)."""
+model family can be written in: ``diffusers`` (WanVA: a diffusers folder plus the action stream), ``lerobot``
+(lingbot-va: a LeRobot ``lingbot_va`` policy folder) or ``lingbot-upstream`` (lingbot-va: upstream LingBot-VA's
+``transformer/`` folder) (:func:`flexpack.tools.export.export_run`)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "checkpoint) or a checkpoint folder")
     parser.add_argument("out", type=Path, help="new or empty folder to write")
     parser.add_argument("--format", dest="fmt", default=None, metavar="FORMAT",
-                        help="diffusers (wanva) or lerobot (lingbot-va: a LeRobot lingbot_va policy folder); "
-                             "default: the run's model family's first format")
+                        help="diffusers (wanva), lerobot (lingbot-va: a LeRobot lingbot_va policy folder) or "
+                             "lingbot-upstream (lingbot-va: upstream LingBot-VA's transformer/ folder, "
+                             "diffusers-style, with flexpack_export.json); default: the run's model family's first "
+                             "format")
     parser.add_argument("--ema", action="store_true", help="also write the EMA weights (OUT/ema/, same layout)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="dtype of the exported weights")
@@ -31,6 +34,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--format lerobot: write the policy even where LeRobot could not run it as trained "
                              "(latents or texts of the pool / hash stand-in encoders, a VAE or text encoder at "
                              "--wan-pretrained-path of another width); refused otherwise, naming why")
+
+    parser.add_argument("--dataset", default=None, metavar="NAME",
+                        help="a run on a lingbot-bundle: the bundle's dataset (its folder under the bundle root, e.g. "
+                             "robotwin/a) whose cameras (frame sizes, latent grids, frame_ids stride) the export "
+                             "describes, needed only where the datasets' cameras differ; the datasets of one bundle "
+                             "share its action statistics (pooled over the whole bundle, or data.norm_stat)")
     parser.add_argument("--push-to-hub", metavar="REPO", default=None,
                         help="upload OUT to this Hugging Face model repo (org/name) once written")
     parser.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
@@ -51,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
 
     out = export_run(args.run, args.out, ema=args.ema, dtype=getattr(torch, args.dtype), overrides=args.overrides,
                      policy=not args.no_policy, fmt=args.fmt, wan_pretrained_path=args.wan_pretrained_path,
-                     allow_unrunnable=args.allow_unrunnable)
+                     allow_unrunnable=args.allow_unrunnable, dataset=args.dataset)
     fmt = json.loads((out / "export.json").read_text())["format"]
     print(f"exported {args.run} -> {out} ({fmt}; load: {WRITERS[fmt].load.format(out=str(out))})")
     if args.push_to_hub:

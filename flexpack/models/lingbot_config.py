@@ -161,6 +161,22 @@ LEROBOT_TRAINING = ("action_per_frame", "snr_shift", "action_snr_shift", "used_a
 LEROBOT_INFERENCE = ("frame_chunk_size", "attn_window", "num_inference_steps", "action_num_inference_steps",
                      "guidance_scale", "action_guidance_scale")
 CAMERA_LAYOUT = "width_concat"  # LeRobot's camera_layout flexpack's latent cache has (cameras joined on width)
+# LeRobot's camera_layout -> how flexpack composes the cameras (flexpack.data.bundle_grid): a latent cache joins them
+# on width; a lingbot-bundle may compose upstream's T (wrists side by side over the main camera)
+LEROBOT_LAYOUTS = {"width_concat": "width_concat", "robotwin_tshape": "tshape"}
+
+
+def lerobot_layout_name(layout: str) -> str:
+    """LeRobot's ``camera_layout`` of flexpack's composition ``layout`` ("width_concat" or "tshape")."""
+    return {v: k for k, v in LEROBOT_LAYOUTS.items()}[layout]
+
+
+def camera_layout_of(cfg: Mapping[str, Any]) -> str | None:
+    """The composition a checkpoint's config records, in flexpack's names (a LeRobot policy's ``camera_layout``);
+    None where it records none (an upstream ``transformer/config.json``) or one flexpack does not know
+    (:func:`config_from_lerobot` refuses those)."""
+    layout = cfg.get("camera_layout")
+    return LEROBOT_LAYOUTS.get(layout) if isinstance(layout, str) else None
 
 
 PRESETS: dict[str, LingbotConfig] = {
@@ -196,9 +212,9 @@ def config_from_lerobot(cfg: Mapping[str, Any], *, source: str = "config", **ove
     if cls_name is not None and cls_name != "WanTransformer3DModel":
         raise ValueError(f"{source}: a {cls_name!r} config, not LingBot-VA's WanTransformer3DModel")
     layout = cfg.get("camera_layout", CAMERA_LAYOUT)
-    if layout != CAMERA_LAYOUT:
-        raise ValueError(f"{source}: camera_layout {layout!r}; flexpack's latent cache joins cameras on width "
-                         f"({CAMERA_LAYOUT!r}) only")
+    if layout not in LEROBOT_LAYOUTS:  # whether the data composes it is the run's check (flexpack.run.pretrained)
+        raise ValueError(f"{source}: camera_layout {layout!r}; LeRobot's lingbot_va composes cameras as one of "
+                         f"{list(LEROBOT_LAYOUTS)}")
     kw: dict[str, Any] = {k: cfg[k] for k in LEROBOT_SHAPE + LEROBOT_TRAINING + LEROBOT_INFERENCE if k in cfg}
     if "patch_size" in kw:
         kw["patch_size"] = tuple(int(p) for p in kw["patch_size"])

@@ -134,12 +134,16 @@ def build_from_lerobot(
 
 def lingbot_files(path: str | os.PathLike) -> tuple[list[str], str | None]:
     """(weight files, ``config.json`` or None) of a LeRobot ``lingbot_va`` policy folder (``model.safetensors``),
-    an upstream ``transformer/`` folder (``diffusion_pytorch_model*.safetensors``) or one ``.safetensors`` file."""
+    an upstream ``transformer/`` folder (``diffusion_pytorch_model*.safetensors``), a folder holding one (an
+    upstream checkpoint, a ``--format lingbot-upstream`` export) or one ``.safetensors`` file."""
     path = os.fspath(path)
     policy = os.path.join(path, POLICY_WEIGHTS)
     if os.path.isdir(path) and os.path.isfile(policy):
         cfg_path = os.path.join(path, "config.json")
         return [policy], cfg_path if os.path.isfile(cfg_path) else None
+    sub = os.path.join(path, "transformer")
+    if not os.path.isfile(os.path.join(path, "config.json")) and os.path.isfile(os.path.join(sub, "config.json")):
+        return diffusers_files(sub)
     return diffusers_files(path)
 
 

@@ -8,9 +8,9 @@ the self-attention masks it trains with, how many copies of an episode it sees (
 clean), the objective it trains with (``"module:Class"``: :mod:`flexpack.flow.objectives`), the data conventions
 of its datasets (:class:`DataConventions`: action space, cameras, text length), the sampler (``"flow"``, a
 ``"module:Class"`` of :mod:`flexpack.sampling`, or None: the family does not sample yet), the config fields that
-only say how it samples, and the export formats it can be written in (:mod:`flexpack.tools.export_io`). The run
-(:mod:`flexpack.run.root`), the geometry, the collate, the objective and the sampler ask the family;
-nothing else branches on a family's name.
+only say how it samples, the camera composition its checkpoints record, and the export formats it can be written
+in (:mod:`flexpack.tools.export_io`). The run (:mod:`flexpack.run.root`), the geometry, the collate, the
+objective and the sampler ask the family; nothing else branches on a family's name.
 
 Every family config offers the shape properties generic code reads (``patch_size``, ``in_channels``,
 ``out_dim``, ``action_channels``, ``text_dim``, ``dim``, ``num_heads``, ``head_dim``, ``ffn_dim``,
@@ -76,6 +76,9 @@ class ModelFamily:
     shape_fields: tuple[str, ...] = ()  # the fields a checkpoint's config decides
     # fields a checkpoint's config.json gives where it has them and model.overrides does not set them
     checkpoint_defaults: tuple[str, ...] = ()
+    # the camera composition a checkpoint's config.json records ("width_concat", "tshape"), None: none; the run
+    # checks it against its data's (flexpack.run.pretrained.check_camera_layout)
+    checkpoint_layout: Callable[[Mapping[str, Any]], str | None] | None = None
     # (weight files, config.json or None) of a checkpoint file or folder
     checkpoint_files: Callable[[str], tuple[list[str], str | None]] | None = None
     # one checkpoint tensor under the model's name (and shape), or None when the model has no counterpart
@@ -189,6 +192,7 @@ def _lingbot_va() -> ModelFamily:
         LEROBOT_TRAINING,
         PRESETS,
         LingbotConfig,
+        camera_layout_of,
         config_from_lerobot,
     )
     from .lingbot_convert import convert_tensor, lingbot_files, load_checkpoint
@@ -197,13 +201,13 @@ def _lingbot_va() -> ModelFamily:
     return ModelFamily(name=NAME, config_class=LingbotConfig, presets=PRESETS, model_class=LingbotVA,
                        aliases=ALIASES, refused=REFUSED, read_checkpoint_config=config_from_lerobot,
                        shape_fields=SHAPE_FIELDS, checkpoint_defaults=LEROBOT_TRAINING + LEROBOT_INFERENCE,
-                       checkpoint_files=lingbot_files,
+                       checkpoint_files=lingbot_files, checkpoint_layout=camera_layout_of,
                        convert_tensor=convert_tensor, load_checkpoint=load_checkpoint,
                        masks=("lingbot",), copies=COPIES, objective="flexpack.flow.lingbot:LingbotObjective",
                        apply_objective=apply_objective,
                        conventions=conventions, sampler="flexpack.sampling.lingbot:LingbotSampler",
                        sampling_fields=LEROBOT_INFERENCE,
-                       export_formats=("lerobot",))
+                       export_formats=("lerobot", "lingbot-upstream"))
 
 
 register("wanva", _wanva)

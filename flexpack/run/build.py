@@ -18,6 +18,7 @@ from flexpack.data.formats import is_bundle
 from flexpack.models.registry import DataConventions
 from flexpack.run.checks import config_terms
 from flexpack.run.config import TrainConfig
+from flexpack.run.pretrained import check_camera_layout
 from flexpack.run.root import EpisodeDataset, Run, Split, run_for
 
 SPLITS = ("train", "val")
@@ -39,7 +40,11 @@ def open_dataset(cfg: TrainConfig, episodes: Sequence[int] | None = None, *,
     if not d.root:
         raise ValueError("data.root is empty: set it to a LeRobot dataset folder with a latent cache")
     if is_bundle(d):
-        return open_bundle(cfg, conv, episodes, text_dropout=text_dropout)
+        ds = open_bundle(cfg, conv, episodes, text_dropout=text_dropout)
+        for layout in sorted({it.layout for it in ds.items}):
+            check_camera_layout(cfg.model.pretrained, fam, layout, str(d.root))
+        return ds
+    check_camera_layout(cfg.model.pretrained, fam, "width_concat")
     cameras = list(d.cameras) if d.cameras else None
     if conv.action_channels is not None or conv.cameras:
         cameras = check_conventions(cfg, conv)

@@ -138,6 +138,31 @@ def field_source(model: Any, name: str) -> str:
     return f"model.preset = {model.preset!r}"
 
 
+def check_camera_layout(pretrained: str, family: ModelFamily, data_layout: str, bundle: str | None = None) -> None:
+    """The camera composition ``model.pretrained``'s config records (the family's ``checkpoint_layout``) against
+    the composition of the run's data, ``data_layout``: ``"width_concat"`` for a latent cache (``bundle`` None),
+    which joins cameras on width; for the bundle at ``bundle``, how it composes them (``"width_concat"`` or
+    ``"tshape"``, upstream's T); one line
+    naming both where they differ. Nothing to check without a checkpoint, a recorded layout or its config (a
+    checkpoint that moved since: the weights come from the run's own checkpoints then)."""
+    if not pretrained or family.checkpoint_layout is None or family.checkpoint_files is None:
+        return
+    try:
+        _, cfg_path = family.checkpoint_files(transformer_path(pretrained))
+        raw = json.loads(Path(cfg_path).read_text()) if cfg_path else None
+    except (OSError, ValueError):
+        return
+    theirs = family.checkpoint_layout(raw) if isinstance(raw, dict) else None
+    if theirs is None or theirs == data_layout:
+        return
+    if bundle is None:
+        raise ValueError(f"{cfg_path}: camera_layout {raw['camera_layout']!r}; flexpack's latent cache joins cameras "
+                         f"on width ({data_layout!r}) only")
+    raise ValueError(f"{cfg_path}: camera_layout {raw['camera_layout']!r} (cameras composed as {theirs!r}), but the "
+                     f"bundle {bundle} composes them as {data_layout!r}; start from a checkpoint of that layout, or "
+                     "set data.camera_layout where the cameras' latent grids compose both ways")
+
+
 def load_single(family: ModelFamily, path: str, model_cfg: ModelShape, seed: int) -> nn.Module:
     """The whole model in one process: float32 on the current default device (``model_cfg``: the family's
     resolved model config, e.g. a ``WanVAConfig``); a non-finite weight is named, before any step."""

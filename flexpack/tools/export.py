@@ -2,7 +2,9 @@
 
 ``--format`` picks the layout among the formats the run's family can be written in (its registry entry's
 ``export_formats``; :data:`flexpack.tools.export_io.WRITERS` maps each to its writer): ``diffusers`` (WanVA,
-below) or ``lerobot`` (lingbot-va: a LeRobot ``lingbot_va`` policy folder, :mod:`flexpack.tools.export_lerobot`).
+below) or ``lerobot`` (lingbot-va: a LeRobot ``lingbot_va`` policy folder, :mod:`flexpack.tools.export_lerobot`)
+or ``lingbot-upstream`` (lingbot-va: upstream LingBot-VA's ``transformer/`` folder,
+:mod:`flexpack.tools.export_upstream`); a run on a lingbot-bundle: :mod:`flexpack.tools.export_bundle`.
 Every format gets ``flexpack_config.json`` and ``export.json`` beside its own files.
 
 ``OUT`` (a new or empty folder, written under a temporary name and renamed when complete), ``diffusers``::
@@ -65,9 +67,14 @@ def _normalization(cfg: TrainConfig, state: dict[str, Any], where: str = "the ch
     from flexpack.data import action_stats, cache
     from flexpack.data.actions import ActionNormalizer, channel_map
     from flexpack.data.episodes import EpisodeSource
+    from flexpack.data.formats import is_bundle
     from flexpack.data.normalization import ActionStats
     from flexpack.run.state.resume import saved_stats
 
+    if is_bundle(cfg.data):  # statistics over the model's action space (flexpack.tools.export_bundle)
+        from flexpack.tools.export_bundle import bundle_normalization
+
+        return bundle_normalization(cfg, state, where)
     saved = saved_stats(state, where)
     key = "action"
     conv = cfg.model.model_family().conventions(cfg.model.resolved())  # the family's action width and channels
@@ -121,11 +128,14 @@ def write_weights(folder: Path, state_dict: dict[str, torch.Tensor], model_cfg: 
 
 def export_run(run: str | os.PathLike, out: str | os.PathLike, *, ema: bool = False,
                dtype: torch.dtype = torch.float32, overrides: Sequence[str] = (), policy: bool = True,
-               fmt: str | None = None, wan_pretrained_path: str | None = None, allow_unrunnable: bool = False) -> Path:
+               fmt: str | None = None, wan_pretrained_path: str | None = None, allow_unrunnable: bool = False,
+               dataset: str | None = None) -> Path:
     """Export ``run``'s newest intact checkpoint into ``out`` in ``fmt`` (default: the family's first export
-    format; ``diffusers`` is the module docstring's layout, ``lerobot`` :mod:`flexpack.tools.export_lerobot`'s);
-    returns ``out``. ``overrides`` (``--set``) apply to the checkpoint's own config; ``allow_unrunnable``: write a
-    ``lerobot`` export that LeRobot could not run as trained (stand-in encoders, other widths) with a warning."""
+    format; ``diffusers`` is the module docstring's layout, ``lerobot`` :mod:`flexpack.tools.export_lerobot`'s,
+    ``lingbot-upstream`` :mod:`flexpack.tools.export_upstream`'s); returns ``out``. ``overrides`` (``--set``)
+    apply to the checkpoint's own config; ``allow_unrunnable``: write a ``lerobot`` export that LeRobot could not
+    run as trained (stand-in encoders, other widths) with a warning; ``dataset``: a bundle run's dataset whose
+    cameras the export describes."""
     from flexpack.atomic import write_failure
     from flexpack.errors import UserError
     from flexpack.run.config import save_config
@@ -136,7 +146,7 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike, *, ema: bool = Fa
     run, out = Path(run), Path(out)
     _check_out(out)
     options = ExportOptions(fmt=fmt, dtype=dtype, ema=ema, policy=policy, wan_pretrained_path=wan_pretrained_path,
-                            allow_unrunnable=allow_unrunnable)
+                            allow_unrunnable=allow_unrunnable, dataset=dataset)
     found, (cfg, model, averaged, state) = load_newest(run, "export", lambda f: _load(f, run, ema, overrides, options))
     fmt, writer, _ = export_format(cfg, options, found)
     stats, norm = _normalization(cfg, state, str(found / "train_state.json"))

@@ -47,6 +47,9 @@ WRITERS: dict[str, Format] = {
                       check="flexpack.tools.export_lerobot:check_export",
                       package="lerobot.policies.lingbot_va.modeling_lingbot_va", extra="hf",
                       load="lerobot's LingBotVAPolicy.from_pretrained({out!r}) and make_pre_post_processors"),
+    "lingbot-upstream": Format(writer="flexpack.tools.export_upstream:write_upstream", package="safetensors",
+                               load="upstream LingBot-VA's load_transformer({out!r} + '/transformer', ...); "
+                                    "its config fields in {out}/flexpack_export.json"),
 }
 
 
@@ -58,8 +61,9 @@ def _function(target: str) -> Callable[..., Any]:
 @dataclass(frozen=True, kw_only=True)
 class ExportOptions:
     """The command's choices: the format (None: the family's first), the weights' dtype, ``--ema``, the
-    diffusers export's policy folder (``--no-policy``), the LeRobot export's ``wan_pretrained_path`` and whether it
-    may be written where LeRobot could not run it as trained (``--allow-unrunnable``)."""
+    diffusers export's policy folder (``--no-policy``), the LeRobot export's ``wan_pretrained_path``, whether it
+    may be written where LeRobot could not run it as trained (``--allow-unrunnable``) and, for a run on a
+    lingbot-bundle, the dataset whose cameras an export describes (``--dataset``)."""
 
     fmt: str | None = None
     dtype: torch.dtype = torch.float32
@@ -67,6 +71,8 @@ class ExportOptions:
     policy: bool = True
     wan_pretrained_path: str | None = None
     allow_unrunnable: bool = False
+
+    dataset: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,6 +116,12 @@ def export_format(cfg: TrainConfig, options: ExportOptions, where: Path | str) -
     if not options.policy and fmt != "diffusers":
         raise ValueError(f"--no-policy applies to --format diffusers (its OUT/lerobot_policy/), not to the {fmt!r} "
                          "export, which is a policy folder itself")
+    if options.dataset is not None:
+        from flexpack.data.formats import is_bundle
+
+        if not is_bundle(cfg.data):
+            raise ValueError(f"--dataset applies to a run on a lingbot-bundle (the bundle's dataset an export "
+                             f"describes), not to one on {cfg.data.root!r}")
     spec = WRITERS[fmt]
     try:
         importlib.import_module(spec.package)

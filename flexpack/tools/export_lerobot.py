@@ -28,6 +28,10 @@ sizes off the VAE's 16-pixel grid, a latent cache whose grid is not the cameras'
 LingbotConfig field LeRobot's config has no place for. The fields of LeRobot's trainer that its config lacks
 (``noisy_cond_prob``, ``chunk_range``, ``window_range``) and how flexpack runs (``attn_backend``,
 ``activation_checkpointing``) shape no inference and stay in ``flexpack_config.json``.
+
+A run on a lingbot-bundle takes its cameras, their composition (``camera_layout`` ``"robotwin_tshape"`` for
+upstream's T), frames, statistics and the action steps a latent frame from the bundle instead
+(:mod:`flexpack.tools.export_bundle`).
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from flexpack.data.formats import is_bundle
 
 if TYPE_CHECKING:
     from flexpack.data.normalization import ActionStats
@@ -68,7 +74,11 @@ def check_config(cfg: TrainConfig, options: Any = None) -> None:
             raise ValueError(f"--format lerobot: LeRobot's lingbot_va config has no field {f.name!r} "
                              f"(= {getattr(model_cfg, f.name)!r} here); this model cannot be written as a LeRobot "
                              "policy")
-    if cfg.data.stride != VAE_STRIDE or model_cfg.action_per_frame != VAE_STRIDE:
+    if is_bundle(cfg.data):  # its frame_ids stride, not data.stride, says how it was encoded (export_bundle)
+        from flexpack.tools.export_bundle import check_steps
+
+        check_steps(cfg, getattr(options, "dataset", None))
+    elif cfg.data.stride != VAE_STRIDE or model_cfg.action_per_frame != VAE_STRIDE:
         raise ValueError(f"--format lerobot: data.stride = {cfg.data.stride} video frames and action_per_frame = "
                          f"{model_cfg.action_per_frame} action steps per latent frame, but LeRobot's lingbot_va policy "
                          f"encodes {VAE_STRIDE} video frames per latent frame and runs one action per video frame")
@@ -81,7 +91,8 @@ def check_export(cfg: TrainConfig, options: Any) -> None:
     """The ``lerobot`` format's check before any weight is read: :func:`check_config`, then whether LeRobot's policy
     could run the export as trained (:func:`unrunnable`), refused in one line unless ``--allow-unrunnable``."""
     check_config(cfg, options)
-    if options is not None and not options.allow_unrunnable:
+    # a bundle's latents and texts are upstream's own Wan2.2 VAE and umT5 extractions: nothing to refuse
+    if options is not None and not options.allow_unrunnable and not is_bundle(cfg.data):
         reasons = unrunnable(cfg, options.wan_pretrained_path)
         if reasons:
             raise ValueError("--format lerobot: LeRobot's lingbot_va policy could not run this export as it trained: "
@@ -222,8 +233,8 @@ def policy_config(cfg: TrainConfig, layout: dict[str, Any], wan_pretrained_path:
     from lerobot.policies.lingbot_va.configuration_lingbot_va import LingBotVAConfig
 
     fields = cfg.model.resolved().lerobot_fields()
-    fields.update(layout, patch_size=tuple(fields["patch_size"]), attn_mode="torch", camera_layout="width_concat",
-                  device="cpu")  # device: null in the written config.json
+    fields.update({"camera_layout": "width_concat", **layout}, patch_size=tuple(fields["patch_size"]),
+                  attn_mode="torch", device="cpu")  # device: null in the written config.json
     if wan_pretrained_path is not None:
         fields["wan_pretrained_path"] = wan_pretrained_path
     return LingBotVAConfig(**fields)
@@ -258,10 +269,16 @@ def write_lerobot(job: Any, folder: Path) -> None:
     import sys
 
     cfg, opts = job.cfg, job.options
-    if opts.allow_unrunnable and (reasons := unrunnable(cfg, opts.wan_pretrained_path)):
+    if opts.allow_unrunnable and not is_bundle(cfg.data) and (reasons := unrunnable(cfg, opts.wan_pretrained_path)):
         print(f"export: warning: writing a policy LeRobot cannot run as it trained (--allow-unrunnable): "
               f"{'; '.join(reasons)}", file=sys.stderr)
-    config = policy_config(cfg, policy_layout(cfg, job.stats), opts.wan_pretrained_path)
+    if is_bundle(cfg.data):  # cameras, layout and frames from the bundle's files (flexpack.tools.export_bundle)
+        from flexpack.tools.export_bundle import lerobot_layout
+
+        layout = lerobot_layout(cfg, job.stats, opts.dataset)
+    else:
+        layout = policy_layout(cfg, job.stats)
+    config = policy_config(cfg, layout, opts.wan_pretrained_path)
     write_policy(folder, config, job.model.state_dict(), job.stats, job.norm, opts.dtype)
     if job.averaged is not None:
         write_policy(folder / "ema", config, job.averaged.full_state_dict(), job.stats, job.norm, opts.dtype)
