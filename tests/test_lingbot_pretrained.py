@@ -193,7 +193,7 @@ def test_sample_a_run_fine_tuned_from_a_policy_of_another_width(tiny_dataset, tm
     sets = [*tiny_sets(tiny_dataset, run, "schedule.steps=2"), *LINGBOT, f'model.pretrained="{tmp_path / "policy"}"']
     code, err = run_cli(capsys, "train", str(TINY), *set_args(sets))
     assert code == 0, err
-    assert run_cli(capsys, "export", str(run), str(tmp_path / "export"))[0] == 0
+    assert run_cli(capsys, "export", str(run), str(tmp_path / "export"), "--allow-unrunnable")[0] == 0
     (tmp_path / "policy").rename(tmp_path / "moved")  # the run and the export must not need it
     fast = ["--horizon", "4", "--plots", "0", "--samples", "1", "--set", "model.overrides.num_inference_steps=2",
             "--set", "model.overrides.action_num_inference_steps=2"]

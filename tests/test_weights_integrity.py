@@ -57,7 +57,7 @@ def fine_tuned(tiny_dataset, tmp_path_factory):
     sets = [*tiny_sets(tiny_dataset, root / "run", "schedule.steps=1", "optim.ema_decay=0.5"), *LINGBOT,
             f'model.pretrained="{root / "policy"}"']
     assert main(["train", str(TINY), *set_args(sets)]) == 0
-    assert main(["export", str(root / "run"), str(root / "export")]) == 0
+    assert main(["export", str(root / "run"), str(root / "export"), "--allow-unrunnable"]) == 0
     return root, root / "run", root / "export"
 
 
@@ -92,7 +92,7 @@ def test_a_cut_model_pretrained_is_one_line_where_it_is_read(fine_tuned, tmp_pat
     cut(weights)
     try:
         said = f"{weights}: not a readable safetensors file (Error while deserializing header"
-        code, err = run_cli(capsys, "export", str(run), str(tmp_path / "out"))
+        code, err = run_cli(capsys, "export", str(run), str(tmp_path / "out"), "--allow-unrunnable")
         assert said in one_line(code, err, "export") and not (tmp_path / "out").exists()
         code, err = run_cli(capsys, "verify", "--checkpoint", str(run))
         assert said in one_line(code, err, "verify")
@@ -129,7 +129,7 @@ def test_nonfinite_checkpoint_weights_are_named_before_any_step_or_sample(tiny_d
     assert checkpoint.problem(found) is None  # intact as files
     said = f"{found}: weight 'model.patch_embed.weight' holds non-finite values (2 NaN and 0 infinite of "
     runs = {"sample": ["sample", str(tmp_path / "run"), "--out", str(tmp_path / "s"), *FAST],
-            "export": ["export", str(tmp_path / "run"), str(tmp_path / "out")],
+            "export": ["export", str(tmp_path / "run"), str(tmp_path / "out"), "--allow-unrunnable"],
             "train": ["train", str(found / "config.json"), "--set", "schedule.steps=2"]}
     for command, argv in runs.items():
         code, err = run_cli(capsys, *argv)
