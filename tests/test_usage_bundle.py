@@ -50,7 +50,8 @@ def save_base(path: Path) -> None:
                                           for c, (h, w) in CAMS.items()},
                           num_attention_heads=2, attention_head_dim=32, text_dim=64, freq_dim=32, ffn_dim=128,
                           num_layers=2, used_action_channel_ids=ROBOTWIN, obs_cam_keys=list(CAMS),
-                          action_per_frame=16, max_sequence_length=16, dtype="float32", device="cpu")
+                          action_per_frame=16, max_sequence_length=16, dtype="float32", device="cpu",
+                          camera_layout="robotwin_tshape")
     LingBotVAPolicy(cfg).save_pretrained(path)
 
 
