@@ -123,3 +123,16 @@ def bundle_run(root: Path, out: Path, *extra: str, cameras: dict[str, tuple[int,
 
         run_train(cfg)
     return cfg
+
+
+def sample_run_and_export(capsys, run: Path, export: Path, out: Path) -> dict[str, dict]:
+    """``flexpack sample`` of a run and of its export (two solver steps a stream, one sample, no plots): each one's
+    metrics.json, keyed "run" and "export"."""
+    fast = ["--set", "model.overrides.num_inference_steps=2", "--set", "model.overrides.action_num_inference_steps=2"]
+    got = {}
+    for name, src in (("run", run), ("export", export)):
+        code, err = run_cli(capsys, "sample", str(src), "--horizon", "4", "--plots", "0", "--samples", "1", "--out",
+                            str(out / name), *fast)
+        assert code == 0, err
+        got[name] = json.loads((out / name / "metrics.json").read_text())
+    return got

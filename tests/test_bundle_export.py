@@ -28,7 +28,7 @@ from flexpack.run.model import build_model  # noqa: E402
 from flexpack.run.state import checkpoint  # noqa: E402
 from flexpack.tools import export_lerobot  # noqa: E402
 from flexpack.training.loop import train  # noqa: E402
-from helpers import BUNDLE_CAMS, LINGBOT_TINY, bundle_run, run_cli, tiny_config  # noqa: E402
+from helpers import BUNDLE_CAMS, LINGBOT_TINY, bundle_run, run_cli, sample_run_and_export, tiny_config  # noqa: E402
 from test_lingbot_export import save_frozen_modules  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -129,13 +129,7 @@ def test_sample_gives_the_run_and_its_bundle_export_the_same_numbers(tshape_run,
     _, run = tshape_run
     out = tmp_path / "policy"
     assert run_cli(capsys, "export", str(run), str(out))[0] == 0
-    fast = ["--set", "model.overrides.num_inference_steps=2", "--set", "model.overrides.action_num_inference_steps=2"]
-    got = {}
-    for name, src in (("run", run), ("export", out)):
-        code, err = run_cli(capsys, "sample", str(src), "--horizon", "4", "--plots", "0", "--samples", "1", "--out",
-                            str(tmp_path / name), *fast)
-        assert code == 0, err
-        got[name] = json.loads((tmp_path / name / "metrics.json").read_text())
+    got = sample_run_and_export(capsys, run, out, tmp_path)
     assert got["export"]["action_mse"] == pytest.approx(got["run"]["action_mse"], rel=1e-6)
     assert got["export"]["latent_mse"] == pytest.approx(got["run"]["latent_mse"], rel=1e-6)
 

@@ -24,7 +24,7 @@ from flexpack.run.model import build_model
 from flexpack.run.state import checkpoint
 from flexpack.tools import export_upstream
 from flexpack.training.loop import train
-from helpers import LINGBOT_TINY, bundle_run, run_cli, tiny_config
+from helpers import LINGBOT_TINY, bundle_run, run_cli, sample_run_and_export, tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 # a git mirror of upstream's repository (github.com/robbyant/lingbot-va), where one is present
@@ -141,13 +141,7 @@ def test_sample_reads_the_upstream_export(runs, tmp_path, capsys) -> None:
     _, run = runs["v3"]
     out = tmp_path / "up"
     assert run_cli(capsys, "export", str(run), str(out), "--format", "lingbot-upstream")[0] == 0
-    fast = ["--set", "model.overrides.num_inference_steps=2", "--set", "model.overrides.action_num_inference_steps=2"]
-    got = {}
-    for name, src in (("run", run), ("export", out)):
-        code, err = run_cli(capsys, "sample", str(src), "--horizon", "4", "--plots", "0", "--samples", "1", "--out",
-                            str(tmp_path / name), *fast)
-        assert code == 0, err
-        got[name] = json.loads((tmp_path / name / "metrics.json").read_text())
+    got = sample_run_and_export(capsys, run, out, tmp_path)
     assert got["export"]["action_mse"] == pytest.approx(got["run"]["action_mse"], rel=1e-6)
     assert got["export"]["latent_mse"] == pytest.approx(got["run"]["latent_mse"], rel=1e-6)
 
