@@ -83,7 +83,7 @@ def test_the_host_memory_bounds_offload():
 @pytest.mark.parametrize("value", [-1, "big", float("nan"), True])
 def test_bad_budgets_are_refused_naming_the_key(value):
     with pytest.raises(ValueError, match="memory.budget_gb"):
-        mp.check_budget(value)
+        load_config(None, [f"memory.budget_gb={value!r}" if isinstance(value, str) else f"memory.budget_gb={value}"])
 
 
 def test_train_prints_the_plan_and_refuses_an_unreachable_budget_before_any_weights(tiny_dataset, tmp_path, capsys,

@@ -89,9 +89,11 @@ class MemoryConfig:
     budget_gb: float | str = 0  # GB of GPU memory per rank; "auto": the device's; 0: no plan (the config as set)
 
     def __post_init__(self) -> None:
-        from flexpack.run.memory_plan import check_budget
-
-        check_budget(self.budget_gb)
+        b = self.budget_gb
+        if not (b == "auto" or (isinstance(b, (int, float)) and not isinstance(b, bool) and math.isfinite(b)
+                                and b >= 0)):
+            raise ValueError(f"memory.budget_gb must be 0 (no plan), 'auto' (the device's memory) or a number of "
+                             f"GB, got {b!r}")
 
 
 @dataclass(frozen=True, kw_only=True)

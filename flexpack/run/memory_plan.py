@@ -23,7 +23,6 @@ relative: the blocks' compute, their recomputation, and the optimizer's update (
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -296,12 +295,3 @@ def apply(run: Run, *, say: bool = True, flops_per_s: float | None = None) -> Ru
         lora = getattr(getattr(run.config, "lora", None), "rank", 0)
         print(p.line(run.config.parallel.float8, shape.layers, lora), flush=True)
     return replace(run, config=p.config)
-
-
-def check_budget(value: Any) -> None:
-    """``memory.budget_gb``: 0 (no plan), ``"auto"`` or a positive number of GB."""
-    if value == "auto" or (isinstance(value, (int, float)) and not isinstance(value, bool)
-                           and math.isfinite(value) and value >= 0):
-        return
-    raise ValueError(f"memory.budget_gb must be 0 (no plan), 'auto' (the device's memory) or a number of GB, "
-                     f"got {value!r}")
