@@ -30,6 +30,7 @@ from flexpack.run.config_parse import apply_overrides, check_finite, check_type,
 from flexpack.run.config_renamed import RENAMED, upgrade, upgrade_overrides
 from flexpack.run.config_sections import (
     LogConfig,
+    MemoryConfig,
     ParallelConfig,
     ProfileConfig,
     RuntimeConfig,
@@ -355,6 +356,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     log: LogConfig = field(default_factory=LogConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)

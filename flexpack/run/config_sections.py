@@ -81,6 +81,22 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class MemoryConfig:
+    """A GPU memory budget the run plans itself (flexpack.run.memory_plan): activation checkpointing, optimizer
+    states (8/4-bit) and an optimizer on the host, chosen as the fastest combination whose estimate fits; a
+    lever set to a non-default value in the config is kept. One line at start says what was chosen."""
+
+    budget_gb: float | str = 0  # GB of GPU memory per rank; "auto": the device's; 0: no plan (the config as set)
+
+    def __post_init__(self) -> None:
+        b = self.budget_gb
+        if not (b == "auto" or (isinstance(b, (int, float)) and not isinstance(b, bool) and math.isfinite(b)
+                                and b >= 0)):
+            raise ValueError(f"memory.budget_gb must be 0 (no plan), 'auto' (the device's memory) or a number of "
+                             f"GB, got {b!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class ProfileConfig:
     """torch.profiler over a few steps (flexpack.training.observe.profiling), and the peak behind MFU."""
 

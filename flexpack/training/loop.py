@@ -41,6 +41,7 @@ from torch import nn
 from flexpack.packing.collate import Batch
 from flexpack.parallel import float8
 from flexpack.parallel.parallelize import world
+from flexpack.run import memory_plan
 from flexpack.run.build import build_run
 from flexpack.run.checks import preflight
 from flexpack.run.config import TrainConfig
@@ -122,6 +123,8 @@ def _train(cfg: TrainConfig, found: Path | None, stop: faults.GracefulStop, stop
            device: torch.device, given: Run | None, hooks: Sequence[HookFactory]) -> TrainResult:
     rank, size = world()
     run = build_run(cfg, rank, size, device=device) if given is None else given
+    run = memory_plan.apply(run)  # memory.budget_gb: checkpointing, optimizer states, offload; before any weights
+    cfg = run.config
     float8.check_tokens(cfg.parallel.float8, cfg.data, run.geometry, device)  # before the model is built
     model = run.build_model()  # model.pretrained under FSDP2: each rank loads its shards
     if rank == 0 and cfg.model.pretrained and found is None:  # the weights a new run starts from, what matched

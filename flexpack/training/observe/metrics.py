@@ -48,10 +48,14 @@ class StepMeter:
                 self.flops += self.useful(b.layout, step)
 
     def read(self) -> dict[str, Any]:
-        """``tokens_per_s``, ``step_s``, ``peak_mem_gb`` and (CUDA) ``mfu`` of the window; starts the next."""
+        """``tokens_per_s``, ``step_s``, ``peak_mem_gb`` and (CUDA) ``peak_reserved_gb`` (what the caching allocator
+        held: the figure a memory budget or a per-process cap must cover) and ``mfu`` of the window; starts the
+        next."""
+        reserved = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             peak_mem = torch.cuda.max_memory_allocated(self.device) / 1e9
+            reserved = torch.cuda.max_memory_reserved(self.device) / 1e9
             torch.cuda.reset_peak_memory_stats(self.device)
         else:  # the process's resident-set peak (KiB on Linux, bytes on macOS)
             rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -59,6 +63,8 @@ class StepMeter:
         seconds = max(time.perf_counter() - self.t0, 1e-9)
         step_s = seconds / max(self.steps, 1)
         out = {"tokens_per_s": self.valid_tokens / seconds, "step_s": step_s, "peak_mem_gb": peak_mem}
+        if reserved is not None:
+            out["peak_reserved_gb"] = reserved
         if self.peak is not None:
             out["mfu"] = self.flops / seconds / self.peak
         self._open()

@@ -1,0 +1,100 @@
+"""memory.budget_gb: the planner's estimates, its choices at the 5B's budgets, and the run's start line."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from flexpack.run import memory_plan as mp
+from flexpack.run.config import load_config
+from helpers import TINY, run_cli, set_args, tiny_sets
+
+# the full LingBot-VA-5B as benchmarks/train_lingbot5b.sh trains it: 32,768 tokens of one copy, two copies, float8
+FIVE_B = mp.Shape(params=5_088_872_670, trained=5_088_872_670, frozen_bytes=4, layers=30, dim=3072, ffn_dim=14336,
+                  tokens=65_536, act_bytes=2, float8=True, tokens_per_step=65_536)
+
+
+def lingbot_cfg(*extra: str):
+    return load_config(None, ["model.family=lingbot-va", "model.preset=lingbot-va-5b", *extra])
+
+
+def test_each_lever_lowers_the_estimate_and_checkpointing_costs_time():
+    base = mp.estimate(FIVE_B, mp.Choice(0, "float32", "none"))
+    ck = mp.estimate(FIVE_B, mp.Choice(30, "float32", "none"))
+    assert ck.gpu_gb < base.gpu_gb and ck.step_s > base.step_s
+    gpu = [mp.estimate(FIVE_B, mp.Choice(30, s, "none")).gpu_gb for s in mp.STATES]
+    assert gpu[0] > gpu[1] > gpu[2]
+    off = [mp.estimate(FIVE_B, mp.Choice(30, "float32", o)) for o in mp.OFFLOADS]
+    assert off[0].gpu_gb > off[1].gpu_gb > off[2].gpu_gb
+    assert off[0].host_gb == 0 and off[1].host_gb > 16 * 5.0  # fp32 weights, gradients and states on the host
+    # fp32 AdamW keeps 16 bytes per parameter: 81 GB of the 5B before any activation
+    assert base.parts["weights"] + base.parts["optimizer"] == pytest.approx(16 * 5.0889, rel=1e-3)
+
+
+def test_sharding_divides_weights_and_states_by_the_ranks():
+    one = mp.estimate(FIVE_B, mp.Choice(30, "float32", "none"))
+    eight = mp.estimate(replace(FIVE_B, world_size=8), mp.Choice(30, "float32", "none"))
+    assert eight.parts["optimizer"] == pytest.approx(one.parts["optimizer"] / 8)
+    assert eight.gpu_gb < one.gpu_gb / 3
+
+
+@pytest.mark.parametrize("budget", [130, 80, 48])
+def test_the_5b_plans_fit_and_smaller_budgets_give_up_speed(budget):
+    cfg = lingbot_cfg("parallel.float8=tensorwise")
+    p = mp.plan(cfg, FIVE_B, budget, cuda=True, host_available=120)
+    assert p.best.gpu_gb <= budget
+    bigger = mp.plan(cfg, FIVE_B, budget + 50, cuda=True, host_available=120)
+    assert bigger.best.step_s <= p.best.step_s
+    c = p.best.choice
+    assert p.config.parallel.activation_checkpointing == (True if c.checkpointed == 30 else c.checkpointed or False)
+    if budget == 48:  # 16 bytes a parameter cannot stay on an 48 GB card: something leaves the GPU or shrinks
+        assert c.offload != "none" or c.states != "float32"
+
+
+def test_a_lever_set_in_the_config_is_kept():
+    cfg = lingbot_cfg("parallel.activation_checkpointing=12")
+    p = mp.plan(cfg, FIVE_B, 200, cuda=True)
+    assert p.best.choice.checkpointed == 12 and p.config.parallel.activation_checkpointing == 12
+
+
+def test_offload_is_never_planned_on_cpu_nor_gradients_offloaded_under_accumulation():
+    cfg = lingbot_cfg()
+    assert {c.offload for c in mp.choices(cfg, 30, cuda=False)} == {"none"}
+    acc = lingbot_cfg("optim.accum_steps=4")
+    assert "optimizer+gradients" not in {c.offload for c in mp.choices(acc, 30, cuda=True)}
+
+
+def test_a_budget_nothing_reaches_is_one_line_naming_the_least():
+    with pytest.raises(mp.BudgetError) as e:
+        mp.plan(lingbot_cfg(), FIVE_B, 10, cuda=True, host_available=500)
+    msg = str(e.value)
+    assert "\n" not in msg and "memory.budget_gb = 10" in msg and "data.max_tokens" in msg and "LoRA" in msg
+
+
+def test_the_host_memory_bounds_offload():
+    cfg = lingbot_cfg()
+    roomy = mp.plan(cfg, FIVE_B, 48, cuda=True, host_available=500)
+    with pytest.raises(mp.BudgetError):
+        mp.plan(cfg, FIVE_B, 30, cuda=True, host_available=8)
+    assert roomy.best.gpu_gb <= 48
+
+
+@pytest.mark.parametrize("value", [-1, "big", float("nan"), True])
+def test_bad_budgets_are_refused_naming_the_key(value):
+    with pytest.raises(ValueError, match="memory.budget_gb"):
+        load_config(None, [f"memory.budget_gb={value!r}" if isinstance(value, str) else f"memory.budget_gb={value}"])
+
+
+def test_train_prints_the_plan_and_refuses_an_unreachable_budget_before_any_weights(tiny_dataset, tmp_path, capsys,
+                                                                                   one_thread):
+    out = tmp_path / "run"
+    code, text = run_cli(capsys, "train", str(TINY), *set_args(tiny_sets(
+        tiny_dataset, out, "memory.budget_gb=0.000001", "schedule.steps=1")), keep_stdout=True)
+    assert code != 0 and "memory.budget_gb = 1e-06" in text
+    assert not (out / "checkpoints").exists()
+    code, text = run_cli(capsys, "train", str(TINY), *set_args(tiny_sets(
+        tiny_dataset, tmp_path / "ok", "memory.budget_gb=8", "schedule.steps=1")), keep_stdout=True)
+    assert code == 0, text
+    text += capsys.readouterr().out
+    assert "budget 8 GB: bf16, no checkpointing, AdamW: est. " in text
