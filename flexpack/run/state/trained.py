@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 DATA_KEYS = ("cameras", "action_steps", "stride", "segments")
 HOW_TO_RUN = ("attn_backend", "activation_checkpointing")  # WanVAConfig fields that say how, not what
 MODEL_KEY = "model_config"  # train_state.json's extra: the resolved model config of the weights (model_record)
+LORA_KEY = "lora"  # train_state.json's extra: the LoRA options of the weights (TrainConfig.lora_record), null: none
 
 
 def trained_values(cfg: TrainConfig) -> dict[str, Any]:
