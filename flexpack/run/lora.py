@@ -15,25 +15,24 @@ single-process one).
 Checkpoints hold the whole model state (base and adapters, under peft's names: ``...q.base_layer.weight``,
 ``...q.lora_A.default.weight``) and the optimizer state of the adapters; ``train_state.json``'s ``extra.lora``
 records the options (:meth:`~flexpack.run.config.TrainConfig.lora_record`) and a resume with others is refused.
-A command that reads a LoRA checkpoint builds the same structure (:func:`apply` with ``cast=False``), loads it and
-merges the adapters into the base weights (:func:`merge`): exports and ``flexpack sample`` see a plain model with
-the names of a run without LoRA. :func:`adapter_state` and :func:`write_adapter` give the adapters alone as a peft
-adapter folder (``export --adapter``).
+A command that reads a LoRA checkpoint builds the structure its record gives
+(:func:`flexpack.run.state.trained.saved_lora`, then :func:`apply` with ``cast=False``), loads it and merges the
+adapters into the base weights (:func:`merge`): exports and ``flexpack sample`` see a plain model with the names of a
+run without LoRA. :func:`adapter_state` and :func:`write_adapter` give the adapters alone as a peft adapter folder
+(``export --adapter``).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from flexpack.errors import UserError
-
-if TYPE_CHECKING:
-    from flexpack.run.config import TrainConfig
 
 ADAPTER = "default"  # peft's adapter name inside the model
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
@@ -48,7 +47,7 @@ def _peft() -> Any:
     return peft
 
 
-def targets(cfg: TrainConfig) -> tuple[str, ...]:
+def targets(cfg: Any) -> tuple[str, ...]:
     """``lora.targets``, or the family's default (its registry entry's ``lora_targets``)."""
     return tuple(cfg.lora.targets) or tuple(cfg.model.model_family().lora_targets)
 
@@ -59,15 +58,18 @@ def matches(name: str, pattern: str) -> bool:
     return name == pattern or name.endswith(f".{pattern}")
 
 
-def peft_config(cfg: TrainConfig) -> Any:
-    """The ``peft.LoraConfig`` of ``[lora]`` (its targets resolved)."""
-    lora = cfg.lora
-    return _peft().LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                              target_modules=list(targets(cfg)), bias="none",
+def peft_config(cfg: Any, record: dict[str, Any] | None = None) -> Any:
+    """The ``peft.LoraConfig`` of ``[lora]`` (its targets resolved), or of a checkpoint's ``record``
+    (``extra.lora``: :meth:`~flexpack.run.config.TrainConfig.lora_record`)."""
+    record = cfg.lora_record() if record is None else record
+    if record is None:
+        raise ValueError("no LoRA options: lora.rank is 0")
+    return _peft().LoraConfig(r=record["rank"], lora_alpha=record["alpha"], lora_dropout=record["dropout"],
+                              target_modules=list(record["targets"]), bias="none",
                               base_model_name_or_path=cfg.model.pretrained or None)
 
 
-def check_targets(cfg: TrainConfig) -> None:
+def check_targets(cfg: Any) -> None:
     """Every pattern of the LoRA targets names at least one module of the model and only linear layers; else one
     line with the patterns and a few module names that exist. The model is built on the meta device (no weights)."""
     found = targets(cfg)
@@ -103,22 +105,26 @@ def base_name(name: str) -> str:
 
 
 def lora_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(name, module) of every peft LoRA layer of ``model``, in module order."""
-    from peft.tuners.lora import LoraLayer
+    """(name, module) of every peft LoRA layer of ``model``, in module order (none where peft is not installed)."""
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:
+        return []
 
     return [(n, m) for n, m in model.named_modules() if isinstance(m, LoraLayer)]
 
 
-def apply(model: nn.Module, cfg: TrainConfig, *, cast: bool = True) -> nn.Module:
-    """``model`` with LoRA adapters injected in place (see the module docstring); returns it. ``cast``: freeze the
-    base, cast it to ``lora.base_dtype``, adapters float32 and drawn from ``runtime.seed`` (a model on the meta
-    device gets them drawn after it is filled: :func:`init_adapters`); without ``cast`` only the structure (a
-    checkpoint is loaded into it next)."""
+def apply(model: nn.Module, cfg: Any, *, record: dict[str, Any] | None = None,
+          cast: bool = True) -> nn.Module:
+    """``model`` with LoRA adapters injected in place (see the module docstring), of ``[lora]`` or of a checkpoint's
+    ``record``; returns it. ``cast``: freeze the base, cast it to ``lora.base_dtype``, adapters float32 and drawn from
+    ``runtime.seed`` (a model on the meta device gets them drawn after it is filled: :func:`init_adapters`); without
+    ``cast`` only the structure (a checkpoint is loaded into it next)."""
     peft = _peft()
-    peft.inject_adapter_in_model(peft_config(cfg), model, adapter_name=ADAPTER)
+    peft.inject_adapter_in_model(peft_config(cfg, record), model, adapter_name=ADAPTER)
     if not cast:
         return model
-    dtype = getattr(torch, cfg.lora.base_dtype)
+    dtype = getattr(torch, (record or {}).get("base_dtype", cfg.lora.base_dtype))
     for name, p in model.named_parameters():
         p.requires_grad_(is_adapter(name))
         p.data = p.data.to(torch.float32 if is_adapter(name) else dtype)
@@ -162,6 +168,14 @@ def merge(model: nn.Module) -> nn.Module:
     return model
 
 
+@dataclass(frozen=True)
+class Adapters:
+    """A LoRA model's adapters as an adapter folder holds them: their ``peft.LoraConfig`` and :func:`adapter_state`."""
+
+    config: Any
+    state: dict[str, torch.Tensor]
+
+
 def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The adapters' weights as a peft adapter file holds them (``PeftModel.save_pretrained``'s names:
     ``base_model.model.<module>.lora_A.weight``), full float32 CPU tensors."""
@@ -171,11 +185,12 @@ def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {PEFT_PREFIX + k: v.detach().float().cpu().contiguous() for k, v in state.items()}
 
 
-def write_adapter(folder: Path, model: nn.Module, cfg: TrainConfig) -> None:
-    """A peft adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``) of ``model``'s adapters:
+def write_adapter(folder: Path, state: dict[str, torch.Tensor], config: Any) -> None:
+    """A peft adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``) of the adapters ``state``
+    (:func:`adapter_state`) and their ``peft.LoraConfig`` (:func:`peft_config`):
     ``PeftModel.from_pretrained(base, folder)`` puts them on a base model of the run's family."""
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
-    peft_config(cfg).save_pretrained(str(folder))
-    save_file(adapter_state(model), str(folder / ADAPTER_FILES[1]), metadata={"format": "pt"})
+    config.save_pretrained(str(folder))
+    save_file(state, str(folder / ADAPTER_FILES[1]), metadata={"format": "pt"})

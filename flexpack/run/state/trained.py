@@ -37,6 +37,13 @@ MODEL_KEY = "model_config"  # train_state.json's extra: the resolved model confi
 LORA_KEY = "lora"  # train_state.json's extra: the LoRA options of the weights (TrainConfig.lora_record), null: none
 
 
+def saved_lora(checkpoint: str | os.PathLike) -> dict[str, Any] | None:
+    """The LoRA options a checkpoint folder records (``train_state.json``'s ``extra.lora``,
+    :meth:`~flexpack.run.config.TrainConfig.lora_record`); None: trained without LoRA (or before LoRA existed)."""
+    state = _json(Path(checkpoint) / "train_state.json")
+    return (state.get("extra") or {}).get(LORA_KEY)
+
+
 def trained_values(cfg: TrainConfig) -> dict[str, Any]:
     """The parts of a :class:`~flexpack.run.config.TrainConfig` that decide what a run trains: the
     resolved model (every WanVA field but how it runs, the mask and chunk, any further model key such as a
