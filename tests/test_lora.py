@@ -224,3 +224,38 @@ def test_bad_lora_inputs_fail_in_one_line(tiny_dataset, tmp_path, capsys):
                         str(tmp_path / "adapter"))
     assert code == 2 and "trained without LoRA" in err and err.strip().count("\n") == 0, err
     assert not (tmp_path / "out").exists() and not (tmp_path / "adapter").exists()
+
+
+@pytest.mark.slow  # two torchrun ranks: ~15 s
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in")
+def test_fsdp2_lora_from_pretrained_starts_as_one_process_and_trains_the_adapters_only(tmp_path):
+    """Under FSDP2 (2 CPU ranks over gloo) a LoRA model is built on the meta device, sharded, filled from
+    model.pretrained and its adapters drawn: the start equals a single process's; training moves the adapters only."""
+    pytest.importorskip("diffusers")
+    from flexpack.data.encode import encode_dataset
+    from flexpack.data.synthetic import make_synthetic_dataset
+    from flexpack.run.config import save_config
+    from flexpack.run.state import checkpoint
+    from helpers import torchrun_worker
+    from hf_tiny import tiny_diffusers
+
+    root = make_synthetic_dataset(tmp_path / "ds", lengths=[25, 21, 17, 13, 9, 9], seed=6)
+    encode_dataset(root, progress=False)
+    tiny_diffusers(seed=8).save_pretrained(tmp_path / "transformer")
+    cfg = tiny_config(root, tmp_path / "run", "lora.rank=4", "runtime.dtype='bfloat16'",
+                      f'model.pretrained="{tmp_path / "transformer"}"', "parallel.activation_checkpointing=true",
+                      "schedule.steps=3", "schedule.warmup_steps=1")
+    save_config(cfg, tmp_path / "cfg.json")
+    torchrun_worker("dist_pretrained_worker.py", tmp_path / "cfg.json", tmp_path, cwd=tmp_path)
+    r0 = json.loads((tmp_path / "rank0.json").read_text())
+    assert r0["param_types"] == ["DTensor"] and r0["steps"] == 3
+
+    single = lora.apply(_base(cfg), cfg).state_dict()
+    loaded = torch.load(tmp_path / "loaded.pt", weights_only=True)
+    assert set(loaded) == set(single)
+    for name, value in single.items():
+        assert loaded[name].dtype == value.dtype and torch.equal(loaded[name], value), name
+    final = checkpoint.read_tensors(checkpoint.latest(tmp_path / "run" / "checkpoints"))
+    moved = {n for n in final if not torch.equal(final[n], single[n])}
+    assert moved and all(lora.is_adapter(n) for n in moved)
+    assert any(".lora_B." in n for n in moved)
