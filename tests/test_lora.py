@@ -259,3 +259,17 @@ def test_fsdp2_lora_from_pretrained_starts_as_one_process_and_trains_the_adapter
     moved = {n for n in final if not torch.equal(final[n], single[n])}
     assert moved and all(lora.is_adapter(n) for n in moved)
     assert any(".lora_B." in n for n in moved)
+
+
+@pytest.mark.slow  # compiles the blocks on the CPU: ~50 s
+def test_compiled_checkpointed_lora_blocks_train_as_eager_ones(tiny_dataset, tmp_path, one_thread):
+    from flexpack.parallel.parallelize import compiled_graphs
+
+    sets = [*LORA, "schedule.steps=2", "parallel.activation_checkpointing=true"]
+    eager = train(tiny_config(tiny_dataset, tmp_path / "eager", *sets, "parallel.compile=false"))
+    graphs = compiled_graphs()
+    compiled = train(tiny_config(tiny_dataset, tmp_path / "compiled", *sets, "parallel.compile=true"))
+    assert compiled_graphs() > graphs  # the peft-wrapped blocks went through torch.compile
+    assert compiled.losses == pytest.approx(eager.losses, rel=1e-5)
+    for name, value in eager.model.state_dict().items():
+        torch.testing.assert_close(compiled.model.state_dict()[name], value, rtol=1e-4, atol=1e-6)
