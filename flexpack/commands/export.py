@@ -1,7 +1,8 @@
 """``flexpack export RUN OUT``: a run's newest checkpoint as a folder the ecosystem loads, in a format its
 model family can be written in: ``diffusers`` (WanVA: a diffusers folder plus the action stream), ``lerobot``
 (lingbot-va: a LeRobot ``lingbot_va`` policy folder) or ``lingbot-upstream`` (lingbot-va: upstream LingBot-VA's
-``transformer/`` folder) (:func:`flexpack.tools.export.export_run`)."""
+``transformer/`` folder) (:func:`flexpack.tools.export.export_run`). A LoRA run exports its adapters merged into the
+weights (the names of a run without LoRA); ``--adapter DIR`` also writes them alone as a peft adapter folder."""
 
 from __future__ import annotations
 
@@ -40,6 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "robotwin/a) whose cameras (frame sizes, latent grids, frame_ids stride) the export "
                              "describes, needed only where the datasets' cameras differ; the datasets of one bundle "
                              "share its action statistics (pooled over the whole bundle, or data.norm_stat)")
+    parser.add_argument("--adapter", type=Path, default=None, metavar="DIR",
+                        help="a LoRA run (lora.rank > 0): also write its adapters to DIR (new or empty) as a peft "
+                             "adapter folder (adapter_config.json, adapter_model.safetensors: "
+                             "PeftModel.from_pretrained(base_model, DIR)); OUT gets the merged weights either way")
     parser.add_argument("--push-to-hub", metavar="REPO", default=None,
                         help="upload OUT to this Hugging Face model repo (org/name) once written")
     parser.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
@@ -60,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
 
     out = export_run(args.run, args.out, ema=args.ema, dtype=getattr(torch, args.dtype), overrides=args.overrides,
                      policy=not args.no_policy, fmt=args.fmt, wan_pretrained_path=args.wan_pretrained_path,
-                     allow_unrunnable=args.allow_unrunnable, dataset=args.dataset)
+                     allow_unrunnable=args.allow_unrunnable, dataset=args.dataset, adapter=args.adapter)
     fmt = json.loads((out / "export.json").read_text())["format"]
     print(f"exported {args.run} -> {out} ({fmt}; load: {WRITERS[fmt].load.format(out=str(out))})")
     if args.push_to_hub:

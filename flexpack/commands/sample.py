@@ -107,11 +107,13 @@ def load_weights(cfg: TrainConfig, source: str | Path, *, ema: bool = False
 
     from flexpack.data.normalization import ActionStats
     from flexpack.models.wan_config import check_action_positions
+    from flexpack.run import lora
     from flexpack.run.checks import check_state_shapes
     from flexpack.run.state import checkpoint
     from flexpack.run.state.finite import check_finite
     from flexpack.run.state.locate import load_newest
     from flexpack.run.state.resume import saved_stats
+    from flexpack.run.state.trained import saved_lora
 
     path = Path(source)
     if not path.exists():
@@ -140,6 +142,9 @@ def load_weights(cfg: TrainConfig, source: str | Path, *, ema: bool = False
 
     def weights(found: Path) -> dict[str, Any]:
         tried.append(found)
+        record = saved_lora(found)
+        if record is not None and not lora.lora_layers(model):  # a LoRA run's structure, its adapters merged below
+            lora.apply(model, cfg, record=record, cast=False)
         state = checkpoint.load(found, model, restore_rng=False)
         if ema:
             if not checkpoint.has_ema(found):
@@ -150,6 +155,7 @@ def load_weights(cfg: TrainConfig, source: str | Path, *, ema: bool = False
 
     # the newest intact checkpoint; each damaged newer one said with why, a pruned one taken again
     found, state = load_newest(path, "sample", weights)
+    lora.merge(model)  # a plain model, as an export of the run holds it (nothing to merge without LoRA)
     newest = max((p.name for p in found.parent.glob("step_*")), default=found.name)
     if len(tried) > 1 or (found.parent.name == "checkpoints" and found.name != newest):  # name what it fell back to
         print(f"sample: checkpoint {found} (step {int(state['step'])})", file=sys.stderr)

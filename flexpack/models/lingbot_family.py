@@ -47,6 +47,10 @@ ACTION_OFFSET = 1
 # the fields a LeRobot checkpoint's config decides (its tensors' shapes; rope_max_seq_len shapes nothing)
 SHAPE_FIELDS = ("patch_size", "num_attention_heads", "attention_head_dim", "in_channels", "out_channels",
                 "action_dim", "text_dim", "freq_dim", "ffn_dim", "num_layers", "cross_attn_norm", "eps")
+# LoRA's default targets: the attention projections (LeRobot's attn1 / attn2 to_q, to_k, to_v, to_out.0) and FFN
+# linears (ffn.net.0.proj, ffn.net.2) of every block, under the model's names (flexpack's Wan blocks)
+LORA_TARGETS = ("self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o",
+                "cross_attn.q", "cross_attn.k", "cross_attn.v", "cross_attn.o", "ffn.fc1", "ffn.fc2")
 # objective key -> LingbotConfig field meaning the same
 OBJECTIVE_FIELDS = {"shift": "snr_shift", "action_shift": "action_snr_shift",
                     "num_train_timesteps": "num_train_timesteps"}

@@ -56,6 +56,11 @@ class ModelShape(Protocol):
     def attn_backend(self) -> str: ...
 
 
+# the attention projections and FFN linears of every Wan block (flexpack.models.wan_blocks.WanBlock)
+WAN_BLOCK_LINEARS = ("self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o",
+                     "cross_attn.q", "cross_attn.k", "cross_attn.v", "cross_attn.o", "ffn.fc1", "ffn.fc2")
+
+
 def _wan_conventions(config: Any) -> DataConventions:
     return DataConventions(action_dim=max(config.action_channels, 1))
 
@@ -103,6 +108,9 @@ class ModelFamily:
     # trained-config check skips them)
     sampling_fields: tuple[str, ...] = ()
     export_formats: tuple[str, ...] = ()
+    # lora.targets = [] (the default): the modules LoRA adapts, as peft's target_modules (a module name, or its
+    # last dotted parts); () = none by default: a LoRA run of the family names its targets
+    lora_targets: tuple[str, ...] = ()
 
     def config(self, preset: str, **overrides: Any) -> Any:
         """The preset with ``overrides`` (their names as configs write them, aliases resolved)."""
@@ -181,7 +189,7 @@ def _wanva() -> ModelFamily:
                        load_checkpoint=lambda path, config: WanVA.from_diffusers_file(path, config),
                        masks=("document", "chunk_causal", "teacher_forcing"),
                        chunk_masks=("chunk_causal", "teacher_forcing"),
-                       export_formats=("diffusers", "lerobot_policy"))
+                       export_formats=("diffusers", "lerobot_policy"), lora_targets=WAN_BLOCK_LINEARS)
 
 
 def _lingbot_va() -> ModelFamily:
@@ -196,7 +204,15 @@ def _lingbot_va() -> ModelFamily:
         config_from_lerobot,
     )
     from .lingbot_convert import convert_tensor, lingbot_files, load_checkpoint
-    from .lingbot_family import ALIASES, NAME, REFUSED, SHAPE_FIELDS, apply_objective, conventions
+    from .lingbot_family import (
+        ALIASES,
+        LORA_TARGETS,
+        NAME,
+        REFUSED,
+        SHAPE_FIELDS,
+        apply_objective,
+        conventions,
+    )
 
     return ModelFamily(name=NAME, config_class=LingbotConfig, presets=PRESETS, model_class=LingbotVA,
                        aliases=ALIASES, refused=REFUSED, read_checkpoint_config=config_from_lerobot,
@@ -207,7 +223,7 @@ def _lingbot_va() -> ModelFamily:
                        apply_objective=apply_objective,
                        conventions=conventions, sampler="flexpack.sampling.lingbot:LingbotSampler",
                        sampling_fields=LEROBOT_INFERENCE,
-                       export_formats=("lerobot", "lingbot-upstream"))
+                       export_formats=("lerobot", "lingbot-upstream"), lora_targets=LORA_TARGETS)
 
 
 register("wanva", _wanva)

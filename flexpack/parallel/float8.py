@@ -12,7 +12,9 @@ torchao's float8 training (``convert_to_float8_training``; the optional extra ``
   projections, whose M is the pack's text tokens (512 per episode, a few thousand per pack):
   there the dynamic-scale casts of input, weight and gradient cost about what the float8 GEMM saves.
 - Order (as torchtitan's): convert → compile → activation checkpointing → FSDP2, in
-  :func:`flexpack.parallel.parallelize.parallelize`.
+  :func:`flexpack.parallel.parallelize.parallelize`. A LoRA model (``lora.rank``, :mod:`flexpack.run.lora`) gets its
+  adapters first: float8 converts each adapted layer's frozen ``base_layer`` under the rules above (by the layer's
+  name), never the adapters (``lora_A`` / ``lora_B``).
 - State dicts stay in the model's dtype: ``Float8Linear`` keeps its ``weight``/``bias`` parameters
   (same names, same dtype); the float8 copies are made in each forward. Checkpoints and exports do
   not know float8 was on, and a run can switch it on or off on resume.
@@ -90,8 +92,9 @@ def check_tokens(mode: str, data: Any, geometry: Any, device: torch.device) -> N
 def layer_filter(module: nn.Module, fqn: str, *, min_dim: int | None = None) -> bool:
     """Whether the linear layer at ``fqn`` (a name inside the model) gets float8 matmuls."""
     min_dim = MIN_DIM if min_dim is None else min_dim
-    if not isinstance(module, nn.Linear):
-        return False
+    if not isinstance(module, nn.Linear) or ".lora_A." in fqn or ".lora_B." in fqn:
+        return False  # LoRA adapters (flexpack.run.lora) stay in high precision: rank-r matmuls gain nothing
+    fqn = fqn.removesuffix(".base_layer")  # a LoRA layer's frozen base: judged by the layer's own name
     if not (fqn.startswith("blocks.") or ".blocks." in fqn):
         return False
     if any(fqn.endswith(s) for s in SKIP):

@@ -30,6 +30,7 @@ from flexpack.run.config_parse import apply_overrides, check_finite, check_type,
 from flexpack.run.config_renamed import RENAMED, upgrade, upgrade_overrides
 from flexpack.run.config_sections import (
     LogConfig,
+    LoraConfig,
     MemoryConfig,
     ParallelConfig,
     ProfileConfig,
@@ -361,6 +362,7 @@ class TrainConfig:
     log: LogConfig = field(default_factory=LogConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
         check_finite(self)  # every float of every section, model.overrides included
@@ -390,9 +392,34 @@ class TrainConfig:
             raise ValueError(f"sample.every={self.sample.every}: objective.chunk_size is unset, so the "
                              "model is trained with one σ per episode and can only generate jointly, not forecast "
                              "from history; set objective.chunk_size or sample.every = 0")
+        if self.lora.rank:
+            self._check_lora()
+
+    def _check_lora(self) -> None:
+        """The ``[lora]`` section against the rest: the dtypes the model computes in, EMA, and its targets
+        against the modules the model has (built on the meta device: no weights are made)."""
+        if self.lora.base_dtype == "bfloat16" and self.runtime.dtype != "bfloat16":
+            raise ValueError("lora.base_dtype = 'bfloat16' needs runtime.dtype = 'bfloat16' (the model then computes "
+                             f"in bf16), got runtime.dtype = {self.runtime.dtype!r}; set runtime.dtype = 'bfloat16' or "
+                             "lora.base_dtype = 'float32'")
+        if self.optim.ema_decay:
+            raise ValueError(f"optim.ema_decay = {self.optim.ema_decay} with lora.rank = {self.lora.rank}: an EMA of "
+                             "the LoRA weights is not supported; set optim.ema_decay = 0")
+        from flexpack.run.lora import check_targets
+
+        check_targets(self)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def lora_record(self) -> dict[str, Any] | None:
+        """The LoRA options as a checkpoint records them (``extra.lora``; the targets resolved: the family's
+        default where ``lora.targets`` is empty), None without LoRA."""
+        if not self.lora.rank:
+            return None
+        record = dataclasses.asdict(self.lora)
+        record["targets"] = list(self.lora.targets or self.model.model_family().lora_targets)
+        return record
 
 
 # ---------------------------------------------------------------------------- loading

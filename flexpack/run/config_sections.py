@@ -161,3 +161,35 @@ class SampleConfig:
                                 ("plots", 0, bounds.PLOTS), ("draws", 1, bounds.SAMPLES),
                                 ("min_context", 0, bounds.HORIZON)):
             check_count(f"sample.{name}", getattr(self, name), low, high)
+
+
+LORA_BASE_DTYPES = ("bfloat16", "float32")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraConfig:
+    """LoRA fine-tuning through peft (:mod:`flexpack.run.lora`): low-rank adapters on the blocks' linear layers,
+    the base weights frozen. Checks that need the model (targets that match nothing) run where the config loads."""
+
+    rank: int = 0  # adapter rank r; 0 = off (every weight trains)
+    alpha: float = 16.0  # scaling numerator: the adapters' output is scaled by alpha / rank
+    dropout: float = 0.0  # dropout on the adapters' input (0 to < 1)
+    # module-name patterns as peft's target_modules (a name, or its last dotted parts: "ffn.fc1"); empty = the
+    # family's default, the attention projections and FFN linears of every transformer block
+    targets: tuple[str, ...] = ()
+    base_dtype: str = "bfloat16"  # dtype of the frozen base weights (the adapters stay float32)
+
+    def __post_init__(self) -> None:
+        if type(self.rank) is not int or self.rank < 0:
+            raise ValueError(f"lora.rank must be an integer >= 0 (0 = off), got {self.rank!r}")
+        if not (math.isfinite(self.alpha) and self.alpha > 0):
+            raise ValueError(f"lora.alpha must be a positive number, got {self.alpha!r}")
+        if not (math.isfinite(self.dropout) and 0.0 <= self.dropout < 1.0):
+            raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout!r}")
+        if self.base_dtype not in LORA_BASE_DTYPES:
+            raise ValueError(f"lora.base_dtype must be one of {LORA_BASE_DTYPES}, got {self.base_dtype!r}")
+        bad = [t for t in self.targets if not isinstance(t, str) or not t.strip() or t != t.strip()]
+        if bad:
+            raise ValueError(f"lora.targets must be module names or dotted name endings, got {bad!r}")
+        if len(set(self.targets)) != len(self.targets):
+            raise ValueError(f"lora.targets lists a pattern twice: {list(self.targets)!r}")

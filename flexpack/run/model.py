@@ -36,10 +36,14 @@ def build_model(cfg: TrainConfig, model: Any = None, family: ModelFamily | None 
 def materialize(module: nn.Module, cfg: TrainConfig, device: torch.device, model: Any = None,
                 family: ModelFamily | None = None) -> None:
     """After ``parallelize``: load ``model.pretrained`` into a model left on the meta device, each
-    rank reading only its shards (a no-op for a model that holds weights already)."""
+    rank reading only its shards, then LoRA adapters drawn (a no-op for a model that holds weights already)."""
     from flexpack.run.pretrained import is_meta, load_pretrained
 
     if is_meta(module):
         model = cfg.model.resolved() if model is None else model
         family = cfg.model.model_family() if family is None else family
         load_pretrained(module, cfg.model.pretrained, model, family, device=device, seed=cfg.runtime.seed)
+        if cfg.lora.rank:  # the adapters of a sharded LoRA model, drawn as a single process draws them
+            from flexpack.run.lora import init_adapters
+
+            init_adapters(module, cfg.runtime.seed)

@@ -197,7 +197,10 @@ def load_pretrained(model: nn.Module, path: str, model_cfg: ModelShape, family: 
         raise ValueError(f"model.pretrained: the {family.name} family cannot load checkpoints")
     files, _ = checkpoint_files(path, family)
     model.to_empty(device=device)  # FSDP2 allocates only each rank's shards
-    params = {plain_name(n): p for n, p in model.named_parameters()}
+    from flexpack.run.lora import base_name, is_adapter
+
+    # a LoRA model (flexpack.run.lora): its base layers take the checkpoint's tensors, its adapters start fresh
+    params = {base_name(plain_name(n)): p for n, p in model.named_parameters() if not is_adapter(n)}
     filled: set[str] = set()
     for fn in files:
         with safe_open(fn, framework="pt") as f:  # memory-mapped: one tensor read at a time

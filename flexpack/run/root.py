@@ -223,14 +223,19 @@ class Run:
         return replace(self, data=Data(dataset=dataset, sampler=sampler, collate=collate))
 
     def build_model(self) -> nn.Module:
-        """The model as training runs it: built (random init, or ``model.pretrained``), parallelized
-        (float8 → compile → activation checkpointing → FSDP2 under several ranks) and materialized
-        (a sharded pretrained model loads its shards after ``fully_shard``)."""
+        """The model as training runs it: built (random init, or ``model.pretrained``), LoRA adapters injected
+        where ``lora.rank`` > 0 (:mod:`flexpack.run.lora`: the base frozen), parallelized (float8 → compile →
+        activation checkpointing → FSDP2 under several ranks) and materialized (a sharded pretrained model loads
+        its shards after ``fully_shard``)."""
         from flexpack.parallel.parallelize import parallelize
         from flexpack.run.model import build_model, materialize
 
         with self.device:  # built where it runs: no full fp32 copy of a 5B model in host memory per rank
             model = build_model(self.config, self.model_config, self.family)
+            if self.config.lora.rank:  # after the weights load, before any wrapping
+                from flexpack.run import lora
+
+                model = lora.apply(model, self.config)
         model = parallelize(model, device=self.device, options=self.parallel)
         materialize(model, self.config, self.device, self.model_config, self.family)
         return model

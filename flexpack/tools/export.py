@@ -129,13 +129,14 @@ def write_weights(folder: Path, state_dict: dict[str, torch.Tensor], model_cfg: 
 def export_run(run: str | os.PathLike, out: str | os.PathLike, *, ema: bool = False,
                dtype: torch.dtype = torch.float32, overrides: Sequence[str] = (), policy: bool = True,
                fmt: str | None = None, wan_pretrained_path: str | None = None, allow_unrunnable: bool = False,
-               dataset: str | None = None) -> Path:
+               dataset: str | None = None, adapter: str | os.PathLike | None = None) -> Path:
     """Export ``run``'s newest intact checkpoint into ``out`` in ``fmt`` (default: the family's first export
     format; ``diffusers`` is the module docstring's layout, ``lerobot`` :mod:`flexpack.tools.export_lerobot`'s,
     ``lingbot-upstream`` :mod:`flexpack.tools.export_upstream`'s); returns ``out``. ``overrides`` (``--set``)
     apply to the checkpoint's own config; ``allow_unrunnable``: write a ``lerobot`` export that LeRobot could not
     run as trained (stand-in encoders, other widths) with a warning; ``dataset``: a bundle run's dataset whose
-    cameras the export describes."""
+    cameras the export describes; ``adapter``: a LoRA run's adapters also go there, as a peft adapter folder
+    (:func:`flexpack.run.lora.write_adapter`; ``OUT`` gets the merged weights either way)."""
     from flexpack.atomic import write_failure
     from flexpack.errors import UserError
     from flexpack.run.config import save_config
@@ -144,10 +145,19 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike, *, ema: bool = Fa
     from flexpack.tools.export_io import load_checkpoint as _load
 
     run, out = Path(run), Path(out)
+    adapter = None if adapter is None else Path(adapter)
     _check_out(out)
+    if adapter is not None:
+        _check_out(adapter)
+        if adapter.resolve() == out.resolve():
+            raise ValueError(f"--adapter {adapter}: the adapter folder must be another folder than OUT")
     options = ExportOptions(fmt=fmt, dtype=dtype, ema=ema, policy=policy, wan_pretrained_path=wan_pretrained_path,
-                            allow_unrunnable=allow_unrunnable, dataset=dataset)
-    found, (cfg, model, averaged, state) = load_newest(run, "export", lambda f: _load(f, run, ema, overrides, options))
+                            allow_unrunnable=allow_unrunnable, dataset=dataset, adapter=adapter)
+    found, (cfg, model, averaged, state, adapters) = load_newest(run, "export",
+                                                                 lambda f: _load(f, run, ema, overrides, options))
+    if adapter is not None and adapters is None:
+        raise ValueError(f"--adapter {adapter}: {found} holds no LoRA adapters (trained without LoRA); export without "
+                         "--adapter")
     fmt, writer, _ = export_format(cfg, options, found)
     stats, norm = _normalization(cfg, state, str(found / "train_state.json"))
     job = ExportJob(run=run, found=found, cfg=cfg, model=model, averaged=averaged, state=state, stats=stats,
@@ -168,6 +178,8 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike, *, ema: bool = Fa
         (tmp / "export.json").write_text(json.dumps(
             {"run": str(run), "checkpoint": str(found), "step": job.step, "ema": ema, "format": fmt}, indent=2) + "\n")
         ordinary_modes(tmp)
+        if adapter is not None:
+            _write_adapter(adapter, adapters)
         if out.exists():
             out.rmdir()  # empty (checked above): the rename needs the name free
         os.replace(tmp, out)
@@ -180,6 +192,26 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike, *, ema: bool = Fa
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _write_adapter(folder: Path, adapters: Any) -> None:
+    """The adapters as a peft adapter folder at ``folder`` (new or empty), written under a temporary name first."""
+    from flexpack.run.lora import write_adapter
+    from flexpack.tools.export_io import ordinary_modes
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = folder.with_name(f".tmp-{folder.name}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        write_adapter(tmp, adapters.state, adapters.config)
+        ordinary_modes(tmp)
+        if folder.exists():
+            folder.rmdir()  # empty (checked before anything was read)
+        os.replace(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"export: LoRA adapters -> {folder} (peft: PeftModel.from_pretrained(base_model, {str(folder)!r}))",
+          file=sys.stderr)
 
 
 def write_diffusers(job: Any, folder: Path) -> None:

@@ -62,8 +62,9 @@ def _function(target: str) -> Callable[..., Any]:
 class ExportOptions:
     """The command's choices: the format (None: the family's first), the weights' dtype, ``--ema``, the
     diffusers export's policy folder (``--no-policy``), the LeRobot export's ``wan_pretrained_path``, whether it
-    may be written where LeRobot could not run it as trained (``--allow-unrunnable``) and, for a run on a
-    lingbot-bundle, the dataset whose cameras an export describes (``--dataset``)."""
+    may be written where LeRobot could not run it as trained (``--allow-unrunnable``), for a run on a
+    lingbot-bundle, the dataset whose cameras an export describes (``--dataset``) and, for a LoRA run, a folder to
+    write its adapters to as a peft adapter folder (``--adapter``)."""
 
     fmt: str | None = None
     dtype: torch.dtype = torch.float32
@@ -73,6 +74,7 @@ class ExportOptions:
     allow_unrunnable: bool = False
 
     dataset: str | None = None
+    adapter: Path | None = None  # --adapter: also write the LoRA adapters as a peft adapter folder there
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -122,6 +124,9 @@ def export_format(cfg: TrainConfig, options: ExportOptions, where: Path | str) -
         if not is_bundle(cfg.data):
             raise ValueError(f"--dataset applies to a run on a lingbot-bundle (the bundle's dataset an export "
                              f"describes), not to one on {cfg.data.root!r}")
+    if options.adapter is not None and not cfg.lora.rank:
+        raise ValueError(f"--adapter {options.adapter}: {where} was trained without LoRA (lora.rank = 0): it has no "
+                         "adapters to write; export without --adapter")
     spec = WRITERS[fmt]
     try:
         importlib.import_module(spec.package)
@@ -135,13 +140,16 @@ def export_format(cfg: TrainConfig, options: ExportOptions, where: Path | str) -
 
 def load_checkpoint(
     found: Path, run: Path, ema: bool, overrides: Sequence[str], options: ExportOptions | None = None
-) -> tuple[Any, Any, Any, dict[str, Any]]:
+) -> tuple[Any, Any, Any, dict[str, Any], Any]:
     """The checkpoint's config (its own config.json, else the run's first) with ``overrides``, and a
     single-process model of its family (and EMA) with its weights; returns (config, model, ema or None,
-    train_state). The export format (``options``) is checked against the family before any weight is read."""
+    train_state, adapters). A LoRA checkpoint's adapters are merged into the model (float32) and also returned
+    (:class:`~flexpack.run.lora.Adapters`; None without LoRA). The export format (``options``) is checked against
+    the family before any weight is read."""
+    from flexpack.run import lora
     from flexpack.run.config import load_config
     from flexpack.run.state import checkpoint
-    from flexpack.run.state.trained import run_config
+    from flexpack.run.state.trained import run_config, saved_lora
     from flexpack.training.ema import EMA
 
     source = run_config(run, found)
@@ -151,10 +159,17 @@ def load_checkpoint(
     export_format(cfg, options or ExportOptions(ema=ema), found)
     with torch.device("meta"):
         model = cfg.model.model_family().build(cfg.model.resolved())
-    model.to_empty(device="cpu")  # every tensor is overwritten by the checkpoint
+        record = saved_lora(found)
+        if record is not None:  # a LoRA run's structure, its adapters merged below
+            lora.apply(model, cfg, record=record, cast=False)
+    model.to_empty(device="cpu")  # every tensor is overwritten by the checkpoint (float32: the merge is too)
     averaged = EMA(model, 0.5) if ema else None  # the decay is irrelevant: only loaded, never updated
     state = checkpoint.load(found, model, restore_rng=False, ema=averaged)
-    return cfg, model, averaged, state
+    adapters = None
+    if record is not None:
+        adapters = lora.Adapters(config=lora.peft_config(cfg, record), state=lora.adapter_state(model))
+        lora.merge(model)  # the names and tensors of a run without LoRA: every format writes them as it is
+    return cfg, model, averaged, state, adapters
 
 
 def ordinary_modes(folder: Path) -> None:

@@ -141,8 +141,11 @@ def _train(cfg: TrainConfig, found: Path | None, stop: faults.GracefulStop, stop
         old_world = int(state.get("world_size", size))
     if rank == 0:
         _prepare_run(folder, cfg, start, size, old_world)
+    # the loader's own generator: each epoch's iterator draws its worker seed from it, not from the global RNG that
+    # the checkpoints restore (dropout, such as lora.dropout's, then draws after a resume what it would have)
     loader = torch.utils.data.DataLoader(run.dataset, batch_sampler=run.sampler, collate_fn=run.collate,
-                                         num_workers=cfg.data.num_workers, pin_memory=device.type == "cuda")
+                                         num_workers=cfg.data.num_workers, pin_memory=device.type == "cuda",
+                                         generator=torch.Generator().manual_seed(cfg.data.seed))
     stream = _stream(loader, run.sampler)
     sources = (episode_sources(run.dataset) or ([], {}))[0]  # per-dataset loss parts and tokens in the metrics
     end = cfg.schedule.steps if stop_after is None else min(stop_after, cfg.schedule.steps)
@@ -152,7 +155,8 @@ def _train(cfg: TrainConfig, found: Path | None, stop: faults.GracefulStop, stop
                                     async_save=cfg.checkpoint.async_save)
     stats = resume.normalizer_state(run.dataset)  # after a resume: the checkpoint's, which the weights learned under
     # the model the weights are of, as resolved (flexpack sample builds it, a resume compares against it)
-    extra = {**resume.stats_extra(stats), trained.MODEL_KEY: trained.model_record(run.model_config)}
+    extra = {**resume.stats_extra(stats), trained.MODEL_KEY: trained.model_record(run.model_config),
+             trained.LORA_KEY: cfg.lora_record()}  # LoRA options: a resume with others is refused
     context = HookContext(run=run, action_stats=stats)
     after = [h for h in (make(context) for make in hooks) if h is not None]  # built before the first step
 

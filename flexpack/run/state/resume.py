@@ -12,6 +12,7 @@ What a resume can honour and what it cannot:
   one (:func:`check_model`, from the checkpoint's config and the model config it records, before any weights
   load, ``model.pretrained``'s included); a checkpoint without that record is compared tensor by tensor
   once the model is built (:func:`check_shapes`).
+- Other LoRA options (``[lora]``, on or off): no — one line naming each (:func:`check_lora`).
 
 The dataset's action normalization statistics are saved with each checkpoint; a resume keeps
 the checkpoint's (the weights learned under them) and warns if the dataset's have changed.
@@ -32,7 +33,7 @@ from flexpack.parallel.parallelize import world
 from flexpack.run.config import TrainConfig
 from flexpack.run.state import checkpoint
 from flexpack.run.state.runfolder import config_changes
-from flexpack.run.state.trained import MODEL_KEY, model_record
+from flexpack.run.state.trained import LORA_KEY, MODEL_KEY, model_record
 
 if TYPE_CHECKING:
     from flexpack.data.dataset import LatentEpisodeDataset
@@ -68,6 +69,7 @@ def find(cfg: TrainConfig, rank: int = 0) -> Path | None:
                          "choose another runtime.out_dir (or set checkpoint.resume = true)")
     if found is not None:
         check_model(found, cfg)
+        check_lora(found, cfg)
     return found
 
 
@@ -138,6 +140,23 @@ def check_model(path: Path, cfg: TrainConfig) -> None:
         raise ValueError(f"cannot resume from {path}: its model has another shape or family ({'; '.join(parts)}); "
                          "its weights are of its own model: resume with the checkpoint's model values, or train "
                          "into another runtime.out_dir")
+
+
+def check_lora(path: Path, cfg: TrainConfig) -> None:
+    """Refuse, in one line and before any weights load, a resume whose LoRA options (``[lora]``) differ from those
+    the checkpoint records (``extra.lora``; none recorded: trained without LoRA)."""
+    saved = (json.loads((path / "train_state.json").read_text()).get("extra") or {}).get(LORA_KEY)
+    now = cfg.lora_record()
+    if saved == now:
+        return
+    if saved is None or now is None:
+        what = (f"it was trained without LoRA and lora.rank = {cfg.lora.rank} now" if saved is None else
+                f"it was trained with LoRA (lora.rank = {saved.get('rank')!r}) and lora.rank = 0 now")
+    else:
+        what = ", ".join(f"lora.{k} is {saved.get(k)!r} there and {v!r} now" for k, v in now.items()
+                         if saved.get(k) != v)
+    raise ValueError(f"cannot resume from {path}: {what}; resume with the checkpoint's [lora] values, or train "
+                     "into another runtime.out_dir")
 
 
 def check_shapes(path: Path, saved: dict[str, Any] | None, cfg: TrainConfig, model: torch.nn.Module) -> None:

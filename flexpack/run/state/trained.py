@@ -34,6 +34,14 @@ if TYPE_CHECKING:
 DATA_KEYS = ("cameras", "action_steps", "stride", "segments")
 HOW_TO_RUN = ("attn_backend", "activation_checkpointing")  # WanVAConfig fields that say how, not what
 MODEL_KEY = "model_config"  # train_state.json's extra: the resolved model config of the weights (model_record)
+LORA_KEY = "lora"  # train_state.json's extra: the LoRA options of the weights (TrainConfig.lora_record), null: none
+
+
+def saved_lora(checkpoint: str | os.PathLike) -> dict[str, Any] | None:
+    """The LoRA options a checkpoint folder records (``train_state.json``'s ``extra.lora``,
+    :meth:`~flexpack.run.config.TrainConfig.lora_record`); None: trained without LoRA (or before LoRA existed)."""
+    state = _json(Path(checkpoint) / "train_state.json")
+    return (state.get("extra") or {}).get(LORA_KEY)
 
 
 def trained_values(cfg: TrainConfig) -> dict[str, Any]:
