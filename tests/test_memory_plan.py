@@ -98,3 +98,21 @@ def test_train_prints_the_plan_and_refuses_an_unreachable_budget_before_any_weig
     assert code == 0, text
     text += capsys.readouterr().out
     assert "budget 8 GB: bf16, no checkpointing, AdamW: est. " in text
+
+
+def test_lora_trains_a_few_parameters_and_lower_token_budgets_fit_24_gb():
+    lora = replace(FIVE_B, trained=80_000_000, frozen_bytes=2)  # rank 32 on the 5B's attention and FFN linears
+    cfg = lingbot_cfg("parallel.float8=tensorwise", "lora.rank=32", "runtime.dtype=bfloat16")
+    full = mp.estimate(FIVE_B, mp.Choice(30, "float32", "none"))
+    small = mp.estimate(lora, mp.Choice(30, "float32", "none"))
+    assert small.parts["weights"] == pytest.approx((2 * 5.0089 + 4 * 0.08), rel=2e-2)
+    assert small.parts["optimizer"] < 1 and small.gpu_gb < full.gpu_gb - 60
+    with pytest.raises(mp.BudgetError, match="lower data.max_tokens"):
+        mp.plan(cfg, lora, 24, cuda=True)
+    assert mp.plan(cfg, replace(lora, tokens=16_384), 24, cuda=True).best.gpu_gb <= 24
+
+
+def test_fewer_state_bits_only_when_they_buy_speed():
+    cfg = lingbot_cfg("parallel.float8=tensorwise")
+    roomy = mp.plan(cfg, FIVE_B, 400, cuda=True)
+    assert roomy.best.choice == mp.Choice(0, "float32", "none")

@@ -58,9 +58,14 @@ class Costs:
         ("optimizer", 0.45), ("optimizer+gradients", 0.5))
     fixed_gb: float = 1.5
     margin: float = 1.06
+    # fewer bits in AdamW's states only where the step gets this much faster (their updates are coarser)
+    states_preference: tuple[tuple[str, float], ...] = (("float32", 0.0), ("8bit", 0.01), ("4bit", 0.03))
 
     def update_s(self, key: str) -> float:
         return dict(self.update_s_per_gparam)[key]
+
+    def states_penalty(self, states: str) -> float:
+        return dict(self.states_preference)[states]
 
 
 COSTS = Costs()
@@ -263,7 +268,7 @@ def plan(cfg: TrainConfig, shape: Shape, budget: float, *, cuda: bool, host_avai
             f"memory.budget_gb = {budget:g}: no combination of checkpointing, optimizer states and offload fits; "
             f"the least is {least.gpu_gb:.0f} GB ({describe(least.choice, shape.layers)}) for data.max_tokens = "
             f"{cfg.data.max_tokens}: raise the budget or lower data.max_tokens{hint}")
-    best = min(fits, key=lambda e: (e.step_s, e.gpu_gb))
+    best = min(fits, key=lambda e: (e.step_s * (1 + costs.states_penalty(e.choice.states)), e.gpu_gb))
     return Plan(budget, best, configured(cfg, best.choice, shape.layers))
 
 
