@@ -42,6 +42,8 @@ from flexpack.run.config_sections import (
 MODES = ("pack", "pad")
 DECAYS = ("cosine", "constant")
 REWARMUPS = ("linear", "ramp")
+OPTIM_STATES = ("float32", "8bit", "4bit")  # AdamW moments: torch fp32, torchao AdamW8bit / AdamW4bit
+OPTIM_OFFLOADS = ("none", "optimizer", "optimizer+gradients")  # torchao CPUOffloadOptimizer
 
 
 def _positive(owner: str, **values: int | float) -> None:
@@ -288,6 +290,8 @@ class OptimConfig:
     accum_steps: int = 1  # micro-batches per optimizer step
     ema_decay: float = 0.0  # EMA of the weights, saved with checkpoints (flexpack.training.ema); 0 = off
     skip_nonfinite: bool = False  # a NaN/Inf loss or grad norm skips that step (logged) instead of stopping the run
+    states: str = "float32"  # AdamW moments: "float32" (torch), "8bit" / "4bit" (torchao AdamW8bit / AdamW4bit)
+    offload: str = "none"  # "none"; "optimizer" (states and update on the host, CUDA); "optimizer+gradients"
 
     def __post_init__(self) -> None:
         _positive("optim", lr=self.lr, eps=self.eps, accum_steps=self.accum_steps)
@@ -298,6 +302,14 @@ class OptimConfig:
             raise ValueError(f"optim.betas must both be in [0, 1), got {list(self.betas)}")
         if not 0.0 <= self.ema_decay < 1.0:
             raise ValueError(f"optim.ema_decay must be in [0, 1) (0 = off), got {self.ema_decay!r}")
+        if self.states not in OPTIM_STATES:
+            raise ValueError(f"optim.states must be one of {OPTIM_STATES}, got {self.states!r}")
+        if self.offload not in OPTIM_OFFLOADS:
+            raise ValueError(f"optim.offload must be one of {OPTIM_OFFLOADS}, got {self.offload!r}")
+        if self.offload == "optimizer+gradients" and self.accum_steps > 1:
+            raise ValueError(f"optim.offload='optimizer+gradients' frees each gradient once it is on the host, so it "
+                             f"cannot accumulate optim.accum_steps={self.accum_steps} micro-batches: set "
+                             "optim.accum_steps=1 or optim.offload='optimizer'")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -49,7 +49,7 @@ from flexpack.run.cpu_threads import cpu_threads
 from flexpack.run.hooks import HookContext, HookFactory
 from flexpack.run.root import Run
 from flexpack.run.state import checkpoint, faults, resume, runfolder, trained
-from flexpack.training import resume_note
+from flexpack.training import optim, resume_note
 from flexpack.training.ema import make_ema
 from flexpack.training.lr_schedule import lr_at
 from flexpack.training.observe import tracking
@@ -107,6 +107,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, run: Run | None = 
     if rank == 0:
         runfolder.claim(cfg.runtime.out_dir, adopt=cfg.runtime.adopt_dir)  # flexpack's own folder, or refused
     float8.check(cfg.parallel.float8, device)  # torchao and an sm89+ GPU, before data and model
+    optim.check(cfg.optim, device, size)  # torchao for low-bit states; offload on one CUDA device
     found = resume.find(cfg, rank)
     if found is not None and resume.step_of(found) >= cfg.schedule.steps:  # nothing to do: touch nothing
         done = resume.step_of(found)
@@ -125,6 +126,9 @@ def _train(cfg: TrainConfig, found: Path | None, stop: faults.GracefulStop, stop
     run = build_run(cfg, rank, size, device=device) if given is None else given
     run = memory_plan.apply(run)  # memory.budget_gb: checkpointing, optimizer states, offload; before any weights
     cfg = run.config
+    optim.check(cfg.optim, device, size)  # the optimizer as planned: torchao, offload on one CUDA GPU
+    if found is not None:  # its states are of the checkpoint's kind: before the model is built or anything loads
+        resume.check_optim(found, cfg)
     float8.check_tokens(cfg.parallel.float8, cfg.data, run.geometry, device)  # before the model is built
     model = run.build_model()  # model.pretrained under FSDP2: each rank loads its shards
     if rank == 0 and cfg.model.pretrained and found is None:  # the weights a new run starts from, what matched
@@ -156,7 +160,8 @@ def _train(cfg: TrainConfig, found: Path | None, stop: faults.GracefulStop, stop
     stats = resume.normalizer_state(run.dataset)  # after a resume: the checkpoint's, which the weights learned under
     # the model the weights are of, as resolved (flexpack sample builds it, a resume compares against it)
     extra = {**resume.stats_extra(stats), trained.MODEL_KEY: trained.model_record(run.model_config),
-             trained.LORA_KEY: cfg.lora_record()}  # LoRA options: a resume with others is refused
+             trained.LORA_KEY: cfg.lora_record(),  # LoRA options: a resume with others is refused
+             **resume.optim_extra(o)}  # the optimizer's states and offload: a resume must match them
     context = HookContext(run=run, action_stats=stats)
     after = [h for h in (make(context) for make in hooks) if h is not None]  # built before the first step
 
@@ -178,8 +183,7 @@ def _train(cfg: TrainConfig, found: Path | None, stop: faults.GracefulStop, stop
             gc_pause.step(step)
             prof.step()
             lr = lr_at(step, o.lr, cfg.schedule, resumed_at)
-            for group in opt.param_groups:
-                group["lr"] = lr
+            optim.set_lr(opt, lr)  # torchao's low-bit AdamW holds it as a tensor
             if step > start and cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
                 result.checkpoint = save()
             prof.phase("data")

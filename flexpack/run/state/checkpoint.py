@@ -60,6 +60,7 @@ from flexpack.run.checks import check_state_shapes
 from flexpack.run.state import manifest, torch_file
 from flexpack.run.state.finite import check_finite
 from flexpack.run.state.manifest import MANIFEST, problem  # noqa: F401  (public here too)
+from flexpack.run.state.optim_state import is_offloaded, load_offload_state, offload_state
 from flexpack.run.state.safeload import UnsafeCheckpointError, load_state, read_metadata_file
 
 NONFINITE = "no step or sample can use them: take an earlier checkpoint (move this step_* folder aside)"
@@ -145,11 +146,18 @@ def _quiet() -> Iterator[None]:
         yield
 
 
-def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, ema: Any = None) -> dict[str, Any]:
+def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, ema: Any = None,
+           saved: dict[str, tuple[int, ...]] | None = None) -> dict[str, Any]:
     """Sharded (DTensor) state dicts under FSDP, plain ones otherwise, keyed by parameter name;
-    ``ema`` (:class:`~flexpack.training.ema.EMA`) adds its averages, sharded like the parameters."""
+    ``ema`` (:class:`~flexpack.training.ema.EMA`) adds its averages, sharded like the parameters.
+    torchao's ``CPUOffloadOptimizer`` through :mod:`.optim_state` (to load: the parameters whose
+    states ``saved``, the checkpoint's :func:`tensor_shapes`, holds)."""
     if optimizer is None:
         state = {"model": get_model_state_dict(model)}
+    elif is_offloaded(optimizer):
+        names = None if saved is None else {k.removeprefix("optim.state.").rsplit(".", 1)[0] for k in saved
+                                            if k.startswith("optim.state.")}
+        state = {"model": get_model_state_dict(model), "optim": offload_state(model, optimizer, names)}
     else:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
@@ -374,14 +382,16 @@ def load(
     if optimizer is not None and not any(k.startswith("optim.") for k in shapes):
         raise ValueError(f"{path}: holds no optimizer state; load the model alone (optimizer=None)")
     has_ema = any(k.startswith("ema.") for k in shapes)
-    state = _state(model, optimizer, ema if has_ema else None)
+    state = _state(model, optimizer, ema if has_ema else None, saved=shapes)
     with _quiet():
         load_state(state, path / "state")
     check_finite(state, str(path), NONFINITE)  # the first NaN / inf weight named, before any step or sample
     if ema is not None:
         ema.load_state_dict(state["ema"] if has_ema else None)
-    if optimizer is None:
+    if optimizer is None or is_offloaded(optimizer):
         set_model_state_dict(model, state["model"])
+        if optimizer is not None:
+            load_offload_state(model, optimizer, state["optim"])
     else:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     if restore_rng and (path / "rng.pt").is_file():

@@ -22,6 +22,8 @@ def nonfinite(t: torch.Tensor) -> str | None:
     """``"3 NaN and 0 infinite of 4,096 values"`` for a floating tensor holding any, else None (this rank's
     shard of a DTensor)."""
     local = t.to_local() if hasattr(t, "to_local") else t
+    if hasattr(local, "dequantize") and hasattr(local, "qmap"):  # torchao's low-bit optimizer states
+        local = local.dequantize()
     if not (local.is_floating_point() or local.is_complex()) or bool(torch.isfinite(local).all()):
         return None
     nan = int(torch.isnan(local).sum())

@@ -8,6 +8,8 @@ What a resume can honour and what it cannot:
 - Another schedule, LR, logging or checkpoint setting: yes (recorded in ``config_history.jsonl``).
 - Another order of the epoch (``data.mode``, ``data.max_tokens``, ``data.seed``, ...): no — one
   line naming each value, the checkpoint's and the new one, and how to go on.
+- Another ``optim.states`` or ``optim.offload``: no — the optimizer's states are of another kind
+  (:func:`check_optim`, before anything loads; a checkpoint without the record is float32 AdamW, no offload).
 - Another model family, preset or shape: no — one line naming each key, the checkpoint's value and the new
   one (:func:`check_model`, from the checkpoint's config and the model config it records, before any weights
   load, ``model.pretrained``'s included); a checkpoint without that record is compared tensor by tensor
@@ -71,6 +73,28 @@ def find(cfg: TrainConfig, rank: int = 0) -> Path | None:
         check_model(found, cfg)
         check_lora(found, cfg)
     return found
+
+
+OPTIM_KEY = "optim"  # train_state.json's extra: {"states", "offload"} of the optimizer the states are of
+OPTIM_DEFAULTS = {"states": "float32", "offload": "none"}  # a checkpoint written before the record
+
+
+def optim_extra(optim: Any) -> dict[str, Any]:
+    """A checkpoint's ``extra`` recording ``optim.states`` and ``optim.offload`` (an ``OptimConfig``)."""
+    return {OPTIM_KEY: {k: getattr(optim, k) for k in OPTIM_DEFAULTS}}
+
+
+def check_optim(path: Path, cfg: TrainConfig) -> None:
+    """Refuse, in one line and before anything loads, a resume whose ``optim.states`` / ``optim.offload``
+    differ from the checkpoint's: its optimizer states are of that kind."""
+    recorded = {**OPTIM_DEFAULTS, **((json.loads((path / "train_state.json").read_text()).get("extra") or {})
+                                     .get(OPTIM_KEY) or {})}
+    diff = [(k, recorded[k], getattr(cfg.optim, k)) for k in OPTIM_DEFAULTS if recorded[k] != getattr(cfg.optim, k)]
+    if diff:
+        what = ", ".join(f"optim.{k} is {a!r} there and {b!r} now" for k, a, b in diff)
+        fix = " ".join(f"--set optim.{k}={json.dumps(a)}" for k, a, _ in diff)
+        raise ValueError(f"cannot resume from {path}: {what} (its optimizer states are of that kind); "
+                         f"resume with {fix}, or train into a new runtime.out_dir")
 
 
 def step_of(path: Path) -> int:
