@@ -5,7 +5,8 @@ trains the same global batch of ``--global-episodes`` episodes (default 128) of 
 (``train_step.py``'s length sets), spread over the ranks in one of two ways:
 
 - ``batch1``: one episode per micro-step (pad mode, ``data.batch_size = 1``, frames padded up to
-  ``--pad-multiple``), ``global / N`` micro-steps a step on each rank (16 on 8 GPUs), gradients reduced once a step;
+  ``--pad-multiple``, blocks compiled: one graph per padded length), ``global / N`` micro-steps a step on each
+  rank (16 on 8 GPUs), gradients reduced once a step;
 - ``packed``: the step's episodes packed into micro-batches of ``--max-tokens`` tokens
   (:func:`flexpack.packing.bins.pack_bins`; a bin count that is no multiple of N gets tail-padding bins of repeated
   episodes, as the sampler does), about 4 micro-steps a step.
@@ -25,7 +26,8 @@ measured on each GPU), the communication share (NCCL kernels' share of the GPU k
 wall time, named ``comm_kind``), recompiles after the warm-up, peak memory (the largest rank's), and the rank
 imbalance: max / mean over ranks of the time each spends outside collectives in the profiled steps (its wall
 time per step, ``rank_wall_imbalance``, is also kept; collectives make those nearly equal). ``weak_scaling``:
-runs given ``--episodes-per-gpu`` (the same per-GPU batch at every N) compared with their 1-GPU run.
+tokens/s per GPU of each run over the 1-GPU run with as many episodes per GPU (``--episodes-per-gpu`` keeps the
+per-GPU batch fixed at every N).
 
     torchrun --nproc_per_node 8 benchmarks/step_multigpu.py --family lingbot --layers 30 \
         --activation-checkpointing true --variants batch1,packed --float8 off,tensorwise
@@ -200,7 +202,8 @@ def run_variant(args, variant: str, float8: str, items, config, steps: list[list
     per_rank = gather({"times": times, "losses": losses, "flops": flops, "recompiles": recompiles, "peak": peak_mem,
                        "comm": comm, "busy": busy, "peak_flops": peak, "micro": len(mine[0]),
                        "tokens": [int(sum(int(b.layout.episode_frames.sum()) for b in mine[warm + k])) * tpf
-                                  for k in range(n)]})
+                                  for k in range(n)],
+                       "computed": [sum(b.layout.frame_doc.numel() for b in mine[warm + k]) * tpf for k in range(n)]})
     model = opt = None  # freed before the next run builds its model
     gc.collect()
     if args.layers > 8:
@@ -225,6 +228,8 @@ def run_variant(args, variant: str, float8: str, items, config, steps: list[list
         "tokens_per_s_per_gpu": statistics.median(t / s / world for t, s in zip(useful_tokens, step_s)),
         "useful_tokens_per_step": statistics.median(useful_tokens),
         "trained_tokens_per_step": statistics.median(sum(r["tokens"][k] for r in per_rank) for k in range(n)),
+        # with pad frames (batch1) and a pack's trailing pad (packed)
+        "computed_tokens_per_step": statistics.median(sum(r["computed"][k] for r in per_rank) for k in range(n)),
         "mfu": statistics.median(f / s / peak_sum for f, s in zip(total_flops, step_s)),
         "bf16_peak_tflops_per_gpu": peak_sum / world / 1e12,
         "comm_share": comm_all / (comm_all + sum(r["busy"] for r in per_rank)), "comm_kind": kind,
@@ -240,11 +245,11 @@ def run_variant(args, variant: str, float8: str, items, config, steps: list[list
 
 
 def weak_scaling(runs: dict) -> dict:
-    """Tokens/s per GPU of each ``--episodes-per-gpu`` run over its 1-GPU run's (same family, variant, precision,
-    per-GPU batch, layers)."""
+    """Tokens/s per GPU of each run over the 1-GPU run of the same family, variant, precision, episodes per GPU and
+    layers (``--episodes-per-gpu`` makes that run; a ``--global-episodes`` run of as many per GPU pairs with it too)."""
     groups: dict[str, dict[int, float]] = {}
     for r in runs.values():
-        if r.get("weak") and r.get("tokens_per_s_per_gpu"):
+        if r.get("tokens_per_s_per_gpu"):
             key = f"{r['family']}-{r['variant']}-{r['float8']}-e{r['episodes_per_gpu']:g}-l{r['layers']}"
             groups.setdefault(key, {})[r["world_size"]] = r["tokens_per_s_per_gpu"]
     return {k: {"tokens_per_s_per_gpu": {str(w): t for w, t in sorted(v.items())},
@@ -265,7 +270,9 @@ def main() -> None:
                    help="weak scaling: this many episodes per rank and step (global = it x N; overrides "
                         "--global-episodes)")
     p.add_argument("--max-tokens", type=int, default=32768, help="packed: data.max_tokens of a micro-batch")
-    p.add_argument("--pad-multiple", type=int, default=32, help="batch1: data.pad_multiple (frames)")
+    p.add_argument("--pad-multiple", type=int, default=64,
+                   help="batch1: data.pad_multiple (frames; each padded length compiles its own graph: 5 on the "
+                        "reference lengths at 64)")
     p.add_argument("--compile", type=lambda s: s.lower() == "true", default=None, metavar="true|false",
                    help="parallel.compile (default: true on CUDA, false on the CPU)")
     p.add_argument("--steps", type=int, default=5, help="timed steps")
@@ -303,6 +310,7 @@ def main() -> None:
     peak = measured_bf16_peak(device) if device.type == "cuda" else 1e12  # the CPU's is a placeholder
     out = args.out or Path(f"benchmarks/results/step_multigpu_h200x{world}.json")
     command = " ".join([f"torchrun --nproc_per_node {world}" if "RANK" in os.environ else "python", *sys.argv])
+    failed: list[str] = []
     for variant in variants:
         for f8 in modes:
             name = (f"{args.family}-{variant}-{'bf16' if f8 == 'off' else 'float8-' + f8}-w{world}-g{global_eps}"
@@ -312,6 +320,7 @@ def main() -> None:
                 r = run_variant(args, variant, f8, items, config, steps, rank, world, device, peak)
             except Exception as exc:  # keep the other runs' numbers; say what failed (every rank fails alike)
                 r = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+                failed.append(name)
             r.update(command=command, set=args.set, weak=bool(args.episodes_per_gpu), smoke=args.smoke,
                      wall_s=time.perf_counter() - t0)
             if rank == 0:
@@ -332,6 +341,8 @@ def main() -> None:
                       f"{r['micro_steps_per_rank']} micro-steps/rank, wall {r['wall_s']:.0f} s"), flush=True)
     if dist.is_initialized():
         dist.destroy_process_group()
+    if failed:
+        raise SystemExit(f"step_multigpu: {len(failed)} run(s) failed: {', '.join(failed)} (their errors are in {out})")
 
 
 if __name__ == "__main__":
