@@ -104,3 +104,10 @@ def test_step_plans_deal_equal_micro_steps_and_train_each_episode_once():
             "b": {"family": "w", "variant": "packed", "float8": "off", "episodes_per_gpu": 4, "layers": 2,
                   "world_size": 2, "tokens_per_s_per_gpu": 80.0}}
     assert weak_scaling(runs)["w-packed-off-e4-l2"]["efficiency"] == {"1": 1.0, "2": 0.8}
+
+
+def test_multigpu_script_refuses_an_odd_or_single_gpu_count_in_one_line():
+    for n in ("3", "1", "x"):
+        out = subprocess.run(["bash", str(ROOT / "benchmarks" / "multigpu_h200.sh"), n], capture_output=True,
+                             text=True, timeout=30, env={**os.environ, "OUT": "/nonexistent/never-made"})
+        assert out.returncode == 2 and out.stderr.strip() == f"N must be an even number >= 2, got {n}"
