@@ -58,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from flexpack.packing.batch_sampler import batch_cost  # noqa: E402
 from flexpack.packing.bins import pack_bins  # noqa: E402
+from flexpack.parallel import float8  # noqa: E402
 from flexpack.parallel.parallelize import compiled_graphs  # noqa: E402
 from flexpack.run.root import run_for  # noqa: E402
 from flexpack.training.observe.flops import UsefulFlops, measured_bf16_peak  # noqa: E402
@@ -170,11 +171,14 @@ def comm_split(fn, device: torch.device) -> tuple[float, float, str]:
     return comm, max(wall - comm, 0.0), "gloo_share_of_cpu_wall_time"
 
 
-def run_variant(args, variant: str, float8: str, items, config, steps: list[list[int]], rank: int, world: int,
+def run_variant(args, variant: str, float8_mode: str, items, config, steps: list[list[int]], rank: int, world: int,
                 device: torch.device, peak: float) -> dict:
     """One run: build, warm up, time ``--steps`` steps, profile ``--profile-steps``; every rank returns it."""
-    cfg = config("pad" if variant == "batch1" else "pack", float8)
+    cfg = config("pad" if variant == "batch1" else "pack", float8_mode)
     run = run_for(items, cfg, rank=rank, world_size=world, device=device)
+    if device.type == "cuda":  # torchao and an sm89+ GPU, in one line, as `flexpack train` checks (--smoke emulates)
+        float8.check(float8_mode, device)
+    float8.check_tokens(float8_mode, cfg.data, run.geometry, device)  # a pack / padded row of 16k tokens
     tpf, lengths = run.geometry.tokens_per_frame, items.lengths()
     budget = run.geometry.frame_budget if variant == "packed" else 0
     plans = [step_plan(variant, eps, lengths, world, budget, tpf, cfg.runtime.seed + s) for s, eps in enumerate(steps)]
@@ -218,7 +222,7 @@ def run_variant(args, variant: str, float8: str, items, config, steps: list[list
     wall = [statistics.median(r["times"]) for r in per_rank]
     comm_all = sum(r["comm"] for r in per_rank)
     return {
-        "variant": variant, "family": args.family, "float8": float8, "world_size": world,
+        "variant": variant, "family": args.family, "float8": float8_mode, "world_size": world,
         "global_episodes": len(steps[0]), "episodes_per_gpu": len(steps[0]) / world, "layers": args.layers,
         "activation_checkpointing": cfg.parallel.activation_checkpointing, "compile": run.parallel.compile,
         "max_tokens": cfg.data.max_tokens if variant == "packed" else None,
