@@ -10,10 +10,13 @@ Backends (all return zeros, never NaN, for query rows that may attend nothing, e
   needs the ``flash_attn.cute`` package).
 * ``"sdpa-loop"``: one SDPA call per episode (document / valid masks only).
 * ``"varlen"``: ``torch.nn.attention.varlen.varlen_attn`` over episode runs (CUDA; document masks).
-* ``"auto"``: CUDA -> ``AUTO_CUDA`` (measured in ``benchmarks/attention.py``; falls back to
+* ``"auto"``: CUDA -> the mask's ``auto_cuda`` (``AUTO_CUDA``; measured in ``benchmarks/attention.py``; falls back to
   ``"flex"`` without FA4; a single-episode document mask uses one SDPA call); CPU -> ``"dense"``, except
   forward-only calls on long sequences (``T >= CPU_FLEX_MIN_TOKENS``), which use compiled flex to avoid the
   T x T mask.
+
+Which backends take a mask, which one ``"auto"`` picks on CUDA, its key length (cross-attention) and its
+block-mask builder are the mask table's (:mod:`flexpack.attention.mask_table`); nothing here names a mask.
 
 Compilation: one compiled FlexAttention per (kernel options, shape), ``dynamic=False``, each with
 its own dynamo cache; a new shape compiles once, new layouts of the same shape do not (block-mask
@@ -29,6 +32,7 @@ above the mask's segment count (smaller grids, one more compile whenever a pack 
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import MutableMapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -40,16 +44,35 @@ from torch.autograd.profiler import record_function
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from flexpack.attention.blockmask import MAX_SEGMENTS, BlockMaskBuilder, compile_fresh
-from flexpack.attention.masks import MASK_KINDS, MaskMod, dense_mask, make_mask, next_pow2
+from flexpack.attention.mask_table import EPISODE_BACKENDS, KNOWN_BACKENDS, MaskKind, update_mask
+from flexpack.attention.masks import MaskMod, dense_mask, make_mask, mask_kind, mask_names, next_pow2
 from flexpack.packing.layout import SequenceLayout, TokenLayout, to_device
 
-BACKENDS = ("auto", "dense", "flex", "flex-flash", "sdpa-loop", "varlen")
-DOCUMENT_ONLY = ("sdpa-loop", "varlen")
-# chosen from benchmarks/results/attention_h200.json (see BENCHMARKS.md): FLASH beat Triton flex by
-# 1.2-1.4x fwd+bwd on document and teacher-forcing masks; "text" (kv != q length) was not measured
-AUTO_CUDA = {"document": "flex-flash", "valid": "flex-flash", "chunk_causal": "flex-flash",
-             "teacher_forcing": "flex-flash", "text": "flex",
-             "lingbot": "flex"}  # lingbot: not measured yet; its mask_mod runs inside partial blocks (no ranges)
+BACKENDS = ("auto", *KNOWN_BACKENDS)
+DOCUMENT_ONLY = EPISODE_BACKENDS  # the backends over episode runs: masks that say so in the table take them
+
+
+class _AutoCuda(MutableMapping):
+    """The backend ``"auto"`` runs on CUDA per mask: a view of the mask table's ``auto_cuda`` (each mask
+    module says why its choice); setting an entry changes the table (a benchmark timing another backend)."""
+
+    def __getitem__(self, name: str) -> str:
+        return mask_kind(name).auto_cuda
+
+    def __setitem__(self, name: str, backend: str) -> None:
+        update_mask(name, auto_cuda=backend)
+
+    def __delitem__(self, name: str) -> None:
+        raise TypeError("AUTO_CUDA entries follow the mask table; unregister the mask instead")
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(mask_names())
+
+    def __len__(self) -> int:
+        return len(mask_names())
+
+
+AUTO_CUDA = _AutoCuda()
 CPU_FLEX_MIN_TOKENS = 16384
 # Head dims for which the FLASH (FA4) backend was checked against a float64 reference on the H200
 # (benchmarks/flash_grad_check.py): at D=128 its gradients match; at D=16 dq is wrong (relative
@@ -140,11 +163,16 @@ class PreparedMask:
     def device(self) -> torch.device:
         return self.layout.doc.device
 
+    @property
+    def spec(self) -> MaskKind:
+        """The mask table's entry of this mask."""
+        return mask_kind(self.kind)
+
     def block_mask(self) -> BlockMask:
         if "block" not in self._cache:
             with record_function("block_mask"):  # a named range in profiles (mask builds are overhead)
-                self._cache["block"] = self.builder(self.mask_mod, self.q_len, self.kv_len,
-                                                    max_segments=self.segment_bounds())
+                self._cache["block"] = self.spec.block_mask(self.builder, self.mask_mod, self.q_len, self.kv_len,
+                                                            self.segment_bounds())
         return self._cache["block"]
 
     def segment_bounds(self) -> tuple[int, int]:
@@ -182,7 +210,7 @@ class PreparedMask:
 
     def valid(self) -> Tensor:
         if "valid" not in self._cache:
-            self._cache["valid"] = self.dense()[1] if self.kind not in ("document", "valid") else self.layout.valid
+            self._cache["valid"] = self.layout.valid if self.spec.episode_runs else self.dense()[1]
         return self._cache["valid"]
 
 
@@ -273,8 +301,7 @@ class FlexAttnFunc:
         episode); :func:`flexpack.attention.masks.text_slots` gives a slot count that keeps the shape
         fixed as the number of episodes per micro-batch varies.
         """
-        if mask not in MASK_KINDS:
-            raise ValueError(f"unknown mask {mask!r}; expected one of {MASK_KINDS}")
+        spec = mask_kind(mask)  # an unknown name: one line listing the known ones
         if isinstance(layout, SequenceLayout):
             raise TypeError(_NEEDS_TOKENS.format(what="prepare() got a SequenceLayout (frames)"))
         if device is not None and layout.doc.device != torch.device(device):
@@ -282,9 +309,9 @@ class FlexAttnFunc:
         mod = make_mask(layout, mask, chunk_size=chunk_size, window=window, text_tokens=text_tokens,
                         text_slots=text_slots)
         kv_len, kv_segments = layout.num_tokens, None
-        if mask == "text":
-            slots = layout.text_len.numel() if text_slots is None else text_slots
-            kv_len, kv_segments = slots * text_tokens, 2 * slots + 1
+        if spec.keys is not None:  # cross-attention: the keys are not the layout's tokens
+            opts = {"chunk_size": chunk_size, "window": window, "text_tokens": text_tokens, "text_slots": text_slots}
+            kv_len, kv_segments = spec.keys(layout, **{k: opts[k] for k in spec.options})
         if kv_len == 0:
             raise ValueError(f"mask {mask!r} has no keys (kv_len=0)")
         prep = PreparedMask(mask, layout, mod, layout.num_tokens, kv_len, self._builder(layout.doc.device), kv_segments,
@@ -302,9 +329,10 @@ class FlexAttnFunc:
         if self.backend != "auto":
             return self.backend
         if prep.device.type == "cuda":
-            if prep.kind in ("document", "valid") and prep.layout.text_len.numel() == 1:
+            spec = prep.spec
+            if spec.episode_runs and "sdpa-loop" in spec.backends and prep.layout.text_len.numel() == 1:
                 return "sdpa-loop"  # one episode: a single SDPA call beat FLASH (0.93x) on the H200
-            choice = AUTO_CUDA[prep.kind]
+            choice = spec.auto_cuda
             return "flex" if choice == "flex-flash" and not has_flash() else choice
         if not needs_grad and prep.q_len >= CPU_FLEX_MIN_TOKENS:
             return "flex"
@@ -354,8 +382,9 @@ class FlexAttnFunc:
             if self.backend == "flex-flash":
                 raise ValueError(f"the FLASH backend is verified only for head dims {FLASH_HEAD_DIMS}, got {head_dim}")
             backend = "flex"
-        if backend in DOCUMENT_ONLY and prep.kind not in ("document", "valid"):
-            raise ValueError(f"backend {backend!r} supports only document/valid masks, got {prep.kind!r}")
+        if backend not in prep.spec.backends:
+            takers = "/".join(m for m in mask_names() if backend in mask_kind(m).backends)
+            raise ValueError(f"backend {backend!r} supports only {takers} masks, got {prep.kind!r}")
         return backend
 
     def bind(self, prep: PreparedMask, head_dim: int, *, needs_grad: bool | None = None) -> "BoundAttention":
@@ -433,9 +462,10 @@ def _frames_to_tokens(layout: SequenceLayout, q_len: int, mask: str) -> TokenLay
     chunk-causal and text masks look only at a token's episode and frame, never at whether it is
     a video or an action token. Teacher forcing also needs the copies, which frames do not say."""
     frames = layout.frame_doc.numel()
-    if mask in ("teacher_forcing", "lingbot") or q_len <= 0 or q_len % frames:
+    token_level = mask_kind(mask).token_level  # the mask reads a token's stream or copy
+    if token_level or q_len <= 0 or q_len % frames:
         got = f"a SequenceLayout of {frames} frames for q of {q_len} tokens"
-        got += f" and mask={mask!r}" if mask in ("teacher_forcing", "lingbot") else ""
+        got += f" and mask={mask!r}" if token_level else ""
         raise TypeError(_NEEDS_TOKENS.format(what=f"got {got}"))
     return layout.tokens(video_tokens=q_len // frames)
 

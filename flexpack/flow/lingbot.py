@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from flexpack.flow.noise import _mix32, _normal, _uniform24, episode_keys
-from flexpack.flow.objective import FlowLoss, _action_valid, shift_sigma
+from flexpack.flow.objective import BASE_PARTS, FlowLoss, _action_valid, shift_sigma
 
 COUNT_EPS = 1e-6  # LeRobot's guard in the per-frame mean: sum / (count + 1e-6)
 COND_LOW = 0.5  # the clean copy's noise is drawn from steps [500, 1000)
@@ -326,8 +326,8 @@ class LingbotObjective:
     def loss(self, pred: Any, sample: LingbotSample, batch: Any) -> FlowLoss:
         return lingbot_loss(pred, sample, batch, latent_weight=self.latent_weight, action_weight=self.action_weight)
 
-    def counts(self, batch: Any) -> tuple[Tensor, Tensor]:
-        return lingbot_loss_counts(batch)
+    def counts(self, batch: Any) -> dict[str, Tensor]:
+        return dict(zip(BASE_PARTS, lingbot_loss_counts(batch)))
 
     def attention_pairs(self, layout: Any, geometry: Any, seeds: Sequence[int]) -> list[int]:
         """Pairs of the lingbot mask per episode with the chunk size and window ``seeds`` draw, both copies."""

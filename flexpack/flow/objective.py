@@ -19,13 +19,18 @@ any forward, from the batches alone). The accumulated loss and gradients then eq
 batch holding all the episodes — e.g. four micro-batches of one episode equal one batch of four.
 Averaging per-micro-batch means instead (``loss_i / n``) weights short episodes more; that is a
 different objective, not a rounding difference.
+
+Parts by name. What the step, validation and the metrics log of a loss are its named parts
+(:meth:`FlowLoss.parts`: ``latent_loss``, ``action_loss`` and any ``extra`` an objective adds), each a
+:class:`LossPart` (sum, count, weight in the loss or None: logged only); the objective's ``counts`` gives
+the same names' counts before any forward. A new loss term is one more part, in the objective alone.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping
 
 import torch
 from torch import Tensor
@@ -186,6 +191,19 @@ def make_flow_sample(
 
 
 @dataclass(frozen=True, eq=False)
+class LossPart:
+    """One named part of a loss over a micro-batch: ``sum`` over the elements that count, their ``count``
+    (the part is ``sum / count``, 0 where nothing counts) and its ``weight`` in the loss (None: logged only)."""
+
+    sum: Tensor
+    count: Tensor
+    weight: float | None = None
+
+
+BASE_PARTS = ("latent_loss", "action_loss")  # every FlowLoss's parts, in this order
+
+
+@dataclass(frozen=True, eq=False)
 class FlowLoss:
     """Loss of one micro-batch and its parts (for logging and accumulation).
 
@@ -205,13 +223,39 @@ class FlowLoss:
     # (E, 2): each episode slot's latent and action sums (the parts' numerators), where the objective gives them:
     # per-source loss parts of a mixture are sums of these
     episode_sums: Tensor | None = None
+    # parts an objective adds, by name (weight None: logged, not trained on); counted by its ``counts`` too
+    extra: Mapping[str, LossPart] = field(default_factory=dict)
 
-    def accumulation_loss(self, totals: tuple[Tensor | float, Tensor | float]) -> Tensor:
-        """This micro-batch's share of the accumulated loss; ``totals`` = Σ of :func:`loss_counts`
-        over the accumulation window. Summing the shares gives the loss of one batch of all episodes."""
-        lat_total, act_total = (float(t) for t in totals)
-        out = self.latent_weight * self.latent_sum / max(lat_total, 1.0)
-        return out + self.action_weight * self.action_sum / max(act_total, 1.0)
+    def parts(self) -> dict[str, LossPart]:
+        """Every part by name: ``latent_loss``, ``action_loss``, then ``extra`` (what the metrics log)."""
+        if clash := set(self.extra) & {"loss", *BASE_PARTS}:
+            raise ValueError(f"extra loss parts {sorted(clash)} shadow the built-in names loss, "
+                             f"{', '.join(BASE_PARTS)}")
+        return {"latent_loss": LossPart(self.latent_sum, self.latent_count, self.latent_weight),
+                "action_loss": LossPart(self.action_sum, self.action_count, self.action_weight), **self.extra}
+
+    def with_parts(self, **extra: LossPart) -> "FlowLoss":
+        """This loss with more named parts; weighted ones add ``weight · sum / count`` to :attr:`loss`."""
+        loss = self.loss
+        for p in extra.values():
+            if p.weight is not None:
+                loss = loss + p.weight * p.sum / p.count.clamp(min=1)
+        return replace(self, loss=loss, extra={**self.extra, **extra})
+
+    def accumulation_loss(self, totals: tuple[Tensor | float, Tensor | float] | Mapping[str, Tensor | float]) -> Tensor:
+        """This micro-batch's share of the accumulated loss; ``totals`` = Σ of the objective's counts over the
+        accumulation window (by part name, or :func:`loss_counts`' (latent, action) pair). Summing the shares
+        gives the loss of one batch of all episodes."""
+        if not isinstance(totals, Mapping):
+            totals = dict(zip(BASE_PARTS, totals))
+        out: Tensor | None = None
+        for name, part in self.parts().items():
+            if part.weight is not None:
+                if name not in totals:
+                    raise ValueError(f"loss part {name!r} has no count: the objective's counts give {sorted(totals)}")
+                term = part.weight * part.sum / max(float(totals[name]), 1.0)
+                out = term if out is None else out + term
+        return out if out is not None else self.latent_sum * 0.0
 
     def log_dict(self) -> dict[str, float]:
         return {k: float(getattr(self, k).detach()) for k in ("loss", "latent_loss", "action_loss")}

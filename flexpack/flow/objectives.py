@@ -2,8 +2,9 @@
 
 An objective turns a collated batch into model inputs and targets (:meth:`Objective.sample`, noise keyed
 per episode by ``seeds`` from :func:`flexpack.flow.noise.noise_seeds`), scores the model's prediction
-(:meth:`Objective.loss`, a :class:`~flexpack.flow.objective.FlowLoss`) and says, before any forward, how
-much of a batch counts (:meth:`Objective.counts`, summed over micro-batches for exact accumulation). The
+(:meth:`Objective.loss`, a :class:`~flexpack.flow.objective.FlowLoss` with its parts by name) and says, before
+any forward, how much of a batch counts in each part (:meth:`Objective.counts`, by the same names, summed over
+micro-batches for exact accumulation). The
 step, validation and ``flexpack verify`` call these three and nothing else, whatever the family. An
 objective class is built by ``Class.from_config(objective section, the family's resolved model config)``;
 :class:`FlowObjective` is flexpack's flow matching (:mod:`flexpack.flow.objective`) over the ``objective``
@@ -23,7 +24,7 @@ from typing import Any, Protocol, Sequence
 from torch import Tensor
 
 from flexpack.flow.noise import episode_flow_sample
-from flexpack.flow.objective import FlowLoss, FlowMatchingConfig, flow_loss, loss_counts
+from flexpack.flow.objective import BASE_PARTS, FlowLoss, FlowMatchingConfig, flow_loss, loss_counts
 
 
 class Objective(Protocol):
@@ -36,7 +37,9 @@ class Objective(Protocol):
 
     def loss(self, pred: Any, sample: Any, batch: Any) -> FlowLoss: ...
 
-    def counts(self, batch: Any) -> tuple[Tensor, Tensor]: ...
+    def counts(self, batch: Any) -> dict[str, Tensor]:
+        """Elements of ``batch`` that count in each part of its loss, by the part's name (``FlowLoss.parts``)."""
+        ...
 
     def attention_pairs(self, layout: Any, geometry: Any, seeds: Sequence[int]) -> list[int] | None:
         """Self-attention (query, key) pairs per episode of a host ``layout`` that the training mask keeps
@@ -68,8 +71,8 @@ class FlowObjective:
     def loss(self, pred: Any, sample: Any, batch: Any) -> FlowLoss:
         return flow_loss(pred, sample, batch, self.cfg)
 
-    def counts(self, batch: Any) -> tuple[Tensor, Tensor]:
-        return loss_counts(batch)
+    def counts(self, batch: Any) -> dict[str, Tensor]:
+        return dict(zip(BASE_PARTS, loss_counts(batch)))
 
     def attention_pairs(self, layout: Any, geometry: Any, seeds: Sequence[int]) -> None:
         return None  # the document mask's count (an upper bound for the chunk masks: observe/flops.py)

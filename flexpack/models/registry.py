@@ -4,7 +4,8 @@ An entry says everything the rest of flexpack needs to know about a family: its 
 and presets, how a config is built from a preset and overrides, the model class, how a checkpoint's
 config and tensors map onto the family's (weight converters), which tensors a checkpoint may lack
 and how they start, the block container that ``parallel/`` wraps, compiles and shards block by block,
-the self-attention masks it trains with, how many copies of an episode it sees (noisy, or noisy and
+its default self-attention mask (the others it may train with are the mask table's entries that name the
+family: :mod:`flexpack.attention.mask_table`), how many copies of an episode it sees (noisy, or noisy and
 clean), the objective it trains with (``"module:Class"``: :mod:`flexpack.flow.objectives`), the data conventions
 of its datasets (:class:`DataConventions`: action space, cameras, text length), the sampler (``"flow"``, a
 ``"module:Class"`` of :mod:`flexpack.sampling`, or None: the family does not sample yet), the config fields that
@@ -26,6 +27,7 @@ from typing import Any, Callable, Mapping, Protocol
 
 from torch import Tensor, nn
 
+from ..attention.masks import mask_kind, mask_names
 from .conventions import Alias, DataConventions
 
 
@@ -93,8 +95,7 @@ class ModelFamily:
     # a whole checkpoint (file or folder) as a model of ``config``, built without a random init first
     load_checkpoint: Callable[[str, Any], nn.Module] | None = None
     blocks: str = "blocks"  # the ModuleList of transformer blocks (parallelize, float8, checkpointing)
-    masks: tuple[str, ...] = ("document",)  # self-attention masks (model.mask); the first is the default
-    chunk_masks: tuple[str, ...] = ()  # the masks that take model.chunk_size
+    mask: str = "document"  # the default self-attention mask (model.mask = ""); see masks
     copies: int | None = None  # copies of every frame: None = 2 under objective.teacher_forcing, else 1
     objective: str = "flexpack.flow.objectives:FlowObjective"  # "module:Class" of its objective (flow/objectives.py)
     # the objective section applied to the resolved config (config, objective section, the field names
@@ -150,6 +151,17 @@ class ModelFamily:
             return hints[alias]
         return hints[alias.field] if alias.type is None else alias.type
 
+    @property
+    def masks(self) -> tuple[str, ...]:
+        """The self-attention masks (``model.mask``) this family trains with: its default first, then every
+        mask of the table that names the family (``MaskKind.families``), in the table's order."""
+        return (self.mask, *(m for m in mask_names() if m != self.mask and self.name in mask_kind(m).families))
+
+    @property
+    def chunk_masks(self) -> tuple[str, ...]:
+        """Its masks that take ``model.chunk_size`` (``MaskKind.chunked``)."""
+        return tuple(m for m in self.masks if mask_kind(m).chunked)
+
     def copies_of(self, teacher_forcing: bool) -> int:
         """Copies of every frame the model sees (:attr:`copies`)."""
         return self.copies if self.copies is not None else 2 if teacher_forcing else 1
@@ -187,8 +199,6 @@ def _wanva() -> ModelFamily:
                        checkpoint_files=diffusers_files,
                        convert_tensor=convert_tensor, fresh_tensors=action_stream_init,
                        load_checkpoint=lambda path, config: WanVA.from_diffusers_file(path, config),
-                       masks=("document", "chunk_causal", "teacher_forcing"),
-                       chunk_masks=("chunk_causal", "teacher_forcing"),
                        export_formats=("diffusers", "lerobot_policy"), lora_targets=WAN_BLOCK_LINEARS)
 
 
@@ -219,7 +229,7 @@ def _lingbot_va() -> ModelFamily:
                        shape_fields=SHAPE_FIELDS, checkpoint_defaults=LEROBOT_TRAINING + LEROBOT_INFERENCE,
                        checkpoint_files=lingbot_files, checkpoint_layout=camera_layout_of,
                        convert_tensor=convert_tensor, load_checkpoint=load_checkpoint,
-                       masks=("lingbot",), copies=COPIES, objective="flexpack.flow.lingbot:LingbotObjective",
+                       mask="lingbot", copies=COPIES, objective="flexpack.flow.lingbot:LingbotObjective",
                        apply_objective=apply_objective,
                        conventions=conventions, sampler="flexpack.sampling.lingbot:LingbotSampler",
                        sampling_fields=LEROBOT_INFERENCE,

@@ -177,7 +177,8 @@ class ModelConfig:
     # any field of the family's config (or an alias it takes) but activation_checkpointing (a parallel key)
     overrides: dict[str, Any] = field(default_factory=dict)
     pretrained: str = ""  # "" = random init
-    # self-attention mask, "" = the family's first (wanva: "document", "chunk_causal" or "teacher_forcing")
+    # self-attention mask, "" = the family's default (wanva: "document", "chunk_causal", "teacher_forcing" or another
+    # mask of flexpack.attention.masks' table that names the family)
     mask: str = ""
     chunk_size: int | None = None  # latent frames per chunk of the chunk_causal / teacher_forcing masks (wanva)
 
@@ -197,9 +198,12 @@ class ModelConfig:
         if self.mask not in fam.masks:
             raise ValueError(f"model.mask must be one of {fam.masks} for model.family = "
                              f"{self.family!r}, got {self.mask!r}")
-        if self.mask in fam.chunk_masks and (self.chunk_size is None or self.chunk_size <= 0):
+        from flexpack.attention.masks import mask_kind  # the mask table: what each mask takes
+
+        chunked = mask_kind(self.mask).chunked
+        if chunked and (self.chunk_size is None or self.chunk_size <= 0):
             raise ValueError(f"model.mask={self.mask!r} needs a positive model.chunk_size, got {self.chunk_size!r}")
-        if self.mask not in fam.chunk_masks and self.chunk_size is not None:
+        if not chunked and self.chunk_size is not None:
             if not fam.chunk_masks:
                 raise ValueError(f"model.chunk_size={self.chunk_size!r} does not apply to model.family = "
                                  f"{self.family!r} (its chunk size is drawn per episode, see "
@@ -384,11 +388,16 @@ class TrainConfig:
         if self.sample.every and fam.sampler is None:
             raise ValueError(f"sample.every={self.sample.every}: model.family = {self.model.family!r} "
                              "has no sampler yet; set sample.every = 0")
-        if self.objective.teacher_forcing and self.model.mask != "teacher_forcing":
-            raise ValueError(f"objective.teacher_forcing needs model.mask = 'teacher_forcing', got {self.model.mask!r}")
-        if self.model.mask == "teacher_forcing" and not self.objective.teacher_forcing:
+        from flexpack.attention.masks import mask_kind  # the mask table: which masks see the clean copy
+
+        tf_mask = mask_kind(self.model.mask).teacher_forcing
+        if self.objective.teacher_forcing and not tf_mask:
+            takers = " or ".join(repr(m) for m in fam.masks if mask_kind(m).teacher_forcing) or "a teacher-forcing mask"
+            raise ValueError(f"objective.teacher_forcing needs model.mask = {takers}, got {self.model.mask!r}")
+        if tf_mask and not self.objective.teacher_forcing:
             # without the clean copy every token is noisy: attention would shrink to the own chunk
-            raise ValueError("model.mask = 'teacher_forcing' needs objective.teacher_forcing = true (the clean copy)")
+            raise ValueError(f"model.mask = {self.model.mask!r} needs objective.teacher_forcing = true "
+                             "(the clean copy)")
         if self.objective.latent_weight == 0 and not self.model.resolved().action_channels:
             raise ValueError("objective.latent_weight = 0 on a model without actions (action_channels = 0): "
                              "the loss would be 0; set objective.latent_weight > 0")

@@ -46,6 +46,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor, nn
 
+from flexpack.attention.masks import mask_kind
 from flexpack.flow.objective import shift_sigma
 from flexpack.run.config import TrainConfig
 from flexpack.run.root import forward_options, full_text
@@ -154,8 +155,11 @@ class LingbotSampler(PackedSampler):
         forward = forward_options(self.cfg, self.text_slots)
         n_valid = int(lay.episode_frames.sum()) * self.tpf
         zero_t = torch.zeros(target.shape, device=dev)
-        # one chunk size and window per episode, as training passes them (the same mask build, compiled once)
-        chunk, window = (torch.full((lay.num_episodes,), v, dtype=torch.int64, device=dev) for v in (C, self.window))
+        # one chunk size and window per episode, as training passes them (the same mask build, compiled once):
+        # the per-episode options the configured mask takes (the mask table says which)
+        per_episode = {"chunk_size": C, "window": self.window}
+        mask_opts = {k: torch.full((lay.num_episodes,), per_episode[k], dtype=torch.int64, device=dev)
+                     for k in mask_kind(self.cfg.model.mask).options if k in per_episode}
         texts = (batch.text, None if self.negative is None else
                  self.negative.to(dev, batch.text.dtype).expand(batch.text.shape[0], -1, -1))
         bf16 = self.opt.dtype == "bfloat16"
@@ -165,7 +169,7 @@ class LingbotSampler(PackedSampler):
                              action=torch.stack([noisy_a, a]), text=text)
             with torch.autocast(dev.type, torch.bfloat16) if bf16 else contextlib.nullcontext():
                 out = forward.call(self.model, inputs, timestep=torch.stack([t_v, zero_t]),
-                                   action_timestep=torch.stack([t_a, zero_t]), chunk_size=chunk, window=window)
+                                   action_timestep=torch.stack([t_a, zero_t]), **mask_opts)
             self.forwards += 1
             self.tokens += 2 * n_valid
             return out

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from flexpack.attention.masks import text_slots
+from flexpack.attention.masks import mask_kind, text_slots
 from flexpack.packing.batch_sampler import TokenBudgetBatchSampler
 from flexpack.packing.collate import PackCollate
 from flexpack.packing.geometry import frame_budget, too_long
@@ -67,7 +67,7 @@ def context_chunk(cfg: TrainConfig) -> int:
         raise ValueError("objective.chunk_size is unset: the model was trained with one σ per episode and can only "
                          "generate whole episodes jointly, not condition on history (train with a per-frame or "
                          "per-chunk σ, objective.chunk_size = 1 or a chunk size)")
-    return int(m.chunk_size) if m.mask != "document" else int(o.chunk_size)
+    return int(m.chunk_size) if mask_kind(m.mask).chunked else int(o.chunk_size)
 
 
 def sampler_class(cfg: TrainConfig) -> type["PackedSampler"]:
@@ -97,7 +97,7 @@ def solver_steps(cfg: TrainConfig, given: int | None, *, default: int = 10) -> i
 
 def stage_frames(cfg: TrainConfig, horizon: int) -> int:
     """Target frames generated per stage: one chunk under teacher forcing, else the horizon."""
-    return int(cfg.model.chunk_size) if cfg.model.mask == "teacher_forcing" else int(horizon)
+    return int(cfg.model.chunk_size) if mask_kind(cfg.model.mask).teacher_forcing else int(horizon)
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,7 @@ class PackedSampler:
         self.max_tokens = int(max_tokens or cfg.data.max_tokens)
         self.text_slots = text_slots
         # frames per stage: one chunk under teacher forcing, else set by the caller (rollout) or the horizon
-        self.stage = int(cfg.model.chunk_size) if cfg.model.mask == "teacher_forcing" else stage
+        self.stage = int(cfg.model.chunk_size) if mask_kind(cfg.model.mask).teacher_forcing else stage
         self.actions = cfg.model.resolved().action_channels > 0
         o = cfg.objective
         self.grid_v = sigma_grid(options.steps, o.shift).float()
@@ -216,7 +216,7 @@ class PackedSampler:
             states.append(torch.where(a_live, anoise, a_true))
             grids.append(self.grid_a.to(dev)[:, None, None] * target[None].float())
             keep.append(~a_live)
-        tf = cfg.model.mask == "teacher_forcing"
+        tf = mask_kind(cfg.model.mask).teacher_forcing  # the mask relates a noisy and a clean copy
         scale = cfg.objective.num_train_timesteps
         forward = forward_options(cfg, self.text_slots)  # training's mask and chunk size
         bf16 = self.opt.dtype == "bfloat16"

@@ -128,7 +128,7 @@ def verify_batch(
     frames = batch.layout.episode_frames.tolist()  # as collated: a cropped episode keeps its first frames
     singles = [(alone_collate or PackCollate(n, crop=True))([it]).to(device) for it, n in zip(items, frames)]
     counts = [objective.counts(b) for b in singles]
-    totals = (float(sum(c[0] for c in counts)), float(sum(c[1] for c in counts)))
+    totals = {name: float(sum(c[name] for c in counts)) for name in counts[0]}
     accumulated = 0.0
     for e, (single, s_seed) in enumerate(zip(singles, seeds)):
         s_sample = objective.sample(single, [s_seed])

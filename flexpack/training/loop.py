@@ -7,8 +7,9 @@ Order of one optimizer step (nanoGPT's): lr → checkpoint → micro-steps → c
   forward options), made once and read by the step, meter, profiler and validation. The sampler is
   sharded by rank and resumes mid-epoch.
 - Accumulation: ``optim.accum_steps`` micro-batches per step, each back-propagating
-  ``FlowLoss.accumulation_loss(totals)`` with ``totals`` = Σ ``loss_counts`` over the step's
-  micro-batches of all ranks, so a step equals one batch of all its episodes.
+  ``FlowLoss.accumulation_loss(totals)`` with ``totals`` = Σ of the objective's counts over the step's
+  micro-batches of all ranks, so a step equals one batch of all its episodes. Every loss part the
+  objective names is logged under its name (:func:`~flexpack.training.step.part_names`).
 - Noise is drawn per episode from ``(runtime.seed, step, episode index)`` (:mod:`flexpack.flow.noise`):
   how episodes are batched never changes their x_t, and a resumed run draws what it would have.
 - Multi-GPU: under ``torchrun`` with several ranks the model is FSDP2-sharded
@@ -57,7 +58,12 @@ from flexpack.training.observe.console import Console
 from flexpack.training.observe.metrics import StepMeter
 from flexpack.training.observe.profiling import StepProfiler
 from flexpack.training.optim import build_optimizer
-from flexpack.training.step import accumulate, episode_sources, train_step  # noqa: F401  (accumulate: public too)
+from flexpack.training.step import (  # noqa: F401  (accumulate: public too)
+    accumulate,
+    episode_sources,
+    part_names,
+    train_step,
+)
 from flexpack.training.validation import make_validator
 
 
@@ -210,7 +216,7 @@ def _train(cfg: TrainConfig, found: Path | None, stop: faults.GracefulStop, stop
             if step % cfg.log.every == 0 or step == end or nonfinite:
                 guard.flush()
                 rec = _log(step, lr, sums, norm, batches, tpf, meter, extra={"skipped": True} if nonfinite else None,
-                           sources=sources)
+                           sources=sources, names=part_names(run.objective, batches[0]))
                 result.losses.append(rec["loss"])
                 result.metrics.append(rec)
                 sinks.log(rec)
@@ -280,24 +286,27 @@ def _prepare_run(run: Path, cfg: TrainConfig, start: int, size: int, old_world: 
 
 
 def _log(step: int, lr: float, sums: torch.Tensor, norm: torch.Tensor, batches: Sequence[Batch], tpf: int,
-         meter: StepMeter, extra: dict[str, Any] | None = None, sources: Sequence[str] = ()) -> dict[str, Any]:
-    """Global loss parts, LR, grad norm, waste of this step, and the throughput of the steps since
+         meter: StepMeter, extra: dict[str, Any] | None = None, sources: Sequence[str] = (),
+         names: Sequence[str] = ("loss", "latent_loss", "action_loss")) -> dict[str, Any]:
+    """Global loss and loss parts (``names``: :func:`~flexpack.training.step.part_names`, whatever the
+    objective gives), LR, grad norm, waste of this step, and the throughput of the steps since
     the last log (tokens/s, step time, peak memory, MFU); per source of a bundle or mixture
     (``sources``), its loss parts over its own frames and its tokens (``dataset/<name>/...``). One of the
     few points where the host waits for the GPU."""
     valid = sum(int(b.layout.episode_frames.sum()) for b in batches) * tpf
     computed = sum(b.layout.frame_doc.numel() for b in batches) * tpf
     sums = sums.float().cpu()
-    stats = torch.cat([sums[:3], torch.tensor([valid, computed], dtype=torch.float32), sums[3:]])
+    P = len(names)
+    stats = torch.cat([sums[:P], torch.tensor([valid, computed], dtype=torch.float32), sums[P:]])
     if world()[1] > 1:
         dist.all_reduce(stats)
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a DTensor under FSDP
     per: dict[str, float] = {}
     for k, name in enumerate(sources):
-        lat, act, frames = (float(x) for x in stats[5 + 3 * k: 8 + 3 * k])
+        lat, act, frames = (float(x) for x in stats[P + 2 + 3 * k: P + 5 + 3 * k])
         if frames:
             per.update({f"dataset/{name}/latent_loss": lat / frames, f"dataset/{name}/action_loss": act / frames})
         per[f"dataset/{name}/tokens"] = frames * tpf
-    return {"step": step, "loss": float(stats[0]), "latent_loss": float(stats[1]), "action_loss": float(stats[2]),
-            "lr": lr, "grad_norm": float(norm), "waste": 1.0 - float(stats[3]) / float(stats[4]), **per,
-            **meter.read(), **(extra or {})}
+    parts = {name: float(stats[i]) for i, name in enumerate(names)}
+    return {"step": step, **parts, "lr": lr, "grad_norm": float(norm),
+            "waste": 1.0 - float(stats[P]) / float(stats[P + 1]), **per, **meter.read(), **(extra or {})}

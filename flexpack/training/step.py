@@ -11,6 +11,11 @@ host copy (:mod:`flexpack.packing.transfer`), noise is drawn on the device
 (:mod:`flexpack.flow.noise`), loss parts and the gradient norm stay device tensors until the
 caller logs them, so the host can queue the next step while the GPU runs this one
 (``tests/test_step_syncs_gpu.py`` checks it on CUDA, ``tests/test_loop_syncs.py`` on CPU).
+
+Loss parts are the objective's, by name: whatever ``objective.counts`` names (and the loss's ``parts()``
+gives) is accumulated, after the loss itself, in one device tensor; :func:`part_names` says which value
+is which (``("loss", *counts)``), so the loop's metrics row, validation and the trackers log every part
+without a list of names here.
 """
 
 from __future__ import annotations
@@ -29,18 +34,27 @@ from flexpack.run.root import Run
 from flexpack.training.observe.profiling import NO_PROFILER, StepProfiler
 
 
+def part_names(objective: Any, batch: Batch) -> tuple[str, ...]:
+    """The names of :func:`accumulate`'s values (before the per-source ones): ``"loss"``, then the parts the
+    objective counts in a (host) ``batch``, in its order (``latent_loss``, ``action_loss``, any extra)."""
+    return ("loss", *objective.counts(batch))
+
+
 def accumulate(model: nn.Module, batches: Sequence[Batch], run: Run, *, step: int,
                prof: StepProfiler = NO_PROFILER) -> torch.Tensor:
     """Forward + backward one optimizer step's micro-batches (on the host, before ``.to(device)``);
-    returns this rank's (loss, latent, action) shares as a device tensor, detached (summed over
-    ranks they are the step's loss and its parts)."""
+    returns this rank's shares of the loss and of each part (:func:`part_names`: loss, latent, action, any
+    part the objective adds) as a device tensor, detached (summed over ranks they are the step's loss and its
+    parts), then the per-source sums where the dataset has several sources."""
     cfg, device, size, forward, objective = run.config, run.device, run.world_size, run.forward, run.objective
-    counts = torch.stack([torch.stack(objective.counts(b)).float().cpu() for b in batches]).sum(0)
+    per_batch = [objective.counts(b) for b in batches]
+    names = list(per_batch[0])
+    counts = torch.stack([torch.stack([c[n] for n in names]).float().cpu() for c in per_batch]).sum(0)
     if size > 1:
         dist.all_reduce(counts)  # the objective is over every rank's episodes
-    totals = (float(counts[0]), float(counts[1]))
+    totals = {n: float(counts[i]) for i, n in enumerate(names)}
     sharded = is_sharded(model)
-    out = torch.zeros(3, device=device)
+    out = torch.zeros(1 + len(names), device=device)
     sources = episode_sources(run.dataset)
     by_source = torch.zeros(len(sources[0]) if sources else 0, 3, device=device)  # latent sum, action sum, frames
     for i, batch in enumerate(batches):
@@ -59,7 +73,11 @@ def accumulate(model: nn.Module, batches: Sequence[Batch], run: Run, *, step: in
         prof.phase("backward")
         (share * size).backward()  # FSDP averages gradients over ranks; the objective sums them
         prof.phase(None)
-        parts = [fl.latent_sum / max(totals[0], 1.0), fl.action_sum / max(totals[1], 1.0)]
+        named = fl.parts()
+        if set(named) != set(names):
+            raise ValueError(f"the objective's loss parts {sorted(named)} differ from the parts it counts "
+                             f"{sorted(names)}: counts() and loss() must name the same parts")
+        parts = [named[n].sum / max(totals[n], 1.0) for n in names]
         out += torch.stack([share.detach(), *(p.detach() for p in parts)]).float()
         if slot_source is not None:
             pin = device.type == "cuda"  # a copy from pageable memory would wait for the GPU

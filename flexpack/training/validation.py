@@ -7,9 +7,10 @@ dataset's episode list and the config, so every rank (and every rerun) holds out
 without communicating, and adding episodes to a dataset moves few of them.
 
 Loss. Every ``validation.every`` steps :class:`Validator` runs the model without gradients over
-every held-out item once and logs ``val_loss``, ``val_latent_loss`` and ``val_action_loss`` (the
-training objective, the run's: sums over all items divided by all counts, so the result does not depend on
-batching or rank count) to ``metrics.jsonl``. σ and noise are drawn per item from
+every held-out item once and logs ``val_loss`` and ``val_<part>`` for every loss part the objective gives
+(``val_latent_loss``, ``val_action_loss``, any part it adds; the training objective, the run's: sums over all
+items divided by all counts, so the result does not depend on batching or rank count; ``val_loss`` weights
+the parts as the loss does) to ``metrics.jsonl``. σ and noise are drawn per item from
 ``(VAL_TAG, episode, segment)`` alone — not from the step or the run seed — so the numbers are
 comparable across steps and across runs. The held-out episodes have their own plan
 (the training :class:`~flexpack.run.root.Run` over them: its frame budget packs them, its forward
@@ -79,7 +80,9 @@ class Validator:
     def evaluate(self, model: nn.Module) -> dict[str, float]:
         run = self.run
         ds = run.dataset
-        sums = torch.zeros(4, dtype=torch.float64)  # latent sum, action sum, latent count, action count
+        names: list[str] = []  # the loss parts, by name, in the objective's order
+        weights: dict[str, float | None] = {}
+        sums = torch.zeros(0, 2, dtype=torch.float64)  # per part: sum, count
         for j in range(self.rounds):
             real = j < len(self.batches)
             batch = run.collate([ds[i] for i in (self.batches[j] if real else self.filler)])
@@ -88,15 +91,20 @@ class Validator:
             sample = run.objective.sample(batch, seeds)
             with run.autocast():  # as in training
                 pred = self.forward(model, sample)
-            fl = run.objective.loss(pred, sample, batch)
+            parts = run.objective.loss(pred, sample, batch).parts()
+            if not names:
+                names, weights = list(parts), {n: p.weight for n, p in parts.items()}
+                sums = torch.zeros(len(names), 2, dtype=torch.float64)
             if real:
-                sums += torch.stack([fl.latent_sum, fl.action_sum, fl.latent_count, fl.action_count]).double().cpu()
+                sums += torch.stack([torch.stack([parts[n].sum, parts[n].count]) for n in names]).double().cpu()
         if run.world_size > 1:
             dist.all_reduce(sums)
-        lat, act = float(sums[0] / sums[2].clamp(min=1)), float(sums[1] / sums[3].clamp(min=1))
-        o = run.objective
-        return {"val_loss": o.latent_weight * lat + o.action_weight * act, "val_latent_loss": lat,
-                "val_action_loss": act}
+        means = {n: float(sums[i, 0] / sums[i, 1].clamp(min=1)) for i, n in enumerate(names)}
+        loss = 0.0
+        for n, w in weights.items():
+            if w is not None:
+                loss += w * means[n]
+        return {"val_loss": loss, **{f"val_{n}": m for n, m in means.items()}}
 
     def after_step(self, model: nn.Module, step: int, *, ema: Any = None) -> HookReport | None:
         """Every ``validation.every`` steps: evaluate (collective) and report the losses."""
