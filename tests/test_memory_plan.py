@@ -41,7 +41,7 @@ def test_sharding_divides_weights_and_states_by_the_ranks():
 
 @pytest.mark.parametrize("budget", [130, 80, 48])
 def test_the_5b_plans_fit_and_smaller_budgets_give_up_speed(budget):
-    cfg = lingbot_cfg("parallel.float8=tensorwise")
+    cfg = lingbot_cfg("parallel.float8=tensorwise", "optim.grad_clip=0.0")  # the optimizer may leave the GPU
     p = mp.plan(cfg, FIVE_B, budget, cuda=True, host_available=120)
     assert p.best.gpu_gb <= budget
     bigger = mp.plan(cfg, FIVE_B, budget + 50, cuda=True, host_available=120)
@@ -61,8 +61,20 @@ def test_a_lever_set_in_the_config_is_kept():
 def test_offload_is_never_planned_on_cpu_nor_gradients_offloaded_under_accumulation():
     cfg = lingbot_cfg()
     assert {c.offload for c in mp.choices(cfg, 30, cuda=False)} == {"none"}
-    acc = lingbot_cfg("optim.accum_steps=4")
-    assert "optimizer+gradients" not in {c.offload for c in mp.choices(acc, 30, cuda=True)}
+    free = lingbot_cfg("optim.grad_clip=0.0")
+    assert {c.offload for c in mp.choices(free, 30, cuda=True)} == {"none", "optimizer", "optimizer+gradients"}
+    acc = lingbot_cfg("optim.accum_steps=4", "optim.grad_clip=0.0")
+    assert {c.offload for c in mp.choices(acc, 30, cuda=True)} == {"none", "optimizer"}
+
+
+def test_offload_is_planned_only_where_it_runs_one_gpu_without_clipping():
+    clipped = lingbot_cfg("optim.grad_clip=1.0")
+    assert {c.offload for c in mp.choices(clipped, 30, cuda=True)} == {"none"}
+    with pytest.raises(mp.BudgetError) as e:  # only offload reaches 48 GB: the error says clipping stands in the way
+        mp.plan(clipped, FIVE_B, 48, cuda=True, host_available=500)
+    assert "with optim.grad_clip = 0 (now 1) the optimizer can go to the host" in str(e.value), e.value
+    free = lingbot_cfg("optim.grad_clip=0.0")
+    assert {c.offload for c in mp.choices(free, 30, cuda=True, world_size=2)} == {"none"}
 
 
 def test_a_budget_nothing_reaches_is_one_line_naming_the_least():
@@ -73,7 +85,7 @@ def test_a_budget_nothing_reaches_is_one_line_naming_the_least():
 
 
 def test_the_host_memory_bounds_offload():
-    cfg = lingbot_cfg()
+    cfg = lingbot_cfg("optim.grad_clip=0.0")
     roomy = mp.plan(cfg, FIVE_B, 48, cuda=True, host_available=500)
     with pytest.raises(mp.BudgetError):
         mp.plan(cfg, FIVE_B, 30, cuda=True, host_available=8)
@@ -100,16 +112,17 @@ def test_train_prints_the_plan_and_refuses_an_unreachable_budget_before_any_weig
     assert "budget 8 GB: bf16, no checkpointing, AdamW: est. " in text
 
 
-def test_lora_trains_a_few_parameters_and_lower_token_budgets_fit_24_gb():
+def test_lora_trains_a_few_parameters_and_fits_24_gb_lower_budgets_need_fewer_tokens():
     lora = replace(FIVE_B, trained=80_000_000, frozen_bytes=2)  # rank 32 on the 5B's attention and FFN linears
     cfg = lingbot_cfg("parallel.float8=tensorwise", "lora.rank=32", "runtime.dtype=bfloat16")
     full = mp.estimate(FIVE_B, mp.Choice(30, "float32", "none"))
     small = mp.estimate(lora, mp.Choice(30, "float32", "none"))
     assert small.parts["weights"] == pytest.approx((2 * 5.0089 + 4 * 0.08), rel=2e-2)
     assert small.parts["optimizer"] < 1 and small.gpu_gb < full.gpu_gb - 60
+    assert mp.plan(cfg, lora, 24, cuda=True).best.gpu_gb <= 24
     with pytest.raises(mp.BudgetError, match="lower data.max_tokens"):
-        mp.plan(cfg, lora, 24, cuda=True)
-    assert mp.plan(cfg, replace(lora, tokens=16_384), 24, cuda=True).best.gpu_gb <= 24
+        mp.plan(cfg, lora, 16, cuda=True)
+    assert mp.plan(cfg, replace(lora, tokens=16_384), 16, cuda=True).best.gpu_gb <= 16
 
 
 def test_fewer_state_bits_only_when_they_buy_speed():

@@ -39,7 +39,11 @@ GB = 1e9
 
 @dataclass(frozen=True)
 class Costs:
-    """Per-token activation bytes and optimizer costs (the H200 figures of ``memory_budget.py --calibrate``).
+    """Per-token activation bytes and optimizer costs. Activations and the margin are fitted to the H200's peaks
+    of the 30-block 5B step at 65 536 tokens (``benchmarks/results/train_step_30l_ac_h200.json``: 94.4 GB with
+    every block checkpointed, 126.4 GB with 24; the estimate gives 94.4 and 126.7), ``recompute`` to its step times
+    (24 blocks 4.9 % faster than 30); the optimizer's update times are estimates until
+    ``benchmarks/memory_budget.py --stage calibrate`` measures them.
 
     ``kept_per_dim``: bytes per token and model dimension a checkpointed block keeps (its input);
     ``block_per_dim`` / ``block_per_ffn``: bytes per token, per model dimension and per FFN dimension, a block
@@ -48,8 +52,8 @@ class Costs:
     ``update_s_per_gparam``: seconds per 10⁹ trained parameters of the update, per states and offload;
     ``fixed_gb``: allocator margin and buffers outside the blocks; ``margin``: multiplicative slack."""
 
-    kept_per_dim: float = 2.0
-    block_per_dim: float = 12.0
+    kept_per_dim: float = 0.7
+    block_per_dim: float = 17.7
     block_per_ffn: float = 3.0
     float8_share: float = 0.85
     recompute: float = 0.25
@@ -57,7 +61,7 @@ class Costs:
         ("float32", 0.004), ("8bit", 0.012), ("4bit", 0.016),
         ("optimizer", 0.45), ("optimizer+gradients", 0.5))
     fixed_gb: float = 1.5
-    margin: float = 1.06
+    margin: float = 1.02
     # fewer bits in AdamW's states only where the step gets this much faster (their updates are coarser)
     states_preference: tuple[tuple[str, float], ...] = (("float32", 0.0), ("8bit", 0.01), ("4bit", 0.03))
 
@@ -141,8 +145,9 @@ def estimate(shape: Shape, choice: Choice, costs: Costs = COSTS) -> Estimate:
     return Estimate(choice, gpu, host_opt * s.trained / n / GB, step, parts)
 
 
-def choices(cfg: TrainConfig, layers: int, cuda: bool) -> list[Choice]:
-    """Every combination the planner may pick: the levers the config leaves at their defaults vary."""
+def choices(cfg: TrainConfig, layers: int, cuda: bool, world_size: int = 1) -> list[Choice]:
+    """Every combination the planner may pick: the levers the config leaves at their defaults vary. The
+    optimizer goes to the host only where torchao's CPUOffloadOptimizer runs: one CUDA GPU, no clipping."""
     ac = cfg.parallel.activation_checkpointing
     if ac is False:
         blocks = range(layers + 1)
@@ -155,7 +160,7 @@ def choices(cfg: TrainConfig, layers: int, cuda: bool) -> list[Choice]:
     states = STATES if _states(cfg) == "float32" else (_states(cfg),)
     if _offload(cfg) != "none":
         offloads: tuple[str, ...] = (_offload(cfg),)
-    elif not cuda:
+    elif not cuda or world_size > 1 or cfg.optim.grad_clip > 0:
         offloads = ("none",)
     else:
         offloads = OFFLOADS if cfg.optim.accum_steps == 1 else OFFLOADS[:2]
@@ -258,7 +263,7 @@ def plan(cfg: TrainConfig, shape: Shape, budget: float, *, cuda: bool, host_avai
          costs: Costs = COSTS) -> Plan:
     """The fastest :class:`Choice` whose estimate fits ``budget`` GB (and the host's memory), with ``cfg``
     set to it; :class:`BudgetError` naming the least any choice needs when none fits."""
-    options = [estimate(shape, c, costs) for c in choices(cfg, shape.layers, cuda)]
+    options = [estimate(shape, c, costs) for c in choices(cfg, shape.layers, cuda, shape.world_size)]
     host_ok = [e for e in options if host_available is None or e.host_gb <= 0.9 * host_available]
     fits = [e for e in host_ok if e.gpu_gb <= budget]
     if not fits:
@@ -267,9 +272,24 @@ def plan(cfg: TrainConfig, shape: Shape, budget: float, *, cuda: bool, host_avai
         raise BudgetError(
             f"memory.budget_gb = {budget:g}: no combination of checkpointing, optimizer states and offload fits; "
             f"the least is {least.gpu_gb:.0f} GB ({describe(least.choice, shape.layers)}) for data.max_tokens = "
-            f"{cfg.data.max_tokens}: raise the budget or lower data.max_tokens{hint}")
+            f"{cfg.data.max_tokens}: raise the budget or lower data.max_tokens{hint}"
+            f"{_unclipped_hint(cfg, shape, budget, cuda, host_available, costs)}")
     best = min(fits, key=lambda e: (e.step_s * (1 + costs.states_penalty(e.choice.states)), e.gpu_gb))
     return Plan(budget, best, configured(cfg, best.choice, shape.layers))
+
+
+def _unclipped_hint(cfg: TrainConfig, shape: Shape, budget: float, cuda: bool, host_available: float | None,
+                    costs: Costs) -> str:
+    """What the optimizer on the host would reach were clipping off (it cannot clip), where that is the way."""
+    if not cuda or shape.world_size > 1 or cfg.optim.grad_clip <= 0 or _offload(cfg) != "none":
+        return ""
+    unclipped = replace(cfg, optim=replace(cfg.optim, grad_clip=0.0))
+    try:
+        p = plan(unclipped, shape, budget, cuda=cuda, host_available=host_available, costs=costs)
+    except BudgetError:
+        return ""
+    return (f"; with optim.grad_clip = 0 (now {cfg.optim.grad_clip:g}) the optimizer can go to the host: "
+            f"{describe(p.best.choice, shape.layers)}, est. {p.best.gpu_gb:.0f} GB")
 
 
 def describe(choice: Choice, layers: int) -> str:
