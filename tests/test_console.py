@@ -42,6 +42,9 @@ def test_format_line_holds_every_number():
     line = format_line(REC, total=300, val=(20, 0.441), eta_s=185)
     assert line == ("step 30/300  loss 0.4123  val 0.4410 (step 20)  grad 1.21  lr 2.95e-03  tok/s 1.23k  mfu 0.41  "
                     "mem 12.3 GB  eta 3m05s")
+    named = format_line({**REC, "latent_loss": 0.3, "action_loss": 0.11234, "smooth": 2.0}, total=300,
+                        loss_parts=("latent_loss", "action_loss", "smooth"))
+    assert named.startswith("step 30/300  loss 0.4123 (latent 0.3000, action 0.1123, smooth 2.0000)  grad 1.21"), named
     bare = format_line({k: v for k, v in REC.items() if k != "mfu"}, total=300, val=(30, 0.5))
     assert bare == "step 30/300  loss 0.4123  val 0.5000  grad 1.21  lr 2.95e-03  tok/s 1.23k  mem 12.3 GB"
 

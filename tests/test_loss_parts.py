@@ -52,7 +52,7 @@ def speed_family():
     registry._FAMILIES.pop(FAMILY)
 
 
-def test_an_extra_loss_part_is_logged_in_training_and_validation(speed_family, tiny_dataset, tmp_path):
+def test_an_extra_loss_part_is_logged_in_training_and_validation(speed_family, tiny_dataset, tmp_path, capsys):
     cfg = tiny_config(tiny_dataset, tmp_path / "a", f"model.family='{FAMILY}'", "schedule.steps=4",
                       "data.val_episodes=[1, 4]", "validation.every=2")
     run = build_run(cfg)
@@ -73,7 +73,10 @@ def test_an_extra_loss_part_is_logged_in_training_and_validation(speed_family, t
     want = torch.where(valid, pred.video.float().square(), 0.0).sum() / run.objective.counts(batch)["speed"]
     assert float(sums[3]) == pytest.approx(float(want), rel=1e-5) and float(sums[3]) > 0
 
+    capsys.readouterr()
     train(cfg)
+    last = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step 4/4")]
+    assert last and " (latent " in last[0] and ", speed " in last[0], last  # the progress line names the parts
     recs = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in recs if "grad_norm" in r]
     val = [r for r in recs if "val_loss" in r]

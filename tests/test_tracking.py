@@ -163,22 +163,22 @@ def test_real_wandb_offline_resume_continues_the_stored_run(tmp_path, monkeypatc
 def test_plot_pairs_each_loss_with_its_validation_and_draws_held_out_samples_against_the_baselines(tmp_path):
     from flexpack.training.observe.plot import metrics_figure
 
-    records = [{"step": s, "loss": 2.0 / s, "latent_loss": 1.5 / s, "action_loss": 0.5 / s, "lr": 1e-3,
+    records = [{"step": s, "loss": 2.0 / s, "latent_loss": 1.5 / s, "action_loss": 0.5 / s, "smooth": 0.1, "lr": 1e-3,
                 "grad_norm": 1.0, "tokens_per_s": 100.0} for s in range(1, 11)]
     for r in records[4::5]:
         r.update({"val_loss": r["loss"] * 1.1, "val_latent_loss": r["latent_loss"] * 1.1,
-                  "val_action_loss": r["action_loss"] * 1.1})
+                  "val_action_loss": r["action_loss"] * 1.1, "val_smooth": 0.2})
         for w, v in (("action", 0.1), ("latent", 0.02)):
             r.update({f"sample/{w}_mse": v, f"sample/{w}_mse_kmean": v / 2, f"sample/last/{w}_mse": 1.0,
                       f"sample/mean/{w}_mse": 0.5})
     fig = metrics_figure(records, "run")
     by_label = {ln.get_label(): ln for ax in fig.axes for ln in ax.get_lines()}
     for train_key, val_key in (("loss", "val_loss"), ("latent_loss", "val_latent_loss"),
-                               ("action_loss", "val_action_loss")):
+                               ("action_loss", "val_action_loss"), ("smooth", "val_smooth")):  # a part by its name
         train, val = by_label[f"{train_key} (train)"], by_label[f"{train_key} (validation)"]
         assert train.get_color() == val.get_color() and val.get_linestyle() == "--"
         assert list(val.get_xdata()) == [5, 10]
-    assert len({by_label[f"{k} (train)"].get_color() for k in ("loss", "latent_loss", "action_loss")}) == 3
+    assert len({by_label[f"{k} (train)"].get_color() for k in ("loss", "latent_loss", "action_loss", "smooth")}) == 4
     panels = {ax.get_ylabel(): ax for ax in fig.axes}
     for w in ("action", "latent"):
         lines = {ln.get_label(): ln for ln in panels[f"held-out {w} MSE"].get_lines()}

@@ -215,12 +215,13 @@ def _train(cfg: TrainConfig, found: Path | None, stop: faults.GracefulStop, stop
             result.episodes += [b.layout.episode_index.tolist() for b in batches]
             if step % cfg.log.every == 0 or step == end or nonfinite:
                 guard.flush()
+                names = part_names(run.objective, batches[0])
                 rec = _log(step, lr, sums, norm, batches, tpf, meter, extra={"skipped": True} if nonfinite else None,
-                           sources=sources, names=part_names(run.objective, batches[0]))
+                           sources=sources, names=names)
                 result.losses.append(rec["loss"])
                 result.metrics.append(rec)
                 sinks.log(rec)
-                console.row(rec)
+                console.row(rec, loss_parts=names[1:])
             for hook in after:
                 if (report := hook.after_step(model, step, ema=ema)) is not None:
                     sinks.log(report.row)

@@ -11,8 +11,9 @@ a file, a pipe or a cluster's job log keeps readable.
 The last step of a run and a skipped non-finite step always get a line. Lines go to stdout, flushed at
 once (a job log shows them as they happen); ``metrics.jsonl`` holds the same numbers and more. A line::
 
-    step 30/300  loss 0.4123  val 0.4410  grad 1.21  lr 2.95e-03  tok/s 1.23k  mfu 0.41  mem 12.3 GB  eta 3m05s
+    step 30/300  loss 0.4123 (latent 0.3911, action 0.0212)  val 0.4410  grad 1.21  lr 2.95e-03  tok/s 1.23k  eta 3m05s
 
+after the loss, each part the objective returns, by name (``latent_loss`` as ``latent``);
 ``val`` is the newest validation loss (``validation.every``), marked with its step when it is older than
 the line; ``mfu`` appears where a bf16 peak is known (CUDA, or ``profile.peak_tflops``); ``mem`` is the
 peak memory of the window (the GPU's, else the process's resident set).
@@ -23,7 +24,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from typing import IO, Any
+from typing import IO, Any, Sequence
 
 from tqdm import tqdm
 
@@ -50,10 +51,12 @@ def _duration(seconds: float) -> str:
 
 
 def format_line(rec: dict[str, Any], *, total: int, val: tuple[int, float] | None = None,
-                eta_s: float | None = None) -> str:
-    """One plain log line of a training row of ``metrics.jsonl`` (see the module doc)."""
+                eta_s: float | None = None, loss_parts: Sequence[str] = ()) -> str:
+    """One plain log line of a training row of ``metrics.jsonl`` (see the module doc); ``loss_parts``: the
+    objective's part names, each shown after the loss (``latent_loss`` as ``latent``)."""
     step = int(rec["step"])
-    parts = [f"step {step}/{total}", f"loss {rec['loss']:.4f}"]
+    shown = [f"{name.removesuffix('_loss')} {rec[name]:.4f}" for name in loss_parts if name in rec]
+    parts = [f"step {step}/{total}", f"loss {rec['loss']:.4f}" + (f" ({', '.join(shown)})" if shown else "")]
     if val is not None:
         parts.append(f"val {val[1]:.4f}" + ("" if val[0] == step else f" (step {val[0]})"))
     parts += [f"grad {rec['grad_norm']:.3g}", f"lr {rec['lr']:.2e}", f"tok/s {_count(rec['tokens_per_s'])}"]
@@ -84,11 +87,15 @@ class Console:
         self.t0 = time.perf_counter()
         self.pending: dict[str, Any] | None = None  # the step's training row, printed at end_step
         self.val: tuple[int, float] | None = None
+        self.loss_parts: tuple[str, ...] = ()
 
     def update(self) -> None:
         self.bar.update(1)
 
-    def row(self, rec: dict[str, Any]) -> None:
+    def row(self, rec: dict[str, Any], loss_parts: Sequence[str] = ()) -> None:
+        """A row logged; ``loss_parts``: the names of the loss parts a training row holds (shown by name)."""
+        if loss_parts:
+            self.loss_parts = tuple(loss_parts)
         if "val_loss" in rec:
             self.val = (int(rec["step"]), float(rec["val_loss"]))
         elif "loss" in rec and "grad_norm" in rec:  # a training row
@@ -103,7 +110,7 @@ class Console:
             return
         done = step - self.start
         eta = (time.perf_counter() - self.t0) / done * (self.end - step) if done > 0 else None
-        line = format_line(rec, total=self.total, val=self.val, eta_s=eta)
+        line = format_line(rec, total=self.total, val=self.val, eta_s=eta, loss_parts=self.loss_parts)
         if self.bar.disable:
             print(line, file=self.out, flush=True)
         else:

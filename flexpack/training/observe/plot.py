@@ -2,7 +2,8 @@
 norm from ``RUN/metrics.jsonl``.
 
 Losses: each training loss and its validation loss (``loss`` / ``val_loss``, ``latent_loss`` /
-``val_latent_loss``, ``action_loss`` / ``val_action_loss``) share a colour, training solid,
+``val_latent_loss``, ``action_loss`` / ``val_action_loss``, and any part ``x`` an objective logs with its ``val_x``)
+share a colour, training solid,
 validation dashed with markers. Where the run sampled held-out episodes (``sample.every``)
 one panel per stream shows the model's held-out MSE (one sample, and the mean of the samples)
 against the ``last`` and ``mean`` baselines over the steps. Keys a record lacks are left out of
@@ -27,6 +28,16 @@ SAMPLE_LINES = (("sample/{}_mse", "model (1 sample)", dict(color="tab:red", lw=1
                 ("sample/{}_mse_kmean", "model (mean of samples)", dict(color="darkred", lw=1.0, ls="--")),
                 ("sample/last/{}_mse", "baseline: last", dict(color="tab:blue", lw=0.9, ls=":")),
                 ("sample/mean/{}_mse", "baseline: mean", dict(color="tab:green", lw=0.9, ls=":")))
+
+
+def loss_pairs(records: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
+    """:data:`LOSS_PAIRS`, then every other loss part the records hold by name: a key ``x`` whose validation
+    twin ``val_x`` some record holds (an objective's own parts), each in a colour of its own."""
+    keys = {k for r in records for k in r}
+    known = {t for t, _, _ in LOSS_PAIRS}
+    extra = sorted(k[4:] for k in keys if k.startswith("val_") and k[4:] not in known and k[4:] in keys)
+    colours = ("tab:green", "tab:brown", "tab:pink", "tab:olive", "tab:cyan", "tab:gray")
+    return [*LOSS_PAIRS, *((k, f"val_{k}", colours[i % len(colours)]) for i, k in enumerate(extra))]
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
@@ -76,7 +87,7 @@ def metrics_figure(records: list[dict[str, Any]], title: str = ""):
     axes = fig.subplots(n, 1, sharex=True, squeeze=False)[:, 0]
     ax_loss, ax_tok, ax_lr = axes[0], axes[-2], axes[-1]
     shown: list[float] = []
-    for train_key, val_key, color in LOSS_PAIRS:
+    for train_key, val_key, color in loss_pairs(records):
         for key, how in ((train_key, dict(lw=1.0)), (val_key, dict(ls="--", marker="o", markersize=3, lw=1.2))):
             x, y = _series(records, key)
             if x:
