@@ -50,7 +50,8 @@ class Costs:
     keeps when not checkpointed (bf16 autocast; float8 matmuls keep ``float8_share`` of it);
     ``recompute``: the share of a step one more forward of every block adds;
     ``update_s_per_gparam``: seconds per 10⁹ trained parameters of the update, per states and offload;
-    ``fixed_gb``: allocator margin and buffers outside the blocks; ``margin``: multiplicative slack."""
+    ``fixed_gb``: allocator margin and buffers outside the blocks; ``margin``: multiplicative slack; ``headroom``:
+    the share of a budget a plan leaves free."""
 
     kept_per_dim: float = 0.7
     block_per_dim: float = 17.7
@@ -62,6 +63,7 @@ class Costs:
         ("optimizer", 0.45), ("optimizer+gradients", 0.5))
     fixed_gb: float = 1.5
     margin: float = 1.02
+    headroom: float = 0.03  # a plan leaves this share of the budget free (the estimate's error, fragmentation)
     # fewer bits in AdamW's states only where the step gets this much faster (their updates are coarser)
     states_preference: tuple[tuple[str, float], ...] = (("float32", 0.0), ("8bit", 0.01), ("4bit", 0.03))
 
@@ -265,7 +267,7 @@ def plan(cfg: TrainConfig, shape: Shape, budget: float, *, cuda: bool, host_avai
     set to it; :class:`BudgetError` naming the least any choice needs when none fits."""
     options = [estimate(shape, c, costs) for c in choices(cfg, shape.layers, cuda, shape.world_size)]
     host_ok = [e for e in options if host_available is None or e.host_gb <= 0.9 * host_available]
-    fits = [e for e in host_ok if e.gpu_gb <= budget]
+    fits = [e for e in host_ok if e.gpu_gb <= budget * (1 - costs.headroom)]
     if not fits:
         least = min(host_ok or options, key=lambda e: e.gpu_gb)
         hint = "" if getattr(getattr(cfg, "lora", None), "rank", 0) else "; LoRA (lora.rank) trains far fewer"
