@@ -84,7 +84,7 @@ def child(spec: dict) -> dict:
         float8.check = lambda mode, dev: None
     if device.type == "cuda" and spec.get("cap_gb"):
         total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, spec["cap_gb"] * 1e9 / total), device)
+        torch.cuda.set_per_process_memory_fraction(min(1.0, spec["cap_gb"] * 1e9 / total), device.index or 0)
     checkpoint.Checkpointer.save = lambda self, *a, **k: None  # the steps are measured, not the weights
     cfg = from_dict(TrainConfig, merge(base_config(spec), spec.get("set", {})))
     C, H, W, L, Dt = (48, 2, 4, 6, 64) if smoke else (48, 8, 16, 512, 4096)
@@ -198,7 +198,8 @@ def fit(runs: dict[str, dict]) -> dict:
         r = runs.get(name, {})
         if not r.get("peak_mem_gb"):
             return None
-        return r["peak_mem_gb"] - r["est_parts"]["weights"] - r["est_parts"]["optimizer"]
+        parts = r["est_parts"]  # the forward's end: what is not the activations (the gradients come later)
+        return r["peak_mem_gb"] - parts["weights"] - parts["optimizer"] - parts.get("casts", 0.0) - parts["fixed"]
 
     out: dict = {}
     sizes = sorted({int(k.split("_")[0][1:]) for k in runs if k.startswith("L")})

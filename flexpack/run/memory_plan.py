@@ -39,22 +39,24 @@ GB = 1e9
 
 @dataclass(frozen=True)
 class Costs:
-    """Per-token activation bytes and optimizer costs. Activations and the margin are fitted to the H200's peaks
-    of the 30-block 5B step at 65 536 tokens (``benchmarks/results/train_step_30l_ac_h200.json``: 94.4 GB with
-    every block checkpointed, 126.4 GB with 24; the estimate gives 94.4 and 126.7), ``recompute`` to its step times
-    (24 blocks 4.9 % faster than 30); the optimizer's update times are estimates until
-    ``benchmarks/memory_budget.py --stage calibrate`` measures them.
+    """Per-token activation bytes and optimizer costs, fitted to the H200's peaks of the 30-block 5B step at 65 536
+    tokens under float8 (LingBot-VA-5B, ``benchmarks/results/memory_budget_h200.json``: 93.2 GB with AdamW and
+    every block checkpointed, 63.7 GB with 8-bit states and 28; over 130 GB with 8-bit states and 19; WanVA-5B,
+    ``train_step_30l_ac_h200.json``: 94.4 GB with 30, 126.4 GB with 24): the estimates give 93.2, 63.4, 138,
+    93.2 and 127.3. ``recompute`` from its step times (24 blocks 4.9 % faster than 30); the optimizer's update
+    times are estimates until ``benchmarks/memory_budget.py --stage calibrate`` measures them.
 
     ``kept_per_dim``: bytes per token and model dimension a checkpointed block keeps (its input);
     ``block_per_dim`` / ``block_per_ffn``: bytes per token, per model dimension and per FFN dimension, a block
     keeps when not checkpointed (bf16 autocast; float8 matmuls keep ``float8_share`` of it);
+    ``cast_bytes``: bytes per float32-stored parameter of its low-precision copies during the step;
     ``recompute``: the share of a step one more forward of every block adds;
     ``update_s_per_gparam``: seconds per 10⁹ trained parameters of the update, per states and offload;
-    ``fixed_gb``: allocator margin and buffers outside the blocks; ``margin``: multiplicative slack; ``headroom``:
-    the share of a budget a plan leaves free."""
+    ``fixed_gb``: buffers outside the blocks; ``margin``: multiplicative slack; ``headroom``: the share of a
+    budget a plan leaves free."""
 
     kept_per_dim: float = 0.7
-    block_per_dim: float = 17.7
+    block_per_dim: float = 35.7
     block_per_ffn: float = 3.0
     float8_share: float = 0.85
     recompute: float = 0.25
@@ -62,8 +64,9 @@ class Costs:
         ("float32", 0.004), ("8bit", 0.012), ("4bit", 0.016),
         ("optimizer", 0.45), ("optimizer+gradients", 0.5))
     fixed_gb: float = 1.5
-    margin: float = 1.02
-    headroom: float = 0.03  # a plan leaves this share of the budget free (the estimate's error, fragmentation)
+    cast_bytes: float = 2.0
+    margin: float = 1.0
+    headroom: float = 0.04
     # fewer bits in AdamW's states only where the step gets this much faster (their updates are coarser)
     states_preference: tuple[tuple[str, float], ...] = (("float32", 0.0), ("8bit", 0.01), ("4bit", 0.03))
 
@@ -112,39 +115,45 @@ class Estimate:
     parts: dict[str, float]
 
 
-def optimizer_bytes(states: str, offload: str) -> tuple[float, float]:
-    """(GPU, host) bytes per trained parameter of gradients and optimizer states (the fp32 weights not counted)."""
+def optimizer_bytes(states: str, offload: str) -> tuple[float, float, float]:
+    """(GPU gradient, GPU state, host) bytes per trained parameter (the fp32 weights on the GPU not counted)."""
     per_state = {"float32": 8.0, "8bit": 2.0 + 2.0 * 4 / 256, "4bit": 1.0 + 2.0 * 4 / 128}[states]
     if offload == "none":
-        return 4.0 + per_state, 0.0
+        return 4.0, per_state, 0.0
     # torchao's CPUOffloadOptimizer: fp32 weights, gradients and states on the host (pinned)
-    host = 4.0 + 4.0 + per_state
-    return (0.0 if offload == "optimizer+gradients" else 4.0), host
+    return (0.0 if offload == "optimizer+gradients" else 4.0), 0.0, 4.0 + 4.0 + per_state
 
 
 def estimate(shape: Shape, choice: Choice, costs: Costs = COSTS) -> Estimate:
-    """The peak GPU memory (GB), host memory (GB) and relative step time of ``choice`` on ``shape``."""
+    """The peak GPU memory (GB), host memory (GB) and relative step time of ``choice`` on ``shape``.
+
+    Two moments bound the peak: the end of the forward (the activations, no gradients yet) and the end of the
+    backward (every gradient, the activations freed); weights, optimizer states and the weights' bf16 casts are
+    there at both."""
     n, s = shape.world_size, shape
-    gpu_opt, host_opt = optimizer_bytes(choice.states, choice.offload)
+    grad_b, state_b, host_b = optimizer_bytes(choice.states, choice.offload)
     frozen = s.params - s.trained
     weights = (4.0 * s.trained + s.frozen_bytes * frozen) / n
-    optim = gpu_opt * s.trained / n
+    casts = costs.cast_bytes * (s.trained + (frozen if s.frozen_bytes == 4 else 0)) / n
     if n > 1:  # FSDP2: one block gathered (bf16) beside the shards, the next prefetched
         weights += 2 * 2.0 * (s.params / max(s.layers, 1)) * (s.act_bytes / 2)
+    states = state_b * s.trained / n
+    grads = grad_b * s.trained / n
     if choice.offload == "optimizer+gradients":  # one block's gradients at a time on their way out
-        optim += 4.0 * s.trained / max(s.layers, 1)
+        grads = 4.0 * s.trained / max(s.layers, 1)
     full = s.tokens * (costs.block_per_dim * s.dim + costs.block_per_ffn * s.ffn_dim) * s.act_bytes / 2
     if s.float8:
         full *= costs.float8_share
     kept = s.tokens * costs.kept_per_dim * s.dim * s.act_bytes / 2
     c = choice.checkpointed
-    acts = c * kept + (s.layers - c) * full + (full if c else 0.0)  # + the block being recomputed
-    parts = {"weights": weights / GB, "optimizer": optim / GB, "activations": acts / GB, "fixed": costs.fixed_gb}
-    gpu = (weights + optim + acts) / GB * costs.margin + costs.fixed_gb
+    acts = c * kept + (s.layers - c) * full
+    parts = {"weights": weights / GB, "optimizer": states / GB, "gradients": grads / GB, "casts": casts / GB,
+             "activations": acts / GB, "fixed": costs.fixed_gb}
+    gpu = (weights + states + casts + max(grads, acts)) / GB * costs.margin + costs.fixed_gb
     compute = 6.0 * s.params * max(s.tokens_per_step, s.tokens) / max(n, 1) / s.flops_per_s
     update_key = choice.states if choice.offload == "none" else choice.offload
     step = compute * (1 + costs.recompute * c / max(s.layers, 1)) + costs.update_s(update_key) * s.trained / GB / n
-    return Estimate(choice, gpu, host_opt * s.trained / n / GB, step, parts)
+    return Estimate(choice, gpu, host_b * s.trained / n / GB, step, parts)
 
 
 def choices(cfg: TrainConfig, layers: int, cuda: bool, world_size: int = 1) -> list[Choice]:
