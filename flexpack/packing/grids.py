@@ -123,6 +123,17 @@ def spatial_tokens(layout: Any, grid_hw: tuple[int, int]) -> tuple[Tensor, Tenso
     return slot, real, hpos, wpos
 
 
+def real_tokens(layout: Any, tokens_per_frame: int, video_tokens: int) -> int:
+    """Tokens of one copy that belong to an episode in a host layout: its frames' tokens less their spatial
+    padding (``video_tokens`` of a full frame, each episode's share of them by its grid's area)."""
+    n = int(layout.episode_frames.sum()) * tokens_per_frame
+    if layout.episode_hw is None or not video_tokens:
+        return n
+    H, W = layout.grid_hw
+    own = (layout.episode_hw[:, 0] * layout.episode_hw[:, 1] * video_tokens) // (H * W)  # (E,) real video tokens
+    return n - int(((video_tokens - own) * layout.episode_frames).sum())
+
+
 def padding_share(lengths: list[int], grids: list[tuple[int, int]], grid_hw: tuple[int, int]) -> float:
     """Share of the latent elements of ``lengths`` (frames of each item, at ``grids``' latent grid) that are
     spatial padding on the run's ``grid_hw``: what items of smaller grids waste."""
