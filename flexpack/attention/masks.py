@@ -91,11 +91,13 @@ def make_mask(
 
 def spatial_bounds(mod: MaskMod, layout: TokenLayout, *, self_attention: bool) -> MaskMod:
     """``mod`` over a layout with spatial padding (:mod:`flexpack.packing.grids`): every frame's padding tokens
-    (``doc = -1``) are one more key segment per (copy, row, frame) on the query side (and the key side of a
-    self-attention mask), and an episode's tokens are no longer a few key ranges, so a self-attention mask loses
-    its ``runs`` bound (the kernels evaluate the mask_mod itself inside partial blocks)."""
+    (``doc = -1``, between its video and action tokens) are one more key segment per (copy, row, frame) on the
+    query side (and the key side of a self-attention mask), and two where a frame's video and action tokens could
+    be one segment before (the padding splits them); an episode's tokens are no longer a few key ranges, so a
+    self-attention mask loses its ``runs`` bound (the kernels evaluate the mask_mod itself inside partial blocks)."""
     cells = 2 * layout.copies * layout.frames.num_rows * layout.frames.frames_per_row
-    mod.segments_per_cell = getattr(mod, "segments_per_cell", 1) + 1  # type: ignore[attr-defined]
+    per_cell = getattr(mod, "segments_per_cell", 1)
+    mod.segments_per_cell = per_cell + (2 if layout.action_tokens and per_cell == 1 else 1)  # type: ignore[attr-defined]
     seg = getattr(mod, "segments", None)
     if seg is not None:
         mod.segments = (seg[0] + cells, seg[1] + (cells if self_attention else 0))  # type: ignore[attr-defined]
