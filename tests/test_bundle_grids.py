@@ -55,18 +55,41 @@ def test_both_grids_share_a_micro_batch_of_the_largest(bundle, tmp_path) -> None
     assert mixed > 0  # some micro-batch holds segments of both grids
 
 
-def test_a_two_grid_bundle_trains_and_verifies(bundle, tmp_path, capsys) -> None:
-    from flexpack.tools.verify import verify_config
+@pytest.fixture(scope="module")
+def trained(bundle, tmp_path_factory) -> tuple[Path, object]:
     from flexpack.training.loop import train
 
-    cfg = config(bundle, tmp_path / "run")
-    result = train(cfg)
+    out = tmp_path_factory.mktemp("grids") / "run"
+    return out, train(config(bundle, out))
+
+
+def test_a_two_grid_bundle_trains_and_verifies(bundle, trained, tmp_path, capsys) -> None:
+    from flexpack.tools.verify import verify_config
+
+    result = trained[1]
     assert len(result.losses) == 2 and all(0 < loss < 100 for loss in result.losses)
     assert all(0 < m["waste"] < 1 for m in result.metrics)
     report = verify_config(config(bundle, tmp_path / "verify"), micro_batches=2)
     print(report.table())
     assert report.ok and report.max_err < 1e-4
     assert {r.episode for r in report.rows} & {3, 4, 5} and {r.episode for r in report.rows} & {0, 1, 2}
+
+
+def test_sampling_packs_both_grids_as_it_samples_each_alone(trained, tmp_path, capsys) -> None:
+    """Held-out pairs of both datasets, sampled in shared packs and in packs of one pair, give the same metrics."""
+    fast = ["--set", "model.overrides.num_inference_steps=2", "--set", "model.overrides.action_num_inference_steps=2",
+            "--horizon", "4", "--plots", "0", "--samples", "1"]
+    got = []
+    for tokens in (800, 200):
+        out = tmp_path / f"s{tokens}"
+        code, err = run_cli(capsys, "sample", str(trained[0]), "--out", str(out), "--set", f"data.max_tokens={tokens}",
+                            *fast)
+        assert code == 0, err
+        got.append(json.loads((out / "metrics.json").read_text()))
+    assert set(got[0]["episodes"]) & {0, 1, 2, 3} and set(got[0]["episodes"]) & {4, 5, 6}  # a's and b's segments
+    assert got[0]["model_calls"] < got[1]["model_calls"]  # the smaller packs did hold fewer pairs
+    for key in ("latent_mse", "action_mse"):
+        assert got[0][key] == pytest.approx(got[1][key], rel=1e-5)
 
 
 def test_stats_reports_the_grid_padding(bundle, capsys) -> None:

@@ -353,14 +353,13 @@ def check_fits_model(dataset: EpisodeDataset, model_cfg: ModelShape, cfg: TrainC
     return H, W
 
 
-def run_grid(dataset: EpisodeDataset, model_cfg: ModelShape, hw: tuple[int, int], cfg: TrainConfig
-             ) -> tuple[int, int] | None:
+def run_grid(dataset: EpisodeDataset, model_cfg: ModelShape, cfg: TrainConfig) -> tuple[int, int] | None:
     """The run's latent grid (H, W) where the dataset's grids differ (``latent_grids``: bundles, mixtures): the
     largest H and W, which every micro-batch takes (smaller grids are padded spatially, :mod:`flexpack.packing.grids`);
-    None where every item has the grid ``hw`` of the first. One line naming a dataset the patch size does not divide."""
+    None where every item has one grid. One line naming a dataset the patch size does not divide."""
     grids = getattr(dataset, "latent_grids", None)
     found = {(h, w) for gs in (grids or {}).values() for _, h, w in gs}
-    if len(found - {tuple(hw)}) == 0:
+    if len(found) < 2:
         return None
     _, ph, pw = model_cfg.patch_size
     for name, gs in grids.items():
@@ -380,7 +379,7 @@ def run_for(dataset: EpisodeDataset, cfg: TrainConfig, *, rank: int = 0, world_s
     family, model_cfg = cfg.model.model_family(), cfg.model.resolved()
     device = resolve_device(cfg.runtime.device) if device is None else device
     hw = check_fits_model(dataset, model_cfg, cfg)
-    grid = run_grid(dataset, model_cfg, hw, cfg)
+    grid = run_grid(dataset, model_cfg, cfg)
     geometry = geometry_for(model_cfg, grid or hw, cfg)  # a padded item costs the run grid's tokens
     if cfg.data.mode == "pack":
         check_token_budget(cfg, dataset, geometry)
