@@ -124,3 +124,40 @@ def test_a_one_grid_bundle_keeps_todays_batches(tmp_path) -> None:
     idx = next(iter(run.data.sampler))
     batch = run.data.collate([run.data.dataset[i] for i in idx])
     assert run.data.collate.collate.grid is None and batch.layout.episode_hw is None
+
+
+def mixture_config(tmp_path: Path, channels_b: int = 48):
+    from flexpack.run.config import load_config
+
+    a = write_bundle(tmp_path / "a", [SyntheticDataset(name="d", episodes=[[(0, 30)], [(0, 21)]],
+                                                       cameras={"observation.images.cam_high": (4, 4)},
+                                                       action_columns=6)], text=(16, 64))
+    b = write_bundle(tmp_path / "b", [SyntheticDataset(name="e", episodes=[[(0, 25), (10, 33)]],
+                                                       cameras={"observation.images.cam_high": (2, 4)},
+                                                       action_columns=6)], channels=channels_b, text=(16, 64), seed=5)
+    return load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.toml", [
+        "data.root=", f"data.datasets=[{{root = '{a}'}}, {{root = '{b}'}}]", *LINGBOT_TINY, "data.max_tokens=800",
+        f"runtime.out_dir={tmp_path / 'run'}", "checkpoint.every=0", "log.progress=false"])
+
+
+def test_a_mixture_of_two_grids_packs_them_together_and_verifies(tmp_path) -> None:
+    from flexpack.run.build import build_run
+    from flexpack.tools.verify import verify_config
+
+    cfg = mixture_config(tmp_path)
+    run = build_run(cfg)
+    assert run.data.dataset.latent_grids == {"a/d": [(48, 4, 4)], "b/e": [(48, 2, 4)]}
+    batch = run.data.collate([run.data.dataset[i] for i in next(iter(run.data.sampler))])
+    assert sorted({tuple(g) for g in batch.layout.episode_hw.tolist()}) == [(2, 4), (4, 4)]
+    report = verify_config(cfg, micro_batches=1)
+    assert report.ok and report.max_err < 1e-4
+
+
+def test_a_mixture_of_two_channel_counts_is_one_line(tmp_path) -> None:
+    from flexpack.run.build import open_dataset
+
+    with pytest.raises(ValueError) as exc:
+        open_dataset(mixture_config(tmp_path, channels_b=16))
+    msg = str(exc.value)
+    assert "\n" not in msg and msg.startswith("data.datasets: the datasets' latents have different channel counts")
+    assert "a/d (48, 4, 4)" in msg and "b/e (16, 2, 4)" in msg
