@@ -187,3 +187,16 @@ def test_episode_run_backends_refuse_spatial_padding() -> None:
     q = torch.randn(1, 1, lay.num_tokens, 8)
     with pytest.raises(ValueError, match="^backend 'sdpa-loop' cannot skip spatial padding"):
         FlexAttnFunc("sdpa-loop")(q, q, q, lay, "document")
+
+
+def test_useful_flops_count_each_episode_at_its_own_grid() -> None:
+    """Spatial padding is no useful work: a padded pack's FLOPs are its episodes' FLOPs alone at their grids."""
+    from flexpack.models import wan_config
+    from flexpack.training.observe.flops import useful_flops
+
+    cfg = wan_config("tiny")
+    sl = SequenceLayout.from_rows([[3, 2]], 7, text_len=[4, 4], grid_hw=GRID, episode_hw=[(2, 6), GRID])
+    kw = dict(action_tokens=2, copies=2)
+    packed = useful_flops(cfg, sl, video_tokens=6, **kw)
+    alone = useful_flops(cfg, [3], 4, video_tokens=3, **kw) + useful_flops(cfg, [2], 4, video_tokens=6, **kw)
+    assert packed == alone and packed < useful_flops(cfg, [3, 2], 4, video_tokens=6, **kw)

@@ -45,7 +45,7 @@ from torch import Tensor
 
 from flexpack.flow.noise import _mix32, _normal, _uniform24, episode_keys
 from flexpack.flow.objective import BASE_PARTS, FlowLoss, _action_valid, shift_sigma
-from flexpack.packing.grids import frame_elements, latent_counter, latent_valid
+from flexpack.packing.grids import episode_video_tokens, frame_elements, latent_counter, latent_valid
 
 COUNT_EPS = 1e-6  # LeRobot's guard in the per-frame mean: sum / (count + 1e-6)
 COND_LOW = 0.5  # the clean copy's noise is drawn from steps [500, 1000)
@@ -336,8 +336,9 @@ class LingbotObjective:
     def attention_pairs(self, layout: Any, geometry: Any, seeds: Sequence[int]) -> list[int]:
         """Pairs of the lingbot mask per episode with the chunk size and window ``seeds`` draw, both copies."""
         chunk, window = drawn_chunk_window(layout, self.cfg, seeds)
-        return [lingbot_pairs(f, geometry.video_tokens, geometry.action_tokens, c, w)
-                for f, c, w in zip(layout.episode_frames.tolist(), chunk, window)]
+        nv = episode_video_tokens(layout, geometry.video_tokens)  # each episode's own grid (no spatial padding)
+        return [lingbot_pairs(f, v, geometry.action_tokens, c, w)
+                for f, v, c, w in zip(layout.episode_frames.tolist(), nv, chunk, window)]
 
 
 def lingbot_training_loss(

@@ -123,15 +123,22 @@ def spatial_tokens(layout: Any, grid_hw: tuple[int, int]) -> tuple[Tensor, Tenso
     return slot, real, hpos, wpos
 
 
+def episode_video_tokens(layout: Any, video_tokens: int) -> list[int]:
+    """Video tokens of one frame of each episode of a host layout: ``video_tokens`` (a full frame's) scaled by
+    the episode's grid's share of the batch's."""
+    E = layout.episode_frames.shape[0]
+    if layout.episode_hw is None:
+        return [int(video_tokens)] * E
+    H, W = layout.grid_hw
+    return [int(h * w * video_tokens) // (H * W) for h, w in layout.episode_hw.tolist()]
+
+
 def real_tokens(layout: Any, tokens_per_frame: int, video_tokens: int) -> int:
     """Tokens of one copy that belong to an episode in a host layout: its frames' tokens less their spatial
-    padding (``video_tokens`` of a full frame, each episode's share of them by its grid's area)."""
+    padding (:func:`episode_video_tokens`)."""
     n = int(layout.episode_frames.sum()) * tokens_per_frame
-    if layout.episode_hw is None or not video_tokens:
-        return n
-    H, W = layout.grid_hw
-    own = (layout.episode_hw[:, 0] * layout.episode_hw[:, 1] * video_tokens) // (H * W)  # (E,) real video tokens
-    return n - int(((video_tokens - own) * layout.episode_frames).sum())
+    own = episode_video_tokens(layout, video_tokens)
+    return n - sum((video_tokens - v) * f for v, f in zip(own, layout.episode_frames.tolist()))
 
 
 def padding_share(lengths: list[int], grids: list[tuple[int, int]], grid_hw: tuple[int, int]) -> float:
