@@ -11,7 +11,9 @@ Token order (fixed, so every episode is one contiguous token run and document ma
 block-sparse): rows one after another; inside a row, runs of consecutive frames that belong to
 the same episode (or to padding) one after another; inside a run, copy by copy (noisy, then
 clean when ``copies == 2``), frame by frame, and inside a frame ``video_tokens`` video tokens
-(row-major over the ``(h, w)`` patch grid) followed by ``action_tokens`` action tokens.
+(row-major over the ``(h, w)`` patch grid) followed by ``action_tokens`` action tokens. Where episodes of
+smaller latent grids share the batch's (``episode_hw``, :mod:`flexpack.packing.grids`), a frame's video tokens
+are its episode's own patches (row-major over its grid) and then spatial padding (``doc = -1``).
 
 Episode slots (``doc``) number the episodes of the micro-batch ``0..E-1`` in row order; ``-1``
 marks padding. ``episode_index`` maps slots back to dataset indices.
