@@ -28,7 +28,6 @@ from typing import Any
 
 from flexpack.errors import UserError, one_line
 from flexpack.packing.batch_sampler import LengthBucketBatchSampler, TokenBudgetBatchSampler
-from flexpack.packing.grids import padding_share
 from flexpack.packing.lengths import read_frames_file
 from flexpack.packing.stats import summary, table, write_plot
 
@@ -210,6 +209,8 @@ def run(args: argparse.Namespace) -> int:
     if bundle is not None:
         s["datasets"] = per_dataset_shares(bundle, sampler)
         if len(set(grids := bundle.item_grids())) > 1:  # smaller grids pad to the largest: their share of it
+            from flexpack.packing.grids import padding_share  # torch: not for --help
+
             s["grid_padding"] = padding_share(lengths, grids, _run_grid(bundle))
     print(json.dumps(s) if args.json else table(s))
     if bundle is not None and not args.json:
