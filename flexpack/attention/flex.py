@@ -44,9 +44,10 @@ from torch.autograd.profiler import record_function
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from flexpack.attention.blockmask import MAX_SEGMENTS, BlockMaskBuilder, compile_fresh
+from flexpack.attention.episode_runs import sdpa_loop, varlen
 from flexpack.attention.mask_table import EPISODE_BACKENDS, KNOWN_BACKENDS, MaskKind, update_mask
 from flexpack.attention.masks import MaskMod, dense_mask, make_mask, mask_kind, mask_names, next_pow2
-from flexpack.packing.layout import SequenceLayout, TokenLayout, to_device
+from flexpack.packing.layout import SequenceLayout, TokenLayout
 
 BACKENDS = ("auto", *KNOWN_BACKENDS)
 DOCUMENT_ONLY = EPISODE_BACKENDS  # the backends over episode runs: masks that say so in the table take them
@@ -330,7 +331,8 @@ class FlexAttnFunc:
             return self.backend
         if prep.device.type == "cuda":
             spec = prep.spec
-            if spec.episode_runs and "sdpa-loop" in spec.backends and prep.layout.text_len.numel() == 1:
+            one = prep.layout.text_len.numel() == 1 and not prep.layout.spatial  # one episode, no spatial padding
+            if spec.episode_runs and "sdpa-loop" in spec.backends and one:
                 return "sdpa-loop"  # one episode: a single SDPA call beat FLASH (0.93x) on the H200
             choice = spec.auto_cuda
             return "flex" if choice == "flex-flash" and not has_flash() else choice
@@ -382,6 +384,8 @@ class FlexAttnFunc:
             if self.backend == "flex-flash":
                 raise ValueError(f"the FLASH backend is verified only for head dims {FLASH_HEAD_DIMS}, got {head_dim}")
             backend = "flex"
+        if backend in EPISODE_BACKENDS and prep.layout.spatial:  # runs of whole episodes: padding inside them
+            raise ValueError(f"backend {backend!r} cannot skip spatial padding (grids differ); use flex/dense/auto")
         if backend not in prep.spec.backends:
             takers = "/".join(m for m in mask_names() if backend in mask_kind(m).backends)
             raise ValueError(f"backend {backend!r} supports only {takers} masks, got {prep.kind!r}")
@@ -448,8 +452,8 @@ def _run(backend: str, q: Tensor, k: Tensor, v: Tensor, prep: PreparedMask) -> T
         opts = {"BACKEND": "FLASH"} if backend == "flex-flash" else None
         return _compiled_flex(backend == "flex-flash", q, k)(q, k, v, prep.block_mask(), opts)
     if backend == "sdpa-loop":
-        return _sdpa_loop(q, k, v, prep)
-    return _varlen(q, k, v, prep)
+        return sdpa_loop(q, k, v, prep)
+    return varlen(q, k, v, prep)
 
 
 _NEEDS_TOKENS = ("{what}; FlexAttnFunc needs the token layout: pass "
@@ -475,33 +479,3 @@ def _dense(q: Tensor, k: Tensor, v: Tensor, prep: PreparedMask) -> Tensor:
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=m)
     # rows without keys attended everything above (finite); zeroing them also zeroes their grads
     return out * has[:, None].to(out.dtype)
-
-
-def _sdpa_loop(q: Tensor, k: Tensor, v: Tensor, prep: PreparedMask) -> Tensor:
-    pieces, at = [], 0
-    for s, n in prep.runs():
-        if s > at:  # padding between episodes: zeros
-            pieces.append(q.new_zeros(*q.shape[:2], s - at, v.shape[-1]))
-        pieces.append(F.scaled_dot_product_attention(q[:, :, s:s + n], k[:, :, s:s + n], v[:, :, s:s + n]))
-        at = s + n
-    if at < q.shape[2]:
-        pieces.append(q.new_zeros(*q.shape[:2], q.shape[2] - at, v.shape[-1]))
-    return torch.cat(pieces, dim=2)
-
-
-def _varlen(q: Tensor, k: Tensor, v: Tensor, prep: PreparedMask) -> Tensor:
-    from torch.nn.attention.varlen import varlen_attn
-
-    if "cu" not in prep._cache:
-        # padding runs become their own sequences (outputs zeroed below) so cu_seqlens cover T
-        bounds = {0, prep.q_len}
-        for s, n in prep.runs():
-            bounds |= {s, s + n}
-        b = sorted(bounds)
-        cu = to_device(torch.tensor(b, dtype=torch.int32), q.device)  # pinned, without blocking
-        prep._cache["cu"] = (cu, max(y - x for x, y in zip(b[:-1], b[1:])))
-    cu, mx = prep._cache["cu"]
-    # (1, H, T, D) -> (T, H, D)
-    out = varlen_attn(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu, mx, mx)
-    out = out.transpose(0, 1)[None]
-    return out * prep.valid()[:, None].to(out.dtype)

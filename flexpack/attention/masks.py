@@ -82,6 +82,25 @@ def make_mask(
     text_slots: int | None = None,
 ) -> MaskMod:
     """The mask_mod of the registered mask ``kind`` (:func:`mask_names`; "valid" = document ∧ valid-frame)
-    with the options it takes."""
-    return mask_kind(kind).make(layout, chunk_size=chunk_size, window=window, text_tokens=text_tokens,
-                                text_slots=text_slots)
+    with the options it takes; over a layout with spatial padding, with the bounds that padding needs
+    (:func:`spatial_bounds`)."""
+    spec = mask_kind(kind)
+    mod = spec.make(layout, chunk_size=chunk_size, window=window, text_tokens=text_tokens, text_slots=text_slots)
+    return spatial_bounds(mod, layout, self_attention=spec.keys is None) if layout.spatial else mod
+
+
+def spatial_bounds(mod: MaskMod, layout: TokenLayout, *, self_attention: bool) -> MaskMod:
+    """``mod`` over a layout with spatial padding (:mod:`flexpack.packing.grids`): every frame's padding tokens
+    (``doc = -1``, between its video and action tokens) are one more key segment per (copy, row, frame) on the
+    query side (and the key side of a self-attention mask), and two where a frame's video and action tokens could
+    be one segment before (the padding splits them); an episode's tokens are no longer a few key ranges, so a
+    self-attention mask loses its ``runs`` bound (the kernels evaluate the mask_mod itself inside partial blocks)."""
+    cells = 2 * layout.copies * layout.frames.num_rows * layout.frames.frames_per_row
+    per_cell = getattr(mod, "segments_per_cell", 1)
+    mod.segments_per_cell = per_cell + (2 if layout.action_tokens and per_cell == 1 else 1)  # type: ignore[attr-defined]
+    seg = getattr(mod, "segments", None)
+    if seg is not None:
+        mod.segments = (seg[0] + cells, seg[1] + (cells if self_attention else 0))  # type: ignore[attr-defined]
+    if self_attention:
+        mod.runs = None  # type: ignore[attr-defined]
+    return mod

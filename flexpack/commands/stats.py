@@ -161,8 +161,8 @@ def _geometry(args: argparse.Namespace) -> None:
         args.tokens_per_frame = 36  # the reference geometry: 32 video + 4 action tokens per latent frame
         return
     bundle = _bundle(args)
-    if bundle is not None:  # the composed grid of the bundle's cameras, the steps its frame_ids give
-        h, w = bundle.grid(bundle.items[0])
+    if bundle is not None:  # the composed grid of the bundle's cameras (the largest), the steps its frame_ids give
+        h, w = _run_grid(bundle)
         steps = bundle.items[0].ids.steps if args.action_steps else 0
         args.tokens_per_frame = (h // args.patch) * (w // args.patch) + steps
         print(f"{args.tokens_per_frame} tokens per frame from {bundle.root}: composed latent {h}x{w} "
@@ -172,6 +172,12 @@ def _geometry(args: argparse.Namespace) -> None:
                                                           action_steps=args.action_steps,
                                                           latents_dir=args.latents_dir, cameras=args.cameras)
     print(how, file=sys.stderr)  # stdout stays the table or the JSON object
+
+
+def _run_grid(bundle: Any) -> tuple[int, int]:
+    """The grid a run over ``bundle`` packs on: the largest composed (H, W) of its items."""
+    grids = bundle.item_grids()
+    return max(h for h, _ in grids), max(w for _, w in grids)
 
 
 def _cli_words(message: str) -> str:
@@ -202,6 +208,10 @@ def run(args: argparse.Namespace) -> int:
     bundle = _bundle(args)
     if bundle is not None:
         s["datasets"] = per_dataset_shares(bundle, sampler)
+        if len(set(grids := bundle.item_grids())) > 1:  # smaller grids pad to the largest: their share of it
+            from flexpack.packing.grids import padding_share  # torch: not for --help
+
+            s["grid_padding"] = padding_share(lengths, grids, _run_grid(bundle))
     print(json.dumps(s) if args.json else table(s))
     if bundle is not None and not args.json:
         print(f"{'dataset':<32} {'segments':>8} {'token share':>11}")

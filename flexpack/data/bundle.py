@@ -124,11 +124,7 @@ class BundleDataset(torch.utils.data.Dataset):
         if not self.items:
             raise ValueError(f"{self.root}: no segment left to train on ({len(self.skipped)} skipped"
                              + (f", {len(every)} outside the episodes asked for)" if keep is not None else ")"))
-        grids = sorted({(it.heads[0].channels, *self.grid(it)) for it in self.items})
-        if len(grids) > 1:
-            raise ValueError(f"{self.root}: the datasets' composed latents differ ((C, H, W) {grids}); one run packs "
-                             "one grid: train them in separate runs, or choose data.cameras / data.camera_layout "
-                             "so they agree")
+        check_channels(str(self.root), self.latent_grids)
         self.normalize = normalize
         self.q01, self.q99 = self._stats(norm_stat, every) if normalize else (None, None)
 
@@ -258,6 +254,21 @@ class BundleDataset(torch.utils.data.Dataset):
         """Latent frames F of every item (from the latent files' headers, read at construction)."""
         return [it.frames for it in self.items]
 
+    @property
+    def latent_grids(self) -> dict[str, list[tuple[int, int, int]]]:
+        """Each dataset's composed latent grids ``(C, H, W)`` (usually one), over the items kept: datasets whose
+        grids differ in (H, W) pack together on the largest (spatial padding, :mod:`flexpack.packing.grids`)."""
+        out: dict[str, list[tuple[int, int, int]]] = {}
+        for it in self.items:
+            g = (it.heads[0].channels, *self.grid(it))
+            if g not in out.setdefault(self.names[it.dataset], []):
+                out[self.names[it.dataset]].append(g)
+        return out
+
+    def item_grids(self) -> list[tuple[int, int]]:
+        """The composed latent grid (H, W) of every item (from the headers read at construction)."""
+        return [self.grid(it) for it in self.items]
+
     def grid(self, it: BundleItem) -> tuple[int, int]:
         return grid_of(it.layout, [(h.height, h.width) for h in it.heads])
 
@@ -315,6 +326,15 @@ class BundleDataset(torch.utils.data.Dataset):
         if dataset not in self.names:
             raise ValueError(f"{self.root}: no dataset {dataset!r} (datasets {self.names[:8]})")
         raise ValueError(f"{self.root}: dataset {dataset!r} has no item for episode {episode} segment {segment}")
+
+
+def check_channels(where: str, grids: dict[str, list[tuple[int, int, int]]]) -> None:
+    """One line naming the datasets and their (C, H, W) where their latents' channel counts differ: those cannot
+    share a batch (grids of one C but different (H, W) can: spatial padding)."""
+    if len({c for gs in grids.values() for c, _, _ in gs}) > 1:
+        shown = ", ".join(f"{name} {g}" for name, gs in grids.items() for g in gs)
+        raise ValueError(f"{where}: the datasets' latents have different channel counts ((C, H, W): {shown}); one "
+                         "run's batches hold one C: train them in separate runs")
 
 
 def _video_keys(ds: Dataset21) -> list[str]:

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from flexpack.data.bundle import BundleDataset
+from flexpack.data.bundle import BundleDataset, check_channels
 
 
 class MixtureDataset(torch.utils.data.Dataset):
@@ -37,6 +37,17 @@ class MixtureDataset(torch.utils.data.Dataset):
         # every item's record as its source holds it, with its mixture-wide episode id
         self.items = [replace(it, global_episode=self.offsets[self.source_ids[k]] + it.global_episode)
                       for k, s in enumerate(self.sources) for it in s.items]
+        check_channels("data.datasets", self.latent_grids)
+
+    @property
+    def latent_grids(self) -> dict[str, list[tuple[int, int, int]]]:
+        """Every source's datasets' composed latent grids ``(C, H, W)``, keyed ``"<source>/<dataset>"``."""
+        return {f"{self.names[self.source_ids[k]]}/{name}": g for k, s in enumerate(self.sources)
+                for name, g in s.latent_grids.items()}
+
+    def item_grids(self) -> list[tuple[int, int]]:
+        """The composed latent grid (H, W) of every item."""
+        return [g for s in self.sources for g in s.item_grids()]
 
     def __len__(self) -> int:
         return self.starts[-1]

@@ -45,6 +45,7 @@ from torch import Tensor
 
 from flexpack.flow.noise import _mix32, _normal, _uniform24, episode_keys
 from flexpack.flow.objective import BASE_PARTS, FlowLoss, _action_valid, shift_sigma
+from flexpack.packing.grids import episode_video_tokens, frame_elements, latent_counter, latent_valid
 
 COUNT_EPS = 1e-6  # LeRobot's guard in the per-frame mean: sum / (count + 1e-6)
 COND_LOW = 0.5  # the clean copy's noise is drawn from steps [500, 1000)
@@ -136,9 +137,7 @@ def lingbot_draws(batch: Any, cfg: LingbotObjectiveConfig, seeds: Sequence[int])
         return torch.where(valid, _step_id(_uniform24(_mix32(pos ^ k_RFK[..., k])), N, low), 0)
 
     R, C, Fr, H, W = x.shape
-    c = torch.arange(C, device=dev).view(1, C, 1, 1, 1)
-    yx = torch.arange(H * W, device=dev).view(1, 1, 1, H, W)
-    ctr = (pos.view(R, 1, Fr, 1, 1) * C + c) * (H * W) + yx  # index inside the episode
+    ctr = latent_counter(lay, C, H, W, dev)  # index inside the episode (over its own grid)
 
     def latent_noise(k: int) -> Tensor:
         return _normal(ctr, k_RFK[..., k].view(R, 1, Fr, 1, 1), k_RFK[..., k + 1].view(R, 1, Fr, 1, 1)).to(x.dtype)
@@ -238,8 +237,10 @@ def lingbot_sample(batch: Any, cfg: LingbotObjectiveConfig, draws: LingbotDraws)
     def frames5(t_RF: Tensor) -> Tensor:  # (R, Fr) -> broadcastable over (R, C, Fr, H, W)
         return t_RF[:, None, :, None, None]
 
+    inside = latent_valid(lay, dev)  # spatial padding: real elements only (None: every element of a valid frame)
+    real = frames5(valid) if inside is None else inside
     s, s_c = grid.sigmas[draws.step].to(x.dtype), grid.sigmas[draws.cond_step].to(x.dtype)
-    x_t = torch.where(frames5(valid), (1 - frames5(s)) * x + frames5(s) * draws.noise, 0.0)
+    x_t = torch.where(real, (1 - frames5(s)) * x + frames5(s) * draws.noise, 0.0)
     cond = draws.noisy_cond[lay.frame_doc.to(dev).clamp(min=0)] & valid if lay.num_episodes else valid & False
     clean = torch.where(frames5(cond), (1 - frames5(s_c)) * x + frames5(s_c) * draws.cond_noise, x)
     t_noisy_a = torch.where(valid, a_grid.timesteps[draws.action_step], zero)
@@ -253,7 +254,7 @@ def lingbot_sample(batch: Any, cfg: LingbotObjectiveConfig, draws: LingbotDraws)
         a_t = torch.where(a_valid, (1 - sa) * a + sa * draws.action_noise, 0.0)
         target_action = torch.where(a_valid, draws.action_noise - a, 0.0)
         action_in = torch.stack([a_t, torch.where(a_valid, a, 0.0)])
-    inputs = replace(batch, latent=torch.stack([x_t, torch.where(frames5(valid), clean, 0.0)]), action=action_in)
+    inputs = replace(batch, latent=torch.stack([x_t, torch.where(real, clean, 0.0)]), action=action_in)
     return LingbotSample(
         inputs=inputs, timestep=t_video, action_timestep=t_action, target_latent=draws.noise - x,
         target_action=target_action,
@@ -280,7 +281,10 @@ def lingbot_loss(pred: Any, sample: LingbotSample, batch: Any, *, latent_weight:
     valid = batch.layout.frame_valid.to(pred.video.device)
     C, _, H, W = pred.video.shape[1:]
     err = (pred.video.float() - sample.target_latent.float()).square() * sample.latent_weight[:, None, :, None, None]
-    per_frame = err.sum(dim=(1, 3, 4)) / (C * H * W + COUNT_EPS)  # (R, Fr)
+    inside = latent_valid(batch.layout, valid.device)  # spatial padding counts nowhere (None: none here)
+    if inside is not None:
+        err = torch.where(inside, err, 0.0)
+    per_frame = err.sum(dim=(1, 3, 4)) / (frame_elements(batch.layout, C, H, W) + COUNT_EPS)  # (R, Fr)
     # where() rather than a product: a NaN/inf prediction on a pad frame must not reach the sum
     lat_sum = torch.where(valid, per_frame, 0.0).sum()
     count, _ = lingbot_loss_counts(batch)
@@ -332,8 +336,9 @@ class LingbotObjective:
     def attention_pairs(self, layout: Any, geometry: Any, seeds: Sequence[int]) -> list[int]:
         """Pairs of the lingbot mask per episode with the chunk size and window ``seeds`` draw, both copies."""
         chunk, window = drawn_chunk_window(layout, self.cfg, seeds)
-        return [lingbot_pairs(f, geometry.video_tokens, geometry.action_tokens, c, w)
-                for f, c, w in zip(layout.episode_frames.tolist(), chunk, window)]
+        nv = episode_video_tokens(layout, geometry.video_tokens)  # each episode's own grid (no spatial padding)
+        return [lingbot_pairs(f, v, geometry.action_tokens, c, w)
+                for f, v, c, w in zip(layout.episode_frames.tolist(), nv, chunk, window)]
 
 
 def lingbot_training_loss(

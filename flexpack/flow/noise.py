@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from flexpack.flow.objective import FlowMatchingConfig, FlowSample, make_flow_sample
+from flexpack.packing.grids import latent_counter
 from flexpack.packing.transfer import to_device
 
 
@@ -54,9 +55,7 @@ def episode_flow_sample(batch: Any, cfg: FlowMatchingConfig, seeds: Sequence[int
     sigma = torch.where(valid, _uniform24(_mix32(chunk ^ k_RF6[..., 0])), 0.0)
 
     R, C, Fr, H, W = x.shape
-    c = torch.arange(C, device=dev).view(1, C, 1, 1, 1)
-    yx = torch.arange(H * W, device=dev).view(1, 1, 1, H, W)
-    ctr = (pos.view(R, 1, Fr, 1, 1) * C + c) * (H * W) + yx  # (R, C, Fr, H, W) index inside the episode
+    ctr = latent_counter(lay, C, H, W, dev)  # (R, C, Fr, H, W) index inside the episode (its own grid)
     noise = _normal(ctr, k_RF6[..., 1].view(R, 1, Fr, 1, 1), k_RF6[..., 2].view(R, 1, Fr, 1, 1))
     action_noise = None
     if a is not None:

@@ -35,6 +35,8 @@ from typing import Any, Mapping
 import torch
 from torch import Tensor
 
+from flexpack.packing.grids import latent_elements, latent_valid
+
 WEIGHTINGS = ("none", "bell")
 
 
@@ -166,7 +168,8 @@ def make_flow_sample(
         noise = torch.randn(x.shape, generator=generator, device=gen_dev, dtype=torch.float32).to(x.device, x.dtype)
     s_v = torch.where(valid_RF, shift_sigma(u.float(), cfg.shift), 0.0)
     s_a = torch.where(valid_RF, shift_sigma(u.float(), cfg.action_shift), 0.0)
-    v5 = valid_RF[:, None, :, None, None]
+    inside = latent_valid(layout, x.device)  # spatial padding: real elements only (None: every element)
+    v5 = valid_RF[:, None, :, None, None] if inside is None else inside
     sv5 = s_v[:, None, :, None, None].to(x.dtype)
     x_t = torch.where(v5, (1 - sv5) * x + sv5 * noise, 0.0)
     target_latent = noise - x
@@ -265,7 +268,7 @@ def loss_counts(batch: Any) -> tuple[Tensor, Tensor]:
     """(latent elements, action elements) that count in the loss of ``batch`` — no forward needed."""
     valid = batch.layout.frame_valid
     C, _, H, W = batch.latent.shape[-4:]
-    lat = valid.sum().float() * (C * H * W)
+    lat = latent_elements(batch.layout, C, H, W)
     a_valid = _action_valid(batch)
     act = a_valid.sum().float() if a_valid is not None else torch.zeros((), device=valid.device)
     return lat, act
@@ -279,7 +282,9 @@ def flow_loss(pred: Any, sample: FlowSample, batch: Any, cfg: FlowMatchingConfig
     w_v = timestep_weight(sample.sigma, cfg.weighting) * valid_RF  # (R, Fr); 0 on padding
     err = (pred.video.float() - sample.target_latent.float()).square()
     # where() rather than a multiply: a NaN/inf prediction on a pad frame must not leak into the sum
-    lat_sum = torch.where(valid_RF[:, None, :, None, None], err * w_v[:, None, :, None, None], 0.0).sum()
+    inside = latent_valid(batch.layout, err.device)  # spatial padding counts nowhere (None: none here)
+    v5 = valid_RF[:, None, :, None, None] if inside is None else inside
+    lat_sum = torch.where(v5, err * w_v[:, None, :, None, None], 0.0).sum()
     lat_count, act_count = loss_counts(batch)
     act_sum = torch.zeros((), device=lat_sum.device)
     a_valid = _action_valid(batch)

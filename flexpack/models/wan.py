@@ -14,6 +14,10 @@ as ``(U, K, D)``: modulation is per unit and stream and broadcasts over the unit
 ``(T, 6, D)`` per-token modulation table is ever materialized (that table would cost ~5 GB at
 65k tokens × dim 3072 in fp32, and its slices would be saved for backward in every block).
 
+Spatial padding (a run whose datasets' latent grids differ, :mod:`flexpack.packing.grids`): each frame's
+patches are taken in slot order (``TokenLayout.video_slot``: the episode's own patches first) and put back after
+the head, zero on padding.
+
 Attention sees one sequence of ``T = U * K`` tokens (batch dim 1) through
 :class:`~flexpack.attention.flex.FlexAttnFunc`; both masks (self and text) are prepared once per
 forward and shared by all blocks. Outputs at padding frames are set to zero, so nothing flows
@@ -160,7 +164,11 @@ class WanVA(nn.Module):
                         else self._per_copy(action_timestep, (copies, R, Fr), "action_timestep"))
         patches, (h, w) = self._patchify(lat)
         tl = layout.tokens(video_tokens=h * w, action_tokens=A, copies=copies, grid_hw=(h, w))
+        if tl.video_slot is not None:  # spatial padding: each frame's own patches first (flexpack.packing.grids)
+            patches = patches.gather(3, tl.video_slot[None, ..., None].expand_as(patches))
         vid, act_out = self._run(patches, acts, tl, t_video, t_action, batch.text, mask, chunk_size, window, text_slots)
+        if tl.video_slot is not None:
+            vid = _unslot(vid, tl)
         valid_RF = layout.frame_valid.to(vid.dtype)
         video = self._unpatchify(vid * valid_RF[..., None, None], h, w)
         action_out = None if act_out is None else rearrange(act_out * valid_RF[..., None, None], "r f a ca -> r ca f a")
@@ -336,6 +344,13 @@ class WanVA(nn.Module):
     def _head(x_NKD: Tensor, temb_ND: Tensor, table_2D: Tensor, proj: nn.Linear, dtype: torch.dtype) -> Tensor:
         shift, scale = (table_2D.float()[None] + temb_ND[:, None]).unbind(1)  # each (N, D)
         return proj((x_NKD * (1 + scale[:, None]) + shift[:, None]).to(dtype))
+
+
+def _unslot(vid_RFnP: Tensor, tl: TokenLayout) -> Tensor:
+    """Video outputs from slot order back to patch order, zero on spatial padding (nothing flows back from it)."""
+    real = (tl.doc[tl.video_index[0]] >= 0)[..., None]  # (R, F, nv, 1): the noisy copy's slots of an episode
+    out = torch.where(real, vid_RFnP, 0.0)
+    return torch.zeros_like(out).scatter(2, tl.video_slot[..., None].expand_as(out), out)
 
 
 def _call_with_mask(attn: Any, prepared: Any, q: Tensor, k: Tensor, v: Tensor) -> Tensor:

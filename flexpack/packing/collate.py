@@ -10,6 +10,10 @@ Items are dicts as :class:`flexpack.data.LatentEpisodeDataset` returns them:
 - ``segment``: int — optional, the item's segment inside its episode (``-1`` when absent: a whole
   episode); the layout carries both (``episode_index``, ``episode_segment``).
 
+Items of different latent grids (H, W) share a micro-batch where the collate is given the run's grid
+(``grid=``, the largest (H, W) of the run): each sits at the top-left of its frames, the rest is spatial padding
+(:mod:`flexpack.packing.grids`); without ``grid`` the items' grids must agree, as before.
+
 Pad mode (:class:`PadCollate`): one episode per row, ``F_pad = round_up(max F, pad_multiple)``.
 Pack mode (:class:`PackCollate`): all items back to back in one row of ``frame_budget`` frames,
 the rest padding — one shape for every micro-batch. Both zero the padding and return the same
@@ -117,8 +121,9 @@ def _name(item: Item, i: int) -> str:
     return f"item {i} (episode {item.get('episode_index', '?')})"
 
 
-def _check_items(items: Sequence[Item]) -> tuple[list[int], bool, bool]:
-    """Validate shapes against the first item; return frame counts, has-action, has-text."""
+def _check_items(items: Sequence[Item], grid: tuple[int, int] | None = None) -> tuple[list[int], bool, bool]:
+    """Validate shapes against the first item (``grid``: the run's latent grid, which each item's must fit);
+    return frame counts, has-action, has-text."""
     if len(items) == 0:
         raise ValueError("cannot collate an empty list of items")
     first = items[0]
@@ -130,7 +135,11 @@ def _check_items(items: Sequence[Item]) -> tuple[list[int], bool, bool]:
     frames = []
     for i, it in enumerate(items):
         ci, f, hi, wi = _shape(it, i, "latent", 4)
-        if (ci, hi, wi) != (c, h, w):
+        if grid is not None:
+            if ci != c or hi > grid[0] or wi > grid[1]:
+                raise ValueError(f"{_name(it, i)}: latent (C,H,W)={(ci, hi, wi)} does not fit the run's grid "
+                                 f"(C,H,W)={(c, *grid)}")
+        elif (ci, hi, wi) != (c, h, w):
             raise ValueError(f"{_name(it, i)}: latent (C,H,W)={(ci, hi, wi)} differs from item 0's {(c, h, w)}")
         frames.append(f)
         if ("action" in it) != has_action or ("text" in it) != has_text:
@@ -178,12 +187,23 @@ def _text(items: Sequence[Item]) -> tuple[Tensor, list[int]]:
     return text, lens
 
 
+def _grids(items: Sequence[Item], grid: tuple[int, int] | None) -> dict[str, Any]:
+    """The layout's spatial-padding arguments: the run's grid and each item's, or none without a run grid."""
+    if grid is None:
+        return {}
+    return {"grid_hw": grid, "episode_hw": [tuple(it["latent"].shape[2:]) for it in items]}
+
+
 def _place(
-    items: Sequence[Item], rows: list[list[int]], frames_per_row: int, has_action: bool
+    items: Sequence[Item], rows: list[list[int]], frames_per_row: int, has_action: bool,
+    grid: tuple[int, int] | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """Copy items into zeroed (R, C, Fr, H, W) / (R, Ca, Fr, A) grids following ``rows`` (item ids)."""
+    """Copy items into zeroed (R, C, Fr, H, W) / (R, Ca, Fr, A) grids following ``rows`` (item ids); each item's
+    latent at the top-left of the run's ``grid`` where given."""
     lat0 = items[0]["latent"]
     C, _, H, W = lat0.shape
+    if grid is not None:
+        H, W = grid
     R = len(rows)
     latent = torch.zeros(R, C, frames_per_row, H, W, dtype=lat0.dtype)
     action = mask = None
@@ -196,7 +216,8 @@ def _place(
         for i in ids:
             it = items[i]
             f = min(it["latent"].shape[1], frames_per_row - start)
-            latent[r, :, start : start + f] = it["latent"][:, :f]
+            h, w = it["latent"].shape[2:]
+            latent[r, :, start : start + f, :h, :w] = it["latent"][:, :f]
             if has_action:
                 m = it.get("action_mask")
                 m = torch.ones_like(it["action"], dtype=torch.bool) if m is None else m.bool()
@@ -211,22 +232,24 @@ class PadCollate:
     """Pad mode: one episode per row, frames rounded up to ``pad_multiple``.
 
     ``F_pad = round_up(max F, pad_multiple)`` — few distinct shapes, as the bucket sampler plans.
+    ``grid``: the run's latent grid (H, W) where its items' grids differ (see the module docstring).
     """
 
-    def __init__(self, pad_multiple: int = 8) -> None:
+    def __init__(self, pad_multiple: int = 8, *, grid: tuple[int, int] | None = None) -> None:
         if pad_multiple <= 0:
             raise ValueError(f"pad_multiple must be positive, got {pad_multiple}")
         self.pad_multiple = pad_multiple
+        self.grid = None if grid is None else (int(grid[0]), int(grid[1]))
 
     def __call__(self, items: Sequence[Item]) -> Batch:
-        frames, has_action, has_text = _check_items(items)
+        frames, has_action, has_text = _check_items(items, self.grid)
         f_pad = -(-max(frames) // self.pad_multiple) * self.pad_multiple
-        latent, action, mask = _place(items, [[i] for i in range(len(items))], f_pad, has_action)
+        latent, action, mask = _place(items, [[i] for i in range(len(items))], f_pad, has_action, self.grid)
         text, text_len = _text(items) if has_text else (None, None)
         layout = SequenceLayout.from_rows(
             [[f] for f in frames], f_pad,
             episode_index=[int(it.get("episode_index", -1)) for it in items], text_len=text_len, mode="pad",
-            segment=_segments(items),
+            segment=_segments(items), **_grids(items, self.grid),
         )
         return Batch(latent, action, mask, text, layout)
 
@@ -239,9 +262,11 @@ class PackCollate:
     ``crop=True`` a single item longer than the budget is cut to it instead. A collate made by
     :meth:`from_token_budget` records its tokens per frame in every batch (``Batch.tokens_per_frame``).
     ``tokens_per_frame=`` here is deprecated (it goes in flexpack 0.3): use :meth:`from_token_budget`.
+    ``grid``: the run's latent grid (H, W) where its items' grids differ (see the module docstring).
     """
 
-    def __init__(self, frame_budget: int, *, crop: bool = False, tokens_per_frame: int | None = None) -> None:
+    def __init__(self, frame_budget: int, *, crop: bool = False, tokens_per_frame: int | None = None,
+                 grid: tuple[int, int] | None = None) -> None:
         if frame_budget <= 0:
             raise ValueError(f"frame_budget must be positive, got {frame_budget}")
         if tokens_per_frame is not None:
@@ -253,30 +278,32 @@ class PackCollate:
         self.frame_budget = frame_budget
         self.crop = crop
         self.tokens_per_frame = tokens_per_frame
+        self.grid = None if grid is None else (int(grid[0]), int(grid[1]))
 
     @staticmethod
-    def from_token_budget(max_tokens: int, tokens_per_frame: int, *, crop: bool = False) -> "PackCollate":
+    def from_token_budget(max_tokens: int, tokens_per_frame: int, *, crop: bool = False,
+                          grid: tuple[int, int] | None = None) -> "PackCollate":
         """The collate matching a token-budget sampler: ``frame_budget = max_tokens // tokens_per_frame``; its
         batches record ``tokens_per_frame`` (the unit of :meth:`Batch.hf_packing_kwargs`)."""
         if tokens_per_frame <= 0 or max_tokens < tokens_per_frame:
             raise ValueError(f"need 0 < tokens_per_frame <= max_tokens, got {tokens_per_frame}, {max_tokens}")
-        out = PackCollate(frame_budget(max_tokens, tokens_per_frame), crop=crop)
+        out = PackCollate(frame_budget(max_tokens, tokens_per_frame), crop=crop, grid=grid)
         out.tokens_per_frame = tokens_per_frame
         return out
 
     def __call__(self, items: Sequence[Item]) -> Batch:
-        frames, has_action, has_text = _check_items(items)
+        frames, has_action, has_text = _check_items(items, self.grid)
         if self.crop and len(items) == 1:
             frames = [min(frames[0], self.frame_budget)]
         if sum(frames) > self.frame_budget:
             who = ", ".join(f"episode {it.get('episode_index', i)} ({f} frames)"
                             for i, (it, f) in enumerate(zip(items, frames)))
             raise ValueError(f"{sum(frames)} frames do not fit the frame budget {self.frame_budget}: {who}")
-        latent, action, mask = _place(items, [list(range(len(items)))], self.frame_budget, has_action)
+        latent, action, mask = _place(items, [list(range(len(items)))], self.frame_budget, has_action, self.grid)
         text, text_len = _text(items) if has_text else (None, None)
         layout = SequenceLayout.from_rows(
             [frames], self.frame_budget,
             episode_index=[int(it.get("episode_index", -1)) for it in items], text_len=text_len, mode="pack",
-            segment=_segments(items),
+            segment=_segments(items), **_grids(items, self.grid),
         )
         return Batch(latent, action, mask, text, layout, tokens_per_frame=self.tokens_per_frame)

@@ -11,7 +11,9 @@ Token order (fixed, so every episode is one contiguous token run and document ma
 block-sparse): rows one after another; inside a row, runs of consecutive frames that belong to
 the same episode (or to padding) one after another; inside a run, copy by copy (noisy, then
 clean when ``copies == 2``), frame by frame, and inside a frame ``video_tokens`` video tokens
-(row-major over the ``(h, w)`` patch grid) followed by ``action_tokens`` action tokens.
+(row-major over the ``(h, w)`` patch grid) followed by ``action_tokens`` action tokens. Where episodes of
+smaller latent grids share the batch's (``episode_hw``, :mod:`flexpack.packing.grids`), a frame's video tokens
+are its episode's own patches (row-major over its grid) and then spatial padding (``doc = -1``).
 
 Episode slots (``doc``) number the episodes of the micro-batch ``0..E-1`` in row order; ``-1``
 marks padding. ``episode_index`` maps slots back to dataset indices.
@@ -49,6 +51,10 @@ class SequenceLayout:
                         ``episode_index`` it keys the episode's noise (one draw per item).
         text_len:       (E,) int64 — valid text tokens per episode (0 where there is no text).
         mode:           ``"pad"``, ``"pack"`` or ``"tokens"`` (:meth:`from_lengths`).
+        episode_hw:     (E, 2) int64 latent grid ``(h, w)`` of each episode, in a micro-batch of a run whose
+                        episodes' grids differ (:mod:`flexpack.packing.grids`: spatial padding); None where
+                        every episode fills the batch's grid.
+        grid_hw:        the batch's latent grid ``(H, W)`` where ``episode_hw`` is set, else None.
         host:           on a device layout, the :class:`HostCopy` it was copied from (read it with :meth:`on_host`).
     """
 
@@ -61,6 +67,8 @@ class SequenceLayout:
     episode_segment: Tensor
     text_len: Tensor
     mode: str
+    episode_hw: Tensor | None = None
+    grid_hw: tuple[int, int] | None = None
     host: HostCopy | None = field(default=None, repr=False, compare=False)
 
     # ------------------------------------------------------------------ construction
@@ -73,13 +81,18 @@ class SequenceLayout:
         text_len: Sequence[int] | None = None,
         mode: str = "pack",
         segment: Sequence[int] | None = None,
+        grid_hw: tuple[int, int] | None = None,
+        episode_hw: Sequence[tuple[int, int]] | None = None,
     ) -> "SequenceLayout":
         """Build a layout from the episode lengths placed in each row, back to back from frame 0.
 
         ``rows[r]`` lists the frame counts of the episodes in row ``r``; the rest of the row is
         padding. Episode slots are numbered in row order. ``segment``: each slot's segment index
-        (default ``-1``: whole episodes).
+        (default ``-1``: whole episodes). ``grid_hw`` and ``episode_hw``: the batch's latent grid and
+        each slot's own (:mod:`flexpack.packing.grids`), both or neither.
         """
+        if (grid_hw is None) != (episode_hw is None):
+            raise ValueError("grid_hw and episode_hw go together (spatial padding), got one of them")
         if frames_per_row <= 0:
             raise ValueError(f"frames_per_row must be positive, got {frames_per_row}")
         R = len(rows)
@@ -120,7 +133,14 @@ class SequenceLayout:
             raise ValueError(f"episode_index, text_len and segment need {E} entries, got {tuple(idx.shape)}, "
                              f"{tuple(tl.shape)} and {tuple(seg.shape)}")
         as_t = lambda xs: torch.as_tensor(xs, dtype=torch.int64).reshape(-1)  # noqa: E731
-        return SequenceLayout(frame_doc, frame_pos, as_t(ep_row), as_t(ep_start), as_t(ep_frames), idx, seg, tl, mode)
+        hw = None
+        if episode_hw is not None:
+            hw = torch.as_tensor([list(g) for g in episode_hw], dtype=torch.int64).reshape(-1, 2)
+            if hw.shape[0] != E:
+                raise ValueError(f"episode_hw needs {E} entries, got {hw.shape[0]}")
+            grid_hw = (int(grid_hw[0]), int(grid_hw[1]))
+        return SequenceLayout(frame_doc, frame_pos, as_t(ep_row), as_t(ep_start), as_t(ep_frames), idx, seg, tl, mode,
+                              hw, grid_hw)
 
     @staticmethod
     def from_lengths(lengths: Sequence[int], pad_to: int | None = None) -> "SequenceLayout":
@@ -174,7 +194,8 @@ class SequenceLayout:
 
     def signature(self) -> tuple:
         """Shape signature: layouts with equal signatures give tensors of equal shapes."""
-        return (self.mode, self.num_rows, self.frames_per_row)
+        grid = () if self.grid_hw is None else (("grid", *self.grid_hw),)
+        return (self.mode, self.num_rows, self.frames_per_row) + grid
 
     def to(self, device: torch.device | str) -> "SequenceLayout":
         """The layout on ``device`` (see :func:`to_device`); a device layout keeps its host copy,
@@ -241,6 +262,9 @@ class TokenLayout:
         frames: the :class:`SequenceLayout` it was expanded from.
         runs:   host-side ``(episode slot or -1, frames)`` of every run in token order (rows one
                 after another); lets masks bound their segment counts without a device sync.
+        video_slot: (R, Fr, video_tokens) int64 or None — with spatial padding (``frames.episode_hw``), the
+                patch (row-major over the full grid) that video slot ``j`` of each frame holds: the episode's
+                patches first, then padding, whose tokens have ``doc = -1`` (:mod:`flexpack.packing.grids`).
         host:   on a device layout, the :class:`HostCopy` it was copied from (read it with :meth:`on_host`).
     """
 
@@ -260,6 +284,7 @@ class TokenLayout:
     action_tokens: int
     copies: int
     runs: tuple[tuple[int, int], ...] = ()
+    video_slot: Tensor | None = None
     host: HostCopy | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -269,6 +294,12 @@ class TokenLayout:
     @property
     def valid(self) -> Tensor:
         return self.doc >= 0
+
+    @property
+    def spatial(self) -> bool:
+        """Whether frames may hold spatial padding (a run whose episodes' grids differ): one more key segment per
+        frame and copy, and an episode's tokens are no longer one range."""
+        return self.video_slot is not None
 
     def text_doc(self, text_tokens: int) -> Tensor:
         """(E * text_tokens,) episode slot of each flattened text token, ``-1`` for text padding."""
@@ -337,17 +368,35 @@ def _expand(layout: SequenceLayout, nv: int, na: int, copies: int, grid_hw: tupl
             j = torch.arange(nv).expand(copies, R, Fr, nv).reshape(-1)
             hpos[flat] = j // grid_hw[1]
             wpos[flat] = j % grid_hw[1]
+    slot = None
+    if host.episode_hw is not None and nv:
+        slot = _spatial(host, video_index, grid_hw, doc, hpos, wpos)
     starts = (host.episode_row * Fr + host.episode_start) * tpf * copies
     lens = host.episode_frames * tpf * copies
     first = new_run.nonzero()  # (runs, 2) row, frame of every run's first frame, in token order
     runs = tuple(zip(fd[first[:, 0], first[:, 1]].tolist(), n[first[:, 0], first[:, 1]].tolist()))
     out = TokenLayout(
         doc, frame, stream, copy, hpos, wpos, video_index, action_index, starts, lens,
-        host.text_len, host, nv, na, copies, runs,
+        host.text_len, host, nv, na, copies, runs, slot,
     )
     if dev_out.type == "cpu":
         return out
     return replace(moved(out, dev_out), frames=layout)  # the frames the caller holds, not a second copy
+
+
+def _spatial(host: SequenceLayout, video_index: Tensor, grid_hw: tuple[int, int], doc: Tensor, hpos: Tensor,
+             wpos: Tensor) -> Tensor:
+    """Spatial padding of a host layout's video tokens (in place): padding slots leave their episode
+    (``doc = -1``), real slots take their positions in the episode's own grid; returns the slot table."""
+    from .grids import spatial_tokens
+
+    slot, real, h, w = spatial_tokens(host, grid_hw)
+    copies = video_index.shape[0]
+    flat = video_index.reshape(-1)
+    doc[flat] = torch.where(real[None].expand(copies, *real.shape).reshape(-1), doc[flat], PAD)
+    hpos[flat] = h[None].expand(copies, *h.shape).reshape(-1)
+    wpos[flat] = w[None].expand(copies, *w.shape).reshape(-1)
+    return slot
 
 
 def cu_seqlens_from_position_ids(position_ids: Tensor, valid_tokens: int | None = None) -> Tensor:

@@ -37,6 +37,8 @@ def table(s: dict[str, Any]) -> str:
         ("rank imbalance", f"{s['rank_imbalance']:.4f}"),
         ("tokens", f"{s['tokens_used']:,} used / {s['tokens_computed']:,} computed"),
     ]
+    if "grid_padding" in s:  # datasets of smaller latent grids, padded to the run's (not in the waste above)
+        rows.append(("grid padding", f"{100 * s['grid_padding']:.2f} % of the items' video tokens"))
     return "\n".join(f"{k:<16} {v}" for k, v in rows)
 
 

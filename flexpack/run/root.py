@@ -300,11 +300,12 @@ def check_action_steps(conv: DataConventions, cfg: TrainConfig, family: ModelFam
 
 
 def batching(cfg: TrainConfig, lengths: Sequence[int], geometry: TokenGeometry, rank: int = 0,
-             world_size: int = 1, *, mixture: tuple[Sequence[int], Sequence[float]] | None = None
-             ) -> tuple[BatchSampler, PackCollate | PadCollate]:
+             world_size: int = 1, *, mixture: tuple[Sequence[int], Sequence[float]] | None = None,
+             grid: tuple[int, int] | None = None) -> tuple[BatchSampler, PackCollate | PadCollate]:
     """(sampler, collate) of ``data.mode`` over episode ``lengths`` (latent frames): the token-budget
     sampler with its pack collate, or the length-bucket sampler with the pad collate; ``mixture`` (the source
-    of every item, the weight of every source): the weighted token-budget sampler."""
+    of every item, the weight of every source): the weighted token-budget sampler; ``grid``: the run's latent
+    grid where its items' grids differ (:func:`run_grid`; the collate pads smaller ones spatially)."""
     from flexpack.packing.batch_sampler import LengthBucketBatchSampler, TokenBudgetBatchSampler
 
     d, tpf = cfg.data, geometry.tokens_per_frame
@@ -314,15 +315,15 @@ def batching(cfg: TrainConfig, lengths: Sequence[int], geometry: TokenGeometry, 
         sampler = WeightedTokenBudgetBatchSampler(lengths, d.max_tokens, tokens_per_frame=tpf, groups=mixture[0],
                                                   weights=mixture[1], crop=d.crop, rank=rank,
                                                   world_size=world_size, seed=d.seed)
-        return sampler, PackCollate.from_token_budget(d.max_tokens, tpf, crop=d.crop)
+        return sampler, PackCollate.from_token_budget(d.max_tokens, tpf, crop=d.crop, grid=grid)
     if d.mode == "pack":
         sampler = TokenBudgetBatchSampler(lengths, d.max_tokens, tokens_per_frame=tpf, crop=d.crop, rank=rank,
                                           world_size=world_size, seed=d.seed)
-        return sampler, PackCollate.from_token_budget(d.max_tokens, tpf, crop=d.crop)
+        return sampler, PackCollate.from_token_budget(d.max_tokens, tpf, crop=d.crop, grid=grid)
     sampler = LengthBucketBatchSampler(lengths, d.batch_size, pool_factor=d.pool_factor,
                                        pad_multiple=d.pad_multiple, tokens_per_frame=tpf, rank=rank,
                                        world_size=world_size, seed=d.seed)
-    return sampler, PadCollate(d.pad_multiple)
+    return sampler, PadCollate(d.pad_multiple, grid=grid)
 
 
 def run_text_slots(sampler: BatchSampler) -> int:
@@ -352,6 +353,22 @@ def check_fits_model(dataset: EpisodeDataset, model_cfg: ModelShape, cfg: TrainC
     return H, W
 
 
+def run_grid(dataset: EpisodeDataset, model_cfg: ModelShape, cfg: TrainConfig) -> tuple[int, int] | None:
+    """The run's latent grid (H, W) where the dataset's grids differ (``latent_grids``: bundles, mixtures): the
+    largest H and W, which every micro-batch takes (smaller grids are padded spatially, :mod:`flexpack.packing.grids`);
+    None where every item has one grid. One line naming a dataset the patch size does not divide."""
+    grids = getattr(dataset, "latent_grids", None)
+    found = {(h, w) for gs in (grids or {}).values() for _, h, w in gs}
+    if len(found) < 2:
+        return None
+    _, ph, pw = model_cfg.patch_size
+    for name, gs in grids.items():
+        if bad := [g for g in gs if g[1] % ph or g[2] % pw]:
+            raise ValueError(f"{cfg.data.root or 'data'}: dataset {name}'s latents (C, H, W)={bad[0]} are not a "
+                             f"multiple of the model's patch {model_cfg.patch_size}")
+    return max(h for h, _ in found), max(w for _, w in found)
+
+
 def run_for(dataset: EpisodeDataset, cfg: TrainConfig, *, rank: int = 0, world_size: int = 1,
             device: torch.device | None = None, split: Split | None = None) -> Run:
     """The :class:`Run` of ``cfg`` over ``dataset`` (items as :class:`~flexpack.data.LatentEpisodeDataset`
@@ -361,11 +378,13 @@ def run_for(dataset: EpisodeDataset, cfg: TrainConfig, *, rank: int = 0, world_s
 
     family, model_cfg = cfg.model.model_family(), cfg.model.resolved()
     device = resolve_device(cfg.runtime.device) if device is None else device
-    geometry = geometry_for(model_cfg, check_fits_model(dataset, model_cfg, cfg), cfg)
+    hw = check_fits_model(dataset, model_cfg, cfg)
+    grid = run_grid(dataset, model_cfg, cfg)
+    geometry = geometry_for(model_cfg, grid or hw, cfg)  # a padded item costs the run grid's tokens
     if cfg.data.mode == "pack":
         check_token_budget(cfg, dataset, geometry)
     sampler, collate = batching(cfg, dataset.lengths(), geometry, rank, world_size,
-                                mixture=getattr(dataset, "mixture_weights", None))
+                                mixture=getattr(dataset, "mixture_weights", None), grid=grid)
     data = Data(dataset=dataset, sampler=sampler, collate=model_collate(collate, model_cfg, family))
     return Run(config=cfg, family=family, model_config=model_cfg,
                objective=objective_for(family.objective, cfg.objective, model_cfg),

@@ -98,10 +98,11 @@ def geometry(cfg: TrainConfig, dataset: LatentEpisodeDataset) -> TokenGeometry:
     ``data.mode``: sampling always packs."""
     from dataclasses import replace
 
-    from flexpack.run.root import geometry_for
+    from flexpack.run.root import geometry_for, run_grid
 
-    _, _, H, W = dataset[0]["latent"].shape
-    return replace(geometry_for(cfg.model.resolved(), (H, W), cfg), max_tokens=cfg.data.max_tokens)
+    model_cfg = cfg.model.resolved()
+    hw = run_grid(dataset, model_cfg, cfg) or tuple(dataset[0]["latent"].shape[2:])  # the largest where grids differ
+    return replace(geometry_for(model_cfg, hw, cfg), max_tokens=cfg.data.max_tokens)
 
 
 def tokens_per_frame(cfg: TrainConfig, dataset: LatentEpisodeDataset) -> int:

@@ -52,7 +52,7 @@ from flexpack.run.config import TrainConfig
 from flexpack.run.root import forward_options, full_text
 from flexpack.sampling.pairs import Pair, pair_noise
 from flexpack.sampling.schedule import solve
-from flexpack.sampling.solver import PackedSampler, SampleOptions
+from flexpack.sampling.solver import PackedSampler, SampleOptions, episode_grids
 
 # (layout, pairs, latent shape, action shape, device) -> (latent noise, action noise) of a packed batch
 NoiseFn = Callable[[Any, Sequence[Pair], Sequence[int], Sequence[int], torch.device], tuple[Tensor, Tensor]]
@@ -199,5 +199,6 @@ class LingbotSampler(PackedSampler):
                                                                                at(self.action, i), txt).action),),
                           (a0,), (per_frame(self.action, 4),), self.opt.solver, keep=(~a_live,))
         rows, starts, frames = lay.episode_row.tolist(), lay.episode_start.tolist(), lay.episode_frames.tolist()
-        return ([video[r, :, s:s + f] for r, s, f in zip(rows, starts, frames)],
+        grids = episode_grids(lay, x.shape[-2:])  # each pair's own latent grid (spatial padding cut off)
+        return ([video[r, :, s:s + f, :g[0], :g[1]] for r, s, f, g in zip(rows, starts, frames, grids)],
                 [action[r, :, s:s + f] for r, s, f in zip(rows, starts, frames)])

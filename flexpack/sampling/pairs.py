@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from flexpack.flow.noise import _normal, episode_seed
+from flexpack.packing.grids import latent_counter
 
 SAMPLE_TAG = 0x73616D70  # "samp": keeps sampling noise apart from training and validation draws
 
@@ -144,9 +145,7 @@ def pair_noise(layout: Any, seeds: Sequence[int], latent_shape: Sequence[int], a
     doc, pos = layout.frame_doc.to(device), layout.frame_pos.to(device)
     k = k_E4[doc.clamp(min=0)]  # (R, Fr, 4)
     R, C, Fr, H, W = latent_shape
-    c = torch.arange(C, device=device).view(1, C, 1, 1, 1)
-    yx = torch.arange(H * W, device=device).view(1, 1, 1, H, W)
-    ctr = (pos.view(R, 1, Fr, 1, 1) * C + c) * (H * W) + yx
+    ctr = latent_counter(layout, C, H, W, device)  # (R, C, Fr, H, W) inside the episode, over its own grid
     noise = _normal(ctr, k[..., 0].view(R, 1, Fr, 1, 1), k[..., 1].view(R, 1, Fr, 1, 1))
     if action_shape is None:
         return noise, None

@@ -48,7 +48,7 @@ from flexpack.packing.batch_sampler import TokenBudgetBatchSampler
 from flexpack.packing.collate import PackCollate
 from flexpack.packing.geometry import frame_budget, too_long
 from flexpack.run.config import TrainConfig
-from flexpack.run.root import forward_options
+from flexpack.run.root import forward_options, run_grid
 from flexpack.sampling.pairs import Pair, pair_noise
 from flexpack.sampling.schedule import check_solver, sigma_grid, solve
 
@@ -125,6 +125,8 @@ class PackedSampler:
         o = cfg.objective
         self.grid_v = sigma_grid(options.steps, o.shift).float()
         self.grid_a = sigma_grid(options.steps, o.action_shift).float()
+        # the training run's grid where the dataset's grids differ: packs pad smaller ones spatially
+        self.grid = None if dataset is None else run_grid(dataset, cfg.model.resolved(), cfg)
         self.forwards = 0  # model calls (for throughput accounting)
         self.tokens = 0  # valid tokens × model calls
 
@@ -164,7 +166,7 @@ class PackedSampler:
                              "or lower --horizon")
         sampler = TokenBudgetBatchSampler(lengths, self.max_tokens, tokens_per_frame=self.tpf, rank=rank,
                                           world_size=size, seed=0)
-        collate = PackCollate.from_token_budget(self.max_tokens, self.tpf)
+        collate = PackCollate.from_token_budget(self.max_tokens, self.tpf, grid=self.grid)
         # one text-key shape for every pack (compiled blocks never see another); the first stage has the
         # shortest sequences, so the most pairs per pack: later stages keep its value
         need = text_slots(max(1, sampler.max_batch_size()))
@@ -243,9 +245,19 @@ class PackedSampler:
         shaped = [grids[0][:, :, None, :, None, None]] + ([grids[1][:, :, None, :, None]] if a_true is not None else [])
         xs = solve(velocity, tuple(states), tuple(shaped), self.opt.solver, keep=tuple(keep))
         rows, starts, frames = lay.episode_row.tolist(), lay.episode_start.tolist(), lay.episode_frames.tolist()
-        lats = [xs[0][r, :, s:s + f] for r, s, f in zip(rows, starts, frames)]
+        lats = [xs[0][r, :, s:s + f, :h, :w] for r, s, f, (h, w) in zip(rows, starts, frames,
+                                                                           episode_grids(lay, x_true.shape[-2:]))]
         acts = None if a_true is None else [xs[1][r, :, s:s + f] for r, s, f in zip(rows, starts, frames)]
         return lats, acts
+
+
+def episode_grids(layout: Any, hw: Sequence[int]) -> list[tuple[int, int]]:
+    """Each episode's own latent grid (H, W) in a packed batch of grid ``hw`` (where it has spatial padding, the
+    part that is the episode's)."""
+    host = layout.on_host()
+    if host.episode_hw is None:
+        return [(int(hw[0]), int(hw[1]))] * host.num_episodes
+    return [(h, w) for h, w in host.episode_hw.tolist()]
 
 
 def pack_text_slots(pairs: Sequence[Pair], max_tokens: int, tokens_per_frame: int, stage: int | None = None) -> int:

@@ -140,7 +140,8 @@ def verify_batch(
         accumulated += float(share.detach())
         # the batched prediction of this episode, cut out of its row; the single's own frames
         r, s0, n = rows[e], starts[e], frames[e]
-        video = pred.video[r : r + 1, :, s0 : s0 + n].detach()
+        h, w = s_pred.video.shape[-2:]  # the episode's own grid: spatial padding of a run's grid is cut off
+        video = pred.video[r : r + 1, :, s0 : s0 + n, :h, :w].detach()
         action = None if pred.action is None else pred.action[r : r + 1, :, s0 : s0 + n].detach()
         s_video = s_pred.video[:, :, :n].detach()
         s_action = None if s_pred.action is None else s_pred.action[:, :, :n].detach()

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from flexpack.packing.collate import Batch
+from flexpack.packing.grids import real_tokens
 from flexpack.parallel import float8
 from flexpack.parallel.parallelize import world
 from flexpack.run import memory_plan
@@ -217,7 +218,7 @@ def _train(cfg: TrainConfig, found: Path | None, stop: faults.GracefulStop, stop
                 guard.flush()
                 names = part_names(run.objective, batches[0])
                 rec = _log(step, lr, sums, norm, batches, tpf, meter, extra={"skipped": True} if nonfinite else None,
-                           sources=sources, names=names)
+                           sources=sources, names=names, video_tokens=run.geometry.video_tokens)
                 result.losses.append(rec["loss"])
                 result.metrics.append(rec)
                 sinks.log(rec)
@@ -288,13 +289,13 @@ def _prepare_run(run: Path, cfg: TrainConfig, start: int, size: int, old_world: 
 
 def _log(step: int, lr: float, sums: torch.Tensor, norm: torch.Tensor, batches: Sequence[Batch], tpf: int,
          meter: StepMeter, extra: dict[str, Any] | None = None, sources: Sequence[str] = (),
-         names: Sequence[str] = ("loss", "latent_loss", "action_loss")) -> dict[str, Any]:
+         names: Sequence[str] = ("loss", "latent_loss", "action_loss"), video_tokens: int = 0) -> dict[str, Any]:
     """Global loss and loss parts (``names``: :func:`~flexpack.training.step.part_names`, whatever the
     objective gives), LR, grad norm, waste of this step, and the throughput of the steps since
     the last log (tokens/s, step time, peak memory, MFU); per source of a bundle or mixture
     (``sources``), its loss parts over its own frames and its tokens (``dataset/<name>/...``). One of the
-    few points where the host waits for the GPU."""
-    valid = sum(int(b.layout.episode_frames.sum()) for b in batches) * tpf
+    few points where the host waits for the GPU. Spatial padding (items of smaller grids) is waste."""
+    valid = sum(real_tokens(b.layout.on_host(), tpf, video_tokens) for b in batches)
     computed = sum(b.layout.frame_doc.numel() for b in batches) * tpf
     sums = sums.float().cpu()
     P = len(names)

@@ -32,6 +32,7 @@ import torch
 
 from flexpack.models.wan_config import WanVAConfig
 from flexpack.packing.geometry import TokenGeometry
+from flexpack.packing.grids import episode_video_tokens
 from flexpack.packing.layout import SequenceLayout, TokenLayout
 
 
@@ -54,20 +55,23 @@ class StepFlops:
 
 
 def _episodes(layout_or_counts, text_len, video_tokens, action_tokens, copies):
-    """(frames per episode, text tokens per episode, video tokens/frame, action tokens/frame, copies)."""
+    """(frames per episode, text tokens per episode, video tokens/frame per episode (its own grid's, where the
+    layout pads smaller grids spatially), action tokens/frame, copies)."""
     if isinstance(layout_or_counts, TokenLayout):
         tl = layout_or_counts
         frames = tl.frames.episode_frames.tolist()
-        nv, na, c = tl.video_tokens, tl.action_tokens, tl.copies
+        nv, na, c = episode_video_tokens(tl.frames.on_host(), tl.video_tokens), tl.action_tokens, tl.copies
         default_text = tl.text_len.tolist()
     else:
         if video_tokens is None:
             raise ValueError("useful_flops needs video_tokens= (tokens per latent frame) unless given a TokenLayout")
-        nv, na, c = video_tokens, action_tokens or 0, copies or 1
+        na, c = action_tokens or 0, copies or 1
         if isinstance(layout_or_counts, SequenceLayout):
             frames, default_text = layout_or_counts.episode_frames.tolist(), layout_or_counts.text_len.tolist()
+            nv = episode_video_tokens(layout_or_counts.on_host(), video_tokens)
         else:
             frames, default_text = [int(f) for f in layout_or_counts], [0] * len(layout_or_counts)
+            nv = [video_tokens] * len(frames)
     if text_len is None:
         texts = [int(t) for t in default_text]
     elif isinstance(text_len, int):
@@ -106,14 +110,14 @@ def flops_breakdown(
     S = 2 if na else 1  # timestep streams per unit
     per_token_block = 4 * 2 * D * D + 2 * D * Fd * 2  # self q, k, v, o + FFN
     linear = self_attn = cross_attn = 0.0
-    for e, (f, t) in enumerate(zip(frames, texts)):
-        video, action = f * nv * c, f * na * c
+    for e, (f, t, v) in enumerate(zip(frames, texts, nv)):
+        video, action = f * v * c, f * na * c
         n = video + action
         per_token = per_token_block + (2 * 2 * D * D if t else 0)  # cross-attention q, o
         linear += Ly * n * per_token
         linear += video * 2 * config.in_channels * config.patch_volume * D + action * 2 * Ca * D
         linear += f * c * S * (2 * config.freq_dim * D + 2 * D * D + 2 * D * 6 * D)  # timestep MLP, modulation
-        linear += f * nv * 2 * D * config.out_dim * config.patch_volume + f * na * 2 * D * Ca  # heads: noisy copy
+        linear += f * v * 2 * D * config.out_dim * config.patch_volume + f * na * 2 * D * Ca  # heads: noisy copy
         linear += t * (Ly * 2 * 2 * D * D + 2 * config.text_dim * D + 2 * D * D)  # cross k, v; text MLP
         self_attn += Ly * (n * n if pairs is None else pairs[e]) * 4 * D  # 4 · head_dim · heads per pair
         cross_attn += Ly * n * t * 4 * D

@@ -17,6 +17,7 @@ import torch
 
 from flexpack.models.wan_config import WanVAConfig
 from flexpack.packing.geometry import TokenGeometry
+from flexpack.packing.grids import real_tokens
 from flexpack.run.config import TrainConfig
 from flexpack.training.observe.flops import UsefulFlops, peak_flops
 
@@ -28,7 +29,7 @@ class StepMeter:
     def __init__(self, cfg: TrainConfig, device: torch.device, *, model: WanVAConfig, geometry: TokenGeometry,
                  objective: Any) -> None:
         self.device = device
-        self.tpf = geometry.tokens_per_frame
+        self.tpf, self.nv = geometry.tokens_per_frame, geometry.video_tokens
         self.peak = peak_flops(device, cfg.profile.peak_tflops)
         self.useful = UsefulFlops(model, geometry, objective=objective, seed=cfg.runtime.seed)
         if device.type == "cuda":
@@ -43,7 +44,7 @@ class StepMeter:
         layouts: no device work)."""
         self.steps += 1
         for b in batches:
-            self.valid_tokens += int(b.layout.episode_frames.sum()) * self.tpf
+            self.valid_tokens += real_tokens(b.layout.on_host(), self.tpf, self.nv)  # spatial padding left out
             if self.peak is not None:
                 self.flops += self.useful(b.layout, step)
 
