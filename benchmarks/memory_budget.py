@@ -46,7 +46,8 @@ def base_config(spec: dict) -> dict:
         "data": {"mode": "pack", "max_tokens": spec["max_tokens"], "num_workers": 0 if smoke else 4,
                  "action_steps": 4},
         "model": {"family": "lingbot-va", "preset": "lingbot-va-tiny" if smoke else "lingbot-va-5b", "overrides": over},
-        "optim": {"lr": spec.get("lr", 1e-5), "betas": [0.9, 0.95], "grad_clip": 0.0},  # every variant unclipped: offload cannot clip
+        # every variant unclipped: the optimizer on the host cannot clip
+        "optim": {"lr": spec.get("lr", 1e-5), "betas": [0.9, 0.95], "grad_clip": 0.0},
         "schedule": {"steps": spec["steps"], "warmup_steps": max(1, spec["steps"] // 10), "decay": "constant"},
         "checkpoint": {"every": 0},
         "runtime": {"dtype": "bfloat16", "out_dir": spec["out_dir"], "seed": 0, "device": spec["device"]},
