@@ -53,7 +53,8 @@ class Costs:
     ``recompute``: the share of a step one more forward of every block adds;
     ``update_s_per_gparam``: seconds per 10⁹ trained parameters of the update, per states and offload;
     ``fixed_gb``: buffers outside the blocks; ``margin``: multiplicative slack; ``headroom``: the share of a
-    budget a plan leaves free."""
+    budget a plan leaves free for the allocator's reserve above the peak allocation (the cap bounds what is
+    reserved: 77.3 GB reserved for 63.7 GB allocated in the 80 GB run)."""
 
     kept_per_dim: float = 0.7
     block_per_dim: float = 35.7
@@ -66,7 +67,7 @@ class Costs:
     fixed_gb: float = 1.5
     cast_bytes: float = 2.0
     margin: float = 1.0
-    headroom: float = 0.04
+    headroom: float = 0.12
     # fewer bits in AdamW's states only where the step gets this much faster (their updates are coarser)
     states_preference: tuple[tuple[str, float], ...] = (("float32", 0.0), ("8bit", 0.01), ("4bit", 0.03))
 
