@@ -144,8 +144,9 @@ def init_adapters(model: nn.Module, seed: int) -> None:
     for _, layer in lora_layers(model):
         a, b = layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight
         bound = 1.0 / math.sqrt(a.shape[1])
-        for param, full in ((a, (torch.rand(tuple(a.shape), generator=g) * 2 - 1) * bound),
-                            (b, torch.zeros(tuple(b.shape)))):
+        # on the CPU by name: the model may be built under a CUDA default device, which a CPU generator refuses
+        for param, full in ((a, (torch.rand(tuple(a.shape), generator=g, device="cpu") * 2 - 1) * bound),
+                            (b, torch.zeros(tuple(b.shape), device="cpu"))):
             full = full.to(device=param.device, dtype=param.dtype)
             if isinstance(param, DTensor):
                 full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
