@@ -4,9 +4,10 @@ The package is a stack of layers, each importing only downwards (docs/ARCHITECTU
 
     packing/    samplers, bin packing, collates, the sequence layout, waste stats (every user)
     attention/  mask_mods, block masks, ``FlexAttnFunc`` (any model; needs only the layout types)
-    models/     the model families (WanVA, LingBot-VA); data/: LeRobot datasets, latent and text caches
+    models/     what model families share (blocks, RoPE, the registry); data/: LeRobot datasets and caches
     run/        config, the composition root, pretrained weights, run state (checkpoints, resume)
     training/   loop, step, validation; sampling/: solvers, metrics, media; tools/: export, verify
+    families/   one folder per model family (wan/, lingbot/): model, config, objective, sampler, exports
 
 ``flexpack.atomic``, ``flexpack.errors`` and the command line stay at the top. The names users write most
 (:data:`__all__`) are re-exported here and imported on first use, so ``import flexpack`` stays cheap and
@@ -47,16 +48,16 @@ _LAZY = {
     "FlexAttnFunc": "flexpack.attention.flex",
     "LatentEpisodeDataset": "flexpack.data",
     "LengthBucketBatchSampler": "flexpack.packing.batch_sampler",
-    "LingbotConfig": "flexpack.models.lingbot_config",
-    "LingbotVA": "flexpack.models.lingbot",
+    "LingbotConfig": "flexpack.families.lingbot.config",
+    "LingbotVA": "flexpack.families.lingbot.model",
     "PackCollate": "flexpack.packing.collate",
     "PadCollate": "flexpack.packing.collate",
     "SequenceLayout": "flexpack.packing.layout",
     "TokenBudgetBatchSampler": "flexpack.packing.batch_sampler",
     "TokenLayout": "flexpack.packing.layout",
     "TrainConfig": "flexpack.run.config",
-    "WanVA": "flexpack.models.wan",
-    "WanVAConfig": "flexpack.models.wan_config",
+    "WanVA": "flexpack.families.wan.model",
+    "WanVAConfig": "flexpack.families.wan.config",
     "load_config": "flexpack.run.config",
     "train": "flexpack.training.loop",
 }
