@@ -3,7 +3,7 @@ packing at the bottom; attention on the layout types; models and data; flow and 
 training and sampling as siblings; tools; the model families' folders; the command line. Every import statement
 (top-level, lazy or TYPE_CHECKING) counts. Generic code never imports a family folder: the registry finds the
 built-in families by their package names (``models/registry.py: BUILTIN``), as it would find a plugin, and
-the deprecated old paths of moved modules (shims) are the only other way in."""
+the deprecated old paths of moved modules (shim files, and ``flexpack.MOVED_MODULES``) are the only other way in."""
 
 import ast
 import importlib
@@ -298,8 +298,12 @@ def test_no_generic_code_names_a_family_class():
     assert not bad, sorted(bad)
 
 
-def test_shims_are_found_and_each_names_an_existing_module():
+def test_shims_are_found_and_each_old_path_names_an_existing_module():
+    """File shims (an old module's file kept) and the old paths :data:`flexpack.MOVED_MODULES` answers without a
+    file (so that git follows each moved file): no old path is both, and each names a module that exists."""
     found = shims()
-    assert "flexpack.models.wan" in found and "flexpack.training.config" in found
-    assert found["flexpack.models.wan"] == "flexpack.families.wan.model"
-    assert all((ROOT.parent / (new.replace(".", "/") + ".py")).is_file() for new in found.values()), found
+    assert found["flexpack.training.config"] == "flexpack.run.config"
+    assert not set(found) & set(flexpack.MOVED_MODULES)
+    for old, new in {**found, **flexpack.MOVED_MODULES}.items():
+        assert (ROOT.parent / (new.replace(".", "/") + ".py")).is_file(), new
+        assert not (ROOT.parent / (old.replace(".", "/") + ".py")).exists() or old in found, old

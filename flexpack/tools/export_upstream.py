@@ -1,6 +1,0 @@
-"""Deprecated: moved to :mod:`flexpack.families.lingbot.export_upstream` (goes in flexpack 0.3; ``CHANGELOG.md``)."""
-
-from flexpack.families.lingbot import export_upstream as _new
-from flexpack.training.deprecated import moved
-
-__getattr__ = moved(__name__, _new)
