@@ -307,3 +307,15 @@ def test_shims_are_found_and_each_old_path_names_an_existing_module():
     for old, new in {**found, **flexpack.MOVED_MODULES}.items():
         assert (ROOT.parent / (new.replace(".", "/") + ".py")).is_file(), new
         assert not (ROOT.parent / (old.replace(".", "/") + ".py")).exists() or old in found, old
+
+
+def test_no_import_strings_name_a_callable():
+    """No ``"module:Name"`` string stands for a callable (such strings would import past the rules above): a
+    registry entry holds the objects themselves."""
+    import re
+
+    pattern = re.compile(r"^flexpack(\.\w+)+:\w+$")
+    bad = {f"{p.relative_to(ROOT)}: {node.value}" for p in ROOT.rglob("*.py")
+           for node in ast.walk(ast.parse(p.read_text(encoding="utf-8")))
+           if isinstance(node, ast.Constant) and isinstance(node.value, str) and pattern.match(node.value)}
+    assert not bad, sorted(bad)
