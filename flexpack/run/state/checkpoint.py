@@ -6,8 +6,9 @@ Layout of ``RUN/checkpoints/step_00000040/``::
                       (``__<rank>_0.distcp``), rank 0 the ``.metadata``; no full-state gather
                       and, with ``optim.ema_decay``, {"ema"} (the averages, sharded alike)
     rng.pt            rank 0's torch CPU (and CUDA) RNG state
-    train_state.json  {"step", "sampler" (its state_dict), "world_size", "extra", and for a model with
-                      the setting "action_positions" (its action tokens' RoPE rule; none = "frame")}
+    train_state.json  {"step", "sampler" (its state_dict), "world_size", "extra", and what the model's
+                      family records beside the weights (``ModelFamily.weights_record``, checked on load by
+                      its ``check_weights``; wanva: "action_positions", its action tokens' RoPE rule)}
     config.json       the run's config at this step (a resume compares against it)
     manifest.json     written last: every file above with its size and CRC-32 (:mod:`.manifest`)
 
