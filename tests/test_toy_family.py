@@ -118,3 +118,6 @@ def test_a_format_of_another_family_is_refused_in_one_line(trained, tmp_path, ca
     _, run = trained
     code, err = run_cli(capsys, "export", str(run), str(tmp_path / "d"), "--format", "diffusers")
     assert code == 2 and "checkpoint exports as ['toy'], not --format 'diffusers'" in err
+    code, err = run_cli(capsys, "export", str(run), str(tmp_path / "d"), "--no-policy")  # an option of wanva's format
+    assert code == 2 and "--no-policy applies to --format diffusers (its OUT/lerobot_policy/" in err
+    assert "not to the 'toy' export" in err

@@ -84,13 +84,16 @@ class ExportFormat:
     """One format ``flexpack export --format`` writes a family's checkpoint in: its writer (an ``ExportJob``
     and a folder: :mod:`flexpack.tools.export_io`), the check of a config and the command's options before any
     weight is read (None: none), the module it needs, the flexpack extra that installs it and how to load what
-    it writes (``{out}``: the folder)."""
+    it writes (``{out}``: the folder); ``options``: the options of ``flexpack export`` only some formats take that
+    this one does (an ``ExportOptions`` field: ``policy``, ``wan_pretrained_path``, ``allow_unrunnable``) -> what it
+    means here (:data:`flexpack.tools.export_io.FORMAT_OPTIONS`)."""
 
     writer: Callable[[Any, Any], None]
     check: Callable[[Any, Any], None] | None = None
     package: str = ""
     extra: str = ""
     load: str = ""
+    options: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)

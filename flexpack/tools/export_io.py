@@ -19,7 +19,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 
@@ -79,15 +79,8 @@ def export_format(cfg: TrainConfig, options: ExportOptions, where: Path | str) -
     if fmt not in formats:
         raise ValueError(f"{where}: a model.family = {cfg.model.family!r} checkpoint exports as "
                          f"{formats}, not --format {fmt!r}")
-    if options.wan_pretrained_path is not None and fmt != "lerobot":
-        raise ValueError(f"--wan-pretrained-path applies to --format lerobot (LeRobot's frozen VAE and text encoder), "
-                         f"not to the {fmt!r} export")
-    if options.allow_unrunnable and fmt != "lerobot":
-        raise ValueError(f"--allow-unrunnable applies to --format lerobot (a policy LeRobot runs with its own VAE and "
-                         f"text encoder), not to the {fmt!r} export")
-    if not options.policy and fmt != "diffusers":
-        raise ValueError(f"--no-policy applies to --format diffusers (its OUT/lerobot_policy/), not to the {fmt!r} "
-                         "export, which is a policy folder itself")
+    spec = fam.exports[fmt]
+    _check_format_options(options, fmt, spec.options)
     if options.dataset is not None:
         from flexpack.data.formats import is_bundle
 
@@ -97,7 +90,6 @@ def export_format(cfg: TrainConfig, options: ExportOptions, where: Path | str) -
     if options.adapter is not None and not cfg.lora.rank:
         raise ValueError(f"--adapter {options.adapter}: {where} was trained without LoRA (lora.rank = 0): it has no "
                          "adapters to write; export without --adapter")
-    spec = fam.exports[fmt]
     if spec.package:
         try:
             importlib.import_module(spec.package)
@@ -107,6 +99,25 @@ def export_format(cfg: TrainConfig, options: ExportOptions, where: Path | str) -
     if spec.check is not None:
         spec.check(cfg, options)
     return fmt, spec.writer, spec.load
+
+
+# the options only some formats take (ExportFormat.options): field -> (its flag, whether the command gave it)
+FORMAT_OPTIONS: dict[str, tuple[str, Callable[[ExportOptions], bool]]] = {
+    "wan_pretrained_path": ("--wan-pretrained-path", lambda o: o.wan_pretrained_path is not None),
+    "allow_unrunnable": ("--allow-unrunnable", lambda o: o.allow_unrunnable),
+    "policy": ("--no-policy", lambda o: not o.policy),
+}
+
+
+def _check_format_options(options: ExportOptions, fmt: str, takes: Mapping[str, str]) -> None:
+    """One line for an option given that the format ``fmt`` does not take, naming the formats that do."""
+    from flexpack.models.registry import families, family
+
+    for name, (flag, given) in FORMAT_OPTIONS.items():
+        if given(options) and name not in takes:
+            takers = [f"--format {f} ({e.options[name]})" for n in families()
+                      for f, e in family(n).exports.items() if name in e.options]
+            raise ValueError(f"{flag} applies to {' or '.join(takers) or 'no format'}, not to the {fmt!r} export")
 
 
 def load_checkpoint(

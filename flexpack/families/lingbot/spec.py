@@ -38,7 +38,10 @@ def lingbot_va() -> ModelFamily:
     exports = {
         "lerobot": ExportFormat(writer=write_lerobot, check=check_export,
                                 package="lerobot.policies.lingbot_va.modeling_lingbot_va", extra="hf",
-                                load="lerobot's LingBotVAPolicy.from_pretrained({out!r}) and make_pre_post_processors"),
+                                load="lerobot's LingBotVAPolicy.from_pretrained({out!r}) and make_pre_post_processors",
+                                options={"wan_pretrained_path": "LeRobot's frozen VAE and text encoder",
+                                         "allow_unrunnable": "a policy LeRobot runs with its own VAE and text "
+                                                             "encoder"}),
         "lingbot-upstream": ExportFormat(writer=write_upstream, package="safetensors",
                                          load="upstream LingBot-VA's load_transformer({out!r} + '/transformer', ...); "
                                               "its config fields in {out}/flexpack_export.json"),

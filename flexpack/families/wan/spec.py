@@ -38,7 +38,8 @@ def wanva() -> ModelFamily:
     from flexpack.families.wan.model import WanVA, action_stream_init
 
     load = "diffusers.WanTransformer3DModel.from_pretrained({out!r}); model card {out}/README.md"
-    diffusers = ExportFormat(writer=write_diffusers, package="diffusers", extra="hf", load=load)
+    diffusers = ExportFormat(writer=write_diffusers, package="diffusers", extra="hf", load=load,
+                             options={"policy": "its OUT/lerobot_policy/; other formats are a policy folder"})
     return ModelFamily(name=NAME, config_class=WanVAConfig, presets=PRESETS, model_class=WanVA,
                        read_checkpoint_config=config_from_diffusers, shape_fields=SHAPE_FIELDS,
                        checkpoint_files=diffusers_files,
