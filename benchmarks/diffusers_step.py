@@ -4,7 +4,7 @@
 (``compile_repeated_blocks``, dynamic shapes); ``diffusers-eager``. ``diffusers-float8-{compiled,regional,eager}``:
 the same after torchao's float8 training conversion (``convert_to_float8_training``, tensorwise) of the
 layers flexpack converts in its own blocks: :func:`convert_float8` judges every diffusers module by its
-flexpack name (:func:`flexpack.models.wan_convert.rename`) with :func:`flexpack.parallel.float8.layer_filter`,
+flexpack name (:func:`flexpack.families.wan.convert.rename`) with :func:`flexpack.parallel.float8.layer_filter`,
 so both sides run float8 GEMMs in the same layers (self-attention q/k/v/o, cross-attention q/o, the FFN;
 not the cross-attention k/v, embeddings, time MLP or head). A float8 step needs an sm89+ GPU.
 
@@ -40,7 +40,7 @@ def variant(name: str) -> tuple[str, str | bool]:
 
 def flexpack_name(fqn: str) -> str:
     """A diffusers module's name as flexpack's WanVA names the same layer (itself where there is none)."""
-    from flexpack.models.wan_convert import rename
+    from flexpack.families.wan.convert import rename
 
     got = rename(fqn + ".weight")
     return got.removesuffix(".weight") if got else fqn

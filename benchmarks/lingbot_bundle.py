@@ -66,7 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from diffusers_step import _dynamo_graphs  # noqa: E402
 from flexpack.data.bundle_synthetic import SyntheticDataset, write_bundle  # noqa: E402
-from flexpack.flow.lingbot import lingbot_pairs  # noqa: E402
+from flexpack.families.lingbot.objective import lingbot_pairs  # noqa: E402
 from flexpack.packing.bins import pack_bins  # noqa: E402
 from flexpack.parallel.parallelize import compiled_graphs  # noqa: E402
 from flexpack.run.build import build_run  # noqa: E402

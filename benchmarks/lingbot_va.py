@@ -18,8 +18,9 @@ video tokens per latent frame) and 4 action steps per frame, 30 action channels 
 Tokens/s count useful tokens: latent frames x 36 tokens of one copy, for both (each trains a noisy and a clean
 copy of every frame). MFU counts useful FLOPs (``flexpack.training.observe.flops.UsefulFlops``, as
 metrics.jsonl's ``mfu``) with self-attention on the pairs LingBot-VA's mask keeps for each episode's drawn chunk
-size and window (``flexpack.flow.lingbot.lingbot_pairs``), not the document mask's n², against an 8192^3 bf16
-matmul measured in the same run. Recompiles: graphs compiled after the warm-up (flexpack's counter; dynamo's for
+size and window (``flexpack.families.lingbot.objective.lingbot_pairs``), not the document mask's n², against an
+8192^3 bf16 matmul measured in the same run. Recompiles: graphs compiled after the warm-up (flexpack's counter;
+dynamo's for
 LeRobot).
 
     python benchmarks/lingbot_va.py                                  # H200: ref + short, bf16 + float8 tensorwise
@@ -50,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from diffusers_step import _dynamo_graphs  # noqa: E402
-from flexpack.flow.lingbot import lingbot_pairs  # noqa: E402
+from flexpack.families.lingbot.objective import lingbot_pairs  # noqa: E402
 from flexpack.models.registry import family  # noqa: E402
 from flexpack.parallel.parallelize import compiled_graphs  # noqa: E402
 from flexpack.run.config import TrainConfig, from_dict  # noqa: E402

@@ -12,9 +12,10 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flexpack.attention.flex import FlexAttnFunc  # noqa: E402
+from flexpack.families.wan.config import wan_config
+from flexpack.families.wan.model import WanVA  # noqa: E402
 from flexpack.flow.noise import episode_flow_sample  # noqa: E402
 from flexpack.flow.objective import FlowMatchingConfig, flow_loss  # noqa: E402
-from flexpack.models import WanVA, wan_config  # noqa: E402
 from flexpack.packing.collate import PackCollate  # noqa: E402
 from flexpack.parallel import float8  # noqa: E402
 from flexpack.parallel.parallelize import ParallelOptions, parallelize  # noqa: E402

@@ -16,7 +16,7 @@ import pytest
 import torch
 from einops import rearrange
 
-from flexpack.models.lingbot_config import LEROBOT_SHAPE, LingbotConfig
+from flexpack.families.lingbot.config import LEROBOT_SHAPE, LingbotConfig
 
 LU = pytest.importorskip("lerobot.policies.lingbot_va.utils", reason="the installed lerobot has no lingbot_va policy")
 TEXT_TOKENS = 512  # LeRobot's cross-attention mask assumes 512 text tokens per clip

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from flexpack.attention.flex import FlexAttnFunc
-from flexpack.models import WanVA, wan_config
+from flexpack.families.wan.config import wan_config
+from flexpack.families.wan.model import WanVA
 from flexpack.models.rope import action_step_offsets, rope_positions
 from flexpack.packing.collate import PackCollate
 from flexpack.packing.layout import ACTION, VIDEO, SequenceLayout

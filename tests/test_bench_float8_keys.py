@@ -71,7 +71,8 @@ def test_diffusers_float8_converts_the_layers_flexpack_converts():
     import torch
 
     diffusers_step = pytest.importorskip("diffusers_step")
-    from flexpack.models import WanVA, wan_config
+    from flexpack.families.wan.config import wan_config
+    from flexpack.families.wan.model import WanVA
     from flexpack.parallel import float8
 
     ref = diffusers.WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16,

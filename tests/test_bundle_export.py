@@ -22,11 +22,11 @@ from lerobot.policies.lingbot_va.modeling_lingbot_va import LingBotVAPolicy  # n
 from safetensors.torch import load_file  # noqa: E402
 
 from flexpack.data.bundle import BundleDataset  # noqa: E402
-from flexpack.models.lingbot_convert import to_lerobot_state_dict  # noqa: E402
+from flexpack.families.lingbot import export_lerobot  # noqa: E402
+from flexpack.families.lingbot.convert import to_lerobot_state_dict  # noqa: E402
 from flexpack.run.build import open_dataset  # noqa: E402
 from flexpack.run.model import build_model  # noqa: E402
 from flexpack.run.state import checkpoint  # noqa: E402
-from flexpack.tools import export_lerobot  # noqa: E402
 from flexpack.training.loop import train  # noqa: E402
 from helpers import BUNDLE_CAMS, LINGBOT_TINY, bundle_run, run_cli, sample_run_and_export, tiny_config  # noqa: E402
 from test_lingbot_export import save_frozen_modules  # noqa: E402

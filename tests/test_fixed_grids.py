@@ -77,7 +77,8 @@ def test_one_builder_signature_for_every_episode_count(kind: str, copies: int, k
 
 
 def test_the_model_builds_on_fixed_grids() -> None:
-    from flexpack.models import WanVA, wan_config
+    from flexpack.families.wan.config import wan_config
+    from flexpack.families.wan.model import WanVA
 
     assert WanVA(wan_config("tiny", num_layers=1)).attn._fixed_bounds is True
     assert FlexAttnFunc()._fixed_bounds is False  # the plain callable keeps the smaller grids
@@ -120,7 +121,8 @@ def test_run_text_slots_hold_every_micro_batch_exactly() -> None:
     """The run's text slots are the sampler's bound, not a power of two of the first epoch's largest pack:
     the model then pads every pack's text to that many slots, also where a pack's count is above a power of
     two the first epoch never crossed."""
-    from flexpack.models import WanVA, wan_config
+    from flexpack.families.wan.config import wan_config
+    from flexpack.families.wan.model import WanVA
     from flexpack.packing.collate import PackCollate
     from flexpack.run.root import run_text_slots
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from flexpack.models import WanVA, wan_config
+from flexpack.families.wan.config import wan_config
+from flexpack.families.wan.model import WanVA
 from flexpack.packing.layout import SequenceLayout
 from flexpack.training.observe.flops import flops_breakdown, peak_flops, useful_flops
 

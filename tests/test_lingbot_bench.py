@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from flexpack.attention.masks import dense_mask, make_mask
-from flexpack.flow.lingbot import lingbot_pairs
+from flexpack.families.lingbot.objective import lingbot_pairs
 from flexpack.packing.layout import SequenceLayout
 
 ROOT = Path(__file__).resolve().parents[1]

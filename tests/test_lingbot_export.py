@@ -21,10 +21,10 @@ from lerobot.policies.lingbot_va.modeling_lingbot_va import LingBotVAPolicy  # n
 from flexpack.data import action_stats  # noqa: E402
 from flexpack.data.episodes import EpisodeSource  # noqa: E402
 from flexpack.data.normalization import ActionStats  # noqa: E402
-from flexpack.models.lingbot_convert import to_lerobot_state_dict  # noqa: E402
+from flexpack.families.lingbot import export_lerobot  # noqa: E402
+from flexpack.families.lingbot.convert import to_lerobot_state_dict  # noqa: E402
 from flexpack.run.model import build_model  # noqa: E402
 from flexpack.run.state import checkpoint  # noqa: E402
-from flexpack.tools import export_lerobot  # noqa: E402
 from flexpack.training.loop import train  # noqa: E402
 from helpers import run_cli, tiny_config  # noqa: E402
 from lingbot_tiny import save_frozen_modules  # noqa: E402

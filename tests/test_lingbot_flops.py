@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flexpack.attention.masks import dense_mask, make_mask
-from flexpack.flow.lingbot import drawn_chunk_window, lingbot_draws
+from flexpack.families.lingbot.objective import drawn_chunk_window, lingbot_draws
 from flexpack.flow.noise import noise_seeds
 from flexpack.run.memory_data import synthetic_run
 from flexpack.training.observe.flops import UsefulFlops, batch_flops

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from flexpack.attention.flex import FlexAttnFunc
-from flexpack.flow.lingbot import (
+from flexpack.families.lingbot.config import lingbot_config
+from flexpack.families.lingbot.convert import build_from_lerobot
+from flexpack.families.lingbot.objective import (
     LingbotDraws,
     lingbot_draws,
     lingbot_loss,
@@ -19,8 +21,6 @@ from flexpack.flow.lingbot import (
     lingbot_training_loss,
     noise_grid,
 )
-from flexpack.models.lingbot_config import lingbot_config
-from flexpack.models.lingbot_convert import build_from_lerobot
 from flexpack.packing.collate import Batch
 from flexpack.packing.layout import SequenceLayout
 from lingbot_ref import TEXT_TOKENS, eager_flex, grid_to_outputs, reference_model

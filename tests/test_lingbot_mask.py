@@ -12,8 +12,9 @@ from torch.nn.attention.flex_attention import create_block_mask
 
 from flexpack.attention import flex
 from flexpack.attention.blockmask import fast_block_mask
-from flexpack.attention.masks import dense_mask, lingbot_mask, make_mask
+from flexpack.attention.masks import dense_mask, make_mask
 from flexpack.attention.segments import num_segments
+from flexpack.families.lingbot.mask import lingbot_mask
 from flexpack.packing.layout import SequenceLayout, TokenLayout
 from lingbot_ref import LU, eager_flex
 from test_blockmask import assert_same_block_mask

@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from flexpack.attention.flex import FlexAttnFunc
-from flexpack.models.lingbot import LingbotVA, lingbot_positions
-from flexpack.models.lingbot_config import LingbotConfig, config_from_lerobot, lingbot_config
-from flexpack.models.lingbot_convert import (
+from flexpack.families.lingbot.config import LingbotConfig, config_from_lerobot, lingbot_config
+from flexpack.families.lingbot.convert import (
     build_from_lerobot,
     from_lerobot_state_dict,
     load_lerobot,
     to_lerobot_state_dict,
 )
+from flexpack.families.lingbot.model import LingbotVA, lingbot_positions
 from flexpack.packing.collate import Batch
 from flexpack.packing.layout import SequenceLayout
 from lingbot_ref import (

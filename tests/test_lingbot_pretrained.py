@@ -14,7 +14,7 @@ pytest.importorskip("lerobot.policies.lingbot_va", reason="the installed lerobot
 
 from lerobot.policies.lingbot_va.modeling_lingbot_va import LingBotVAPolicy  # noqa: E402
 
-from flexpack.models.lingbot_convert import to_lerobot_state_dict  # noqa: E402
+from flexpack.families.lingbot.convert import to_lerobot_state_dict  # noqa: E402
 from flexpack.run.config import save_config  # noqa: E402
 from flexpack.run.model import build_model  # noqa: E402
 from flexpack.run.pretrained import load_pretrained  # noqa: E402

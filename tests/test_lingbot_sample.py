@@ -27,8 +27,8 @@ from lerobot.policies.lingbot_va.configuration_lingbot_va import LingBotVAConfig
 from lerobot.policies.lingbot_va.modeling_lingbot_va import LingBotVAPolicy  # noqa: E402
 
 from flexpack.attention.flex import FlexAttnFunc  # noqa: E402
-from flexpack.models.lingbot_convert import build_from_lerobot  # noqa: E402
-from flexpack.sampling.lingbot import LingbotSampler  # noqa: E402
+from flexpack.families.lingbot.convert import build_from_lerobot  # noqa: E402
+from flexpack.families.lingbot.sampler import LingbotSampler  # noqa: E402
 from flexpack.sampling.pairs import Pair  # noqa: E402
 from flexpack.sampling.solver import SampleOptions  # noqa: E402
 from helpers import tiny_config  # noqa: E402
@@ -192,8 +192,8 @@ def test_negative_prompt_is_the_empty_prompt_of_the_caches_encoder(tiny_dataset,
     that cannot be loaded is one line naming the file and how to sample without guidance."""
     from flexpack.data import cache
     from flexpack.data.text import HashTextEncoder, text_encoder_named
+    from flexpack.families.lingbot import sampler as lingbot
     from flexpack.run.build import open_dataset
-    from flexpack.sampling import lingbot
 
     ds = open_dataset(tiny_config(tiny_dataset, tmp_path, *LINGBOT))
     emb, n = lingbot.negative_prompt(ds)
@@ -212,7 +212,7 @@ def test_negative_prompt_is_the_empty_prompt_of_the_caches_encoder(tiny_dataset,
 def test_inference_fields_come_from_a_lerobot_config() -> None:
     """LeRobot's inference fields of a policy config.json are the family's (a pretrained policy samples as it was
     configured); the registry lists them as sampling fields, which a trained-config check does not compare."""
-    from flexpack.models.lingbot_config import LEROBOT_INFERENCE, config_from_lerobot
+    from flexpack.families.lingbot.config import LEROBOT_INFERENCE, config_from_lerobot
     from flexpack.models.registry import family
     from flexpack.run.state.trained import differences
 

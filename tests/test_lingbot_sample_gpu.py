@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from flexpack.families.lingbot.sampler import LingbotSampler
 from flexpack.parallel.parallelize import ParallelOptions, compiled_graphs, parallelize
 from flexpack.run.model import build_model
-from flexpack.sampling.lingbot import LingbotSampler
 from flexpack.sampling.pairs import make_pair
 from flexpack.sampling.solver import SampleOptions
 from helpers import tiny_config

@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("lerobot")
 
-from flexpack.flow.lingbot import LingbotObjective  # noqa: E402
+from flexpack.families.lingbot.objective import LingbotObjective  # noqa: E402
 from flexpack.flow.noise import noise_seeds  # noqa: E402
 from flexpack.run.memory_data import RandomEpisodes  # noqa: E402
 from flexpack.run.root import run_for  # noqa: E402

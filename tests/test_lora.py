@@ -124,7 +124,7 @@ def test_resume_is_exact_and_other_lora_options_are_refused(family, tiny_dataset
 def test_merged_diffusers_export_has_plain_names_and_the_trained_outputs(tiny_dataset, tmp_path, capsys, one_thread):
     from safetensors.torch import load_file
 
-    from flexpack.tools.export import load_export
+    from flexpack.families.wan.export import load_export
 
     sets = ["objective.chunk_size=2", "model.chunk_size=2", "model.mask='chunk_causal'", "schedule.steps=3"]
     cfg = tiny_config(tiny_dataset, tmp_path / "run", *LORA, *sets)

@@ -47,7 +47,7 @@ class SpeedObjective(FlowObjective):
 def speed_family():
     """WanVA with the objective above, as a family of its own (registered here, removed afterwards)."""
     registry.register(FAMILY, lambda: dataclasses.replace(registry.family("wanva"), name=FAMILY,
-                                                          objective=f"{__name__}:SpeedObjective"))
+                                                          objective=SpeedObjective))
     yield FAMILY
     registry._FAMILIES.pop(FAMILY)
 

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from flexpack.attention.flex import FlexAttnFunc
+from flexpack.families.wan.config import wan_config
+from flexpack.families.wan.model import WanVA
 from flexpack.flow.objective import FlowMatchingConfig, make_flow_sample, training_loss
-from flexpack.models import WanVA, wan_config
 from flexpack.models.rope import apply_rope, rope_bands, rope_cos_sin
 from flexpack.packing.collate import PackCollate, PadCollate
 from flexpack.packing.layout import SequenceLayout

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from flexpack.attention.flex import FlexAttnFunc
-from flexpack.models import WanVA
-from flexpack.models.wan_convert import config_from_diffusers, convert_state_dict, load_converted
+from flexpack.families.wan.convert import config_from_diffusers, convert_state_dict, load_converted
+from flexpack.families.wan.model import WanVA
 from flexpack.packing.layout import SequenceLayout
 
 diffusers = pytest.importorskip("diffusers")

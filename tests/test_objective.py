@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from flexpack.attention.flex import FlexAttnFunc
+from flexpack.families.wan.config import wan_config
+from flexpack.families.wan.model import WanVA
 from flexpack.flow.objective import (
     FlowMatchingConfig,
     flow_loss,
@@ -18,7 +20,6 @@ from flexpack.flow.objective import (
     shift_sigma,
     timestep_weight,
 )
-from flexpack.models import WanVA, wan_config
 from flexpack.packing.collate import PackCollate, PadCollate
 from flexpack.packing.layout import SequenceLayout
 

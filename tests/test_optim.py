@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flexpack.models import WanVA, wan_config
+from flexpack.families.wan.config import wan_config
+from flexpack.families.wan.model import WanVA
 from flexpack.run.config import load_config
 from flexpack.run.state import checkpoint
 from flexpack.training.ema import EMA, make_ema

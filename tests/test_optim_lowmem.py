@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from flexpack.errors import UserError
-from flexpack.models import WanVA, wan_config
+from flexpack.families.wan.config import wan_config
+from flexpack.families.wan.model import WanVA
 from flexpack.run.config import OptimConfig, load_config, save_config
 from flexpack.run.state import checkpoint, resume
 from flexpack.training import optim

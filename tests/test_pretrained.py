@@ -49,7 +49,7 @@ def test_pretrained_folder_gives_diffusers_outputs_and_an_initialized_action_str
     assert float((out - ref).abs().max() / ref.abs().max()) < 1e-5
     # the action stream is initialized as a fresh model's (seeded by the run seed), not left empty
     torch.manual_seed(cfg.runtime.seed)
-    from flexpack.models.wan import action_stream_init
+    from flexpack.families.wan.model import action_stream_init
 
     for name, value in action_stream_init(wc).items():
         assert torch.equal(model.get_parameter(name), value), name
@@ -88,7 +88,7 @@ def test_training_starts_from_the_pretrained_weights(tiny_dataset, tmp_path, cap
     for name, value in res.model.state_dict().items():
         assert torch.equal(value, start[name]), name
     # the start line: which weights, their shape, how many tensors matched (the action stream is new)
-    from flexpack.models.wan import action_stream_init
+    from flexpack.families.wan.model import action_stream_init
 
     fresh, total = len(action_stream_init(cfg.model.resolved())), len(list(res.model.parameters()))
     assert len(m.state_dict()) + fresh == total and fresh > 0

@@ -23,6 +23,29 @@ MOVED = {
     "flexpack.training.checkpoint": "flexpack.run.state.checkpoint",
     **{f"flexpack.training.runstate.{m}": f"flexpack.run.state.{m}"
        for m in ("checkpoint", "resume", "runfolder", "faults", "manifest", "safeload")},
+    # each family's code moved into its folder (flexpack/families/<name>/), no file left at the old path
+    "flexpack.models.wan": "flexpack.families.wan.model",
+    "flexpack.models.wan_config": "flexpack.families.wan.config",
+    "flexpack.models.wan_convert": "flexpack.families.wan.convert",
+    "flexpack.models.lingbot": "flexpack.families.lingbot.model",
+    "flexpack.models.lingbot_config": "flexpack.families.lingbot.config",
+    "flexpack.models.lingbot_convert": "flexpack.families.lingbot.convert",
+    "flexpack.models.lingbot_family": "flexpack.families.lingbot.family",
+    "flexpack.flow.lingbot": "flexpack.families.lingbot.objective",
+    "flexpack.sampling.lingbot": "flexpack.families.lingbot.sampler",
+    "flexpack.tools.export_lerobot": "flexpack.families.lingbot.export_lerobot",
+    "flexpack.tools.export_upstream": "flexpack.families.lingbot.export_upstream",
+    "flexpack.attention.mask_lingbot": "flexpack.families.lingbot.mask",
+}
+# names that moved out of a module that stays: (old module, name) -> the module it moved to
+MOVED_NAMES = {
+    **{("flexpack.models", n): "flexpack.families.wan.model" for n in ("WanVA", "WanVAOutput")},
+    **{("flexpack.models", n): "flexpack.families.wan.config" for n in ("WanVAConfig", "PRESETS", "wan_config")},
+    **{("flexpack.models", n): "flexpack.families.lingbot.model" for n in ("LingbotVA",)},
+    **{("flexpack.models", n): "flexpack.families.lingbot.config" for n in ("LingbotConfig", "lingbot_config")},
+    ("flexpack.attention.masks", "lingbot_mask"): "flexpack.families.lingbot.mask",
+    **{("flexpack.tools.export", n): "flexpack.families.wan.export"
+       for n in ("ACTION_FORMAT", "load_export", "write_diffusers", "write_weights")},
 }
 
 
@@ -53,7 +76,7 @@ def test_moved_modules_warn_naming_the_new_place_and_give_its_objects(old, new, 
     for name in [m for m in sys.modules if m == old]:  # imported by another test: import it afresh
         monkeypatch.delitem(sys.modules, name)
     parent, _, leaf = old.rpartition(".")
-    if hasattr(sys.modules.get(parent), leaf):
+    if leaf in vars(sys.modules.get(parent, sys)):  # not hasattr: a package may warn for a moved name of its own
         monkeypatch.delattr(sys.modules[parent], leaf)
     with pytest.warns(DeprecationWarning) as seen:
         shim = importlib.import_module(old)
@@ -66,6 +89,29 @@ def test_moved_modules_warn_naming_the_new_place_and_give_its_objects(old, new, 
     assert public and all(getattr(shim, n) is getattr(real, n) for n in public)
     with pytest.raises(AttributeError, match="has no attribute 'nope'"):
         shim.nope  # noqa: B018
+
+
+def test_every_shim_is_listed_here():
+    """Each deprecated old module path (a shim file, ``tests/test_layers.py: shims``, or one of
+    ``flexpack.MOVED_MODULES``) is tested above."""
+    from test_layers import shims
+
+    assert {**shims(), **flexpack.MOVED_MODULES} == MOVED
+
+
+@pytest.mark.parametrize("old,name", sorted(MOVED_NAMES))
+def test_moved_names_warn_naming_the_new_place_and_give_its_objects(old, name, monkeypatch):
+    module = importlib.import_module(old)
+    if name in vars(module):  # the old submodule of that name, imported by the test above, shadows the name
+        monkeypatch.delattr(module, name)
+    new = MOVED_NAMES[old, name]
+    with pytest.warns(DeprecationWarning) as seen:
+        value = getattr(module, name)
+    (w,) = seen
+    assert str(w.message) == (f"{old}.{name} is deprecated: it moved to {new}; import it from there (the old path "
+                              "goes in flexpack 0.3)")
+    assert w.filename == __file__
+    assert value is getattr(importlib.import_module(new), name)
 
 
 def test_old_import_statements_keep_working():

@@ -174,7 +174,8 @@ def test_sharded_checkpoints_resume_on_2_ranks_exactly_and_elastically_2_to_1_an
 
 
 def test_async_save_writes_the_weights_of_its_step_while_training_goes_on(tmp_path):
-    from flexpack.models import WanVA, wan_config
+    from flexpack.families.wan.config import wan_config
+    from flexpack.families.wan.model import WanVA
     from flexpack.run.state import checkpoint
 
     torch.manual_seed(0)

@@ -8,9 +8,10 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
 from flexpack.attention.flex import FlexAttnFunc
+from flexpack.families.wan.config import wan_config
+from flexpack.families.wan.model import WanVA
 from flexpack.flow.noise import episode_flow_sample
 from flexpack.flow.objective import FlowMatchingConfig, flow_loss
-from flexpack.models import WanVA, wan_config
 from flexpack.packing.collate import PackCollate
 from flexpack.parallel import selective
 from flexpack.parallel.parallelize import ParallelOptions, parallelize

@@ -12,7 +12,8 @@ import torch
 pytest.importorskip("lerobot")
 
 from flexpack.cli import main as cli_main  # noqa: E402
-from flexpack.models import WanVA, wan_config  # noqa: E402
+from flexpack.families.wan.config import wan_config
+from flexpack.families.wan.model import WanVA  # noqa: E402
 from flexpack.packing.collate import PackCollate, PadCollate  # noqa: E402
 from flexpack.run.config import ScheduleConfig, load_config  # noqa: E402
 from flexpack.run.state import checkpoint  # noqa: E402

@@ -19,10 +19,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flexpack.models.lingbot_convert import to_lerobot_state_dict
+from flexpack.families.lingbot import export_upstream
+from flexpack.families.lingbot.convert import to_lerobot_state_dict
 from flexpack.run.model import build_model
 from flexpack.run.state import checkpoint
-from flexpack.tools import export_upstream
 from flexpack.training.loop import train
 from helpers import LINGBOT_TINY, bundle_run, run_cli, sample_run_and_export, tiny_config
 

@@ -93,7 +93,7 @@ def test_the_made_episodes_are_long_enough_for_the_forecast() -> None:
     """The demo's make-dataset draws episodes at least --min-frames long: each has room for one chunk of context
     (the cut points sit on chunk boundaries, 4 latent frames) plus the --horizon its sample lines ask for."""
     from flexpack.data.lengths import latent_frames
-    from flexpack.models.lingbot_config import PRESETS
+    from flexpack.families.lingbot.config import PRESETS
 
     block = commands(shell_block("lingbot-demo"))
     (make,) = [c for c in block if c.startswith("flexpack make-dataset")]

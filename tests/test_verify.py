@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from flexpack.families.wan.config import wan_config
+from flexpack.families.wan.model import WanVA
 from flexpack.flow.objective import FlowMatchingConfig
-from flexpack.models import WanVA, wan_config
 from flexpack.packing.collate import PackCollate, PadCollate
 from flexpack.run.root import ForwardOptions
 from flexpack.tools.verify import verify_batch

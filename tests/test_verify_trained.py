@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from flexpack.models import WanVA
+from flexpack.families.wan.model import WanVA
 from flexpack.run.config import load_config, save_config
 from flexpack.run.state import checkpoint
 from flexpack.run.state.trained import differences, run_config

@@ -10,7 +10,8 @@ length of a cross-attention mask (``keys``), and the model families that may tra
 registry and the samplers read the table; none of them lists mask names.
 
 Adding a mask is one :func:`register_mask` call beside its factory, inside flexpack (the built-in
-families: ``mask_document.py``, ``mask_chunk.py``, ``mask_text.py``, ``mask_lingbot.py``) or outside it::
+families: ``mask_document.py``, ``mask_chunk.py``, ``mask_text.py``; a model family's own in its folder, such as
+``families/lingbot/mask.py``) or outside it::
 
     register_mask("prefix", build=prefix_mask, options=("chunk_size",), chunked=True, families=("wanva",))
 

@@ -5,8 +5,9 @@ tensors (:mod:`flexpack.attention.masks` pins the conventions). :func:`tag_mask`
 what the block-mask builder reads: ``q_keys`` / ``kv_keys`` (the per-token tensors its value depends on),
 ``segments`` (host-side bounds on the number of constant runs of those keys, or None) and ``runs`` (a
 bound on the key ranges one query sees, or None). A mask family (``mask_document.py``, ``mask_chunk.py``,
-``mask_text.py``, ``mask_lingbot.py``, or one registered from outside flexpack) builds its mask_mods with
-these helpers and declares itself in the mask table (:mod:`flexpack.attention.mask_table`).
+``mask_text.py``, a model family's own such as ``families/lingbot/mask.py``, or one registered from outside
+flexpack) builds its mask_mods with these helpers and declares itself in the mask table
+(:mod:`flexpack.attention.mask_table`).
 """
 
 from __future__ import annotations

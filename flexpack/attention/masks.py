@@ -28,7 +28,8 @@ this module's gathers (see :mod:`flexpack.attention.blockmask`).
 
 Each mask family lives in a small module of its own and declares itself in the mask table
 (:mod:`flexpack.attention.mask_table`): ``mask_document.py`` ("document", "valid"), ``mask_chunk.py``
-("chunk_causal", "teacher_forcing"), ``mask_text.py`` ("text"), ``mask_lingbot.py`` ("lingbot"); the helpers
+("chunk_causal", "teacher_forcing"), ``mask_text.py`` ("text"); a family's own masks live in its folder
+(lingbot-va's "lingbot": :mod:`flexpack.families.lingbot.mask`, registered with the family); the helpers
 they share are in :mod:`flexpack.attention.maskmod`. This module gathers them: importing it fills the table
 with the built-in masks, and :func:`make_mask` builds any registered one by name. A mask added from outside
 flexpack is one :func:`register_mask` call.
@@ -48,9 +49,6 @@ from flexpack.attention.mask_chunk import chunk_causal_mask, teacher_forcing_mas
 from flexpack.attention.mask_text import text_mask, text_slots
 
 # isort: split
-from flexpack.attention.mask_lingbot import lingbot_mask
-
-# isort: split
 from flexpack.attention.mask_table import (
     MaskKind,
     mask_kind,
@@ -63,13 +61,25 @@ from flexpack.attention.maskmod import MaskMod, all_of, dense_mask, next_pow2, t
 from flexpack.packing.layout import TokenLayout
 
 __all__ = [
-    "MASK_KINDS", "MaskKind", "MaskMod", "all_of", "chunk_causal_mask", "dense_mask", "document_mask", "lingbot_mask",
-    "make_mask", "mask_kind", "mask_names", "next_pow2", "register_mask", "tag_mask", "teacher_forcing_mask",
+    "MASK_KINDS", "MaskKind", "MaskMod", "all_of", "chunk_causal_mask", "dense_mask", "document_mask", "make_mask",
+    "mask_kind", "mask_names", "next_pow2", "register_mask", "tag_mask", "teacher_forcing_mask",
     "text_mask", "text_slots", "unregister_mask", "update_mask", "valid_document_mask", "valid_frame_mask",
 ]
 
-# the built-in masks (mask_names() lists every registered one)
-MASK_KINDS = ("document", "valid", "chunk_causal", "teacher_forcing", "text", "lingbot")
+# the generic masks (mask_names() lists every registered one; a family's own masks, such as lingbot-va's
+# "lingbot", register with the family: flexpack.families.lingbot.mask)
+MASK_KINDS = ("document", "valid", "chunk_causal", "teacher_forcing", "text")
+
+
+def __getattr__(name: str) -> object:
+    if name != "lingbot_mask":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+    import warnings
+
+    warnings.warn("flexpack.attention.masks.lingbot_mask is deprecated: it moved to flexpack.families.lingbot.mask; "
+                  "import it from there (the old path goes in flexpack 0.3)", DeprecationWarning, stacklevel=2)
+    return importlib.import_module("flexpack.families.lingbot.mask").lingbot_mask
 
 
 def make_mask(

@@ -61,13 +61,16 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from flexpack.tools.export import export_run
-    from flexpack.tools.export_io import WRITERS
 
     out = export_run(args.run, args.out, ema=args.ema, dtype=getattr(torch, args.dtype), overrides=args.overrides,
                      policy=not args.no_policy, fmt=args.fmt, wan_pretrained_path=args.wan_pretrained_path,
                      allow_unrunnable=args.allow_unrunnable, dataset=args.dataset, adapter=args.adapter)
     fmt = json.loads((out / "export.json").read_text())["format"]
-    print(f"exported {args.run} -> {out} ({fmt}; load: {WRITERS[fmt].load.format(out=str(out))})")
+    from flexpack.models.registry import family
+
+    trained = json.loads((out / "flexpack_config.json").read_text())
+    load = family(trained["model"]["family"]).exports[fmt].load
+    print(f"exported {args.run} -> {out} ({fmt}; load: {load.format(out=str(out))})")
     if args.push_to_hub:
         from flexpack.tools.export_extras import push_to_hub
 

@@ -106,7 +106,6 @@ def load_weights(cfg: TrainConfig, source: str | Path, *, ema: bool = False
     import torch
 
     from flexpack.data.normalization import ActionStats
-    from flexpack.models.wan_config import check_action_positions
     from flexpack.run import lora
     from flexpack.run.checks import check_state_shapes
     from flexpack.run.state import checkpoint
@@ -125,13 +124,12 @@ def load_weights(cfg: TrainConfig, source: str | Path, *, ema: bool = False
         if ema and not folder.is_dir():
             raise ValueError(f"{path}: --ema but the export has no ema/ folder (exported without --ema)")
         check_export_files(path, folder)
-        if (path / "action_stream.json").is_file():  # the diffusers format
-            from flexpack.tools.export import load_export
-
-            loaded = load_export(folder)
-            check_action_positions(loaded.config.action_positions, model.config, str(folder))
-        else:  # another format: the family reads its own checkpoints (lingbot-va: a LeRobot policy folder)
-            loaded = cfg.model.model_family().load_checkpoint(str(folder), cfg.model.resolved())
+        fam = cfg.model.model_family()  # the family reads its own exports (wanva: the diffusers folder and action
+        read = fam.read_export or fam.load_checkpoint  # stream; lingbot-va: a LeRobot policy folder)
+        if read is None:
+            raise ValueError(f"{path}: flexpack cannot read a model.family = {cfg.model.family!r} export back; "
+                             "sample the run's folder instead")
+        loaded = read(str(folder), cfg.model.resolved())
         check_state_shapes(folder, loaded.state_dict(), model)
         check_finite(loaded.state_dict(), str(folder), "it cannot sample: export the run again from an intact "
                      "checkpoint", collective=False)

@@ -1,4 +1,4 @@
-"""The objectives model families train with: ``ModelFamily.objective`` names one as ``"module:Class"``.
+"""The objectives model families train with: ``ModelFamily.objective`` holds one's class (None: flow matching).
 
 An objective turns a collated batch into model inputs and targets (:meth:`Objective.sample`, noise keyed
 per episode by ``seeds`` from :func:`flexpack.flow.noise.noise_seeds`), scores the model's prediction
@@ -8,8 +8,8 @@ micro-batches for exact accumulation). The
 step, validation and ``flexpack verify`` call these three and nothing else, whatever the family. An
 objective class is built by ``Class.from_config(objective section, the family's resolved model config)``;
 :class:`FlowObjective` is flexpack's flow matching (:mod:`flexpack.flow.objective`) over the ``objective``
-config section, the default of every family; a family with an objective of its own names its class
-(:func:`objective_for` imports it).
+config section, the default of every family; a family with an objective of its own gives its class
+(:func:`objective_for` builds it).
 
 A sample's ``model_kwargs()`` and its ``chunk_size`` / ``window`` (None, or one per episode) are what the
 model call takes besides the run's forward options (:class:`~flexpack.run.root.ForwardOptions`).
@@ -17,7 +17,6 @@ model call takes besides the run's forward options (:class:`~flexpack.run.root.F
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
@@ -78,15 +77,10 @@ class FlowObjective:
         return None  # the document mask's count (an upper bound for the chunk masks: observe/flops.py)
 
 
-def objective_for(spec: str, objective: FlowMatchingConfig, model: Any) -> Objective:
-    """The objective ``spec`` (a family's ``objective``, ``"module:Class"``) over the config's ``objective``
-    section and the resolved model config."""
-    module, _, name = spec.partition(":")
-    try:
-        cls = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"objective {spec!r} cannot be loaded ({exc}); expected 'module:Class'") from None
-    return cls.from_config(objective, model)
+def objective_for(cls: Any, objective: FlowMatchingConfig, model: Any) -> Objective:
+    """The objective of class ``cls`` (a family's ``objective``; None: :class:`FlowObjective`) over the config's
+    ``objective`` section and the resolved model config."""
+    return (FlowObjective if cls is None else cls).from_config(objective, model)
 
 
 def as_objective(cfg: FlowMatchingConfig | Objective) -> Objective:

@@ -6,12 +6,19 @@ config and tensors map onto the family's (weight converters), which tensors a ch
 and how they start, the block container that ``parallel/`` wraps, compiles and shards block by block,
 its default self-attention mask (the others it may train with are the mask table's entries that name the
 family: :mod:`flexpack.attention.mask_table`), how many copies of an episode it sees (noisy, or noisy and
-clean), the objective it trains with (``"module:Class"``: :mod:`flexpack.flow.objectives`), the data conventions
-of its datasets (:class:`DataConventions`: action space, cameras, text length), the sampler (``"flow"``, a
-``"module:Class"`` of :mod:`flexpack.sampling`, or None: the family does not sample yet), the config fields that
-only say how it samples, the camera composition its checkpoints record, and the export formats it can be written
-in (:mod:`flexpack.tools.export_io`). The run (:mod:`flexpack.run.root`), the geometry, the collate, the
-objective and the sampler ask the family; nothing else branches on a family's name.
+clean), the objective it trains with (a class: :mod:`flexpack.flow.objectives`), the data conventions
+of its datasets (:class:`DataConventions`: action space, cameras, text length), the sampler (a class,
+flexpack's flow solver by default, or none: the family does not sample yet), the config fields that
+only say how it samples, the camera composition its checkpoints record, what its checkpoints record beside the
+weights and how a load checks it, and the export formats it can be written in (:class:`ExportFormat`, each with
+its writer). Every entry holds the callables themselves, never import strings. The run
+(:mod:`flexpack.run.root`), the geometry, the collate, the objective and the sampler ask the family; nothing
+else branches on a family's name.
+
+A family's code lives in its own folder, ``flexpack/families/<name>/`` (:mod:`flexpack.families`), whose
+``spec`` module calls :func:`register`; the registry imports the built-in ones (:data:`BUILTIN`) the first
+time a family is asked for, and code outside flexpack registers its own the same way
+(``tests/test_toy_family.py``). Nothing else in flexpack imports a family folder (``tests/test_layers.py``).
 
 Every family config offers the shape properties generic code reads (``patch_size``, ``in_channels``,
 ``out_dim``, ``action_channels``, ``text_dim``, ``dim``, ``num_heads``, ``head_dim``, ``ffn_dim``,
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol
 
@@ -62,9 +70,30 @@ class ModelShape(Protocol):
 WAN_BLOCK_LINEARS = ("self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o",
                      "cross_attn.q", "cross_attn.k", "cross_attn.v", "cross_attn.o", "ffn.fc1", "ffn.fc2")
 
+# the family packages flexpack ships; each one's ``spec`` module registers it when imported
+BUILTIN = ("flexpack.families.wan.spec", "flexpack.families.lingbot.spec")
 
-def _wan_conventions(config: Any) -> DataConventions:
+
+def _default_conventions(config: Any) -> DataConventions:
+    """A batch's actions are the config's ``action_channels`` wide (at least 1), the dataset's columns in order."""
     return DataConventions(action_dim=max(config.action_channels, 1))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExportFormat:
+    """One format ``flexpack export --format`` writes a family's checkpoint in: its writer (an ``ExportJob``
+    and a folder: :mod:`flexpack.tools.export_io`), the check of a config and the command's options before any
+    weight is read (None: none), the module it needs, the flexpack extra that installs it and how to load what
+    it writes (``{out}``: the folder); ``options``: the options of ``flexpack export`` only some formats take that
+    this one does (an ``ExportOptions`` field: ``policy``, ``wan_pretrained_path``, ``allow_unrunnable``) -> what it
+    means here (:data:`flexpack.tools.export_io.FORMAT_OPTIONS`)."""
+
+    writer: Callable[[Any, Any], None]
+    check: Callable[[Any, Any], None] | None = None
+    package: str = ""
+    extra: str = ""
+    load: str = ""
+    options: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,21 +123,33 @@ class ModelFamily:
     fresh_tensors: Callable[[Any], dict[str, Tensor]] = lambda config: {}
     # a whole checkpoint (file or folder) as a model of ``config``, built without a random init first
     load_checkpoint: Callable[[str, Any], nn.Module] | None = None
-    blocks: str = "blocks"  # the ModuleList of transformer blocks (parallelize, float8, checkpointing)
+    # an export folder of the family (one its exports wrote) as a model of ``config``; None: load_checkpoint reads it
+    read_export: Callable[[str, Any], nn.Module] | None = None
+    # the transformer blocks parallelize, float8 and checkpointing wrap one by one: the model's attribute holding
+    # them (a ModuleList), or a callable of the model giving its ModuleList (block_list reads either)
+    blocks: str | Callable[[nn.Module], nn.ModuleList] = "blocks"
     mask: str = "document"  # the default self-attention mask (model.mask = ""); see masks
     copies: int | None = None  # copies of every frame: None = 2 under objective.teacher_forcing, else 1
-    objective: str = "flexpack.flow.objectives:FlowObjective"  # "module:Class" of its objective (flow/objectives.py)
+    # its objective class: ``objective.from_config(objective section, resolved model config)``; None: flexpack's
+    # flow matching (flexpack.flow.objectives.FlowObjective)
+    objective: Any = None
     # the objective section applied to the resolved config (config, objective section, the field names
     # model.overrides sets) -> config; ValueError for keys that do not apply. None: nothing to apply
     apply_objective: Callable[[Any, Any, frozenset[str]], Any] | None = None
-    conventions: Callable[[Any], DataConventions] = _wan_conventions  # what its datasets look like
-    # how flexpack sample / sample.every sample it: "flow" (flexpack.sampling.solver's), a sampler's
-    # "module:Class", or None: not yet
-    sampler: str | None = "flow"
+    conventions: Callable[[Any], DataConventions] = _default_conventions  # what its datasets look like
+    # how flexpack sample / sample.every sample it: a sampler class (a flexpack.sampling.solver.PackedSampler
+    # subclass with its context_chunk(cfg)); None: flexpack's flow solver (PackedSampler) unless samples is False
+    sampler: Any = None
+    samples: bool = True  # False: flexpack cannot sample this family yet
     # config fields that say how the family samples, not what it trains (a sample may set them; the
     # trained-config check skips them)
     sampling_fields: tuple[str, ...] = ()
-    export_formats: tuple[str, ...] = ()
+    exports: Mapping[str, ExportFormat] = field(default_factory=dict)  # --format name -> how it is written
+    # what a checkpoint records beside the weights (train_state.json), from the model; None: nothing
+    weights_record: Callable[[nn.Module], dict[str, Any]] | None = None
+    # a checkpoint's train_state (its record), the model, the checkpoint's name -> one ValueError line where the
+    # weights cannot be loaded into the model as trained; None: nothing to check
+    check_weights: Callable[[Mapping[str, Any], nn.Module, str], None] | None = None
     # lora.targets = [] (the default): the modules LoRA adapts, as peft's target_modules (a module name, or its
     # last dotted parts); () = none by default: a LoRA run of the family names its targets
     lora_targets: tuple[str, ...] = ()
@@ -169,6 +210,15 @@ class ModelFamily:
     def build(self, config: Any) -> nn.Module:
         return self.model_class(config)
 
+    def block_list(self, model: nn.Module) -> nn.ModuleList:
+        """The model's transformer blocks (:attr:`blocks`)."""
+        return getattr(model, self.blocks) if isinstance(self.blocks, str) else self.blocks(model)
+
+    @property
+    def export_formats(self) -> tuple[str, ...]:
+        """The ``--format`` names it can be written in, its default first."""
+        return tuple(self.exports)
+
 
 _FAMILIES: dict[str, Callable[[], ModelFamily]] = {}
 
@@ -178,63 +228,29 @@ def register(name: str, make: Callable[[], ModelFamily]) -> None:
     _FAMILIES[name] = functools.cache(make)
 
 
+@functools.cache
+def _builtin() -> None:
+    for package in BUILTIN:  # each spec module registers its family
+        importlib.import_module(package)
+
+
 def family(name: str) -> ModelFamily:
     """The registered family ``name`` (``model.family``), or a ValueError naming the known ones."""
+    _builtin()
     if name not in _FAMILIES:
         raise ValueError(f"model.family must be one of {sorted(_FAMILIES)}, got {name!r}")
     return _FAMILIES[name]()
 
 
 def families() -> list[str]:
+    _builtin()
     return sorted(_FAMILIES)
 
 
-def _wanva() -> ModelFamily:
-    from .wan import WanVA, action_stream_init
-    from .wan_config import PRESETS, WanVAConfig
-    from .wan_convert import SHAPE_FIELDS, config_from_diffusers, convert_tensor, diffusers_files
-
-    return ModelFamily(name="wanva", config_class=WanVAConfig, presets=PRESETS, model_class=WanVA,
-                       read_checkpoint_config=config_from_diffusers, shape_fields=SHAPE_FIELDS,
-                       checkpoint_files=diffusers_files,
-                       convert_tensor=convert_tensor, fresh_tensors=action_stream_init,
-                       load_checkpoint=lambda path, config: WanVA.from_diffusers_file(path, config),
-                       export_formats=("diffusers", "lerobot_policy"), lora_targets=WAN_BLOCK_LINEARS)
-
-
-def _lingbot_va() -> ModelFamily:
-    from .lingbot import LingbotVA
-    from .lingbot_config import (
-        COPIES,
-        LEROBOT_INFERENCE,
-        LEROBOT_TRAINING,
-        PRESETS,
-        LingbotConfig,
-        camera_layout_of,
-        config_from_lerobot,
-    )
-    from .lingbot_convert import convert_tensor, lingbot_files, load_checkpoint
-    from .lingbot_family import (
-        ALIASES,
-        LORA_TARGETS,
-        NAME,
-        REFUSED,
-        SHAPE_FIELDS,
-        apply_objective,
-        conventions,
-    )
-
-    return ModelFamily(name=NAME, config_class=LingbotConfig, presets=PRESETS, model_class=LingbotVA,
-                       aliases=ALIASES, refused=REFUSED, read_checkpoint_config=config_from_lerobot,
-                       shape_fields=SHAPE_FIELDS, checkpoint_defaults=LEROBOT_TRAINING + LEROBOT_INFERENCE,
-                       checkpoint_files=lingbot_files, checkpoint_layout=camera_layout_of,
-                       convert_tensor=convert_tensor, load_checkpoint=load_checkpoint,
-                       mask="lingbot", copies=COPIES, objective="flexpack.flow.lingbot:LingbotObjective",
-                       apply_objective=apply_objective,
-                       conventions=conventions, sampler="flexpack.sampling.lingbot:LingbotSampler",
-                       sampling_fields=LEROBOT_INFERENCE,
-                       export_formats=("lerobot", "lingbot-upstream"), lora_targets=LORA_TARGETS)
-
-
-register("wanva", _wanva)
-register("lingbot-va", _lingbot_va)
+def family_of(model: nn.Module) -> ModelFamily | None:
+    """The family whose model class ``model`` is (the most derived one: a wrapper class such as FSDP2's
+    subclasses it), or None."""
+    by_class = {}
+    for name in families():
+        by_class.setdefault(family(name).model_class, family(name))
+    return next((by_class[c] for c in type(model).__mro__ if c in by_class), None)

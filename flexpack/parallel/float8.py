@@ -4,7 +4,7 @@ torchao's float8 training (``convert_to_float8_training``; the optional extra ``
 - ``"off"``: bf16/fp32 as configured. ``"tensorwise"``: one dynamic scale per tensor (the fastest
   cast; under FSDP2 the weights are all-gathered in float8, half the bytes of bf16).
   ``"rowwise"``: one scale per row of each operand (closer to bf16 numerically, a little slower).
-- Which layers: the ``nn.Linear`` modules inside ``model.blocks`` (self-attention q/k/v/o,
+- Which layers: the ``nn.Linear`` modules inside the model's blocks (its family's ``blocks``; self-attention q/k/v/o,
   cross-attention q/o, FFN) whose in and out features are both multiples of 16 (``torch._scaled_mm``
   needs them) and at least :data:`MIN_DIM`. Not converted: embeddings, the time MLP and the heads
   (outside the blocks: their M is a few rows or a few thousand tokens once per step, they are
@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from flexpack.errors import UserError
+from flexpack.parallel.blocks import Blocks, block_path
 
 MODES = ("off", "tensorwise", "rowwise")
 MIN_DIM = 1024  # below this K or N the casts (amax + scale + cast, per forward and backward) outweigh the GEMM gain
@@ -89,13 +90,14 @@ def check_tokens(mode: str, data: Any, geometry: Any, device: torch.device) -> N
                         f"{data.pad_multiple} frames x {unit} tokens per frame is not; set data.pad_multiple = {good}")
 
 
-def layer_filter(module: nn.Module, fqn: str, *, min_dim: int | None = None) -> bool:
-    """Whether the linear layer at ``fqn`` (a name inside the model) gets float8 matmuls."""
+def layer_filter(module: nn.Module, fqn: str, *, min_dim: int | None = None, within: str = "blocks") -> bool:
+    """Whether the linear layer at ``fqn`` (a name inside the model) gets float8 matmuls; ``within``: the dotted
+    name of the blocks' container (:func:`flexpack.parallel.blocks.block_path`)."""
     min_dim = MIN_DIM if min_dim is None else min_dim
     if not isinstance(module, nn.Linear) or ".lora_A." in fqn or ".lora_B." in fqn:
         return False  # LoRA adapters (flexpack.run.lora) stay in high precision: rank-r matmuls gain nothing
     fqn = fqn.removesuffix(".base_layer")  # a LoRA layer's frozen base: judged by the layer's own name
-    if not (fqn.startswith("blocks.") or ".blocks." in fqn):
+    if not (fqn.startswith(within + ".") or f".{within}." in fqn):
         return False
     if any(fqn.endswith(s) for s in SKIP):
         return False
@@ -104,13 +106,14 @@ def layer_filter(module: nn.Module, fqn: str, *, min_dim: int | None = None) -> 
 
 
 def convert(model: nn.Module, mode: str, *, fsdp: bool = False, emulate: bool = False,
-            min_dim: int | None = None, name_of: Callable[[str], str] | None = None) -> list[str]:
+            min_dim: int | None = None, name_of: Callable[[str], str] | None = None, blocks: Blocks = "blocks"
+            ) -> list[str]:
     """Swap the blocks' qualifying ``nn.Linear`` layers for torchao ``Float8Linear`` in place;
     returns their names. ``fsdp``: float8 all-gather of the weights (tensorwise only: torchao has it
     for dynamic tensorwise scales). ``emulate``: float8 numerics without float8 kernels (tests on CPU).
     ``name_of``: the WanVA name :func:`layer_filter` judges for a module's name in ``model``, so that
     another implementation of the model (diffusers' Wan, through its WanVA names) gets the same
-    layers converted."""
+    layers converted. ``blocks``: where the model keeps its blocks (:mod:`flexpack.parallel.blocks`)."""
     check_mode(mode)
     if mode == "off":
         return []
@@ -123,9 +126,10 @@ def convert(model: nn.Module, mode: str, *, fsdp: bool = False, emulate: bool = 
 
         config = dataclasses.replace(config, emulate=True)
     names: list[str] = []
+    within = block_path(model, blocks)
 
     def keep(module: nn.Module, fqn: str) -> bool:
-        ok = layer_filter(module, name_of(fqn) if name_of else fqn, min_dim=min_dim)
+        ok = layer_filter(module, name_of(fqn) if name_of else fqn, min_dim=min_dim, within=within)
         if ok:
             names.append(fqn)
         return ok

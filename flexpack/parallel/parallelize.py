@@ -1,6 +1,6 @@
-"""Parallelize a plain WanVA from outside: float8 linear layers (``parallel.float8``,
-:mod:`flexpack.parallel.float8`), regional compilation, activation checkpointing (whole blocks, or
-per op: :mod:`flexpack.parallel.selective`), then FSDP2 per block, then the root.
+"""Parallelize a plain model of any family from outside (its blocks where its family says they are): float8
+linear layers (``parallel.float8``, :mod:`flexpack.parallel.float8`), regional compilation, activation
+checkpointing (whole blocks, or per op: :mod:`flexpack.parallel.selective`), then FSDP2 per block, then the root.
 
 The model file knows nothing of ranks. :func:`parallelize` compiles each block's forward
 (``compile=True``: one inductor graph per block with FlexAttention inside, so AdaLN modulation,
@@ -27,6 +27,7 @@ from torch import nn
 
 from flexpack.attention.flex import GraphCounter, compile_count
 from flexpack.errors import UserError
+from flexpack.parallel.blocks import Blocks, block_list
 
 
 def world() -> tuple[int, int]:
@@ -59,9 +60,11 @@ def compiled_graphs() -> int:
     return BLOCK_GRAPHS.n + compile_count()
 
 
-def compile_blocks(model: nn.Module, *, fullgraph: bool = True, memory_budget: float = 1.0) -> None:
-    """Compile each block's ``forward`` in place (state-dict keys and module hooks unchanged, so FSDP's
-    hooks stay outside the compiled code). Shapes are static: one graph per pack shape.
+def compile_blocks(model: nn.Module, *, fullgraph: bool = True, memory_budget: float = 1.0,
+                   blocks: Blocks = "blocks") -> None:
+    """Compile each block's ``forward`` (``blocks``: :func:`~flexpack.parallel.blocks.block_list`) in place
+    (state-dict keys and module hooks unchanged, so FSDP's hooks stay outside the compiled code).
+    Shapes are static: one graph per pack shape.
 
     ``memory_budget`` < 1: the forward/backward partition of each block keeps at most that share of
     the activations its default partition would save and recomputes the cheapest ops (by FLOPs:
@@ -72,7 +75,7 @@ def compile_blocks(model: nn.Module, *, fullgraph: bool = True, memory_budget: f
     # every block shares one code object; leave room for a few shapes (pad mode, text-slot buckets)
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     backend = BLOCK_GRAPHS.backend if memory_budget >= 1.0 else partial(_budget_backend, memory_budget)
-    for block in model.blocks:
+    for block in block_list(model, blocks):
         block.forward = torch.compile(block.forward, backend=backend, fullgraph=fullgraph, dynamic=False)
 
 
@@ -89,13 +92,15 @@ def _budget_backend(budget: float, gm: torch.fx.GraphModule, example_inputs: lis
 class ParallelOptions:
     """How :func:`parallelize` wraps a model: float8 linears (``parallel.float8``), compiled blocks with
     their memory budget, activation checkpointing (``True`` every block, an int ``n`` the first ``n``,
-    ``"selective"`` per op) and the FSDP compute dtype of the parameters (e.g. bf16; None: fp32)."""
+    ``"selective"`` per op), the FSDP compute dtype of the parameters (e.g. bf16; None: fp32) and where the model
+    keeps its blocks (its family's ``blocks``: :mod:`flexpack.parallel.blocks`)."""
 
     compile: bool = False
     activation_checkpointing: bool | int | str = False
     memory_budget: float = 1.0
     float8: str = "off"
     param_dtype: torch.dtype | None = None
+    blocks: Blocks = "blocks"
 
 
 def parallelize(model: nn.Module, *, device: torch.device, options: ParallelOptions = ParallelOptions()) -> nn.Module:
@@ -112,13 +117,13 @@ def parallelize(model: nn.Module, *, device: torch.device, options: ParallelOpti
     ``memory_budget`` (checkpointed blocks recompute their whole forward whatever the budget).
     """
     o = options
-    blocks, float8, activation_checkpointing = model.blocks, o.float8, o.activation_checkpointing
+    blocks, float8, activation_checkpointing = block_list(model, o.blocks), o.float8, o.activation_checkpointing
     compile, memory_budget, param_dtype = o.compile, o.memory_budget, o.param_dtype
     _, size = world()
     if float8 != "off":  # torchtitan's order: float8 → compile → AC → FSDP2
         from flexpack.parallel import float8 as f8
 
-        f8.convert(model, float8, fsdp=size > 1, emulate=device.type != "cuda")
+        f8.convert(model, float8, fsdp=size > 1, emulate=device.type != "cuda", blocks=o.blocks)
     check_memory_budget(memory_budget, compile, "activation_memory_budget", "; compile is off")
     if activation_checkpointing == "selective":  # checkpoint first, then compile: the policy is traced
         from flexpack.parallel import selective
@@ -126,10 +131,10 @@ def parallelize(model: nn.Module, *, device: torch.device, options: ParallelOpti
         for i in range(len(blocks)):
             blocks[i] = selective.wrap(blocks[i])
         if compile:
-            compile_blocks(model, memory_budget=memory_budget)
+            compile_blocks(model, memory_budget=memory_budget, blocks=o.blocks)
         activation_checkpointing = False
     elif compile:  # inside the checkpoint: a recompute replays the compiled forward
-        compile_blocks(model, memory_budget=memory_budget)
+        compile_blocks(model, memory_budget=memory_budget, blocks=o.blocks)
     n_ckpt = len(blocks) if activation_checkpointing is True else int(activation_checkpointing)
     if n_ckpt:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper

@@ -385,7 +385,7 @@ class TrainConfig:
         # the objective section as the model family reads it (some families map its keys onto their fields)
         object.__setattr__(self, "model", self.model.with_objective(self.objective))
         fam = self.model.model_family()
-        if self.sample.every and fam.sampler is None:
+        if self.sample.every and not fam.samples:
             raise ValueError(f"sample.every={self.sample.every}: model.family = {self.model.family!r} "
                              "has no sampler yet; set sample.every = 0")
         from flexpack.attention.masks import mask_kind  # the mask table: which masks see the clean copy

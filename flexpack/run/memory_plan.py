@@ -240,8 +240,7 @@ def shape_of(run: Run, *, flops_per_s: float | None = None) -> Shape:
     with torch.device("meta"):
         model = run.family.build(run.model_config)
     params = sum(p.numel() for p in model.parameters())
-    blocks = getattr(model, run.family.blocks, None) if isinstance(run.family.blocks, str) else None
-    layers = len(blocks) if blocks is not None else int(getattr(run.model_config, "num_layers", 1))
+    layers = len(run.family.block_list(model))
     trained, frozen_bytes = params, 4
     lora = getattr(cfg, "lora", None)
     if lora is not None and lora.rank:

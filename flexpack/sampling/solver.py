@@ -35,7 +35,6 @@ ranks before the next stage.
 from __future__ import annotations
 
 import contextlib
-import importlib
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -72,14 +71,11 @@ def context_chunk(cfg: TrainConfig) -> int:
 
 def sampler_class(cfg: TrainConfig) -> type["PackedSampler"]:
     """The sampler of the config's model family (its registry entry's ``sampler``): :class:`PackedSampler`
-    for ``"flow"``, else the ``"module:Class"`` it names (a subclass, with its ``context_chunk(cfg)``)."""
-    spec = cfg.model.model_family().sampler
-    if spec is None:
+    where it names none, else the class it holds (a subclass, with its ``context_chunk(cfg)``)."""
+    fam = cfg.model.model_family()
+    if not fam.samples:
         raise ValueError(f"model.family = {cfg.model.family!r} cannot be sampled by flexpack yet")
-    if spec == "flow":
-        return PackedSampler
-    module, _, name = spec.partition(":")
-    return getattr(importlib.import_module(module), name)
+    return PackedSampler if fam.sampler is None else fam.sampler
 
 
 def solver_steps(cfg: TrainConfig, given: int | None, *, default: int = 10) -> int:

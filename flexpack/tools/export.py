@@ -1,10 +1,11 @@
 """``flexpack export RUN OUT``: a run's newest checkpoint as a folder the ecosystem loads.
 
 ``--format`` picks the layout among the formats the run's family can be written in (its registry entry's
-``export_formats``; :data:`flexpack.tools.export_io.WRITERS` maps each to its writer): ``diffusers`` (WanVA,
-below) or ``lerobot`` (lingbot-va: a LeRobot ``lingbot_va`` policy folder, :mod:`flexpack.tools.export_lerobot`)
-or ``lingbot-upstream`` (lingbot-va: upstream LingBot-VA's ``transformer/`` folder,
-:mod:`flexpack.tools.export_upstream`); a run on a lingbot-bundle: :mod:`flexpack.tools.export_bundle`.
+``exports``, each with its writer): ``diffusers`` (WanVA: :mod:`flexpack.families.wan.export`, the layout
+below) or ``lerobot`` (lingbot-va: a LeRobot ``lingbot_va`` policy folder,
+:mod:`flexpack.families.lingbot.export_lerobot`) or ``lingbot-upstream``
+(lingbot-va: upstream LingBot-VA's ``transformer/`` folder, :mod:`flexpack.families.lingbot.export_upstream`);
+a run on a lingbot-bundle: :mod:`flexpack.tools.export_bundle`.
 Every format gets ``flexpack_config.json`` and ``export.json`` beside its own files.
 
 ``OUT`` (a new or empty folder, written under a temporary name and renamed when complete), ``diffusers``::
@@ -28,8 +29,11 @@ read only for a checkpoint that carries no statistics. A damaged newest checkpoi
 and the one before it used; the step exported is printed. Files get ordinary permissions.
 The weights come from :func:`flexpack.run.state.checkpoint.load` into a single-process model built on
 the meta device (no random init), as ``flexpack verify --checkpoint`` loads them. Names and
-shapes go back through the table of :mod:`flexpack.models.wan_convert` (the one used to load
-diffusers checkpoints); :func:`load_export` reads a folder back into a :class:`WanVA`.
+shapes go back through the table of :mod:`flexpack.families.wan.convert` (the one used to load
+diffusers checkpoints); :func:`flexpack.families.wan.export.load_export` reads a folder back into a WanVA.
+
+``write_weights``, ``write_diffusers``, ``load_export`` and ``ACTION_FORMAT`` moved to
+:mod:`flexpack.families.wan.export`; their old names here warn (a ``DeprecationWarning``) until flexpack 0.3.
 """
 
 from __future__ import annotations
@@ -39,20 +43,14 @@ import os
 import shutil
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from flexpack.models.wan_config import LEGACY_ACTION_POSITIONS, WanVAConfig
-
 if TYPE_CHECKING:
     from flexpack.data.normalization import ActionStats
     from flexpack.run.config import TrainConfig
-
-ACTION_FORMAT = "flexpack-action-stream-v1"
-
 
 def _check_out(out: Path) -> None:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -102,40 +100,17 @@ def _normalization(cfg: TrainConfig, state: dict[str, Any], where: str = "the ch
     return stats, record
 
 
-def write_weights(folder: Path, state_dict: dict[str, torch.Tensor], model_cfg: WanVAConfig, *, action_steps: int,
-                  dtype: torch.dtype = torch.float32, max_shard_size: str | int = "10GB") -> None:
-    """A WanVA state dict as a diffusers WanTransformer3DModel folder plus the action-stream files."""
-    try:
-        from diffusers import WanTransformer3DModel
-    except ImportError as exc:
-        raise ImportError("flexpack export needs diffusers: pip install 'flexpack[hf]'") from exc
-    from safetensors.torch import save_file
-
-    from flexpack.models.wan_convert import config_to_diffusers, to_diffusers_state_dict
-
-    video, action = to_diffusers_state_dict({k: v.to(dtype) for k, v in state_dict.items()}, model_cfg)
-    with torch.device("meta"):  # no random init: the tensors are adopted below
-        dm = WanTransformer3DModel(**config_to_diffusers(model_cfg))
-    dm.load_state_dict(video, strict=True, assign=True)
-    dm.save_pretrained(folder, safe_serialization=True, max_shard_size=max_shard_size)
-    if action:
-        save_file({k: v.contiguous() for k, v in action.items()}, str(folder / "action_stream.safetensors"),
-                  metadata={"format": ACTION_FORMAT})
-    info = {"format": ACTION_FORMAT, "action_channels": model_cfg.action_channels, "action_steps": action_steps,
-            "dim": model_cfg.dim, "weights": sorted(action), "wanva_config": asdict(model_cfg)}
-    (folder / "action_stream.json").write_text(json.dumps(info, indent=2) + "\n")
-
-
 def export_run(run: str | os.PathLike, out: str | os.PathLike, *, ema: bool = False,
                dtype: torch.dtype = torch.float32, overrides: Sequence[str] = (), policy: bool = True,
                fmt: str | None = None, wan_pretrained_path: str | None = None, allow_unrunnable: bool = False,
                dataset: str | None = None, adapter: str | os.PathLike | None = None) -> Path:
     """Export ``run``'s newest intact checkpoint into ``out`` in ``fmt`` (default: the family's first export
-    format; ``diffusers`` is the module docstring's layout, ``lerobot`` :mod:`flexpack.tools.export_lerobot`'s,
-    ``lingbot-upstream`` :mod:`flexpack.tools.export_upstream`'s); returns ``out``. ``overrides`` (``--set``)
-    apply to the checkpoint's own config; ``allow_unrunnable``: write a ``lerobot`` export that LeRobot could not
-    run as trained (stand-in encoders, other widths) with a warning; ``dataset``: a bundle run's dataset whose
-    cameras the export describes; ``adapter``: a LoRA run's adapters also go there, as a peft adapter folder
+    format; ``diffusers`` is the module docstring's layout, ``lerobot``
+    :mod:`flexpack.families.lingbot.export_lerobot`'s, ``lingbot-upstream``
+    :mod:`flexpack.families.lingbot.export_upstream`'s); returns ``out``. ``overrides`` (``--set``) apply to
+    the checkpoint's own config; ``allow_unrunnable``: write a ``lerobot`` export that LeRobot could not run as
+    trained (stand-in encoders, other widths) with a warning; ``dataset``: a bundle run's dataset whose cameras the
+    export describes; ``adapter``: a LoRA run's adapters also go there, as a peft adapter folder
     (:func:`flexpack.run.lora.write_adapter`; ``OUT`` gets the merged weights either way)."""
     from flexpack.atomic import write_failure
     from flexpack.errors import UserError
@@ -214,44 +189,15 @@ def _write_adapter(folder: Path, adapters: Any) -> None:
           file=sys.stderr)
 
 
-def write_diffusers(job: Any, folder: Path) -> None:
-    """The ``diffusers`` format (the module docstring's layout but ``flexpack_config.json`` and
-    ``export.json``, which every format gets) into ``folder``."""
-    cfg, model, dtype = job.cfg, job.model, job.options.dtype
-    model_cfg = cfg.model.resolved()
-    write_weights(folder, model.state_dict(), model_cfg, action_steps=cfg.data.action_steps, dtype=dtype)
-    if job.averaged is not None:
-        (folder / "ema").mkdir()
-        write_weights(folder / "ema", job.averaged.full_state_dict(), model_cfg, action_steps=cfg.data.action_steps,
-                      dtype=dtype)
-    (folder / "normalization.json").write_text(json.dumps(job.norm, indent=2) + "\n")
-    from flexpack.tools.export_extras import write_extras
-
-    write_extras(folder, run=job.run, cfg=cfg, model_cfg=model_cfg, state_dict=model.state_dict(), stats=job.stats,
-                 norm=job.norm, step=job.step, ema=job.options.ema, dtype=dtype, policy=job.options.policy)
+_MOVED = ("ACTION_FORMAT", "load_export", "write_diffusers", "write_weights")  # to flexpack.families.wan.export
 
 
-def load_export(folder: str | os.PathLike, *, attn: Any = None) -> torch.nn.Module:
-    """A :class:`WanVA` from an exported folder (or its ``ema/``): the diffusers weights plus the action stream."""
-    from safetensors.torch import load_file
+def __getattr__(name: str) -> Any:
+    if name not in _MOVED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+    import warnings
 
-    from flexpack.models import WanVA
-
-    folder = Path(folder)
-    info_file = folder / "action_stream.json"
-    if not info_file.is_file():
-        raise FileNotFoundError(f"{info_file}: missing; not a flexpack export folder")
-    info = json.loads(info_file.read_text())
-    kw = {k: tuple(v) if isinstance(v, list) else v for k, v in info["wanva_config"].items()}
-    kw.setdefault("action_positions", LEGACY_ACTION_POSITIONS)  # exported before the rule was recorded
-    model_cfg = WanVAConfig(**kw)
-    model = WanVA.from_diffusers_file(str(folder), model_cfg, attn=attn)
-    if info["weights"]:
-        action = load_file(folder / "action_stream.safetensors")
-        missing = sorted(set(info["weights"]) - set(action))
-        if missing:
-            raise ValueError(f"{folder / 'action_stream.safetensors'}: lacks {missing}")
-        with torch.no_grad():
-            for name, t in action.items():
-                model.get_parameter(name).copy_(t)
-    return model
+    warnings.warn(f"flexpack.tools.export.{name} is deprecated: it moved to flexpack.families.wan.export; import it "
+                  "from there (the old path goes in flexpack 0.3)", DeprecationWarning, stacklevel=2)
+    return getattr(importlib.import_module("flexpack.families.wan.export"), name)

@@ -193,8 +193,9 @@ def _check_stride(cams: BundleCameras, apf: int) -> None:
 
 def lerobot_layout(cfg: TrainConfig, stats: ActionStats, dataset: str | None = None) -> dict[str, Any]:
     """The dataset-side fields of a LeRobot ``lingbot_va`` policy of a bundle run: ``obs_cam_keys``,
-    ``camera_layout``, ``height``, ``width``, the input and output features; one line for what the policy cannot
-    represent (the module docstring)."""
+    ``camera_layout`` (flexpack's name of the composition: the family's export writes LeRobot's), ``height``,
+    ``width``, the input and output features; one line for what the policy cannot represent (the module
+    docstring)."""
     from lerobot.configs.types import FeatureType, PolicyFeature
 
     model_cfg = cfg.model.resolved()
@@ -224,7 +225,5 @@ def lerobot_layout(cfg: TrainConfig, stats: ActionStats, dataset: str | None = N
               f"{h}x{w}, the size its latents were encoded at", file=sys.stderr)
     inputs = {c: PolicyFeature(type=FeatureType.VISUAL, shape=cams.frames[c]) for c in names}
     outputs = {"action": PolicyFeature(type=FeatureType.ACTION, shape=(cams.columns,))}
-    from flexpack.models.lingbot_config import lerobot_layout_name
-
-    return {"obs_cam_keys": names, "camera_layout": lerobot_layout_name(cams.layout), "height": h, "width": w,
+    return {"obs_cam_keys": names, "camera_layout": cams.layout, "height": h, "width": w,
             "input_features": inputs, "output_features": outputs}

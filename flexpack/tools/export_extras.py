@@ -29,7 +29,7 @@ import torch
 
 if TYPE_CHECKING:
     from flexpack.data.normalization import ActionStats
-    from flexpack.models.wan_config import WanVAConfig
+    from flexpack.models.registry import ModelShape
     from flexpack.run.config import TrainConfig
 
 POLICY_DIR = "lerobot_policy"
@@ -175,7 +175,7 @@ def stats_tensors(stats: ActionStats, pooled: dict[str, Any], keys: list[str]) -
     return {k: {n: t.float() for n, t in v.items()} for k, v in out.items()}
 
 
-def write_policy_folder(folder: Path, *, cfg: TrainConfig, model_cfg: WanVAConfig, state_dict: dict[str, torch.Tensor],
+def write_policy_folder(folder: Path, *, cfg: TrainConfig, model_cfg: ModelShape, state_dict: dict[str, torch.Tensor],
                         stats: ActionStats, norm: dict[str, Any], pooled: dict[str, Any], meta: Any,
                         dtype: torch.dtype = torch.float32) -> Path:
     """``folder`` as a LeRobot-style policy folder (see the module docstring)."""
@@ -231,7 +231,7 @@ def push_to_hub(folder: str | Path, repo_id: str, *, private: bool = False, api:
 
 
 # -- the one call from export ---------------------------------------------------------------------
-def write_extras(out: Path, *, run: Path, cfg: TrainConfig, model_cfg: WanVAConfig, state_dict: dict[str, torch.Tensor],
+def write_extras(out: Path, *, run: Path, cfg: TrainConfig, model_cfg: ModelShape, state_dict: dict[str, torch.Tensor],
                  stats: ActionStats, norm: dict[str, Any], step: int, ema: bool, dtype: torch.dtype = torch.float32,
                  policy: bool = True) -> None:
     """The model card and (``policy``) the LeRobot-style policy folder inside the export folder ``out``."""

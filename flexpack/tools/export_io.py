@@ -1,7 +1,8 @@
 """Reading a run's checkpoint for ``export``, and writing files others can read.
 
-- :data:`WRITERS`, :func:`export_format`: the formats ``flexpack export`` writes (``--format``), each a
-  writer function; a family's registry entry says which formats it can be written in (``export_formats``).
+- :func:`export_format`: the format ``flexpack export`` writes (``--format``): the family's registry entry holds
+  the formats it can be written in (``exports``: :class:`~flexpack.models.registry.ExportFormat`, each with its
+  writer, its check and the package it needs).
 - :class:`ExportJob`: what a writer gets (the loaded checkpoint, its config and the command's options).
 - :func:`load_checkpoint`: the checkpoint's own ``config.json`` (not the run's first one: a run
   started over with another model keeps the first) with ``--set`` overrides, and a
@@ -18,44 +19,13 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 
 if TYPE_CHECKING:
     from flexpack.data.normalization import ActionStats
     from flexpack.run.config import TrainConfig
-
-
-@dataclass(frozen=True, kw_only=True)
-class Format:
-    """One format ``flexpack export`` writes: its writer (``"module:function"`` of an :class:`ExportJob` and a
-    folder), the checks of a config before any weight is read (``"module:function"`` of the config and the
-    options, or ""), the package it needs and how to load what it writes (``{out}``: the folder)."""
-
-    writer: str
-    check: str = ""
-    package: str = ""
-    extra: str = ""  # the flexpack extra that installs it (LeRobot's lingbot_va needs diffusers and transformers)
-    load: str = ""
-
-
-WRITERS: dict[str, Format] = {
-    "diffusers": Format(writer="flexpack.tools.export:write_diffusers", package="diffusers", extra="hf",
-                        load="diffusers.WanTransformer3DModel.from_pretrained({out!r}); model card {out}/README.md"),
-    "lerobot": Format(writer="flexpack.tools.export_lerobot:write_lerobot",
-                      check="flexpack.tools.export_lerobot:check_export",
-                      package="lerobot.policies.lingbot_va.modeling_lingbot_va", extra="hf",
-                      load="lerobot's LingBotVAPolicy.from_pretrained({out!r}) and make_pre_post_processors"),
-    "lingbot-upstream": Format(writer="flexpack.tools.export_upstream:write_upstream", package="safetensors",
-                               load="upstream LingBot-VA's load_transformer({out!r} + '/transformer', ...); "
-                                    "its config fields in {out}/flexpack_export.json"),
-}
-
-
-def _function(target: str) -> Callable[..., Any]:
-    module, _, name = target.partition(":")
-    return getattr(importlib.import_module(module), name)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,18 +76,11 @@ def export_format(cfg: TrainConfig, options: ExportOptions, where: Path | str) -
     fam = cfg.model.model_family()
     formats = list(fam.export_formats)
     fmt = options.fmt or (formats[0] if formats else None)
-    if fmt not in formats or fmt not in WRITERS:
+    if fmt not in formats:
         raise ValueError(f"{where}: a model.family = {cfg.model.family!r} checkpoint exports as "
-                         f"{[f for f in formats if f in WRITERS]}, not --format {fmt!r}")
-    if options.wan_pretrained_path is not None and fmt != "lerobot":
-        raise ValueError(f"--wan-pretrained-path applies to --format lerobot (LeRobot's frozen VAE and text encoder), "
-                         f"not to the {fmt!r} export")
-    if options.allow_unrunnable and fmt != "lerobot":
-        raise ValueError(f"--allow-unrunnable applies to --format lerobot (a policy LeRobot runs with its own VAE and "
-                         f"text encoder), not to the {fmt!r} export")
-    if not options.policy and fmt != "diffusers":
-        raise ValueError(f"--no-policy applies to --format diffusers (its OUT/lerobot_policy/), not to the {fmt!r} "
-                         "export, which is a policy folder itself")
+                         f"{formats}, not --format {fmt!r}")
+    spec = fam.exports[fmt]
+    _check_format_options(options, fmt, spec.options)
     if options.dataset is not None:
         from flexpack.data.formats import is_bundle
 
@@ -127,15 +90,34 @@ def export_format(cfg: TrainConfig, options: ExportOptions, where: Path | str) -
     if options.adapter is not None and not cfg.lora.rank:
         raise ValueError(f"--adapter {options.adapter}: {where} was trained without LoRA (lora.rank = 0): it has no "
                          "adapters to write; export without --adapter")
-    spec = WRITERS[fmt]
-    try:
-        importlib.import_module(spec.package)
-    except ImportError:
-        raise ValueError(f"flexpack export --format {fmt} needs {spec.package}: pip install "
-                         f"'flexpack[{spec.extra}]'") from None
-    if spec.check:
-        _function(spec.check)(cfg, options)
-    return fmt, _function(spec.writer), spec.load
+    if spec.package:
+        try:
+            importlib.import_module(spec.package)
+        except ImportError:
+            raise ValueError(f"flexpack export --format {fmt} needs {spec.package}: pip install "
+                             f"'flexpack[{spec.extra}]'") from None
+    if spec.check is not None:
+        spec.check(cfg, options)
+    return fmt, spec.writer, spec.load
+
+
+# the options only some formats take (ExportFormat.options): field -> (its flag, whether the command gave it)
+FORMAT_OPTIONS: dict[str, tuple[str, Callable[[ExportOptions], bool]]] = {
+    "wan_pretrained_path": ("--wan-pretrained-path", lambda o: o.wan_pretrained_path is not None),
+    "allow_unrunnable": ("--allow-unrunnable", lambda o: o.allow_unrunnable),
+    "policy": ("--no-policy", lambda o: not o.policy),
+}
+
+
+def _check_format_options(options: ExportOptions, fmt: str, takes: Mapping[str, str]) -> None:
+    """One line for an option given that the format ``fmt`` does not take, naming the formats that do."""
+    from flexpack.models.registry import families, family
+
+    for name, (flag, given) in FORMAT_OPTIONS.items():
+        if given(options) and name not in takes:
+            takers = [f"--format {f} ({e.options[name]})" for n in families()
+                      for f, e in family(n).exports.items() if name in e.options]
+            raise ValueError(f"{flag} applies to {' or '.join(takers) or 'no format'}, not to the {fmt!r} export")
 
 
 def load_checkpoint(

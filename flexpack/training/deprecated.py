@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 import warnings
 from collections.abc import Callable
 from types import ModuleType
@@ -22,8 +23,11 @@ _SKIP = ("<frozen importlib", os.path.dirname(importlib.__file__), __file__.remo
 def moved(old: str, new: ModuleType) -> Callable[[str], Any]:
     """Warn that module ``old`` moved to ``new`` (pointing at the importing line) and return the module
     ``__getattr__`` that reads each name of ``old`` from ``new``."""
+    # the old module's own file, wherever it lives (without its suffix: Python 3.12's prefix test never matches a
+    # prefix as long as the whole file name)
+    shim = os.path.splitext(sys._getframe(1).f_code.co_filename)[0]
     warnings.warn(f"{old} is deprecated: it moved to {new.__name__}; import that instead (the old path goes in "
-                  f"flexpack {REMOVED_IN})", DeprecationWarning, skip_file_prefixes=_SKIP)
+                  f"flexpack {REMOVED_IN})", DeprecationWarning, skip_file_prefixes=(*_SKIP, shim))
 
     def __getattr__(name: str) -> Any:
         if name.startswith("__"):  # the import system's questions are the shim's own

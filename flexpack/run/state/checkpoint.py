@@ -6,8 +6,9 @@ Layout of ``RUN/checkpoints/step_00000040/``::
                       (``__<rank>_0.distcp``), rank 0 the ``.metadata``; no full-state gather
                       and, with ``optim.ema_decay``, {"ema"} (the averages, sharded alike)
     rng.pt            rank 0's torch CPU (and CUDA) RNG state
-    train_state.json  {"step", "sampler" (its state_dict), "world_size", "extra", and for a model with
-                      the setting "action_positions" (its action tokens' RoPE rule; none = "frame")}
+    train_state.json  {"step", "sampler" (its state_dict), "world_size", "extra", and what the model's
+                      family records beside the weights (``ModelFamily.weights_record``, checked on load by
+                      its ``check_weights``; wanva: "action_positions", its action tokens' RoPE rule)}
     config.json       the run's config at this step (a resume compares against it)
     manifest.json     written last: every file above with its size and CRC-32 (:mod:`.manifest`)
 
@@ -54,7 +55,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from flexpack.atomic import atomic_path
 from flexpack.errors import UserError
-from flexpack.models.wan_config import check_action_positions
+from flexpack.models.registry import family_of
 from flexpack.parallel.parallelize import world
 from flexpack.run.checks import check_state_shapes
 from flexpack.run.state import manifest, torch_file
@@ -193,9 +194,9 @@ class Checkpointer:
             rng["cuda"] = torch.cuda.get_rng_state()
         small = {"rng": rng, "config": config,
                  "train_state": {"step": step, "sampler": sampler_state, "world_size": size, "extra": extra or {}}}
-        rule = getattr(getattr(model, "config", None), "action_positions", None)
-        if rule is not None:  # the action tokens' RoPE rule travels with the weights (checked by load)
-            small["train_state"]["action_positions"] = rule
+        fam = family_of(model)
+        if fam is not None and fam.weights_record is not None:  # e.g. wanva's action RoPE rule (checked by load)
+            small["train_state"].update(fam.weights_record(model))
         state = _state(model, optimizer, ema)
         with _quiet(), self._no_half_checkpoint(tmp, final):
             if self.async_save:
@@ -373,8 +374,9 @@ def load(
     why = problem(path)
     if why is not None:
         raise ValueError(why)
-    saved_rule = json.loads((path / "train_state.json").read_text()).get("action_positions")
-    check_action_positions(saved_rule, getattr(model, "config", None), str(path))
+    fam = family_of(model)
+    if fam is not None and fam.check_weights is not None:  # what the family's checkpoints record beside the weights
+        fam.check_weights(json.loads((path / "train_state.json").read_text()), model, str(path))
     shapes = tensor_shapes(path)
     # DCP fills only the keys the model asks for: a checkpoint of another shape must fail here, in one line
     saved = {k.removeprefix("model."): SimpleNamespace(shape=v) for k, v in shapes.items() if k.startswith("model.")}

@@ -1,4 +1,4 @@
-"""Useful FLOPs of a WanVA step and the bf16 peak they are measured against (MFU).
+"""Useful FLOPs of a model step (any family: its ModelShape) and the bf16 peak they are measured against (MFU).
 
 "Useful" counts only the work a step needs for its valid tokens: every parameter matmul on the
 tokens it acts on (2·in·out per token), self-attention on the unmasked (query, key) pairs of a
@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from flexpack.models.wan_config import WanVAConfig
+from flexpack.models.registry import ModelShape
 from flexpack.packing.geometry import TokenGeometry
 from flexpack.packing.grids import episode_video_tokens
 from flexpack.packing.layout import SequenceLayout, TokenLayout
@@ -84,7 +84,7 @@ def _episodes(layout_or_counts, text_len, video_tokens, action_tokens, copies):
 
 
 def flops_breakdown(
-    config: WanVAConfig,
+    config: ModelShape,
     layout_or_counts: TokenLayout | SequenceLayout | Sequence[int],
     text_len: int | Sequence[int] | None = None,
     *,
@@ -94,7 +94,7 @@ def flops_breakdown(
     backward: bool = True,
     pairs: Sequence[int] | None = None,
 ) -> StepFlops:
-    """Useful forward FLOPs of one micro-batch of a :class:`WanVA` with ``config``, by kind.
+    """Useful forward FLOPs of one micro-batch of a model (a Wan-style DiT) of shape ``config``, by kind.
 
     ``layout_or_counts``: a :class:`TokenLayout` (token counts and copies from it), or a
     :class:`SequenceLayout` / a list of latent frames per episode together with ``video_tokens``
@@ -126,7 +126,7 @@ def flops_breakdown(
 
 
 def useful_flops(
-    config: WanVAConfig,
+    config: ModelShape,
     layout_or_counts: TokenLayout | SequenceLayout | Sequence[int],
     text_len: int | Sequence[int] | None = None,
     **kw,
@@ -137,7 +137,7 @@ def useful_flops(
 
 
 def batch_flops(
-    config: WanVAConfig, geometry: TokenGeometry, layout: SequenceLayout, *, backward: bool = True,
+    config: ModelShape, geometry: TokenGeometry, layout: SequenceLayout, *, backward: bool = True,
     pairs: Sequence[int] | None = None,
 ) -> float:
     """Useful FLOPs of one collated micro-batch: its layout's episodes and text lengths, with the

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import torch
 
-from flexpack.models.wan_config import WanVAConfig
+from flexpack.models.registry import ModelShape
 from flexpack.packing.geometry import TokenGeometry
 from flexpack.packing.grids import real_tokens
 from flexpack.run.config import TrainConfig
@@ -26,7 +26,7 @@ class StepMeter:
     """Accumulates the steps of one logging window; :meth:`read` closes it. ``model`` and
     ``geometry`` and ``objective``: the run's (:mod:`flexpack.run.root`), so FLOPs count its copies and mask."""
 
-    def __init__(self, cfg: TrainConfig, device: torch.device, *, model: WanVAConfig, geometry: TokenGeometry,
+    def __init__(self, cfg: TrainConfig, device: torch.device, *, model: ModelShape, geometry: TokenGeometry,
                  objective: Any) -> None:
         self.device = device
         self.tpf, self.nv = geometry.tokens_per_frame, geometry.video_tokens

@@ -8,7 +8,7 @@ the noisy-condition probability, the ranges chunk size and window are drawn from
 channels a dataset fills.
 
 Token geometry of one latent frame (the run derives it, asking the registry entry:
-:mod:`flexpack.models.lingbot_family`): ``(H // ph) * (W // pw)`` video tokens, ``action_per_frame``
+:mod:`flexpack.families.lingbot.family`): ``(H // ph) * (W // pw)`` video tokens, ``action_per_frame``
 action tokens, and two copies of every frame (noisy and clean, :data:`COPIES`).
 """
 
@@ -18,8 +18,8 @@ import math
 from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping
 
-from .rope import rope_bands
-from .wan_config import WanVAConfig
+from flexpack.families.wan.config import WanVAConfig
+from flexpack.models.rope import rope_bands
 
 COPIES = 2  # every frame is seen twice: a noisy copy (the prediction) and a clean copy (the context)
 LEROBOT_TYPE = "lingbot_va"  # the "type" of a LeRobot policy config.json of this family

@@ -1,4 +1,4 @@
-"""Load diffusers-format Wan transformer weights into :class:`~flexpack.models.wan.WanVA`, and back.
+"""Load diffusers-format Wan transformer weights into :class:`~flexpack.families.wan.model.WanVA`, and back.
 
 One name table serves both directions (:func:`rename`; :func:`to_diffusers_state_dict` and
 :func:`config_to_diffusers` for export). The mapping is by name and shape; every diffusers tensor must
@@ -16,9 +16,9 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import Tensor, nn
 
-from .wan_config import WanVAConfig
+from flexpack.families.wan.config import WanVAConfig
 
-# The model class is an argument (``cls``), so this module never imports flexpack.models.wan.
+# The model class is an argument (``cls``), so this module never imports flexpack.families.wan.model.
 
 # WanVAConfig fields a diffusers config.json determines (see config_from_diffusers)
 SHAPE_FIELDS = ("dim", "num_heads", "ffn_dim", "num_layers", "patch_size", "in_channels", "out_channels",

@@ -1,6 +1,6 @@
-"""Shape and options of :class:`~flexpack.models.wan.WanVA`, and its presets.
+"""Shape and options of :class:`~flexpack.families.wan.model.WanVA`, and its presets.
 
-Its own module so that the diffusers conversion (:mod:`flexpack.models.wan_convert`) needs the
+Its own module so that the diffusers conversion (:mod:`flexpack.families.wan.convert`) needs the
 config but not the model class, which the loaders take as an argument.
 """
 
@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .rope import ACTION_POSITIONS, rope_bands
+from flexpack.models.rope import ACTION_POSITIONS, rope_bands
 
 
 @dataclass(frozen=True, kw_only=True)

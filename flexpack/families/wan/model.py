@@ -40,12 +40,12 @@ from einops import rearrange
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from ..attention.masks import text_slots
-from ..packing.layout import SequenceLayout, TokenLayout
-from .rope import rope_cos_sin, rope_positions
-from .wan_blocks import MLP, TimeEmbed, WanBlock, layer_norm_fp32
-from .wan_config import WanVAConfig
-from .wan_convert import from_diffusers, from_diffusers_file
+from flexpack.attention.masks import text_slots
+from flexpack.families.wan.config import WanVAConfig
+from flexpack.families.wan.convert import from_diffusers, from_diffusers_file
+from flexpack.models.rope import rope_cos_sin, rope_positions
+from flexpack.models.wan_blocks import MLP, TimeEmbed, WanBlock, layer_norm_fp32
+from flexpack.packing.layout import SequenceLayout, TokenLayout
 
 
 @dataclass(frozen=True, eq=False)
@@ -98,7 +98,7 @@ class WanVA(nn.Module):
         self.action_head_proj = nn.Linear(D, Ca) if Ca else None
         if attn is None:
             # imported late: attention may pull in compile machinery
-            from ..attention.flex import FlexAttnFunc
+            from flexpack.attention.flex import FlexAttnFunc
 
             attn = FlexAttnFunc(cfg.attn_backend, fixed_segments=True)
         self.attn = attn
@@ -316,7 +316,7 @@ class WanVA(nn.Module):
             act_out = act_out.view(R, Fr, na, -1)
         return vid.view(R, Fr, nv, -1), act_out
 
-    # hooks a model family built on these blocks overrides (flexpack.models.lingbot)
+    # hooks a model family built on these blocks overrides (flexpack.families.lingbot.model)
     def _time_embedding(self, t_US: Tensor) -> tuple[Tensor, Tensor]:
         """temb (U*S, D) and modulation (U*S, 6, D) of timesteps (U, S) per unit and stream."""
         return self.time_embed(t_US.reshape(-1))

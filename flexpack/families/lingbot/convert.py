@@ -1,10 +1,10 @@
-"""LeRobot ``lingbot_va`` weights <-> :class:`~flexpack.models.lingbot.LingbotVA`, strictly, both ways.
+"""LeRobot ``lingbot_va`` weights <-> :class:`~flexpack.families.lingbot.model.LingbotVA`, strictly, both ways.
 
 Names. A LeRobot policy's ``model.safetensors`` holds the transformer under ``transformer.``
 (``transformer.blocks.0.attn1.to_q.weight``); an upstream ``transformer/`` folder holds the same
 tensors without the prefix (``diffusion_pytorch_model*.safetensors``). The blocks, the video time and
 text embedders and the video output use diffusers' Wan names (one table with
-:mod:`flexpack.models.wan_convert`); :data:`LINGBOT_NAMES` adds what LeRobot's model has beyond them.
+:mod:`flexpack.families.wan.convert`); :data:`LINGBOT_NAMES` adds what LeRobot's model has beyond them.
 No tensor of LeRobot's model lacks a counterpart (RoPE and the three norms without affine weights
 have no parameters).
 
@@ -22,9 +22,9 @@ from typing import Any, Mapping
 import torch
 from torch import Tensor
 
-from .lingbot import LingbotVA
-from .lingbot_config import LingbotConfig, config_from_lerobot
-from .wan_convert import _main_dtype, diffusers_files, rename
+from flexpack.families.lingbot.config import LingbotConfig, config_from_lerobot
+from flexpack.families.lingbot.model import LingbotVA
+from flexpack.families.wan.convert import _main_dtype, diffusers_files, rename
 
 POLICY_PREFIX = "transformer."  # LeRobot's policy state dict: the transformer is its only module
 POLICY_WEIGHTS = "model.safetensors"

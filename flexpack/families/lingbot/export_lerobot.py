@@ -248,7 +248,7 @@ def write_policy(folder: Path, config: Any, state_dict: dict[str, torch.Tensor],
     from lerobot.policies.lingbot_va.processor_lingbot_va import make_lingbot_va_pre_post_processors
     from safetensors.torch import save_file
 
-    from flexpack.models.lingbot_convert import to_lerobot_state_dict
+    from flexpack.families.lingbot.convert import to_lerobot_state_dict
     from flexpack.tools.export_extras import stats_tensors
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -273,9 +273,11 @@ def write_lerobot(job: Any, folder: Path) -> None:
         print(f"export: warning: writing a policy LeRobot cannot run as it trained (--allow-unrunnable): "
               f"{'; '.join(reasons)}", file=sys.stderr)
     if is_bundle(cfg.data):  # cameras, layout and frames from the bundle's files (flexpack.tools.export_bundle)
+        from flexpack.families.lingbot.config import lerobot_layout_name
         from flexpack.tools.export_bundle import lerobot_layout
 
         layout = lerobot_layout(cfg, job.stats, opts.dataset)
+        layout["camera_layout"] = lerobot_layout_name(layout["camera_layout"])
     else:
         layout = policy_layout(cfg, job.stats)
     config = policy_config(cfg, layout, opts.wan_pretrained_path)

@@ -47,8 +47,8 @@ INFERENCE = ("frame_chunk_size", "attn_window", "num_inference_steps", "action_n
 
 
 def transformer_config(model_cfg: Any) -> dict[str, Any]:
-    """``transformer/config.json`` of ``model_cfg`` (a :class:`~flexpack.models.lingbot_config.LingbotConfig`)."""
-    from flexpack.models.lingbot_config import LEROBOT_SHAPE
+    """``transformer/config.json`` of ``model_cfg`` (a :class:`~flexpack.families.lingbot.config.LingbotConfig`)."""
+    from flexpack.families.lingbot.config import LEROBOT_SHAPE
 
     try:
         from importlib.metadata import version
@@ -91,8 +91,8 @@ def save_weights(folder: Path, sd: dict[str, torch.Tensor], max_bytes: int | Non
 
 
 def write_transformer(folder: Path, state_dict: dict[str, torch.Tensor], model_cfg: Any, dtype: torch.dtype) -> None:
-    """A :class:`~flexpack.models.lingbot.LingbotVA` state dict as upstream's ``transformer/`` folder."""
-    from flexpack.models.lingbot_convert import to_lerobot_state_dict
+    """A :class:`~flexpack.families.lingbot.model.LingbotVA` state dict as upstream's ``transformer/`` folder."""
+    from flexpack.families.lingbot.convert import to_lerobot_state_dict
 
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(transformer_config(model_cfg), indent=2) + "\n")

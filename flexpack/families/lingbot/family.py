@@ -2,7 +2,7 @@
 
 How a training config's keys apply to this family (``docs/USAGE.md`` says the same for users):
 
-``model.overrides`` take :class:`~flexpack.models.lingbot_config.LingbotConfig`'s fields (LeRobot's names)
+``model.overrides`` take :class:`~flexpack.families.lingbot.config.LingbotConfig`'s fields (LeRobot's names)
 and the names other families' configs use:
 
 * ``action_channels = N``: the dataset's ``N`` action columns fill channels ``0..N-1`` of LeRobot's action
@@ -36,8 +36,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from .conventions import Alias, DataConventions
-from .lingbot_config import LingbotConfig
+from flexpack.families.lingbot.config import LingbotConfig
+from flexpack.models.conventions import Alias, DataConventions
 
 NAME = "lingbot-va"
 

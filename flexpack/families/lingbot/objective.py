@@ -53,7 +53,7 @@ _KEYS = 12  # 32-bit keys per episode (see lingbot_draws)
 
 
 class LingbotObjectiveConfig(Protocol):
-    """The fields of :class:`flexpack.models.lingbot_config.LingbotConfig` this objective reads."""
+    """The fields of :class:`flexpack.families.lingbot.config.LingbotConfig` this objective reads."""
 
     @property
     def snr_shift(self) -> float: ...

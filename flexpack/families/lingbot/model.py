@@ -1,9 +1,9 @@
 """LingBot-VA as LeRobot ships it (``lingbot_va``): the dual-stream Wan transformer over packed episodes.
 
 :class:`LingbotVA` is LeRobot's ``WanTransformer3DModel`` (lerobot 0.6.1, ``policies/lingbot_va/utils.py``)
-parameter for parameter — :mod:`flexpack.models.lingbot_convert` maps the names both ways — computed
+parameter for parameter — :mod:`flexpack.families.lingbot.convert` maps the names both ways — computed
 by flexpack's Wan blocks over a :class:`~flexpack.packing.layout.TokenLayout`. It differs from
-:class:`~flexpack.models.wan.WanVA` in four places, all LeRobot's:
+:class:`~flexpack.families.wan.model.WanVA` in four places, all LeRobot's:
 
 * each stream has its own timestep embedder (``condition_embedder`` for video tokens,
   ``condition_embedder_action`` for action tokens); the action copy's text projection is in the
@@ -30,7 +30,7 @@ Inputs (:meth:`LingbotVA.forward`): ``batch.latent`` (2, R, C, Fr, H, W) = (nois
 ``batch.action`` (2, R, action_dim, Fr, action_per_frame), ``batch.text`` (E, L, text_dim);
 ``timestep`` / ``action_timestep`` (2, R, Fr) on the 0..1000 scale (the clean copy's are LeRobot's
 ``cond_timesteps``); ``chunk_size`` / ``window``: ints or one per episode. Outputs are the noisy
-copy's predictions (:class:`~flexpack.models.wan.WanVAOutput`), zero on padding frames.
+copy's predictions (:class:`~flexpack.families.wan.model.WanVAOutput`), zero on padding frames.
 
 Text: LeRobot zero-pads the UMT5 output of a prompt to ``max_sequence_length`` (512) tokens and attends
 all of them (its cross-attention mask knows no text length; the zero tokens still pass the text
@@ -44,11 +44,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..packing.layout import ACTION, TokenLayout
-from .lingbot_config import LingbotConfig
-from .rope import rope_cos_sin
-from .wan import WanVA, WanVAOutput
-from .wan_blocks import MLP, TimeEmbed
+from flexpack.families.lingbot.config import LingbotConfig
+from flexpack.families.wan.model import WanVA, WanVAOutput
+from flexpack.models.rope import rope_cos_sin
+from flexpack.models.wan_blocks import MLP, TimeEmbed
+from flexpack.packing.layout import ACTION, TokenLayout
 
 
 def lingbot_positions(tl: TokenLayout) -> tuple[Tensor, Tensor, Tensor]:
@@ -76,8 +76,8 @@ def lingbot_positions(tl: TokenLayout) -> tuple[Tensor, Tensor, Tensor]:
 class LingbotVA(WanVA):
     """LeRobot's LingBot-VA transformer on flexpack's packed layout; see the module docstring.
 
-    Built from a :class:`~flexpack.models.lingbot_config.LingbotConfig`; ``self.config`` is its
-    :class:`~flexpack.models.wan_config.WanVAConfig` shape (what FLOP counts and parallelize rules read),
+    Built from a :class:`~flexpack.families.lingbot.config.LingbotConfig`; ``self.config`` is its
+    :class:`~flexpack.families.wan.config.WanVAConfig` shape (what FLOP counts and parallelize rules read),
     ``self.family_config`` the LingBot-VA config itself.
     """
 
@@ -115,12 +115,12 @@ class LingbotVA(WanVA):
 
     @classmethod
     def from_diffusers(cls, model: Any, **kw: Any) -> "LingbotVA":
-        raise ValueError("a lingbot-va model loads LeRobot weights: flexpack.models.lingbot_convert.load_lerobot")
+        raise ValueError("a lingbot-va model loads LeRobot weights: flexpack.families.lingbot.convert.load_lerobot")
 
     @classmethod
     def from_diffusers_file(cls, path: str, config: Any = None, **kw: Any) -> "LingbotVA":
         raise ValueError(f"{path}: a lingbot-va model loads LeRobot weights "
-                         "(flexpack.models.lingbot_convert.load_lerobot)")
+                         "(flexpack.families.lingbot.convert.load_lerobot)")
 
     @torch.no_grad()
     def reset_action_stream(self) -> None:
