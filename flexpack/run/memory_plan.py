@@ -15,8 +15,9 @@ host: est. 44 GB``); a budget nothing reaches is one line naming the least it wo
 
 Estimates (``estimate``): weights, gradients and optimizer states from the model's parameter count (built on
 the meta device: no memory, no weights read), sharded over the ranks; activations from the tokens of one
-micro-batch (``data.max_tokens`` × copies) and the block shape, with per-token costs measured on the H200
-(:data:`COSTS`, ``benchmarks/memory_budget.py --calibrate``); a margin for the allocator. The step time is
+micro-batch (``data.max_tokens`` × copies) and the block shape, with per-token costs fitted to the H200's
+measured peaks (:data:`COSTS`); the peak is the larger of the forward's end and the backward's; a share of the
+budget is left for the allocator's reserve. The step time is
 relative: the blocks' compute, their recomputation, and the optimizer's update (on the host: the host's).
 """
 
