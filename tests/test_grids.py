@@ -15,6 +15,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 from flexpack.attention.flex import FlexAttnFunc
 from flexpack.attention.masks import dense_mask
 from flexpack.flow.objective import FlowMatchingConfig
+from flexpack.models import registry
 from flexpack.packing import layout as layout_mod
 from flexpack.packing.collate import PackCollate, PadCollate
 from flexpack.packing.grids import latent_valid, padding_share, real_tokens
@@ -23,6 +24,8 @@ from flexpack.run.root import ForwardOptions
 from flexpack.tools.verify import verify_batch
 from test_blockmask import assert_same_block_mask
 from test_verify import items, model
+
+registry.family("lingbot-va")  # the "lingbot" mask registers with its family
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
