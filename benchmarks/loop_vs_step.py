@@ -27,7 +27,6 @@ from flexpack.training import loop
 
 def run_loop(args, name: str, lengths: list[int], items, device: torch.device, cfg, peak: float,
              bare_packs: list[list[int]] | None = None) -> dict:
-    run = run_for(items, cfg, device=device)  # what `flexpack train` builds: geometry, sampler, collate, options
     log_every = args.loop_log_every
     steps = log_every * (1 + max(1, args.loop_steps // log_every))  # a compile window + the measured ones
     out = tempfile.mkdtemp(prefix="flexpack-loop-")
@@ -37,6 +36,7 @@ def run_loop(args, name: str, lengths: list[int], items, device: torch.device, c
                   runtime=replace(cfg.runtime, out_dir=out),
                   log=replace(cfg.log, every=log_every, tensorboard=False, progress=False),
                   profile=replace(cfg.profile, peak_tflops=peak / 1e12 if device.type == "cuda" else None))
+    run = run_for(items, cfg, device=device)  # what `flexpack train` builds: geometry, sampler, collate, options
     save = checkpoint.Checkpointer.save
     checkpoint.Checkpointer.save = lambda self, *a, **k: None  # no 5B-shape save at the end: not a step
     try:

@@ -153,3 +153,15 @@ def test_unmasked_pairs_counts_the_dense_mask():
         z = torch.zeros((), dtype=torch.long)
         dense = int(mod(z, z, t[:, None], t[None, :]).sum())
         assert unmasked_pairs(mod) == dense, kind
+
+
+def test_train_refuses_a_run_composed_from_another_config(tmp_path):
+    """``train(cfg, run=...)`` claims ``cfg``'s run folder and steps with the run's config: a run composed from
+    another config (here another out_dir) is refused in one line, and neither folder is touched."""
+    from flexpack.training.loop import train
+
+    cfg = _cfg(tmp_path, "schedule.steps=1")
+    other = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, out_dir=str(tmp_path / "other")))
+    with pytest.raises(ValueError, match="composed from another config"):
+        train(other, run=synthetic_run(cfg, text_len=4))
+    assert not (tmp_path / "run").exists() and not (tmp_path / "other").exists()

@@ -104,6 +104,9 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, run: Run | None = 
     Faults (:mod:`flexpack.run.state.faults`): a signal saves and raises ``Interrupted``, a non-finite
     step raises ``NonFiniteError`` (or is skipped), a data error on any rank saves the steps done and re-raises."""
     rank, size = world()
+    if run is not None and run.config != cfg:  # the folder claimed below is cfg's; the steps would run run.config's
+        raise ValueError("train: run= was composed from another config than cfg (e.g. another runtime.out_dir); "
+                         "compose the run from the config it trains with")
     hooks = (make_validator,) if hooks is None else tuple(hooks)
     if cfg.sample.every and len(hooks) < 2:
         raise ValueError(f"sample.every={cfg.sample.every} needs the sampling hook: run "
