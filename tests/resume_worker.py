@@ -30,9 +30,16 @@ def main(jobs: str, out: str) -> None:
             continue
         res = train(load_config(job["config"]), stop_after=job.get("stop_after"))
         facts = {"start_step": res.start_step, "step": res.step, "losses": res.losses, "lrs": res.lrs,
-                 "episodes": res.episodes, "world_size": dist.get_world_size()}
+                 "episodes": res.episodes, "world_size": dist.get_world_size(), "host_offload": _on_host(res.model)}
         (out_dir / f"{job['name']}.rank{rank}.json").write_text(json.dumps(facts))
     dist.destroy_process_group()
+
+
+def _on_host(model) -> bool:
+    """Whether FSDP2 keeps this model's shards on the host (its CPUOffloadPolicy)."""
+    state = model._get_fsdp_state() if hasattr(model, "_get_fsdp_state") else None
+    group = state._fsdp_param_group if state is not None else None
+    return bool(group and all(p.offload_to_cpu for p in group.fsdp_params))
 
 
 if __name__ == "__main__":

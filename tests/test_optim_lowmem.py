@@ -203,3 +203,40 @@ def test_offloaded_optimizer_resumes_bit_exactly_on_cuda(train_dataset, tmp_path
     assert rest.start_step == 2 and first.losses + rest.losses == straight.losses
     a, b = _weights(tmp_path / "A"), _weights(tmp_path / "B")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in")
+def test_fsdp2_host_offload_trains_as_without_and_resumes(train_dataset, tmp_path):
+    """2 gloo ranks with ``optim.offload = "optimizer+gradients"``: FSDP2's CPUOffloadPolicy holds the shards
+    (clipping on), the losses equal a run without offload, and 2 steps + a resume of 2 equal 4 straight."""
+    if not TORCHRUN.exists() and shutil.which("torchrun") is None:
+        pytest.skip("torchrun not found next to the interpreter or on PATH")
+    off = 'optim.offload="optimizer+gradients"'
+    for name, extra in (("A", (off,)), ("N", ()), ("B", (off,))):
+        save_config(_cfg(train_dataset, tmp_path / name, "optim.grad_clip=1.0", *extra), tmp_path / f"{name}.json")
+    jobs = [{"name": "A", "config": str(tmp_path / "A.json")}, {"name": "N", "config": str(tmp_path / "N.json")},
+            {"name": "B1", "config": str(tmp_path / "B.json"), "stop_after": 2},
+            {"name": "B2", "config": str(tmp_path / "B.json")}]
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    cmd = [str(TORCHRUN if TORCHRUN.exists() else shutil.which("torchrun")), "--standalone", "--nproc_per_node", "2",
+           str(ROOT / "tests" / "resume_worker.py"), str(tmp_path / "jobs.json"), str(tmp_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    got = {f.name.removesuffix(".json"): json.loads(f.read_text()) for f in tmp_path.glob("*.rank*.json")}
+    for r in "01":
+        a, n = got[f"A.rank{r}"], got[f"N.rank{r}"]
+        assert a["host_offload"] is True and n["host_offload"] is False
+        assert torch.allclose(torch.tensor(a["losses"]), torch.tensor(n["losses"]), rtol=1e-5, atol=0)
+        assert got[f"B1.rank{r}"]["losses"] + got[f"B2.rank{r}"]["losses"] == a["losses"]
+    assert "optimizer+gradients" in json.loads((tmp_path / "A" / "config.json").read_text())["optim"]["offload"]
+
+
+def test_fsdp2_refuses_optimizer_only_offload_in_one_line():
+    """Under several ranks the host keeps shards, gradients and the step together: 'optimizer' alone is refused."""
+    with pytest.raises(UserError, match="set optim.offload='optimizer\\+gradients'") as err:
+        optim.check(OptimConfig(offload="optimizer", grad_clip=0.0), torch.device("cpu"), 2)
+    assert "\n" not in str(err.value)
+    optim.check(OptimConfig(offload="optimizer+gradients", grad_clip=1.0), torch.device("cpu"), 2)  # FSDP2's own

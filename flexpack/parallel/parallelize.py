@@ -101,6 +101,7 @@ class ParallelOptions:
     float8: str = "off"
     param_dtype: torch.dtype | None = None
     blocks: Blocks = "blocks"
+    host_offload: bool = False  # under FSDP2: sharded parameters, gradients and the optimizer step on the host
 
 
 def parallelize(model: nn.Module, *, device: torch.device, options: ParallelOptions = ParallelOptions()) -> nn.Module:
@@ -115,6 +116,8 @@ def parallelize(model: nn.Module, *, device: torch.device, options: ParallelOpti
     ``param_dtype`` (e.g. bf16) is the FSDP mixed-precision compute dtype of the parameters
     (gradients are reduced in fp32); ignored without FSDP. ``compile``: :func:`compile_blocks`, with
     ``memory_budget`` (checkpointed blocks recompute their whole forward whatever the budget).
+    ``host_offload`` (``optim.offload = "optimizer+gradients"`` under several ranks): FSDP2's
+    ``CPUOffloadPolicy``, the shards, their gradients and so the optimizer step on the host; ignored without FSDP.
     """
     o = options
     blocks, float8, activation_checkpointing = block_list(model, o.blocks), o.float8, o.activation_checkpointing
@@ -144,14 +147,16 @@ def parallelize(model: nn.Module, *, device: torch.device, options: ParallelOpti
     if size == 1:
         return model
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (size,))
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    # FSDP2's host offload: each shard (and its gradient) lives on the host, copied in per block for compute
+    off = CPUOffloadPolicy(pin_memory=device.type == "cuda") if o.host_offload else OffloadPolicy()
     for i, block in enumerate(blocks):
         # the last block's parameters are needed again right away in backward: keep them gathered
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+        fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=off, reshard_after_forward=i < len(blocks) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=off)
     return model
 
 

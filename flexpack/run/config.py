@@ -295,7 +295,9 @@ class OptimConfig:
     ema_decay: float = 0.0  # EMA of the weights, saved with checkpoints (flexpack.training.ema); 0 = off
     skip_nonfinite: bool = False  # a NaN/Inf loss or grad norm skips that step (logged) instead of stopping the run
     states: str = "float32"  # AdamW moments: "float32" (torch), "8bit" / "4bit" (torchao AdamW8bit / AdamW4bit)
-    offload: str = "none"  # "none"; "optimizer" (states and update on the host, CUDA); "optimizer+gradients"
+    # "none"; "optimizer" (states and update on the host, one CUDA GPU); "optimizer+gradients" (the gradients too;
+    # under FSDP2: the shards, their gradients and the step on the host)
+    offload: str = "none"
 
     def __post_init__(self) -> None:
         _positive("optim", lr=self.lr, eps=self.eps, accum_steps=self.accum_steps)

@@ -261,7 +261,8 @@ def parallel_options(cfg: TrainConfig, device: torch.device) -> ParallelOptions:
     return ParallelOptions(compile=compiled, activation_checkpointing=cfg.parallel.activation_checkpointing,
                            memory_budget=cfg.parallel.activation_memory_budget, float8=cfg.parallel.float8,
                            param_dtype=torch.bfloat16 if r.dtype == "bfloat16" else None,
-                           blocks=cfg.model.model_family().blocks)
+                           blocks=cfg.model.model_family().blocks,
+                           host_offload=cfg.optim.offload == "optimizer+gradients")
 
 
 def model_collate(collate: PackCollate | PadCollate, model_cfg: ModelShape, family: ModelFamily) -> ModelCollate:

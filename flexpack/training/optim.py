@@ -17,8 +17,10 @@ groups: torchao's ``AdamW8bit`` / ``AdamW4bit`` keep both moments block-quantize
 4096 values whose size the block divides; smaller ones stay float32), and ``CPUOffloadOptimizer`` keeps
 states, a float32 copy of the parameters and the update on the host (one GPU only; tensors under 4096
 values stay on the GPU), copying each gradient to the host as backward produces it — before any
-clipping, so offload runs without ``optim.grad_clip``. :func:`optimizer_bytes_per_param` counts
-the bytes per parameter of each choice.
+clipping, so offload runs without ``optim.grad_clip``. Under FSDP2 (several ranks) ``optim.offload =
+"optimizer+gradients"`` is FSDP2's own ``CPUOffloadPolicy`` instead (:mod:`flexpack.parallel.parallelize`): each
+rank's parameter shards and their gradients live on the host, the optimizer (AdamW or a low-bit one) steps there,
+and clipping works as usual. :func:`optimizer_bytes_per_param` counts the bytes per parameter of each choice.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch
 from torch import nn
 
 from flexpack.errors import UserError
-from flexpack.parallel.parallelize import plain_name
+from flexpack.parallel.parallelize import is_sharded, plain_name
 
 if TYPE_CHECKING:
     from flexpack.run.config import OptimConfig
@@ -121,7 +123,15 @@ def check(cfg: OptimConfig, device: torch.device, world_size: int) -> None:
     (``memory.budget_gb`` may choose states and offload)."""
     if cfg.states == "float32" and cfg.offload == "none":
         return
+    if cfg.states == "float32" and world_size > 1 and cfg.offload == "optimizer+gradients":
+        return  # FSDP2's own host offload: no torchao
+    if world_size > 1 and cfg.offload == "optimizer":
+        raise UserError(f"optim.offload='optimizer' is single-GPU only (torchao's CPUOffloadOptimizer); this run has "
+                        f"{world_size} ranks, where FSDP2 keeps the shards, their gradients and the optimizer step "
+                        "on the host together: set optim.offload='optimizer+gradients' (or 'none')")
     _torchao_optim(cfg)
+    if world_size > 1:  # FSDP2's CPUOffloadPolicy: any device, clipping as usual
+        return
     if cfg.offload != "none" and device.type != "cuda":
         raise UserError(f"optim.offload={cfg.offload!r} needs a CUDA device (torchao's CPUOffloadOptimizer moves "
                         f"states and updates between a GPU and the host); this run's device is {device.type}: "
@@ -130,10 +140,6 @@ def check(cfg: OptimConfig, device: torch.device, world_size: int) -> None:
         raise UserError(f"optim.offload={cfg.offload!r} copies gradients to the host during backward, before "
                         f"clipping (torchao's CPUOffloadOptimizer cannot clip): set optim.grad_clip=0 (now "
                         f"{cfg.grad_clip}) or optim.offload='none'")
-    if cfg.offload != "none" and world_size > 1:
-        raise UserError(f"optim.offload={cfg.offload!r} is single-GPU only (torchao's CPUOffloadOptimizer), this run "
-                        f"has {world_size} ranks whose FSDP2 shards already split the states {world_size} ways: "
-                        "set optim.offload='none' (optim.states='8bit' shrinks them further)")
 
 
 def _torchao_optim(cfg: OptimConfig) -> Any:
@@ -166,10 +172,10 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, *, log: bool = False,
     for g in groups:  # AdamW's groups hold parameters and hyperparameters only
         del g["names"], g["name"]
     kw: dict[str, Any] = {"lr": cfg.lr, "betas": cfg.betas, "eps": cfg.eps, "weight_decay": cfg.weight_decay}
-    if cfg.states == "float32" and cfg.offload == "none":
-        return torch.optim.AdamW(groups, fused=fused, **kw)
+    if cfg.states == "float32" and (cfg.offload == "none" or is_sharded(model)):
+        return torch.optim.AdamW(groups, fused=fused and cfg.offload == "none", **kw)
     ao = _torchao_optim(cfg)
     cls = getattr(ao, TORCHAO_CLASS[cfg.states]) if cfg.states in TORCHAO_CLASS else torch.optim.AdamW
-    if cfg.offload == "none":
+    if cfg.offload == "none" or is_sharded(model):  # under FSDP2 the shards are on the host already
         return cls(groups, **kw)
     return ao.CPUOffloadOptimizer(groups, cls, offload_gradients=cfg.offload == "optimizer+gradients", **kw)
