@@ -11,13 +11,17 @@ action tokens a latent frame, 30 action channels, 512 x 4096 text; ``wan5b`` len
         --out benchmarks/results/memory_budget_h200.json     # the full 30 layers at each budget
     python benchmarks/memory_budget.py --stage quality --steps 300 --out benchmarks/results/memory_quality_h200.json
     python benchmarks/memory_budget.py --smoke --stage all  # CPU, tiny model: every code path, times nothing
+    python benchmarks/memory_budget.py --tiny --stage quality --steps 300 \
+        --out benchmarks/results/memory_quality_cpu.json  # the quality stage on a CPU: tiny LingBot-VA, real steps
 
 ``calibrate``: 4 and 8 blocks, with and without checkpointing, float8 and bf16, and every optimizer option at 8
 blocks: the per-token activation costs of :class:`flexpack.run.memory_plan.Costs` and each estimate against its
 measured peak. ``budgets``: ``memory.budget_gb`` at each budget (the plan's line, its options, peak, tokens/s, MFU,
 host memory, loss), ``--lora-budget`` with LoRA (``lora.rank``), and the unconstrained run as today's reference
 (float8, every block checkpointed, AdamW). ``quality``: the same data and seed for ``--steps`` steps per optimizer
-option (AdamW, 8-bit, 4-bit, on the host) and LoRA: each loss curve and its end against AdamW's.
+option (AdamW, 8-bit, 4-bit, on the host) and LoRA: each loss curve and its end against AdamW's
+(``benchmarks/plot_memory_quality.py`` draws them). ``--tiny``: the tiny LingBot-VA preset on the CPU with the
+steps, tokens and layers given (the optimizer on the host needs CUDA and is left out there).
 """
 
 from __future__ import annotations
@@ -41,11 +45,12 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 def base_config(spec: dict) -> dict:
     smoke = spec.get("smoke", False)
+    tiny = smoke or spec.get("tiny", False)
     over = {"num_layers": spec["layers"], "action_channels": 30 if not smoke else 6}
     return {
         "data": {"mode": "pack", "max_tokens": spec["max_tokens"], "num_workers": 0 if smoke else 4,
                  "action_steps": 4},
-        "model": {"family": "lingbot-va", "preset": "lingbot-va-tiny" if smoke else "lingbot-va-5b", "overrides": over},
+        "model": {"family": "lingbot-va", "preset": "lingbot-va-tiny" if tiny else "lingbot-va-5b", "overrides": over},
         # every variant unclipped: the optimizer on the host cannot clip
         "optim": {"lr": spec.get("lr", 1e-5), "betas": [0.9, 0.95], "grad_clip": 0.0},
         "schedule": {"steps": spec["steps"], "warmup_steps": max(1, spec["steps"] // 10), "decay": "constant"},
@@ -88,8 +93,9 @@ def child(spec: dict) -> dict:
         torch.cuda.set_per_process_memory_fraction(min(1.0, spec["cap_gb"] * 1e9 / total), device.index or 0)
     checkpoint.Checkpointer.save = lambda self, *a, **k: None  # the steps are measured, not the weights
     cfg = from_dict(TrainConfig, merge(base_config(spec), spec.get("set", {})))
-    C, H, W, L, Dt = (48, 2, 4, 6, 64) if smoke else (48, 8, 16, 512, 4096)
-    items = Items(length_sets(smoke)["wan5b"], C, H, W, L, Dt, Ca=cfg.model.resolved().action_channels,
+    tiny = smoke or spec.get("tiny", False)
+    C, H, W, L, Dt = (48, 2, 4, 6, 64) if tiny else (48, 8, 16, 512, 4096)
+    items = Items(length_sets(tiny)["wan5b"], C, H, W, L, Dt, Ca=cfg.model.resolved().action_channels,
                   A=cfg.data.action_steps)
     run = run_for(items, cfg, device=device)
     out: dict = {}
@@ -183,7 +189,7 @@ def variants(stage: str, args: argparse.Namespace) -> dict[str, dict]:
     if stage == "quality":
         opts = {"adamw": {}, "8bit": {"optim.states": "8bit"}, "4bit": {"optim.states": "4bit"},
                 "offload": {"optim.offload": "optimizer"}, "lora": {"lora.rank": args.lora_rank, "optim.lr": 1e-4}}
-        if args.smoke:
+        if args.smoke or args.tiny:  # the optimizer on the host needs CUDA
             opts.pop("offload")
         return {k: {"layers": args.quality_layers, "float8": "off", "ac": False, "steps": args.steps, "lr": 1e-4,
                     "max_tokens": args.quality_tokens, "set": s} for k, s in opts.items()}
@@ -262,6 +268,8 @@ def main() -> None:
     p.add_argument("--only", default="", help="comma-separated variant names of the stage (default all)")
     p.add_argument("--timeout", type=float, default=400.0, help="seconds per variant")
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU: every code path, times nothing real")
+    p.add_argument("--tiny", action="store_true", help="the tiny LingBot-VA preset on the CPU with the steps, tokens "
+                   "and layers given (the quality stage without a GPU)")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -270,7 +278,7 @@ def main() -> None:
         return
     import torch
 
-    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    device = "cuda" if torch.cuda.is_available() and not (args.smoke or args.tiny) else "cpu"
     if args.smoke:
         args.max_tokens, args.quality_tokens, args.quality_layers = 256, 256, 2
         args.steps = min(args.steps, 4)
@@ -278,16 +286,18 @@ def main() -> None:
     stages = ("calibrate", "budgets", "quality") if args.stage == "all" else (args.stage,)
     only = {x for x in args.only.split(",") if x}
     for stage in stages:
-        out = args.out or ROOT / "benchmarks" / "results" / f"memory_{stage}_{'cpu' if args.smoke else 'h200'}.json"
+        cpu = args.smoke or args.tiny
+        out = args.out or ROOT / "benchmarks" / "results" / f"memory_{stage}_{'cpu' if cpu else 'h200'}.json"
         result = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu", "torch": torch.__version__,
                   "date": time.strftime("%Y-%m-%d"), "stage": stage, "command": " ".join(["python"] + sys.argv),
                   "max_tokens": args.max_tokens, "runs": {}}
         for name, spec in variants(stage, args).items():
             if only and name not in only:
                 continue
-            spec = {"max_tokens": args.max_tokens, **spec, "device": device, "smoke": args.smoke}
+            spec = {"max_tokens": args.max_tokens, **spec, "device": device, "smoke": args.smoke, "tiny": args.tiny}
             r = spawn(spec, args.timeout)
-            result["runs"][name] = {"spec": {k: v for k, v in spec.items() if k not in ("device", "smoke")}, **r}
+            result["runs"][name] = {"spec": {k: v for k, v in spec.items() if k not in ("device", "smoke", "tiny")},
+                                    **r}
             result["summary"] = summarize(stage, result["runs"])
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(result, indent=1))  # rewritten after each variant: a cut run keeps the rest
