@@ -75,7 +75,22 @@ def test_offload_is_planned_only_where_it_runs_one_gpu_without_clipping():
         mp.plan(clipped, FIVE_B, 48, cuda=True, host_available=500)
     assert "with optim.grad_clip = 0 (now 1) the optimizer can go to the host" in str(e.value), e.value
     free = lingbot_cfg("optim.grad_clip=0.0")
-    assert {c.offload for c in mp.choices(free, 30, cuda=True, world_size=2)} == {"none"}
+    assert {c.offload for c in mp.choices(free, 30, cuda=True, world_size=2)} == {"none", "optimizer+gradients"}
+
+
+def test_under_fsdp2_the_host_keeps_the_shards_and_clipping_stays():
+    """Several ranks: FSDP2's CPUOffloadPolicy is planned with clipping on (not under accumulation), its estimate
+    leaves only the gathered blocks' weights on the GPU, and the shards, gradients and states go to the host."""
+    clipped = lingbot_cfg("optim.grad_clip=1.0")
+    assert {c.offload for c in mp.choices(clipped, 30, cuda=True, world_size=4)} == {"none", "optimizer+gradients"}
+    acc = lingbot_cfg("optim.grad_clip=1.0", "optim.accum_steps=2")
+    assert {c.offload for c in mp.choices(acc, 30, cuda=True, world_size=4)} == {"none"}
+    four = replace(FIVE_B, world_size=4)
+    on, off = (mp.estimate(four, mp.Choice(30, "float32", o)) for o in ("none", "optimizer+gradients"))
+    assert off.parts["weights"] < on.parts["weights"] / 4 and off.parts["optimizer"] == 0
+    assert off.host_gb == pytest.approx(16 * 5.0889 / 4, rel=1e-3) and on.host_gb == 0
+    p = mp.plan(clipped, four, 16, cuda=True, host_available=500)  # 5B, full fine-tune, 4 x 16 GB cards
+    assert p.best.choice.offload == "optimizer+gradients" and p.config.optim.grad_clip == 1.0
 
 
 def test_a_budget_nothing_reaches_is_one_line_naming_the_least():

@@ -6,7 +6,10 @@ combination of the three memory levers and picks the one with the shortest estim
 - ``parallel.activation_checkpointing``: 0 to all blocks checkpointed (each costs one more forward of the block);
 - ``optim.states``: AdamW states in ``float32``, ``8bit`` or ``4bit`` (torchao);
 - ``optim.offload``: ``none``, ``optimizer`` (states and update on the host) or ``optimizer+gradients``
-  (gradients leave the GPU during the backward; only without gradient accumulation, and only on CUDA).
+  (gradients leave the GPU during the backward; only without gradient accumulation, and only on CUDA). On one
+  GPU that is torchao's ``CPUOffloadOptimizer`` (no clipping); under FSDP2 only ``optimizer+gradients``, as
+  FSDP2's ``CPUOffloadPolicy``: the parameter shards live on the host too, one gathered block at a time on the
+  GPU, and clipping stays.
 
 A lever the config sets to a value other than its default is kept as set: the planner chooses the others.
 ``parallel.float8`` and LoRA (``lora.rank``) are the user's choices; the plan counts them. The run then
@@ -137,6 +140,8 @@ def estimate(shape: Shape, choice: Choice, costs: Costs = COSTS) -> Estimate:
     frozen = s.params - s.trained
     weights = (4.0 * s.trained + s.frozen_bytes * frozen) / n
     casts = costs.cast_bytes * (s.trained + (frozen if s.frozen_bytes == 4 else 0)) / n
+    if n > 1 and choice.offload != "none":  # FSDP2's CPUOffloadPolicy: the shards themselves on the host
+        weights, casts = 0.0, 0.0
     if n > 1:  # FSDP2: one block gathered (bf16) beside the shards, the next prefetched
         weights += 2 * 2.0 * (s.params / max(s.layers, 1)) * (s.act_bytes / 2)
     states = state_b * s.trained / n
@@ -160,7 +165,8 @@ def estimate(shape: Shape, choice: Choice, costs: Costs = COSTS) -> Estimate:
 
 def choices(cfg: TrainConfig, layers: int, cuda: bool, world_size: int = 1) -> list[Choice]:
     """Every combination the planner may pick: the levers the config leaves at their defaults vary. The
-    optimizer goes to the host only where torchao's CPUOffloadOptimizer runs: one CUDA GPU, no clipping."""
+    optimizer goes to the host only where it runs there: on one CUDA GPU torchao's CPUOffloadOptimizer, without
+    clipping; under FSDP2 on CUDA its CPUOffloadPolicy (``optimizer+gradients``), without accumulation."""
     ac = cfg.parallel.activation_checkpointing
     if ac is False:
         blocks = range(layers + 1)
@@ -173,7 +179,11 @@ def choices(cfg: TrainConfig, layers: int, cuda: bool, world_size: int = 1) -> l
     states = STATES if _states(cfg) == "float32" else (_states(cfg),)
     if _offload(cfg) != "none":
         offloads: tuple[str, ...] = (_offload(cfg),)
-    elif not cuda or world_size > 1 or cfg.optim.grad_clip > 0:
+    elif not cuda:
+        offloads = ("none",)
+    elif world_size > 1:
+        offloads = ("none", "optimizer+gradients") if cfg.optim.accum_steps == 1 else ("none",)
+    elif cfg.optim.grad_clip > 0:
         offloads = ("none",)
     else:
         offloads = OFFLOADS if cfg.optim.accum_steps == 1 else OFFLOADS[:2]
