@@ -35,6 +35,7 @@ MOVED = {
     "flexpack.sampling.lingbot": "flexpack.families.lingbot.sampler",
     "flexpack.tools.export_lerobot": "flexpack.families.lingbot.export_lerobot",
     "flexpack.tools.export_upstream": "flexpack.families.lingbot.export_upstream",
+    "flexpack.tools.export_bundle": "flexpack.families.lingbot.export_bundle",
     "flexpack.attention.mask_lingbot": "flexpack.families.lingbot.mask",
 }
 # names that moved out of a module that stays: (old module, name) -> the module it moved to
