@@ -47,6 +47,8 @@ MOVED_NAMES = {
     ("flexpack.attention.masks", "lingbot_mask"): "flexpack.families.lingbot.mask",
     **{("flexpack.tools.export", n): "flexpack.families.wan.export"
        for n in ("ACTION_FORMAT", "load_export", "write_diffusers", "write_weights")},
+    **{("flexpack.tools.export_extras", n): "flexpack.families.wan.export_policy"
+       for n in ("POLICY_TYPE", "write_extras", "write_policy_folder")},
 }
 
 
