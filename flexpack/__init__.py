@@ -92,6 +92,7 @@ MOVED_MODULES = {
     "flexpack.sampling.lingbot": "flexpack.families.lingbot.sampler",
     "flexpack.tools.export_lerobot": "flexpack.families.lingbot.export_lerobot",
     "flexpack.tools.export_upstream": "flexpack.families.lingbot.export_upstream",
+    "flexpack.tools.export_bundle": "flexpack.families.lingbot.export_bundle",
     "flexpack.attention.mask_lingbot": "flexpack.families.lingbot.mask",
 }
 

@@ -282,7 +282,7 @@ def test_generic_code_reaches_families_only_through_the_registry_or_a_shim():
 
 
 FAMILY_CLASSES = {"WanVA", "WanVAConfig", "WanVAOutput", "LingbotVA", "LingbotConfig", "LingbotObjective",
-                  "LingbotSampler"}
+                  "LingbotSampler", "BundleCameras"}
 
 
 def test_no_generic_code_names_a_family_class():

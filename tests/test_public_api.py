@@ -35,6 +35,7 @@ MOVED = {
     "flexpack.sampling.lingbot": "flexpack.families.lingbot.sampler",
     "flexpack.tools.export_lerobot": "flexpack.families.lingbot.export_lerobot",
     "flexpack.tools.export_upstream": "flexpack.families.lingbot.export_upstream",
+    "flexpack.tools.export_bundle": "flexpack.families.lingbot.export_bundle",
     "flexpack.attention.mask_lingbot": "flexpack.families.lingbot.mask",
 }
 # names that moved out of a module that stays: (old module, name) -> the module it moved to
@@ -46,6 +47,8 @@ MOVED_NAMES = {
     ("flexpack.attention.masks", "lingbot_mask"): "flexpack.families.lingbot.mask",
     **{("flexpack.tools.export", n): "flexpack.families.wan.export"
        for n in ("ACTION_FORMAT", "load_export", "write_diffusers", "write_weights")},
+    **{("flexpack.tools.export_extras", n): "flexpack.families.wan.export_policy"
+       for n in ("POLICY_TYPE", "write_extras", "write_policy_folder")},
 }
 
 

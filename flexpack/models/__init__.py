@@ -1,5 +1,6 @@
-"""Models: what every model family shares (the Wan blocks, RoPE, the family registry, data conventions); each
-family's own code is in its folder, :mod:`flexpack.families` (``families/wan/``, ``families/lingbot/``).
+"""Models: what every model family shares (the Wan backbone and its blocks, RoPE, the family registry, data
+conventions); each family's own code is in its folder, :mod:`flexpack.families` (``families/wan/``,
+``families/lingbot/``).
 
 Import the packing layout and the attention layer, never training. The names this package re-exported before
 the families moved (``WanVA``, ``LingbotConfig``, ...) still import from here for one minor version, warning with

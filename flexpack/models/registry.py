@@ -10,8 +10,9 @@ clean), the objective it trains with (a class: :mod:`flexpack.flow.objectives`),
 of its datasets (:class:`DataConventions`: action space, cameras, text length), the sampler (a class,
 flexpack's flow solver by default, or none: the family does not sample yet), the config fields that
 only say how it samples, the camera composition its checkpoints record, what its checkpoints record beside the
-weights and how a load checks it, and the export formats it can be written in (:class:`ExportFormat`, each with
-its writer). Every entry holds the callables themselves, never import strings. The run
+weights and how a load checks it, the export formats it can be written in (:class:`ExportFormat`, each with
+its writer) and the action statistics an export records where the family reads them itself. Every entry holds the
+callables themselves, never import strings. The run
 (:mod:`flexpack.run.root`), the geometry, the collate, the objective and the sampler ask the family; nothing
 else branches on a family's name.
 
@@ -145,6 +146,10 @@ class ModelFamily:
     # trained-config check skips them)
     sampling_fields: tuple[str, ...] = ()
     exports: Mapping[str, ExportFormat] = field(default_factory=dict)  # --format name -> how it is written
+    # the action statistics an export records where the family reads them from its own data layout (config,
+    # train_state, the checkpoint's name) -> (statistics, normalization.json's record), or None for flexpack's
+    # rule (flexpack.tools.export); None: that rule always
+    export_normalization: Callable[[Any, Mapping[str, Any], str], tuple[Any, dict[str, Any]] | None] | None = None
     # what a checkpoint records beside the weights (train_state.json), from the model; None: nothing
     weights_record: Callable[[nn.Module], dict[str, Any]] | None = None
     # a checkpoint's train_state (its record), the model, the checkpoint's name -> one ValueError line where the

@@ -1,4 +1,4 @@
-"""Building blocks of :class:`~flexpack.families.wan.model.WanVA`: norms, MLPs, timestep embedding, attention, block.
+"""Building blocks of :class:`~flexpack.models.backbone.WanBackbone`: norms, MLPs, timestep embedding, attention, block.
 
 Hidden states inside a block are ``(U, K, D)``: ``U`` units (one per copy, row and latent frame)
 of ``K`` tokens (video patches first, then action tokens), so AdaLN factors, given per unit and

@@ -5,7 +5,8 @@
 below) or ``lerobot`` (lingbot-va: a LeRobot ``lingbot_va`` policy folder,
 :mod:`flexpack.families.lingbot.export_lerobot`) or ``lingbot-upstream``
 (lingbot-va: upstream LingBot-VA's ``transformer/`` folder, :mod:`flexpack.families.lingbot.export_upstream`);
-a run on a lingbot-bundle: :mod:`flexpack.tools.export_bundle`.
+a run on a lingbot-bundle: :mod:`flexpack.families.lingbot.export_bundle` (its statistics through the family's
+``export_normalization``).
 Every format gets ``flexpack_config.json`` and ``export.json`` beside its own files.
 
 ``OUT`` (a new or empty folder, written under a temporary name and renamed when complete), ``diffusers``::
@@ -65,14 +66,12 @@ def _normalization(cfg: TrainConfig, state: dict[str, Any], where: str = "the ch
     from flexpack.data import action_stats, cache
     from flexpack.data.actions import ActionNormalizer, channel_map
     from flexpack.data.episodes import EpisodeSource
-    from flexpack.data.formats import is_bundle
     from flexpack.data.normalization import ActionStats
     from flexpack.run.state.resume import saved_stats
 
-    if is_bundle(cfg.data):  # statistics over the model's action space (flexpack.tools.export_bundle)
-        from flexpack.tools.export_bundle import bundle_normalization
-
-        return bundle_normalization(cfg, state, where)
+    family_rule = cfg.model.model_family().export_normalization  # e.g. a lingbot-va run on a lingbot-bundle
+    if family_rule is not None and (family_stats := family_rule(cfg, state, where)) is not None:
+        return family_stats
     saved = saved_stats(state, where)
     key = "action"
     conv = cfg.model.model_family().conventions(cfg.model.resolved())  # the family's action width and channels

@@ -1,17 +1,13 @@
-"""What ``flexpack export`` adds for the ecosystem beside the diffusers folder.
+"""What ``flexpack export`` adds for the ecosystem beside a family's own files.
 
 ``OUT/README.md``
     A model card (Hugging Face front matter + text): base model, data, steps, the training config,
     the final losses of ``metrics.jsonl`` and the newest sample metrics under ``RUN/samples/``.
-``OUT/lerobot_policy/``
-    The layout LeRobot users know from ``PreTrainedPolicy.save_pretrained`` and its processors:
-    ``config.json`` (``type``, ``input_features``, ``output_features``, ``normalization_mapping``,
-    the WanVA config), ``model.safetensors`` (the whole WanVA, flexpack names, one file), and the
-    normalization as LeRobot processor pipelines (``policy_preprocessor.json`` /
-    ``policy_postprocessor.json`` with their ``*.safetensors`` statistics), written by lerobot's own
-    ``DataProcessorPipeline.save_pretrained`` so ``DataProcessorPipeline.from_pretrained`` reads them.
-    The action statistics are those the weights were trained with (the checkpoint's); states and
-    the remaining fields come from the dataset's pooled statistics (:mod:`flexpack.data.action_stats`).
+``stats_tensors``
+    Action statistics as LeRobot's processors hold them (every family's LeRobot-style folder). The
+    ``diffusers`` export's ``OUT/lerobot_policy/`` folder is the Wan family's
+    (:mod:`flexpack.families.wan.export_policy`); ``write_policy_folder``, ``write_extras`` and
+    ``POLICY_TYPE`` moved there, and their old names here warn (a ``DeprecationWarning``) until flexpack 0.3.
 ``push_to_hub``
     Uploads the finished folder through ``huggingface_hub`` (``HfApi`` or any object with its
     ``create_repo`` / ``upload_folder`` methods).
@@ -29,11 +25,9 @@ import torch
 
 if TYPE_CHECKING:
     from flexpack.data.normalization import ActionStats
-    from flexpack.models.registry import ModelShape
     from flexpack.run.config import TrainConfig
 
 POLICY_DIR = "lerobot_policy"
-POLICY_TYPE = "flexpack_wanva"
 
 
 # -- run facts -------------------------------------------------------------------------------------
@@ -144,22 +138,7 @@ def model_card(*, run: Path, cfg: TrainConfig, step: int, norm: dict[str, Any], 
     return "\n".join(lines)
 
 
-# -- LeRobot-style policy folder ---------------------------------------------------------------------
-def _features(meta: Any, cfg: TrainConfig) -> tuple[dict[str, Any], dict[str, Any]]:
-    """LeRobot ``PolicyFeature``s as JSON: cameras (3, H, W), the state, the action."""
-    inputs: dict[str, Any] = {}
-    cams = list(cfg.data.cameras) if cfg.data.cameras else list(meta.video_keys)
-    for key in meta.video_keys:
-        if key in cams or key.split(".")[-1] in cams:
-            h, w, c = meta.features[key]["shape"]
-            inputs[key] = {"type": "VISUAL", "shape": [int(c), int(h), int(w)]}
-    if "observation.state" in meta.features:
-        state_size = int(torch.Size(meta.features["observation.state"]["shape"]).numel())
-        inputs["observation.state"] = {"type": "STATE", "shape": [state_size]}
-    action = {"action": {"type": "ACTION", "shape": [int(torch.Size(meta.features["action"]["shape"]).numel())]}}
-    return inputs, action
-
-
+# -- LeRobot statistics --------------------------------------------------------------------------
 def stats_tensors(stats: ActionStats, pooled: dict[str, Any], keys: list[str]) -> dict[str, dict[str, torch.Tensor]]:
     """Per feature: LeRobot's stat names as float32 tensors; the action's q01/q99 (or mean/std) are the
     checkpoint's, the rest the pooled statistics."""
@@ -173,44 +152,6 @@ def stats_tensors(stats: ActionStats, pooled: dict[str, Any], keys: list[str]) -
     elif stats.mode == "meanstd":
         out.setdefault("action", {}).update(mean=low, std=high)
     return {k: {n: t.float() for n, t in v.items()} for k, v in out.items()}
-
-
-def write_policy_folder(folder: Path, *, cfg: TrainConfig, model_cfg: ModelShape, state_dict: dict[str, torch.Tensor],
-                        stats: ActionStats, norm: dict[str, Any], pooled: dict[str, Any], meta: Any,
-                        dtype: torch.dtype = torch.float32) -> Path:
-    """``folder`` as a LeRobot-style policy folder (see the module docstring)."""
-    from dataclasses import asdict
-
-    from lerobot.configs.types import FeatureType, NormalizationMode, PolicyFeature
-    from lerobot.processor import DataProcessorPipeline
-    from lerobot.processor.normalize_processor import NormalizerProcessorStep, UnnormalizerProcessorStep
-    from safetensors.torch import save_file
-
-    folder.mkdir(parents=True, exist_ok=True)
-    inputs, outputs = _features(meta, cfg)
-    mode = {"quantile": "QUANTILES", "meanstd": "MEAN_STD", "none": "IDENTITY"}[stats.mode]
-    state_mode = "QUANTILES" if mode == "QUANTILES" else ("MEAN_STD" if mode == "MEAN_STD" else "IDENTITY")
-    mapping = {"VISUAL": "IDENTITY", "STATE": state_mode, "ACTION": mode}
-    config = {
-        "type": POLICY_TYPE, "n_obs_steps": 1, "normalization_mapping": mapping,
-        "input_features": inputs, "output_features": outputs, "device": "cuda", "use_amp": False,
-        "action_steps_per_latent_frame": cfg.data.action_steps, "temporal_stride": cfg.data.stride,
-        "action_channels": norm["channels"], "wanva_config": asdict(model_cfg), "license": "apache-2.0",
-        "note": "weights in flexpack's WanVA names; flexpack.models.WanVA(WanVAConfig(**wanva_config)).load_state_dict",
-    }
-    (folder / "config.json").write_text(json.dumps(config, indent=2, default=list) + "\n")
-    save_file({k: v.to(dtype).contiguous() for k, v in state_dict.items()}, str(folder / "model.safetensors"),
-              metadata={"format": "pt", "flexpack": POLICY_TYPE})
-
-    features = {k: PolicyFeature(type=FeatureType(v["type"]), shape=tuple(v["shape"]))
-                for k, v in {**inputs, **outputs}.items()}
-    norm_map = {FeatureType(k): NormalizationMode(v) for k, v in mapping.items()}
-    tensors = stats_tensors(stats, pooled, [k for k in features if k in pooled or k == "action"])
-    pre = NormalizerProcessorStep(features=features, norm_map=norm_map, stats=tensors)
-    post = UnnormalizerProcessorStep(features={"action": features["action"]}, norm_map=norm_map, stats=tensors)
-    DataProcessorPipeline([pre], name="policy_preprocessor").save_pretrained(folder)
-    DataProcessorPipeline([post], name="policy_postprocessor").save_pretrained(folder)
-    return folder
 
 
 # -- the Hub ---------------------------------------------------------------------------------------
@@ -230,20 +171,16 @@ def push_to_hub(folder: str | Path, repo_id: str, *, private: bool = False, api:
     return str(getattr(info, "commit_url", None) or info)
 
 
-# -- the one call from export ---------------------------------------------------------------------
-def write_extras(out: Path, *, run: Path, cfg: TrainConfig, model_cfg: ModelShape, state_dict: dict[str, torch.Tensor],
-                 stats: ActionStats, norm: dict[str, Any], step: int, ema: bool, dtype: torch.dtype = torch.float32,
-                 policy: bool = True) -> None:
-    """The model card and (``policy``) the LeRobot-style policy folder inside the export folder ``out``."""
-    from flexpack.data import action_stats, cache
-    from flexpack.data.episodes import EpisodeSource
+_MOVED = ("POLICY_TYPE", "write_extras", "write_policy_folder")  # to flexpack.families.wan.export_policy
 
-    source = EpisodeSource(cfg.data.root)
-    latents = cfg.data.latents_dir or cache.default_latents_dir(source.root)
-    pooled = action_stats.pooled(source, latents)
-    cams = list(cfg.data.cameras) if cfg.data.cameras else list(source.video_keys)
-    info = {"episodes": len(source.episodes), "frames": pooled["frames"], "cameras": cams}
-    (out / "README.md").write_text(model_card(run=run, cfg=cfg, step=step, norm=norm, ema=ema, dataset_info=info))
-    if policy:
-        write_policy_folder(out / POLICY_DIR, cfg=cfg, model_cfg=model_cfg, state_dict=state_dict, stats=stats,
-                            norm=norm, pooled=pooled["features"], meta=source.meta, dtype=dtype)
+
+def __getattr__(name: str) -> Any:
+    if name not in _MOVED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+    import warnings
+
+    warnings.warn(f"flexpack.tools.export_extras.{name} is deprecated: it moved to "
+                  "flexpack.families.wan.export_policy; import it from there (the old path goes in flexpack 0.3)",
+                  DeprecationWarning, stacklevel=2)
+    return getattr(importlib.import_module("flexpack.families.wan.export_policy"), name)

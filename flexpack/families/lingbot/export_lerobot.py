@@ -31,7 +31,7 @@ LingbotConfig field LeRobot's config has no place for. The fields of LeRobot's t
 
 A run on a lingbot-bundle takes its cameras, their composition (``camera_layout`` ``"robotwin_tshape"`` for
 upstream's T), frames, statistics and the action steps a latent frame from the bundle instead
-(:mod:`flexpack.tools.export_bundle`).
+(:mod:`flexpack.families.lingbot.export_bundle`).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def check_config(cfg: TrainConfig, options: Any = None) -> None:
                              f"(= {getattr(model_cfg, f.name)!r} here); this model cannot be written as a LeRobot "
                              "policy")
     if is_bundle(cfg.data):  # its frame_ids stride, not data.stride, says how it was encoded (export_bundle)
-        from flexpack.tools.export_bundle import check_steps
+        from flexpack.families.lingbot.export_bundle import check_steps
 
         check_steps(cfg, getattr(options, "dataset", None))
     elif cfg.data.stride != VAE_STRIDE or model_cfg.action_per_frame != VAE_STRIDE:
@@ -272,9 +272,9 @@ def write_lerobot(job: Any, folder: Path) -> None:
     if opts.allow_unrunnable and not is_bundle(cfg.data) and (reasons := unrunnable(cfg, opts.wan_pretrained_path)):
         print(f"export: warning: writing a policy LeRobot cannot run as it trained (--allow-unrunnable): "
               f"{'; '.join(reasons)}", file=sys.stderr)
-    if is_bundle(cfg.data):  # cameras, layout and frames from the bundle's files (flexpack.tools.export_bundle)
+    if is_bundle(cfg.data):  # cameras, layout and frames from the bundle's files (export_bundle)
         from flexpack.families.lingbot.config import lerobot_layout_name
-        from flexpack.tools.export_bundle import lerobot_layout
+        from flexpack.families.lingbot.export_bundle import lerobot_layout
 
         layout = lerobot_layout(cfg, job.stats, opts.dataset)
         layout["camera_layout"] = lerobot_layout_name(layout["camera_layout"])

@@ -102,7 +102,7 @@ def write_transformer(folder: Path, state_dict: dict[str, torch.Tensor], model_c
 def _cameras(cfg: TrainConfig, dataset: str | None) -> dict[str, Any]:
     """obs_cam_keys, env_type, height, width and the cameras' frames (C, H, W) of the run's data."""
     from flexpack.data.formats import is_bundle
-    from flexpack.tools.export_bundle import VAE_PIXELS, bundle_cameras, frame_shape
+    from flexpack.families.lingbot.export_bundle import VAE_PIXELS, bundle_cameras, frame_shape
 
     if is_bundle(cfg.data):
         cams = bundle_cameras(cfg, dataset)

@@ -2,8 +2,9 @@
 
 :class:`LingbotVA` is LeRobot's ``WanTransformer3DModel`` (lerobot 0.6.1, ``policies/lingbot_va/utils.py``)
 parameter for parameter — :mod:`flexpack.families.lingbot.convert` maps the names both ways — computed
-by flexpack's Wan blocks over a :class:`~flexpack.packing.layout.TokenLayout`. It differs from
-:class:`~flexpack.families.wan.model.WanVA` in four places, all LeRobot's:
+by flexpack's Wan backbone (:class:`~flexpack.models.backbone.WanBackbone`, which
+:class:`~flexpack.families.wan.model.WanVA` computes with too) over a :class:`~flexpack.packing.layout.TokenLayout`.
+It differs from :class:`~flexpack.families.wan.model.WanVA` in four places, all LeRobot's:
 
 * each stream has its own timestep embedder (``condition_embedder`` for video tokens,
   ``condition_embedder_action`` for action tokens); the action copy's text projection is in the
@@ -30,7 +31,7 @@ Inputs (:meth:`LingbotVA.forward`): ``batch.latent`` (2, R, C, Fr, H, W) = (nois
 ``batch.action`` (2, R, action_dim, Fr, action_per_frame), ``batch.text`` (E, L, text_dim);
 ``timestep`` / ``action_timestep`` (2, R, Fr) on the 0..1000 scale (the clean copy's are LeRobot's
 ``cond_timesteps``); ``chunk_size`` / ``window``: ints or one per episode. Outputs are the noisy
-copy's predictions (:class:`~flexpack.families.wan.model.WanVAOutput`), zero on padding frames.
+copy's predictions (:class:`~flexpack.models.backbone.DiTOutput`), zero on padding frames.
 
 Text: LeRobot zero-pads the UMT5 output of a prompt to ``max_sequence_length`` (512) tokens and attends
 all of them (its cross-attention mask knows no text length; the zero tokens still pass the text
@@ -45,7 +46,7 @@ import torch
 from torch import Tensor
 
 from flexpack.families.lingbot.config import LingbotConfig
-from flexpack.families.wan.model import WanVA, WanVAOutput
+from flexpack.models.backbone import DiTOutput, WanBackbone
 from flexpack.models.rope import rope_cos_sin
 from flexpack.models.wan_blocks import MLP, TimeEmbed
 from flexpack.packing.layout import ACTION, TokenLayout
@@ -73,7 +74,7 @@ def lingbot_positions(tl: TokenLayout) -> tuple[Tensor, Tensor, Tensor]:
     return frame.to(torch.float64), hpos, wpos
 
 
-class LingbotVA(WanVA):
+class LingbotVA(WanBackbone):
     """LeRobot's LingBot-VA transformer on flexpack's packed layout; see the module docstring.
 
     Built from a :class:`~flexpack.families.lingbot.config.LingbotConfig`; ``self.config`` is its
@@ -101,7 +102,7 @@ class LingbotVA(WanVA):
         window: int | Tensor,
         text_slots: int | None = None,
         mask: str = "lingbot",
-    ) -> WanVAOutput:
+    ) -> DiTOutput:
         """Predict the flow of the noisy copy (see the module docstring for the inputs).
 
         ``mask`` stays ``"lingbot"`` in training; other masks of :mod:`flexpack.attention.masks` are
@@ -110,23 +111,7 @@ class LingbotVA(WanVA):
         return super().forward(batch, layout, timestep=timestep, action_timestep=action_timestep, mask=mask,
                                chunk_size=chunk_size, window=window, text_slots=text_slots)
 
-    def forward_video(self, latent: Tensor, timestep: Tensor, text: Tensor) -> Tensor:
-        raise NotImplementedError("a lingbot-va model has no video-only diffusers call; use forward(batch, ...)")
-
-    @classmethod
-    def from_diffusers(cls, model: Any, **kw: Any) -> "LingbotVA":
-        raise ValueError("a lingbot-va model loads LeRobot weights: flexpack.families.lingbot.convert.load_lerobot")
-
-    @classmethod
-    def from_diffusers_file(cls, path: str, config: Any = None, **kw: Any) -> "LingbotVA":
-        raise ValueError(f"{path}: a lingbot-va model loads LeRobot weights "
-                         "(flexpack.families.lingbot.convert.load_lerobot)")
-
-    @torch.no_grad()
-    def reset_action_stream(self) -> None:
-        raise ValueError("a lingbot-va checkpoint holds its action stream; there is nothing to initialize")
-
-    # ---------------------------------------------------------------- WanVA hooks
+    # ---------------------------------------------------------------- the backbone's hooks
     def _time_embedding(self, t_US: Tensor) -> tuple[Tensor, Tensor]:
         """Stream 0 (video) through ``time_embed``, stream 1 (action) through ``action_time_embed``."""
         U, S = t_US.shape

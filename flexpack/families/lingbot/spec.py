@@ -5,8 +5,23 @@ config key means for it: :mod:`flexpack.families.lingbot.family`). Importing thi
 
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 from flexpack.families.lingbot.family import NAME
 from flexpack.models.registry import ExportFormat, ModelFamily, register
+
+
+def export_normalization(cfg: Any, state: Mapping[str, Any], where: str) -> tuple[Any, dict[str, Any]] | None:
+    """The statistics and ``normalization.json`` record an export of a run on a lingbot-bundle writes (the model
+    space's q01 / q99 and the source columns': :func:`flexpack.families.lingbot.export_bundle.bundle_normalization`);
+    None for a run on other data (flexpack's rule)."""
+    from flexpack.data.formats import is_bundle
+
+    if not is_bundle(cfg.data):
+        return None
+    from flexpack.families.lingbot.export_bundle import bundle_normalization
+
+    return bundle_normalization(cfg, state, where)
 
 
 def lingbot_va() -> ModelFamily:
@@ -53,7 +68,7 @@ def lingbot_va() -> ModelFamily:
                        convert_tensor=convert_tensor, load_checkpoint=load_checkpoint,
                        mask="lingbot", copies=COPIES, objective=LingbotObjective, apply_objective=apply_objective,
                        conventions=conventions, sampler=LingbotSampler, sampling_fields=LEROBOT_INFERENCE,
-                       exports=exports, lora_targets=LORA_TARGETS)
+                       exports=exports, export_normalization=export_normalization, lora_targets=LORA_TARGETS)
 
 
 register(NAME, lingbot_va)

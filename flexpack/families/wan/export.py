@@ -52,7 +52,7 @@ def write_diffusers(job: Any, folder: Path) -> None:
         write_weights(folder / "ema", job.averaged.full_state_dict(), model_cfg, action_steps=cfg.data.action_steps,
                       dtype=dtype)
     (folder / "normalization.json").write_text(json.dumps(job.norm, indent=2) + "\n")
-    from flexpack.tools.export_extras import write_extras
+    from flexpack.families.wan.export_policy import write_extras
 
     write_extras(folder, run=job.run, cfg=cfg, model_cfg=model_cfg, state_dict=model.state_dict(), stats=job.stats,
                  norm=job.norm, step=job.step, ema=job.options.ema, dtype=dtype, policy=job.options.policy)
