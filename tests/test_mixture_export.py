@@ -126,6 +126,20 @@ def test_each_entry_exports_its_own_statistics_channels_and_cameras(mixture_run,
     assert json.loads((tmp_path / "one" / "config.json").read_text())["used_action_channel_ids"] == ARM3
 
 
+def test_the_upstream_export_of_an_entry_writes_its_channels_and_statistics(mixture_run, tmp_path, capsys) -> None:
+    _, run, _, b = mixture_run
+    code, err = run_cli(capsys, "export", str(run), str(tmp_path / "up"), "--format", "lingbot-upstream",
+                        "--dataset", "arm3")
+    assert code == 0, err
+    fields = json.loads((tmp_path / "up" / "flexpack_export.json").read_text())
+    up = fields["upstream_config"]
+    q01, _ = _pooled(b, ARM3_SEGMENTS)
+    assert up["obs_cam_keys"] == [MAIN, LEFT] and up["used_action_channel_ids"] == ARM3
+    assert [up["norm_stat"]["q01"][c] for c in ARM3] == pytest.approx(q01.tolist(), rel=1e-9)
+    assert fields["source_columns"]["q01"] == pytest.approx(q01.tolist(), rel=1e-9)
+    assert fields["data_root"] == str(b)
+
+
 def test_without_dataset_or_with_an_unknown_name_one_line_names_the_choices(mixture_run, tmp_path, capsys) -> None:
     _, run, _, _ = mixture_run
     code, err = run_cli(capsys, "export", str(run), str(tmp_path / "o"))

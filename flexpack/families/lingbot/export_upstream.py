@@ -151,7 +151,7 @@ def export_fields(cfg: TrainConfig, norm: dict[str, Any], dataset: str | None) -
                 "patch_size": list(m.patch_size), **{k: getattr(m, k) for k in INFERENCE},
                 "action_norm_method": stats["action_norm_method"], "norm_stat": stats["norm_stat"]}
     return {"format": "lingbot-upstream", "transformer": "transformer", "upstream_config": upstream,
-            "source_columns": stats["source_columns"], "data_root": str(cfg.data.root), **cams,
+            "source_columns": stats["source_columns"], "data_root": norm.get("dataset", str(cfg.data.root)), **cams,
             "max_sequence_length": m.max_sequence_length}
 
 
