@@ -40,7 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a run on a lingbot-bundle: the bundle's dataset (its folder under the bundle root, e.g. "
                              "robotwin/a) whose cameras (frame sizes, latent grids, frame_ids stride) the export "
                              "describes, needed only where the datasets' cameras differ; the datasets of one bundle "
-                             "share its action statistics (pooled over the whole bundle, or data.norm_stat)")
+                             "share its action statistics (pooled over the whole bundle, or data.norm_stat). A run on "
+                             "a mixture ([[data.datasets]]): the entry (its name; ENTRY/DATASET for one dataset of "
+                             "its bundle) whose q01 / q99 as trained, action channels (used_action_channel_ids) and "
+                             "cameras the export writes, needed where the entries differ in any of them")
     parser.add_argument("--adapter", type=Path, default=None, metavar="DIR",
                         help="a LoRA run (lora.rank > 0): also write its adapters to DIR (new or empty) as a peft "
                              "adapter folder (adapter_config.json, adapter_model.safetensors: "

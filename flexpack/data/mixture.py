@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -87,7 +88,6 @@ class MixtureDataset(torch.utils.data.Dataset):
         for s in self.sources:
             s.set_epoch(epoch)
 
-
     @property
     def source_of_item(self) -> np.ndarray:
         """Entry index of every item."""
@@ -117,11 +117,34 @@ class MixtureDataset(torch.utils.data.Dataset):
         for s in self.sources:
             s.normalizer = value
 
+    @property
+    def entry_normalizers(self) -> list[Any]:
+        """Every entry's statistics in config order (an ActionNormalizer over the model's action space; None for an
+        entry with no item here or a run without normalization): what a checkpoint records per entry, so that an
+        export of one entry writes the statistics that entry trained with."""
+        out: list[Any] = [None] * (len(self.offsets) - 1)
+        for k, s in zip(self.source_ids, self.sources):
+            out[k] = s.normalizer
+        return out
+
+    @entry_normalizers.setter
+    def entry_normalizers(self, values: list[Any]) -> None:
+        """Keep a checkpoint's per-entry statistics (``values`` in config order; None leaves an entry's own)."""
+        for k, s in zip(self.source_ids, self.sources):
+            if values[k] is not None:
+                s.normalizer = values[k]
+
     # the sampling path reads these of a bundle: the first source speaks for the mixture
     def __getattr__(self, name: str) -> Any:
         if name in ("stride", "fps", "encoder", "channels", "empty_text", "root"):
             return getattr(self.__dict__["sources"][0], name)
         raise AttributeError(name)
+
+
+def entry_name(entry: Any) -> str:
+    """A ``[[data.datasets]]`` entry's name in metrics, checkpoints and ``export --dataset``: its ``name``, else its
+    folder's name."""
+    return entry.name or Path(entry.root).name
 
 
 def pooled_model_space(sources: list[BundleDataset]) -> tuple[np.ndarray, np.ndarray]:

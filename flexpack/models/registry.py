@@ -147,9 +147,10 @@ class ModelFamily:
     sampling_fields: tuple[str, ...] = ()
     exports: Mapping[str, ExportFormat] = field(default_factory=dict)  # --format name -> how it is written
     # the action statistics an export records where the family reads them from its own data layout (config,
-    # train_state, the checkpoint's name) -> (statistics, normalization.json's record), or None for flexpack's
-    # rule (flexpack.tools.export); None: that rule always
-    export_normalization: Callable[[Any, Mapping[str, Any], str], tuple[Any, dict[str, Any]] | None] | None = None
+    # train_state, the checkpoint's name, export's --dataset or None) -> (statistics, normalization.json's record),
+    # or None for flexpack's rule (flexpack.tools.export); None: that rule always
+    export_normalization: Callable[[Any, Mapping[str, Any], str, str | None],
+                                   tuple[Any, dict[str, Any]] | None] | None = None
     # what a checkpoint records beside the weights (train_state.json), from the model; None: nothing
     weights_record: Callable[[nn.Module], dict[str, Any]] | None = None
     # a checkpoint's train_state (its record), the model, the checkpoint's name -> one ValueError line where the

@@ -23,7 +23,9 @@ Invariants shared by both:
   continues the same epoch. The indices every old rank consumed are recomputed from the old plan
   (``consumed`` in the state), and the rest of the epoch is planned afresh over the new ranks
   from the same ``rng(seed + epoch)``, so across old and new ranks every index of the epoch is
-  trained once (plus the new plan's own tail padding). The next epoch is a full plan again.
+  trained once (plus the new plan's own tail padding). The next epoch is a full plan again. A
+  sampler whose epoch is not "every index once" says what is left through ``_remaining`` and
+  ``_trained`` (the weighted mixture's: multisets, :mod:`flexpack.packing.weighted`).
 
 Misuse to avoid:
 
@@ -168,13 +170,19 @@ class _EpochBatchSampler:
         epoch = self._epoch if epoch is None else epoch
         consumed = (self._consumed if epoch == self._epoch else ()) if consumed is None else consumed
         if self._cache is None or self._cache[:2] != (epoch, consumed):
-            indices = np.arange(len(self.lengths))
-            if consumed:
-                indices = np.setdiff1d(indices, np.asarray(consumed, dtype=np.int64))
-            plan = self._make_plan(epoch, indices)
+            plan = self._make_plan(epoch, self._remaining(epoch, consumed))
             assert len({len(p) for p in plan}) == 1, "ranks got different batch counts"
             self._cache = (epoch, consumed, plan)
         return self._cache[2]
+
+    def _remaining(self, epoch: int, consumed: tuple[int, ...]) -> np.ndarray:
+        """The indices ``epoch`` still has to train once ``consumed`` were trained: every index not in it."""
+        indices = np.arange(len(self.lengths))
+        return np.setdiff1d(indices, np.asarray(consumed, dtype=np.int64)) if consumed else indices
+
+    def _trained(self, consumed: tuple[int, ...], batches: list[list[int]]) -> tuple[int, ...]:
+        """``consumed`` and the indices of ``batches`` together, as a state's ``consumed`` records them (a set)."""
+        return tuple(sorted(set(consumed).union(*batches)))
 
     @property
     def epoch(self) -> int:
@@ -241,7 +249,7 @@ class _EpochBatchSampler:
         old_world = _int("state world_size", state["args"].get("world_size", self.world_size), 1)
         if old_world != self.world_size:
             consumed, position = self._reshard(epoch, consumed, position, old_world), 0
-            if len(consumed) == len(self.lengths):  # the old ranks finished the epoch: the next one is whole
+            if not len(self._remaining(epoch, consumed)):  # the old ranks finished the epoch: the next one is whole
                 epoch, consumed = epoch + 1, ()
         count = len(self._plan(epoch, consumed)[self.rank])
         if position > count:
@@ -256,8 +264,7 @@ class _EpochBatchSampler:
         plan = old._plan(epoch, consumed)
         if position > len(plan[0]):
             raise ValueError(f"state position {position} > {len(plan[0])} batches in epoch {epoch}")
-        done = set(consumed).union(*(b for rank in plan for b in rank[:position]))
-        return tuple(sorted(done))
+        return self._trained(consumed, [b for rank in plan for b in rank[:position]])
 
     # --- statistics --------------------------------------------------------------------
     def stats(self, progress: bool = False) -> SamplerStats:

@@ -9,10 +9,12 @@ source above its natural share repeats items within the epoch, one below it sees
 The draw is then packed and dealt to ranks exactly as the unweighted sampler packs an epoch.
 
 Invariants, as the unweighted sampler's: a pure function of (arguments, epoch); every rank yields the same number
-of batches; ``state_dict`` / ``load_state_dict`` resume at the exact batch on the same number of ranks. Not
-supported (one line): resuming a weighted epoch on another number of ranks (an index may be drawn several times
-in one epoch, which the elastic re-plan's "consumed indices" cannot express); it resumes from the next epoch's
-start only if the run is restarted on the old number of ranks first.
+of batches; ``state_dict`` / ``load_state_dict`` resume at the exact batch on the same number of ranks. On another
+number of ranks the epoch continues as the unweighted sampler's does, with the draw as a *multiset*: the draw does
+not depend on the ranks, ``consumed`` lists an index once for every time the old ranks trained it (the state
+records repeats), and the rest of the epoch, the draw less ``consumed`` counted per index, is packed and dealt
+over the new ranks from the same epoch seed; so across old and new ranks every draw of the epoch is trained once
+(plus each plan's own tail padding), and the next epoch is whole.
 A pack may hold one item twice (both copies see the same noise): ``most_per_batch`` counts such repeats.
 """
 
@@ -72,24 +74,22 @@ class WeightedTokenBudgetBatchSampler(TokenBudgetBatchSampler):
                 break
         return np.sort(np.asarray(out, dtype=np.int64))
 
-    def _plan(self, epoch: int | None = None, consumed: tuple[int, ...] | None = None) -> list[list[list[int]]]:
-        epoch = self._epoch if epoch is None else epoch
-        if self._cache is None or self._cache[0] != epoch:
-            plan = self._make_plan(epoch, self.epoch_draw(epoch))
-            assert len({len(p) for p in plan}) == 1, "ranks got different batch counts"
-            self._cache = (epoch, (), plan)
-        return self._cache[2]
+    def _remaining(self, epoch: int, consumed: tuple[int, ...]) -> np.ndarray:
+        """The draw of ``epoch`` less ``consumed``, per index: one drawn k times and trained j times is left
+        max(k - j, 0) times (sorted)."""
+        draw = self.epoch_draw(epoch)
+        if not consumed:
+            return draw
+        left = np.bincount(draw, minlength=len(self.lengths)) - np.bincount(consumed, minlength=len(self.lengths))
+        return np.repeat(np.arange(len(self.lengths)), np.maximum(left, 0)).astype(np.int64)
+
+    def _trained(self, consumed: tuple[int, ...], batches: list[list[int]]) -> tuple[int, ...]:
+        """``consumed`` and every index of ``batches``, each as often as it was trained (a multiset)."""
+        return tuple(sorted([*consumed, *(i for b in batches for i in b)]))
 
     def _args(self) -> dict[str, Any]:
         digest = hashlib.sha256(self.groups.tobytes()).hexdigest()[:16]
         return {**super()._args(), "groups_sha256": digest, "weights": [float(w) for w in self.weights]}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        old = state.get("args", {}).get("world_size", self.world_size) if isinstance(state, dict) else None
-        if old != self.world_size:
-            raise ValueError(f"a weighted mixture resumes on the number of ranks it stopped on ({old}), not "
-                             f"{self.world_size}: its epochs draw items with repeats")
-        super().load_state_dict(state)
 
     def most_per_batch(self) -> int:
         """The most items one pack can hold, counting each item as often as a source's draw can repeat it."""

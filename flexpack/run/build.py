@@ -9,7 +9,6 @@ same micro-batches.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -86,7 +85,7 @@ def open_mixture(cfg: TrainConfig, conv: DataConventions, episodes: Sequence[int
     none), ``episodes`` as mixture-wide ids; sources of one ``embodiment`` share their pooled statistics."""
     from flexpack.data.bundle import BundleDataset
     from flexpack.data.formats import read_norm_stat
-    from flexpack.data.mixture import MixtureDataset, pooled_model_space
+    from flexpack.data.mixture import MixtureDataset, entry_name, pooled_model_space
 
     d = cfg.data
     counts = entry_episode_counts(cfg)
@@ -114,7 +113,7 @@ def open_mixture(cfg: TrainConfig, conv: DataConventions, episodes: Sequence[int
             q01, q99 = pooled_model_space(members)
             for s in members:
                 s.q01, s.q99 = q01, q99
-    names = [e.name or Path(e.root).name for e in d.datasets]
+    names = [entry_name(e) for e in d.datasets]
     # weights shape training epochs; held-out loss and sampling see every held-out item once
     weighted = d.datasets[0].weight is not None and text_dropout
     weights = [float(e.weight) for e in d.datasets] if weighted else None

@@ -58,11 +58,13 @@ def _check_out(out: Path) -> None:
         raise ValueError(f"{out}: exists and is not empty; export writes into a new or empty folder")
 
 
-def _normalization(cfg: TrainConfig, state: dict[str, Any], where: str = "the checkpoint"
-                   ) -> tuple[ActionStats, dict[str, Any]]:
+def _normalization(cfg: TrainConfig, state: dict[str, Any], where: str = "the checkpoint",
+                   dataset: str | None = None) -> tuple[ActionStats, dict[str, Any]]:
     """The action normalization of the run: the statistics the weights were trained with from the checkpoint
     where it carries them (``extra.action_normalizer``), else ``data.action_stats``'s (what LatentEpisodeDataset
-    used); and ``normalization.json``'s record, those statistics with the dataset's layout (columns, channels)."""
+    used); and ``normalization.json``'s record, those statistics with the dataset's layout (columns, channels).
+    A family that reads its own data layout decides first (``export_normalization``; ``dataset``: ``--dataset``,
+    e.g. a lingbot-va mixture's entry, whose own statistics and channels it gives)."""
     from flexpack.data import action_stats, cache
     from flexpack.data.actions import ActionNormalizer, channel_map
     from flexpack.data.episodes import EpisodeSource
@@ -70,7 +72,7 @@ def _normalization(cfg: TrainConfig, state: dict[str, Any], where: str = "the ch
     from flexpack.run.state.resume import saved_stats
 
     family_rule = cfg.model.model_family().export_normalization  # e.g. a lingbot-va run on a lingbot-bundle
-    if family_rule is not None and (family_stats := family_rule(cfg, state, where)) is not None:
+    if family_rule is not None and (family_stats := family_rule(cfg, state, where, dataset)) is not None:
         return family_stats
     saved = saved_stats(state, where)
     key = "action"
@@ -109,7 +111,8 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike, *, ema: bool = Fa
     :mod:`flexpack.families.lingbot.export_upstream`'s); returns ``out``. ``overrides`` (``--set``) apply to
     the checkpoint's own config; ``allow_unrunnable``: write a ``lerobot`` export that LeRobot could not run as
     trained (stand-in encoders, other widths) with a warning; ``dataset``: a bundle run's dataset whose cameras the
-    export describes; ``adapter``: a LoRA run's adapters also go there, as a peft adapter folder
+    export describes (a mixture's entry, or ENTRY/DATASET: also its statistics and action channels);
+    ``adapter``: a LoRA run's adapters also go there, as a peft adapter folder
     (:func:`flexpack.run.lora.write_adapter`; ``OUT`` gets the merged weights either way)."""
     from flexpack.atomic import write_failure
     from flexpack.errors import UserError
@@ -133,7 +136,7 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike, *, ema: bool = Fa
         raise ValueError(f"--adapter {adapter}: {found} holds no LoRA adapters (trained without LoRA); export without "
                          "--adapter")
     fmt, writer, _ = export_format(cfg, options, found)
-    stats, norm = _normalization(cfg, state, str(found / "train_state.json"))
+    stats, norm = _normalization(cfg, state, str(found / "train_state.json"), dataset)
     job = ExportJob(run=run, found=found, cfg=cfg, model=model, averaged=averaged, state=state, stats=stats,
                     norm=norm, options=options)
     print(f"export: checkpoint {found} (step {job.step}, format {fmt})", file=sys.stderr)

@@ -33,7 +33,8 @@ class ExportOptions:
     """The command's choices: the format (None: the family's first), the weights' dtype, ``--ema``, the
     diffusers export's policy folder (``--no-policy``), the LeRobot export's ``wan_pretrained_path``, whether it
     may be written where LeRobot could not run it as trained (``--allow-unrunnable``), for a run on a
-    lingbot-bundle, the dataset whose cameras an export describes (``--dataset``) and, for a LoRA run, a folder to
+    lingbot-bundle, the dataset whose cameras an export describes (``--dataset``; a mixture's entry: also its
+    statistics and action channels) and, for a LoRA run, a folder to
     write its adapters to as a peft adapter folder (``--adapter``)."""
 
     fmt: str | None = None

@@ -169,7 +169,7 @@ def _train(cfg: TrainConfig, found: Path | None, stop: faults.GracefulStop, stop
                                     async_save=cfg.checkpoint.async_save)
     stats = resume.normalizer_state(run.dataset)  # after a resume: the checkpoint's, which the weights learned under
     # the model the weights are of, as resolved (flexpack sample builds it, a resume compares against it)
-    extra = {**resume.stats_extra(stats), trained.MODEL_KEY: trained.model_record(run.model_config),
+    extra = {**resume.stats_extra(stats, run.dataset), trained.MODEL_KEY: trained.model_record(run.model_config),
              trained.LORA_KEY: cfg.lora_record(),  # LoRA options: a resume with others is refused
              **resume.optim_extra(o)}  # the optimizer's states and offload: a resume must match them
     context = HookContext(run=run, action_stats=stats)

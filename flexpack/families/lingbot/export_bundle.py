@@ -1,10 +1,20 @@
-"""What ``flexpack export`` reads of a lingbot-bundle run's bundle (``data.format = "lingbot-bundle"``).
+"""What ``flexpack export`` reads of a lingbot-bundle run's bundle (``data.format = "lingbot-bundle"``), or of the
+one ``[[data.datasets]]`` entry of a mixture it describes (:func:`export_source`).
 
 Statistics. The checkpoint carries the bundle's q01 / q99 over the model's ``action_dim``-wide action space (its
 normalizer: pooled over every segment of the whole bundle, or ``data.norm_stat``), so every dataset of a bundle
-shares them. LeRobot's processors hold them in the *source columns*: the model-space values taken at
-``used_action_channel_ids`` (:func:`bundle_normalization`). ``normalization.json`` keeps the model-space values
-(what ``flexpack sample`` checks against the bundle) beside the columns' (``column_low`` / ``column_high``).
+shares them. A mixture's entries each have their own (pooled within the entry, its ``norm_stat``, or pooled over
+the entries naming one ``embodiment``): the checkpoint records them per entry (``extra.entry_normalizers``;
+a checkpoint written before that record holds the entries' shared statistics, or none where they differ, and
+then the entry's are computed from its data as training computed them). LeRobot's processors hold them in the
+*source columns*: the model-space values taken at the described source's action channels (the entry's
+``action_channels``, else ``used_action_channel_ids``; :func:`bundle_normalization`), which the policy's
+``used_action_channel_ids`` then names. ``normalization.json`` keeps the model-space values (what
+``flexpack sample`` checks against the bundle) beside the columns' (``column_low`` / ``column_high``).
+
+``--dataset NAME`` on a mixture run: an entry's name (``name``, else its folder's), or ``ENTRY/DATASET`` for one
+dataset of an entry's bundle (as the metrics name it). Without it a run whose entries differ in statistics, action
+channels or cameras is refused in one line naming the entries; an unknown name is one line naming the choices.
 
 Cameras (:func:`bundle_cameras`). The run's order (``data.cameras``, else ``obs_cam_keys``, else the first
 dataset's video features), composed as the run composed them (``data.camera_layout``; ``auto`` decided by the
@@ -23,7 +33,7 @@ resizes frames to that size before encoding, whatever the videos' size); ``actio
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -78,17 +88,95 @@ def frame_shape(feature: Any, key: str, where: Path) -> tuple[int, int, int]:
     return c, h, w
 
 
-def run_cameras(cfg: TrainConfig, first: Dataset21) -> list[str]:
-    """The cameras in the order the run composed them (as :func:`flexpack.run.build.open_bundle` picks them)."""
+@dataclass(frozen=True)
+class ExportSource:
+    """What an export of a bundle run describes: the run's ``data.root`` bundle, or one ``[[data.datasets]]``
+    entry of a mixture, with the options the run read it with."""
+
+    root: Path  # the bundle root (or v2.1 dataset) read
+    cameras: tuple[str, ...]  # the composition order given; () = the first dataset's video features
+    layout: str  # its camera_layout option
+    channels: tuple[int, ...]  # the model channel of each action column (used_action_channel_ids)
+    entry: int | None = None  # the mixture entry (None: data.root)
+    name: str = ""  # the entry's name ("" for data.root)
+    dataset: str | None = None  # one dataset under ``root`` (None: every one, where their cameras agree)
+
+    def label(self, dataset: str) -> str:
+        """A dataset of ``root`` as messages and ``--dataset`` name it."""
+        return f"{self.name}/{dataset}" if self.name else dataset
+
+
+def sources(cfg: TrainConfig) -> list[ExportSource]:
+    """Every source of the run: its mixture's entries (options as :func:`flexpack.run.build.open_mixture` reads
+    them: the entry's, else the family's), else ``data.root`` (cameras: ``data.cameras``, else ``obs_cam_keys``)."""
+    from flexpack.data.mixture import entry_name
+
     conv = cfg.model.model_family().conventions(cfg.model.resolved())
-    if cfg.data.cameras:
-        return list(cfg.data.cameras)
-    if conv.cameras:
-        return list(conv.cameras)
-    return [k for k, f in first.info.get("features", {}).items() if isinstance(f, dict) and f.get("dtype") == "video"]
+    family = tuple(conv.action_channels) if conv.action_channels is not None else tuple(range(conv.action_dim))
+    if not cfg.data.datasets:
+        cams = tuple(cfg.data.cameras or conv.cameras or ())
+        return [ExportSource(Path(cfg.data.root), cams, cfg.data.camera_layout, family)]
+    return [ExportSource(Path(e.root), tuple(e.cameras or conv.cameras or ()), e.camera_layout,
+                         tuple(e.action_channels) if e.action_channels is not None else family, k, entry_name(e))
+            for k, e in enumerate(cfg.data.datasets)]
 
 
-def _dataset_cameras(cfg: TrainConfig, name: str, ds: Dataset21, cameras: list[str]) -> BundleCameras:
+def _shown(names: list[str]) -> str:
+    return f"{names[:8]}{' ...' if len(names) > 8 else ''}"
+
+
+def export_source(cfg: TrainConfig, dataset: str | None = None) -> ExportSource:
+    """The source an export describes (``--dataset``: the module docstring); one line for a name that is not one
+    of the run's, or for a mixture whose entries differ where none is named."""
+    found = sources(cfg)
+    if not cfg.data.datasets:
+        return replace(found[0], dataset=dataset)  # the bundle's dataset names are checked as its cameras are read
+    names = [s.name for s in found]
+    if dataset is None:
+        why = _entries_differ(cfg, found) if len(found) > 1 else None
+        if why:
+            raise ValueError(f"the run's data.datasets entries differ in {why}; pick the one the export describes "
+                             f"with --dataset NAME (one of {_shown(names)})")
+        return found[0]
+    hits = [replace(s, dataset=None) for s in found if s.name == dataset]
+    hits = hits or [replace(s, dataset=dataset[len(s.name) + 1:]) for s in found
+                    if dataset.startswith(s.name + "/") and len(dataset) > len(s.name) + 1]
+    if len(hits) > 1:
+        raise ValueError(f"--dataset {dataset!r}: {len(hits)} data.datasets entries are named {hits[0].name!r}; tell "
+                         "them apart with a name = ... of their own (export --set data.datasets=... may add it)")
+    if not hits:
+        from flexpack.data.bundle_files import find_datasets
+
+        inner = [s.label(str(f.relative_to(s.root)) if f != s.root else f.name)
+                 for s in found for f in find_datasets(s.root)]
+        raise ValueError(f"--dataset {dataset!r}: not a dataset of the run's mixture (its data.datasets entries "
+                         f"{_shown(names)}, or ENTRY/DATASET: {_shown(inner)})")
+    return hits[0]
+
+
+def _entries_differ(cfg: TrainConfig, found: list[ExportSource]) -> str | None:
+    """What a mixture's entries differ in (action channels, statistics, cameras), or None where they agree."""
+    if len({s.channels for s in found}) > 1:
+        return "their action channels (" + "; ".join(f"{s.name}: {list(s.channels)}" for s in found) + ")"
+    entries = cfg.data.datasets
+    stats = {(e.norm_stat, e.embodiment if not e.norm_stat else "") for e in entries}
+    if cfg.data.normalize and (len(stats) > 1 or not any(next(iter(stats)))):
+        return ("their action statistics (each entry pools its own unless they name one embodiment or one "
+                "norm_stat)")
+    kinds: dict[tuple[Any, ...], BundleCameras] = {}
+    for s in found:
+        try:
+            cams = _source_cameras(s)
+        except ValueError as exc:  # an entry whose own datasets' cameras differ
+            return f"their cameras ({exc})"
+        kinds.setdefault(cams.signature(), cams)
+    if len(kinds) > 1:
+        a, b = list(kinds.values())[:2]
+        return f"their cameras ({a.shown()}; {b.shown()})"
+    return None
+
+
+def _dataset_cameras(src: ExportSource, name: str, ds: Dataset21, cameras: list[str]) -> BundleCameras:
     from flexpack.data import bundle_files as files
     from flexpack.data.bundle_actions import parse_frame_ids
     from flexpack.data.bundle_grid import resolve_layout
@@ -109,67 +197,103 @@ def _dataset_cameras(cfg: TrainConfig, name: str, ds: Dataset21, cameras: list[s
                 why = str(exc)
                 continue
             grids = tuple((h.height, h.width) for h in heads)
-            layout = resolve_layout(cfg.data.camera_layout, list(grids), cameras, f"{name}: episode {ep}")
+            layout = resolve_layout(src.layout, list(grids), cameras, f"{name}: episode {ep}")
             stride = parse_frame_ids(heads[0].frame_ids, str(heads[0].path)).stride
             return BundleCameras(name, info, frames, grids, layout, stride, ds.feature_width("action"))
     raise ValueError(f"{ds.root}: no segment whose latent files read for the cameras {cameras} ({why})")
 
 
 def bundle_cameras(cfg: TrainConfig, dataset: str | None = None) -> BundleCameras:
-    """The cameras of the bundle's dataset ``dataset`` (``--dataset``), or of every dataset where they agree;
-    one line naming the datasets where they differ, or for a name that is not one of the bundle's datasets."""
+    """The cameras of the dataset ``dataset`` (``--dataset``: the module docstring), or of every dataset of the
+    source described where they agree; one line naming the datasets where they differ, or for a name that is not
+    one of the run's datasets."""
+    return _source_cameras(export_source(cfg, dataset))
+
+
+def _source_cameras(src: ExportSource) -> BundleCameras:
     from flexpack.data.bundle_files import find_datasets
     from flexpack.data.v21 import Dataset21
 
-    root = Path(cfg.data.root)
+    root = src.root
     folders = find_datasets(root)
     if not folders:
-        raise ValueError(f"{root}: no LeRobot dataset (meta/info.json) under the bundle root (data.root)")
+        where = f"data.datasets[{src.entry}].root" if src.entry is not None else "data.root"
+        raise ValueError(f"{root}: no LeRobot dataset (meta/info.json) under the bundle root ({where})")
     names = [str(f.relative_to(root)) if f != root else f.name for f in folders]
-    if dataset is not None and dataset not in names:
-        raise ValueError(f"--dataset {dataset!r}: not a dataset of the bundle {root} (its datasets: "
-                         f"{names[:8]}{' ...' if len(names) > 8 else ''})")
+    labels = [src.label(n) for n in names]
+    if src.dataset is not None and src.dataset not in names:
+        raise ValueError(f"--dataset {src.label(src.dataset)!r}: not a dataset of the bundle {root} (its datasets: "
+                         f"{_shown(labels)})")
     first = Dataset21.open(folders[0])
-    cameras = run_cameras(cfg, first)
-    if dataset is not None:
-        k = names.index(dataset)
-        return _dataset_cameras(cfg, dataset, first if k == 0 else Dataset21.open(folders[k]), cameras)
-    found = [_dataset_cameras(cfg, n, first if k == 0 else Dataset21.open(f), cameras)
-             for k, (n, f) in enumerate(zip(names, folders))]
+    cameras = list(src.cameras) or [k for k, f in first.info.get("features", {}).items()
+                                    if isinstance(f, dict) and f.get("dtype") == "video"]
+    if src.dataset is not None:
+        k = names.index(src.dataset)
+        return _dataset_cameras(src, labels[k], first if k == 0 else Dataset21.open(folders[k]), cameras)
+    found = [_dataset_cameras(src, n, first if k == 0 else Dataset21.open(f), cameras)
+             for k, (n, f) in enumerate(zip(labels, folders))]
     kinds: dict[tuple[Any, ...], BundleCameras] = {}
     for cams in found:
         kinds.setdefault(cams.signature(), cams)
     if len(kinds) > 1:
         a, b = list(kinds.values())[:2]
         raise ValueError(f"{root}: the bundle's datasets differ in their cameras ({a.shown()}; {b.shown()}); "
-                         f"pick the dataset the export describes with --dataset NAME (one of {names[:8]}"
-                         f"{' ...' if len(names) > 8 else ''})")
+                         f"pick the dataset the export describes with --dataset NAME (one of {_shown(labels)})")
     return found[0]
 
 
-def bundle_normalization(cfg: TrainConfig, state: dict[str, Any], where: str) -> tuple[ActionStats, dict[str, Any]]:
-    """(the statistics in the source columns, ``normalization.json``'s record) of a bundle run: the checkpoint's
-    model-space q01 / q99 (or the bundle's, for a checkpoint that carries none) taken at ``used_action_channel_ids``
-    (see the module docstring)."""
+def bundle_normalization(cfg: TrainConfig, state: dict[str, Any], where: str,
+                         dataset: str | None = None) -> tuple[ActionStats, dict[str, Any]]:
+    """(the statistics in the source columns, ``normalization.json``'s record) of a bundle run, for the source
+    ``dataset`` names (:func:`export_source`): the model-space q01 / q99 it trained with (:func:`trained_stats`)
+    taken at its action channels (see the module docstring)."""
     from flexpack.data.normalization import ActionStats
-    from flexpack.run.state.resume import saved_stats
 
-    model_cfg = cfg.model.resolved()
-    conv = cfg.model.model_family().conventions(model_cfg)
-    used = list(conv.action_channels) if conv.action_channels is not None else list(range(conv.action_dim))
-    model = saved_stats(state, where, width=conv.action_dim)
-    if model is None and cfg.data.normalize:  # a checkpoint without statistics: the bundle's own
-        from flexpack.run.build import open_bundle
-
-        model = ActionStats.of(open_bundle(cfg, conv, text_dropout=False).normalizer)
+    conv = cfg.model.model_family().conventions(cfg.model.resolved())
+    src = export_source(cfg, dataset)
+    used = list(src.channels)
+    model = trained_stats(cfg, state, where, src)
     if model is None:
         model = ActionStats(mode="none", low=(0.0,) * conv.action_dim, high=(1.0,) * conv.action_dim)
     cols = ActionStats(mode=model.mode, low=tuple(model.low[c] for c in used), high=tuple(model.high[c] for c in used))
     record = {"action_key": "action", **model.to_json(), "space": "model", "action_dim": conv.action_dim,
               "columns": len(used), "channels": used, "column_low": list(cols.low), "column_high": list(cols.high),
-              "action_steps": cfg.data.action_steps, "dataset": str(cfg.data.root), "format": "lingbot-bundle",
+              "action_steps": cfg.data.action_steps, "dataset": str(src.root), "format": "lingbot-bundle",
               "formula": FORMULA if model.mode == "quantile" else "x"}
+    if src.entry is not None:
+        record["entry"] = src.name  # the [[data.datasets]] entry these statistics and channels are of
     return cols, record
+
+
+def trained_stats(cfg: TrainConfig, state: dict[str, Any], where: str, src: ExportSource) -> ActionStats | None:
+    """The model-space statistics ``src`` trained with: the checkpoint's (a mixture entry's own record, else the
+    statistics its entries shared), else (a checkpoint that records none) computed from the data as training
+    computed them; None for a run without normalization."""
+    from flexpack.data.normalization import ActionStats
+    from flexpack.run.state.resume import saved_entry_stats, saved_stats
+
+    conv = cfg.model.model_family().conventions(cfg.model.resolved())
+    if src.entry is None:
+        model = saved_stats(state, where, width=conv.action_dim)
+        if model is None and cfg.data.normalize:  # a checkpoint without statistics: the bundle's own
+            from flexpack.run.build import open_bundle
+
+            model = ActionStats.of(open_bundle(cfg, conv, text_dropout=False).normalizer)
+        return model
+    per = saved_entry_stats(state, where, entries=len(cfg.data.datasets), width=conv.action_dim)
+    if per is not None:
+        if per[src.entry] is None and cfg.data.normalize:
+            raise ValueError(f"{where}: data.datasets entry {src.name!r} had no item in the training split (the run "
+                             "never trained on it); export another entry")
+        return per[src.entry]
+    model = saved_stats(state, where, width=conv.action_dim)  # written before per-entry records: shared ones
+    if model is None and cfg.data.normalize:
+        from flexpack.run.build import open_mixture
+
+        print(f"export: {where} records no per-entry statistics (an older checkpoint); computing {src.name!r}'s "
+              "from its data as training did", file=sys.stderr)
+        model = ActionStats.of(open_mixture(cfg, conv, text_dropout=False).entry_normalizers[src.entry])
+    return model
 
 
 def check_steps(cfg: TrainConfig, dataset: str | None = None) -> None:
@@ -202,12 +326,15 @@ def lerobot_layout(cfg: TrainConfig, stats: ActionStats, dataset: str | None = N
     if stats.mode != "quantile":
         raise ValueError(f"--format lerobot: the run normalized its actions with {stats.mode!r} statistics, but "
                          "LeRobot's lingbot_va postprocessor maps actions with q01 / q99 (QUANTILES)")
-    cams = bundle_cameras(cfg, dataset)
+    src = export_source(cfg, dataset)
+    cams = _source_cameras(src)
     names, grids = list(cams.frames), cams.grids
-    used = list(model_cfg.used_action_channel_ids)
+    used = list(src.channels)
     if cams.columns != len(used):
-        raise ValueError(f"{cams.info_file}: 'action' has {cams.columns} columns, but used_action_channel_ids = {used} "
-                         f"places {len(used)}: the actions do not map onto the policy's output")
+        own = src.entry is not None and cfg.data.datasets[src.entry].action_channels is not None
+        field = f"data.datasets[{src.entry}].action_channels" if own else "used_action_channel_ids"
+        raise ValueError(f"{cams.info_file}: 'action' has {cams.columns} columns, but {field} = {used} places "
+                         f"{len(used)}: the actions do not map onto the policy's output")
     _check_stride(cams, model_cfg.action_per_frame)
     (h0, w0), shown = grids[0], ", ".join(f"{c} {h}x{w}" for c, (h, w) in zip(names, grids))
     if cams.layout == "tshape":
@@ -226,4 +353,4 @@ def lerobot_layout(cfg: TrainConfig, stats: ActionStats, dataset: str | None = N
     inputs = {c: PolicyFeature(type=FeatureType.VISUAL, shape=cams.frames[c]) for c in names}
     outputs = {"action": PolicyFeature(type=FeatureType.ACTION, shape=(cams.columns,))}
     return {"obs_cam_keys": names, "camera_layout": cams.layout, "height": h, "width": w,
-            "input_features": inputs, "output_features": outputs}
+            "used_action_channel_ids": used, "input_features": inputs, "output_features": outputs}

@@ -143,13 +143,15 @@ def export_fields(cfg: TrainConfig, norm: dict[str, Any], dataset: str | None) -
     m = cfg.model.resolved()
     cams = _cameras(cfg, dataset)
     stats = _statistics(norm, m.action_dim)
+    # a bundle run's: the channels of the source described (a mixture entry's own action_channels)
+    used = list(norm["channels"]) if norm.get("space") == "model" else list(m.used_action_channel_ids)
     upstream = {"obs_cam_keys": cams.pop("obs_cam_keys"), "env_type": cams.pop("env_type"),
                 "height": cams.pop("height"), "width": cams.pop("width"), "action_dim": m.action_dim,
-                "used_action_channel_ids": list(m.used_action_channel_ids), "action_per_frame": m.action_per_frame,
+                "used_action_channel_ids": used, "action_per_frame": m.action_per_frame,
                 "patch_size": list(m.patch_size), **{k: getattr(m, k) for k in INFERENCE},
                 "action_norm_method": stats["action_norm_method"], "norm_stat": stats["norm_stat"]}
     return {"format": "lingbot-upstream", "transformer": "transformer", "upstream_config": upstream,
-            "source_columns": stats["source_columns"], "data_root": str(cfg.data.root), **cams,
+            "source_columns": stats["source_columns"], "data_root": norm.get("dataset", str(cfg.data.root)), **cams,
             "max_sequence_length": m.max_sequence_length}
 
 

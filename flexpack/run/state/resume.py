@@ -16,8 +16,8 @@ What a resume can honour and what it cannot:
   once the model is built (:func:`check_shapes`).
 - Other LoRA options (``[lora]``, on or off): no — one line naming each (:func:`check_lora`).
 
-The dataset's action normalization statistics are saved with each checkpoint; a resume keeps
-the checkpoint's (the weights learned under them) and warns if the dataset's have changed.
+The dataset's action normalization statistics are saved with each checkpoint (a mixture's also per entry); a
+resume keeps the checkpoint's (the weights learned under them) and warns if the dataset's have changed.
 """
 
 from __future__ import annotations
@@ -209,6 +209,10 @@ def _data_changes(saved: dict[str, Any] | None, cfg: TrainConfig) -> str:
 
 
 STATS_KEY = "action_normalizer"  # train_state.json's extra: the action statistics the weights are trained with
+# train_state.json's extra of a mixture run: one record per [[data.datasets]] entry, in config order ({"name", "mode",
+# "low", "high"} over the model's action space, or null for an entry without items in the training split); checkpoints
+# written before it carry only STATS_KEY (the entries' shared statistics, or null where they differ)
+ENTRY_STATS_KEY = "entry_normalizers"
 
 
 def normalizer_state(dataset: LatentEpisodeDataset) -> ActionStats | None:
@@ -217,9 +221,31 @@ def normalizer_state(dataset: LatentEpisodeDataset) -> ActionStats | None:
     return None if n is None else ActionStats.of(n)
 
 
-def stats_extra(stats: ActionStats | None) -> dict[str, Any]:
-    """A checkpoint's ``extra`` holding ``stats`` (``{"mode", "low", "high"}``, or null without actions)."""
-    return {STATS_KEY: None if stats is None else stats.to_json()}
+def stats_extra(stats: ActionStats | None, dataset: Any = None) -> dict[str, Any]:
+    """A checkpoint's ``extra`` holding ``stats`` (``{"mode", "low", "high"}``, or null without actions) and, for a
+    mixture ``dataset`` (``[[data.datasets]]``), every entry's own statistics (:data:`ENTRY_STATS_KEY`)."""
+    extra = {STATS_KEY: None if stats is None else stats.to_json()}
+    entries = getattr(dataset, "entry_normalizers", None)
+    if entries is not None:
+        extra[ENTRY_STATS_KEY] = [None if n is None else {"name": name, **ActionStats.of(n).to_json()}
+                                  for name, n in zip(dataset.names, entries)]
+    return extra
+
+
+def saved_entry_stats(state: dict[str, Any], where: str | Path, *, entries: int,
+                      width: int | None = None) -> list[ActionStats | None] | None:
+    """A mixture checkpoint's per-entry statistics (``entries`` of them, each checked), or None where it records
+    none; a list of another length is one line (the checkpoint's config has another number of entries)."""
+    saved = (state.get("extra") or {}).get(ENTRY_STATS_KEY)
+    if saved is None:
+        return None
+    if not isinstance(saved, list) or len(saved) != entries:
+        n = len(saved) if isinstance(saved, list) else type(saved).__name__
+        raise ValueError(f"{where} (extra.{ENTRY_STATS_KEY}): {n} records for the {entries} entries of "
+                         "data.datasets; resume or export with the checkpoint's data.datasets")
+    return [None if rec is None else ActionStats.from_json(rec, f"{where} (extra.{ENTRY_STATS_KEY}[{k}])",
+                                                           width=width)
+            for k, rec in enumerate(saved)]
 
 
 def saved_stats(state: dict[str, Any], where: str | Path, *, width: int | None = None) -> ActionStats | None:
@@ -227,6 +253,23 @@ def saved_stats(state: dict[str, Any], where: str | Path, *, width: int | None =
     (:meth:`~flexpack.data.normalization.ActionStats.from_json`); None where it carries none."""
     saved = (state.get("extra") or {}).get(STATS_KEY)
     return None if saved is None else ActionStats.from_json(saved, f"{where} (extra.{STATS_KEY})", width=width)
+
+
+def _restore_entry_normalizers(path: Path, dataset: Any, state: dict[str, Any], rank: int) -> None:
+    """A mixture's per-entry statistics from the checkpoint (where it records them) kept on ``dataset``."""
+    now = getattr(dataset, "entry_normalizers", None)
+    if now is None:
+        return
+    where = path / "train_state.json"
+    width = next((len(n.low) for n in now if n is not None), None)
+    saved = saved_entry_stats(state, where, entries=len(now), width=width)
+    if saved is None:
+        return
+    kept = [s if s is not None and n is not None else None for s, n in zip(saved, now)]
+    if any(s is not None and ActionStats.of(n) != s for s, n in zip(kept, now)) and rank == 0:
+        print(f"warning: the action statistics of data.datasets entries differ from those saved in {path}; "
+              "keeping the checkpoint's (the weights were trained with them)", file=sys.stderr)
+    dataset.entry_normalizers = [None if s is None else s.normalizer() for s in kept]
 
 
 def _restore_normalizer(path: Path, dataset: LatentEpisodeDataset, saved: Any, rank: int) -> None:
@@ -257,4 +300,5 @@ def restore(path: Path, cfg: TrainConfig, model: torch.nn.Module, optimizer: tor
                          f"checkpoint's ({exc}); resume on the dataset it was trained on, or train into a new "
                          "runtime.out_dir") from None
     _restore_normalizer(path, data.dataset, (state.get("extra") or {}).get(STATS_KEY), rank)
+    _restore_entry_normalizers(path, data.dataset, state, rank)
     return state
