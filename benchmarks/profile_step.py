@@ -1,7 +1,7 @@
-"""Where a training step's time goes: ``LINGBOT_PROFILE`` on the Wan2.2-5B shape with a few layers.
+"""Where a training step's time goes: ``profile.steps`` on the Wan2.2-5B shape with a few layers.
 
 Runs the real train loop (:func:`flexpack.training.loop.train`: sampler, pack collate, noise, forward,
-backward, AdamW, logging) with ``LINGBOT_PROFILE=--steps`` over in-memory episodes (random latents
+backward, AdamW, logging) with ``profile.steps = --steps`` over in-memory episodes (random latents
 and text of the right shapes; lengths from ``data/episode_frames_ref.txt``), then prints the
 profile summary: shares of device time per category, MFU, tokens/s, forward/backward seconds per
 micro-step. The schedule is exactly warm-up + 1 + steps long, so the window ends with the run.
@@ -44,8 +44,8 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny preset on CPU, small packs: checks the script runs")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=65536)
-    ap.add_argument("--steps", type=int, default=3, help="profiled steps (LINGBOT_PROFILE)")
-    ap.add_argument("--warmup", type=int, default=2, help="warm-up steps before them (LINGBOT_PROFILE_WARMUP)")
+    ap.add_argument("--steps", type=int, default=3, help="profiled steps (profile.steps)")
+    ap.add_argument("--warmup", type=int, default=2, help="warm-up steps before them (profile.warmup)")
     ap.add_argument("--accum", type=int, default=1, help="micro-batches per step")
     ap.add_argument("--mask", default="document", choices=("document", "chunk_causal"))
     ap.add_argument("--eager", action="store_true", help="parallel.compile=false (default: the train loop's own "
@@ -75,7 +75,7 @@ def main() -> None:
     cfg = load_config(ROOT / "configs" / "wan5b_pack.toml", overrides + [
         f"runtime.out_dir='{out}'", f"schedule.steps={total}", "schedule.warmup_steps=1", "checkpoint.every=0",
         "log.every=1", "log.tensorboard=false", "parallel.activation_checkpointing=false",
-        f"optim.accum_steps={args.accum}",
+        f"optim.accum_steps={args.accum}", f"profile.steps={steps}", f"profile.warmup={warmup}",
         "data.num_workers=2" if cuda else "data.num_workers=0"] + (["parallel.compile=false"] if args.eager else []))
     m = cfg.model.resolved()
     dataset = RandomEpisodes(lengths, channels=m.in_channels, hw=hw, action_channels=m.action_channels,
@@ -86,8 +86,7 @@ def main() -> None:
 
     from flexpack.training import loop
 
-    os.environ["LINGBOT_PROFILE"], os.environ["LINGBOT_PROFILE_WARMUP"] = str(steps), str(warmup)
-    loop.train(cfg, run=run)
+    loop.train(cfg, run=run)  # profile.steps / profile.warmup: the library reads no environment variable
     shutil.rmtree(out / "checkpoints", ignore_errors=True)
 
     s = json.loads((out / "profile" / "summary_rank0.json").read_text())
