@@ -31,9 +31,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flexpack.packing.lengths import read_frames_file  # noqa: E402
+from flexpack.run.compose import run_for  # noqa: E402
 from flexpack.run.config import load_config  # noqa: E402
 from flexpack.run.memory_data import RandomEpisodes  # noqa: E402
-from flexpack.run.root import run_for  # noqa: E402
+from flexpack.run.resolve import model_config_of  # noqa: E402
 from flexpack.training.observe.profile_summary import CATEGORIES  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,7 +78,7 @@ def main() -> None:
         "log.every=1", "log.tensorboard=false", "parallel.activation_checkpointing=false",
         f"optim.accum_steps={args.accum}", f"profile.steps={steps}", f"profile.warmup={warmup}",
         "data.num_workers=2" if cuda else "data.num_workers=0"] + (["parallel.compile=false"] if args.eager else []))
-    m = cfg.model.resolved()
+    m = model_config_of(cfg)
     dataset = RandomEpisodes(lengths, channels=m.in_channels, hw=hw, action_channels=m.action_channels,
                              action_steps=cfg.data.action_steps, text_len=text_len, text_dim=text_dim,
                              mask_drop=0.0)  # every action value counts, as before

@@ -15,6 +15,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.autograd.profiler_util import FunctionEvent
 
+from flexpack.run.resolve import model_config_of  # noqa: E402
 from flexpack.training.observe import profile_summary as ps
 from flexpack.training.observe.profiling import StepProfiler, plan
 from helpers import tiny_config  # noqa: E402
@@ -138,7 +139,7 @@ def test_the_variable_wins_over_runtime_profile_steps_with_a_line(monkeypatch, c
     from flexpack.flow.objectives import as_objective
     from flexpack.packing.geometry import TokenGeometry
 
-    kw = {"steps_left": 100, "first_step": 0, "model": cfg.model.resolved(),
+    kw = {"steps_left": 100, "first_step": 0, "model": model_config_of(cfg),
           "geometry": TokenGeometry(video_tokens=1, action_tokens=4), "device": torch.device("cpu"),
           "objective": as_objective(cfg.objective)}
     monkeypatch.delenv("LINGBOT_PROFILE", raising=False)

@@ -88,7 +88,7 @@ class _Listed(list):
 
 def _run(cfg, items):
     """The run of ``cfg`` over ``items`` (on the CPU): what ``accumulate`` takes its options from."""
-    from flexpack.run.root import run_for
+    from flexpack.run.compose import run_for
 
     return run_for(_Listed(items), cfg, device=torch.device("cpu"))
 

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from flexpack.run.resolve import config_family, model_config_of
+
 if TYPE_CHECKING:
     from flexpack.data.normalization import ActionStats
     from flexpack.data.v21 import Dataset21
@@ -80,7 +82,7 @@ def frame_shape(feature: Any, key: str, where: Path) -> tuple[int, int, int]:
 
 def run_cameras(cfg: TrainConfig, first: Dataset21) -> list[str]:
     """The cameras in the order the run composed them (as :func:`flexpack.run.build.open_bundle` picks them)."""
-    conv = cfg.model.model_family().conventions(cfg.model.resolved())
+    conv = config_family(cfg).conventions(model_config_of(cfg))
     if cfg.data.cameras:
         return list(cfg.data.cameras)
     if conv.cameras:
@@ -154,8 +156,8 @@ def bundle_normalization(cfg: TrainConfig, state: dict[str, Any], where: str) ->
     from flexpack.data.normalization import ActionStats
     from flexpack.run.state.resume import saved_stats
 
-    model_cfg = cfg.model.resolved()
-    conv = cfg.model.model_family().conventions(model_cfg)
+    model_cfg = model_config_of(cfg)
+    conv = config_family(cfg).conventions(model_cfg)
     used = list(conv.action_channels) if conv.action_channels is not None else list(range(conv.action_dim))
     model = saved_stats(state, where, width=conv.action_dim)
     if model is None and cfg.data.normalize:  # a checkpoint without statistics: the bundle's own
@@ -175,7 +177,7 @@ def bundle_normalization(cfg: TrainConfig, state: dict[str, Any], where: str) ->
 def check_steps(cfg: TrainConfig, dataset: str | None = None) -> None:
     """``action_per_frame`` LeRobot's policy can run on the bundle's encoding (before any weight is read): a multiple
     of the VAE's 4 frames, 4 x the latents' ``frame_ids`` stride."""
-    apf = cfg.model.resolved().action_per_frame
+    apf = model_config_of(cfg).action_per_frame
     if apf % VAE_STRIDE:
         raise ValueError(f"--format lerobot: action_per_frame = {apf}, but LeRobot's lingbot_va policy encodes "
                          f"{VAE_STRIDE} keyframes per latent frame, one every action_per_frame // {VAE_STRIDE} "
@@ -198,7 +200,7 @@ def lerobot_layout(cfg: TrainConfig, stats: ActionStats, dataset: str | None = N
     docstring)."""
     from lerobot.configs.types import FeatureType, PolicyFeature
 
-    model_cfg = cfg.model.resolved()
+    model_cfg = model_config_of(cfg)
     if stats.mode != "quantile":
         raise ValueError(f"--format lerobot: the run normalized its actions with {stats.mode!r} statistics, but "
                          "LeRobot's lingbot_va postprocessor maps actions with q01 / q99 (QUANTILES)")
