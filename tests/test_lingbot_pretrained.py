@@ -187,6 +187,7 @@ def test_sample_a_run_fine_tuned_from_a_policy_of_another_width(tiny_dataset, tm
     export, in the policy's shape, after the policy folder has moved away: the weights are the checkpoint's, the
     run and the export give the same numbers; a --set of a shape field is still refused as another model."""
     from flexpack.commands.sample import load_trained, load_weights
+    from flexpack.run.compose import compose
     from flexpack.run.state import checkpoint
 
     save_policy(tmp_path / "policy", attention_head_dim=24)
@@ -204,7 +205,8 @@ def test_sample_a_run_fine_tuned_from_a_policy_of_another_width(tiny_dataset, tm
         code, err = run_cli(capsys, "sample", str(tmp_path / name), "--out", str(tmp_path / f"s-{name}"), *fast)
         assert code == 0, err
         got[name] = json.loads((tmp_path / f"s-{name}" / "metrics.json").read_text())
-        model, _, _ = load_weights(load_trained(tmp_path / name, (), tmp_path / name), tmp_path / name)
+        model_run = compose(load_trained(tmp_path / name, (), tmp_path / name), "export")  # the model alone: no data
+        model, _, _ = load_weights(model_run, tmp_path / name)
         assert (model.family_config.attention_head_dim, model.config.dim) == (24, 48)
         assert all(torch.equal(v, trained[k]) for k, v in model.state_dict().items()), name
     assert got["run"]["pairs"] == 2 and got["export"]["action_mse"] == pytest.approx(got["run"]["action_mse"], rel=1e-6)

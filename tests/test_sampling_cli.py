@@ -292,7 +292,7 @@ def test_pairs_stay_within_one_pack_and_explicit_cuts_are_checked(trained, capsy
         PairPlan(samples=0)
     # the control: each pair forecasts from the next episode's history; its truth (and so the baselines) its own
     foreign = build_pairs(ds, PairPlan(cuts=2, horizon=2, foreign_history=True))
-    items = {0: ds[0], 2: ds[1]}
+    items = {0: ds.dataset[0], 2: ds.dataset[1]}
     for p, q in zip(foreign, pairs):
         donor = items[2 if p.episode == 0 else 0]
         assert torch.equal(p.pred_latent[:, :p.cut], donor["latent"][:, :p.cut].float())

@@ -147,8 +147,9 @@ def _sample(cfg: TrainConfig, base: dict[str, Any], dataset: EpisodeDataset | No
     geometry = replace(geometry_for(model_cfg, tuple(hw), cfg, base["family"]), max_tokens=cfg.data.max_tokens)
     data = None
     if dataset is not None:
-        sampler, collate = batching(cfg, dataset.lengths(), geometry, base["rank"], base["world_size"], grid=grid,
-                                    mode="pack")
+        # sampling cuts an episode within a pack's frames (its pairs): the sampler takes them so cut
+        lengths = [min(n, geometry.frame_budget) for n in dataset.lengths()]
+        sampler, collate = batching(cfg, lengths, geometry, base["rank"], base["world_size"], grid=grid, mode="pack")
         data = Data(dataset=dataset, sampler=sampler, collate=model_collate(collate, model_cfg, base["family"]))
     return Run(**base, geometry=geometry, forward=forward_options(cfg), split=split or Split(), data=data, grid=grid)
 
