@@ -68,7 +68,7 @@ def synthetic_run(cfg: TrainConfig, *, hw: tuple[int, int] | None = None, text_l
     """The config's :class:`~flexpack.run.root.Run` over :class:`RandomEpisodes` shaped for its model.
 
     ``hw``: latent height and width (default: one patch, one video token per frame); must be a
-    multiple of the model's patch. Pack and pad mode as :func:`flexpack.run.build.build_run`."""
+    multiple of the model's patch. Pack and pad mode as :func:`flexpack.run.compose.build_run`."""
     cfg, model_cfg = check(cfg)  # resolved once: the run below takes it
     d = cfg.data
     _, ph, pw = model_cfg.patch_size
