@@ -63,6 +63,16 @@ def base_config(spec: dict) -> dict:
     }
 
 
+def parse_set(text: str) -> tuple[str, object]:
+    """``KEY=VALUE`` of ``--set``: the value read as ``flexpack train --set`` reads it."""
+    from flexpack.run.config_parse import parse_value
+
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise SystemExit(f"--set takes KEY=VALUE, got {text!r}")
+    return key.strip(), parse_value(value.strip())
+
+
 def merge(cfg: dict, dotted: dict) -> dict:
     for key, value in dotted.items():
         node = cfg
@@ -240,17 +250,17 @@ def fit(runs: dict[str, dict]) -> dict:
     return out
 
 
-def summarize(stage: str, runs: dict[str, dict]) -> dict:
+def summarize(stage: str, runs: dict[str, dict], tag: str = "") -> dict:
     """Ratios the issue's targets read: each budget's tokens/s against the reference; each option's final loss
     (mean of the last 10 %) against AdamW's."""
     out: dict = {}
-    if stage == "budgets" and runs.get("reference", {}).get("tokens_per_s"):
-        ref = runs["reference"]["tokens_per_s"]
-        out = {k: r["tokens_per_s"] / ref for k, r in runs.items() if r.get("tokens_per_s") and k != "reference"}
+    if stage == "budgets" and runs.get("reference" + tag, {}).get("tokens_per_s"):
+        ref = runs["reference" + tag]["tokens_per_s"]
+        out = {k: r["tokens_per_s"] / ref for k, r in runs.items() if r.get("tokens_per_s") and k != "reference" + tag}
     if stage == "calibrate":
         out = fit(runs)
-    if stage == "quality" and runs.get("adamw", {}).get("losses"):
-        base = runs["adamw"]["losses"]
+    if stage == "quality" and runs.get("adamw" + tag, {}).get("losses"):
+        base = runs["adamw" + tag]["losses"]
         n = max(1, len(base) // 10)
         end = statistics.fmean(base[-n:])
         out = {k: statistics.fmean(r["losses"][-n:]) / end - 1 for k, r in runs.items() if r.get("losses")}
@@ -268,6 +278,9 @@ def main() -> None:
     p.add_argument("--quality-layers", type=int, default=4)
     p.add_argument("--quality-tokens", type=int, default=16384)
     p.add_argument("--only", default="", help="comma-separated variant names of the stage (default all)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config value for every variant (e.g. model.overrides.attn_backend=flex-flash); repeatable")
+    p.add_argument("--tag", default="", help="appended to every variant's name (runs of other settings side by side)")
     p.add_argument("--timeout", type=float, default=400.0, help="seconds per variant")
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU: every code path, times nothing real")
     p.add_argument("--tiny", action="store_true", help="the tiny LingBot-VA preset on the CPU with the steps, tokens "
@@ -287,6 +300,7 @@ def main() -> None:
         args.budgets, args.lora_budget = "8", 8.0
     stages = ("calibrate", "budgets", "quality") if args.stage == "all" else (args.stage,)
     only = {x for x in args.only.split(",") if x}
+    extra = dict(parse_set(x) for x in args.set)
     for stage in stages:
         cpu = args.smoke or args.tiny
         out = args.out or ROOT / "benchmarks" / "results" / f"memory_{stage}_{'cpu' if cpu else 'h200'}.json"
@@ -296,11 +310,13 @@ def main() -> None:
         for name, spec in variants(stage, args).items():
             if only and name not in only:
                 continue
-            spec = {"max_tokens": args.max_tokens, **spec, "device": device, "smoke": args.smoke, "tiny": args.tiny}
+            spec = {"max_tokens": args.max_tokens, **spec, "device": device, "smoke": args.smoke, "tiny": args.tiny,
+                    "set": {**spec.get("set", {}), **extra}}
+            name += args.tag
             r = spawn(spec, args.timeout)
             result["runs"][name] = {"spec": {k: v for k, v in spec.items() if k not in ("device", "smoke", "tiny")},
                                     **r}
-            result["summary"] = summarize(stage, result["runs"])
+            result["summary"] = summarize(stage, result["runs"], args.tag)
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(result, indent=1))  # rewritten after each variant: a cut run keeps the rest
             print(f"[{stage} {name}] " + (r.get("error", "")[:300] or

@@ -43,22 +43,27 @@ GB = 1e9
 
 @dataclass(frozen=True)
 class Costs:
-    """Per-token activation bytes and optimizer costs, fitted to the H200's peaks of the 30-block 5B step at 65 536
-    tokens under float8 (LingBot-VA-5B, ``benchmarks/results/memory_budget_h200.json``: 93.2 GB with AdamW and
-    every block checkpointed, 63.7 GB with 8-bit states and 28; over 130 GB with 8-bit states and 19; WanVA-5B,
-    ``train_step_30l_ac_h200.json``: 94.4 GB with 30, 126.4 GB with 24): the estimates give 93.2, 63.4, 138,
-    93.2 and 127.3. ``recompute`` from its step times (24 blocks 4.9 % faster than 30); the optimizer's update
-    times are estimates until ``benchmarks/memory_budget.py --stage calibrate`` measures them.
+    """Per-token activation bytes and optimizer costs, fitted to the H200's peaks of the 30-block LingBot-VA-5B step
+    at 65 536 tokens under float8 (``benchmarks/results/memory_budget_h200.json``, ``memory_budget_refit_h200.json``,
+    ``memory_lora_h200.json``; ``tests/test_memory_plan.py`` holds them): 93.2 GB with AdamW and every block
+    checkpointed, 63.7 GB with 8-bit states and 28, 112.0 GB with 8-bit states and 22, 45.3 GB with the optimizer
+    and gradients on the host and 30 (the estimates: 93.1, 63.3, 113.5, 44.8); out of memory at 130 GB with 8-bit
+    states and 19 blocks, at 48 GB on the host with 28, and with LoRA rank 32 at 24 GB with 32 688 tokens (the
+    estimates: 138.6, 53.0, 24.5). ``recompute`` from WanVA-5B's step times (24 blocks 4.9 % faster than 30); the
+    optimizer's update times are estimates until ``benchmarks/memory_budget.py --stage calibrate`` measures them.
 
     ``kept_per_dim``: bytes per token and model dimension a checkpointed block keeps (its input);
     ``block_per_dim`` / ``block_per_ffn``: bytes per token, per model dimension and per FFN dimension, a block
-    keeps when not checkpointed (bf16 autocast; float8 matmuls keep ``float8_share`` of it);
+    keeps when not checkpointed, and one checkpointed block holds while the backward recomputes it (bf16
+    autocast; float8 matmuls keep ``float8_share`` of it);
+    ``adapter_input_bytes``: bytes per token and adapted input feature a LoRA adapter keeps (float32: peft casts
+    its input to the adapters' dtype);
     ``cast_bytes``: bytes per float32-stored parameter of its low-precision copies during the step;
     ``recompute``: the share of a step one more forward of every block adds;
     ``update_s_per_gparam``: seconds per 10⁹ trained parameters of the update, per states and offload;
     ``fixed_gb``: buffers outside the blocks; ``margin``: multiplicative slack; ``headroom``: the share of a
-    budget a plan leaves free for the allocator's reserve above the peak allocation (the cap bounds what is
-    reserved: 77.3 GB reserved for 63.7 GB allocated in the 80 GB run)."""
+    budget a plan leaves free above the peak allocation (the 48 GB run peaked at 45.3 GB allocated, 47.7 GB
+    reserved: the allocator returns its cache before it gives up under a cap)."""
 
     kept_per_dim: float = 0.7
     block_per_dim: float = 35.7
@@ -70,8 +75,9 @@ class Costs:
         ("optimizer", 0.45), ("optimizer+gradients", 0.5))
     fixed_gb: float = 1.5
     cast_bytes: float = 2.0
+    adapter_input_bytes: float = 4.0
     margin: float = 1.0
-    headroom: float = 0.12
+    headroom: float = 0.06
     # fewer bits in AdamW's states only where the step gets this much faster (their updates are coarser)
     states_preference: tuple[tuple[str, float], ...] = (("float32", 0.0), ("8bit", 0.01), ("4bit", 0.03))
 
@@ -101,6 +107,7 @@ class Shape:
     world_size: int = 1
     accum_steps: int = 1
     tokens_per_step: int = 0  # computed tokens of one optimizer step (all ranks)
+    adapter_inputs: int = 0  # LoRA: input features of a block's adapted linears (each adapter keeps its input)
     flops_per_s: float = 4e14  # what the blocks reach (for the update's share of the step)
 
 
@@ -151,12 +158,16 @@ def estimate(shape: Shape, choice: Choice, costs: Costs = COSTS) -> Estimate:
     full = s.tokens * (costs.block_per_dim * s.dim + costs.block_per_ffn * s.ffn_dim) * s.act_bytes / 2
     if s.float8:
         full *= costs.float8_share
+    full += s.tokens * s.adapter_inputs * costs.adapter_input_bytes
     kept = s.tokens * costs.kept_per_dim * s.dim * s.act_bytes / 2
-    c = choice.checkpointed
+    c, layers = choice.checkpointed, max(s.layers, 1)
     acts = c * kept + (s.layers - c) * full
+    # the backward reaches the checkpointed blocks with every kept input, the gradients of the blocks after them
+    # and one block's activations recomputed
+    recomputing = c * kept + full + grads * (s.layers - c) / layers if c else 0.0
     parts = {"weights": weights / GB, "optimizer": states / GB, "gradients": grads / GB, "casts": casts / GB,
-             "activations": acts / GB, "fixed": costs.fixed_gb}
-    gpu = (weights + states + casts + max(grads, acts)) / GB * costs.margin + costs.fixed_gb
+             "activations": max(acts, recomputing) / GB, "fixed": costs.fixed_gb}
+    gpu = (weights + states + casts + max(grads, acts, recomputing)) / GB * costs.margin + costs.fixed_gb
     compute = 6.0 * s.params * max(s.tokens_per_step, s.tokens) / max(n, 1) / s.flops_per_s
     update_key = choice.states if choice.offload == "none" else choice.offload
     step = compute * (1 + costs.recompute * c / max(s.layers, 1)) + costs.update_s(update_key) * s.trained / GB / n
@@ -252,10 +263,12 @@ def shape_of(run: Run, *, flops_per_s: float | None = None) -> Shape:
         model = run.family.build(run.model_config)
     params = sum(p.numel() for p in model.parameters())
     layers = len(run.family.block_list(model))
-    trained, frozen_bytes = params, 4
+    trained, frozen_bytes, adapter_inputs = params, 4, 0
     lora = getattr(cfg, "lora", None)
     if lora is not None and lora.rank:
-        trained = lora_params(model, run, lora.rank)
+        adapted = lora_linears(model, run)
+        trained = sum(lora.rank * (m.in_features + m.out_features) for m in adapted)
+        adapter_inputs = sum(m.in_features for m in adapted) // max(layers, 1)
         frozen_bytes = 2 if lora.base_dtype == "bfloat16" else 4
     tokens = (cfg.data.max_tokens * run.geometry.copies if cfg.data.mode == "pack"
               else cfg.data.batch_size * run.geometry.computed_tokens(max(run.dataset.lengths())))
@@ -264,17 +277,15 @@ def shape_of(run: Run, *, flops_per_s: float | None = None) -> Shape:
                  dim=int(run.model_config.dim), ffn_dim=int(run.model_config.ffn_dim), tokens=tokens,
                  act_bytes=2 if bf16 else 4, float8=cfg.parallel.float8 != "off", world_size=run.world_size,
                  accum_steps=cfg.optim.accum_steps, tokens_per_step=tokens * cfg.optim.accum_steps * run.world_size,
-                 flops_per_s=flops_per_s or 4e14)
+                 flops_per_s=flops_per_s or 4e14, adapter_inputs=adapter_inputs)
 
 
-def lora_params(model: torch.nn.Module, run: Run, rank: int) -> int:
-    """Parameters LoRA of ``rank`` adds to the Linear layers its targets name (peft's suffix match)."""
+def lora_linears(model: torch.nn.Module, run: Run) -> list[torch.nn.Linear]:
+    """The Linear layers LoRA's targets name (peft's suffix match)."""
     targets = tuple(run.config.lora.targets) or tuple(getattr(run.family, "lora_targets", ()) or ())
-    total = 0
-    for name, mod in model.named_modules():
-        if isinstance(mod, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in targets):
-            total += rank * (mod.in_features + mod.out_features)
-    return total
+    return [mod for name, mod in model.named_modules()
+            if isinstance(mod, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in targets)]
+
 
 
 class BudgetError(ValueError):
