@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from flexpack.parallel import float8
+from flexpack.run.resolve import model_config_of
 from flexpack.run.root import geometry_for
 from flexpack.training.observe.flops import useful_flops
 from train_step import _event_times, _host_and_wall, _medians, _peak_gb, _peak_reset, _sync, config
@@ -58,7 +59,7 @@ def run_diffusers(args, name: str, lengths: list[int], batches: list[list[int]],
 
     mode, compile_ = variant(name)
     train_cfg = config(args, "pack", False)
-    cfg = train_cfg.model.resolved()
+    cfg = model_config_of(train_cfg)
     geometry = geometry_for(cfg, items.shape[1:], train_cfg)  # the flexpack variants' tokens per frame
     torch.manual_seed(0)
     with device:

@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from flexpack.parallel import float8  # noqa: E402
+from flexpack.run.compose import run_for  # noqa: E402
 from flexpack.run.config import TrainConfig, from_dict  # noqa: E402
-from flexpack.run.root import run_for  # noqa: E402
 from flexpack.run.state import checkpoint  # noqa: E402
 from flexpack.training import loop
 from train_step import Items, length_sets  # noqa: E402

@@ -69,7 +69,7 @@ from flexpack.data.bundle_synthetic import SyntheticDataset, write_bundle  # noq
 from flexpack.families.lingbot.objective import lingbot_pairs  # noqa: E402
 from flexpack.packing.bins import pack_bins  # noqa: E402
 from flexpack.parallel.parallelize import compiled_graphs  # noqa: E402
-from flexpack.run.build import build_run  # noqa: E402
+from flexpack.run.compose import build_run  # noqa: E402
 from flexpack.run.config import TrainConfig, from_dict  # noqa: E402
 from flexpack.training.observe.flops import UsefulFlops, flops_breakdown, measured_bf16_peak  # noqa: E402
 from flexpack.training.optim import build_optimizer  # noqa: E402

@@ -54,8 +54,8 @@ from diffusers_step import _dynamo_graphs  # noqa: E402
 from flexpack.families.lingbot.objective import lingbot_pairs  # noqa: E402
 from flexpack.models.registry import family  # noqa: E402
 from flexpack.parallel.parallelize import compiled_graphs  # noqa: E402
+from flexpack.run.compose import run_for  # noqa: E402
 from flexpack.run.config import TrainConfig, from_dict  # noqa: E402
-from flexpack.run.root import run_for  # noqa: E402
 from flexpack.training.observe.flops import UsefulFlops, flops_breakdown, measured_bf16_peak  # noqa: E402
 from flexpack.training.optim import build_optimizer  # noqa: E402
 from flexpack.training.step import train_step  # noqa: E402

@@ -20,7 +20,7 @@ from dataclasses import replace
 
 import torch
 
-from flexpack.run.root import run_for
+from flexpack.run.compose import run_for
 from flexpack.run.state import checkpoint
 from flexpack.training import loop
 

@@ -38,6 +38,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from flexpack.run.resolve import model_config_of
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -87,8 +89,8 @@ def child(spec: dict) -> dict:
 
     from flexpack.parallel import float8
     from flexpack.run import memory_plan
+    from flexpack.run.compose import run_for
     from flexpack.run.config import TrainConfig, from_dict
-    from flexpack.run.root import run_for
     from flexpack.run.state import checkpoint
     from flexpack.training import loop
     from train_step import Items, length_sets
@@ -105,7 +107,7 @@ def child(spec: dict) -> dict:
     cfg = from_dict(TrainConfig, merge(base_config(spec), spec.get("set", {})))
     tiny = smoke or spec.get("tiny", False)
     C, H, W, L, Dt = (48, 2, 4, 6, 64) if tiny else (48, 8, 16, 512, 4096)
-    items = Items(length_sets(tiny)["wan5b"], C, H, W, L, Dt, Ca=cfg.model.resolved().action_channels,
+    items = Items(length_sets(tiny)["wan5b"], C, H, W, L, Dt, Ca=model_config_of(cfg).action_channels,
                   A=cfg.data.action_steps)
     run = run_for(items, cfg, device=device)
     out: dict = {}

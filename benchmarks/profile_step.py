@@ -1,7 +1,7 @@
-"""Where a training step's time goes: ``LINGBOT_PROFILE`` on the Wan2.2-5B shape with a few layers.
+"""Where a training step's time goes: ``profile.steps`` on the Wan2.2-5B shape with a few layers.
 
 Runs the real train loop (:func:`flexpack.training.loop.train`: sampler, pack collate, noise, forward,
-backward, AdamW, logging) with ``LINGBOT_PROFILE=--steps`` over in-memory episodes (random latents
+backward, AdamW, logging) with ``profile.steps = --steps`` over in-memory episodes (random latents
 and text of the right shapes; lengths from ``data/episode_frames_ref.txt``), then prints the
 profile summary: shares of device time per category, MFU, tokens/s, forward/backward seconds per
 micro-step. The schedule is exactly warm-up + 1 + steps long, so the window ends with the run.
@@ -31,9 +31,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flexpack.packing.lengths import read_frames_file  # noqa: E402
+from flexpack.run.compose import run_for  # noqa: E402
 from flexpack.run.config import load_config  # noqa: E402
 from flexpack.run.memory_data import RandomEpisodes  # noqa: E402
-from flexpack.run.root import run_for  # noqa: E402
+from flexpack.run.resolve import model_config_of  # noqa: E402
 from flexpack.training.observe.profile_summary import CATEGORIES  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,8 +45,8 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny preset on CPU, small packs: checks the script runs")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=65536)
-    ap.add_argument("--steps", type=int, default=3, help="profiled steps (LINGBOT_PROFILE)")
-    ap.add_argument("--warmup", type=int, default=2, help="warm-up steps before them (LINGBOT_PROFILE_WARMUP)")
+    ap.add_argument("--steps", type=int, default=3, help="profiled steps (profile.steps)")
+    ap.add_argument("--warmup", type=int, default=2, help="warm-up steps before them (profile.warmup)")
     ap.add_argument("--accum", type=int, default=1, help="micro-batches per step")
     ap.add_argument("--mask", default="document", choices=("document", "chunk_causal"))
     ap.add_argument("--eager", action="store_true", help="parallel.compile=false (default: the train loop's own "
@@ -75,9 +76,9 @@ def main() -> None:
     cfg = load_config(ROOT / "configs" / "wan5b_pack.toml", overrides + [
         f"runtime.out_dir='{out}'", f"schedule.steps={total}", "schedule.warmup_steps=1", "checkpoint.every=0",
         "log.every=1", "log.tensorboard=false", "parallel.activation_checkpointing=false",
-        f"optim.accum_steps={args.accum}",
+        f"optim.accum_steps={args.accum}", f"profile.steps={steps}", f"profile.warmup={warmup}",
         "data.num_workers=2" if cuda else "data.num_workers=0"] + (["parallel.compile=false"] if args.eager else []))
-    m = cfg.model.resolved()
+    m = model_config_of(cfg)
     dataset = RandomEpisodes(lengths, channels=m.in_channels, hw=hw, action_channels=m.action_channels,
                              action_steps=cfg.data.action_steps, text_len=text_len, text_dim=text_dim,
                              mask_drop=0.0)  # every action value counts, as before
@@ -86,8 +87,7 @@ def main() -> None:
 
     from flexpack.training import loop
 
-    os.environ["LINGBOT_PROFILE"], os.environ["LINGBOT_PROFILE_WARMUP"] = str(steps), str(warmup)
-    loop.train(cfg, run=run)
+    loop.train(cfg, run=run)  # profile.steps / profile.warmup: the library reads no environment variable
     shutil.rmtree(out / "checkpoints", ignore_errors=True)
 
     s = json.loads((out / "profile" / "summary_rank0.json").read_text())

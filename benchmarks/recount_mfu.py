@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flexpack.run.build import build_run  # noqa: E402
+from flexpack.run.compose import build_run  # noqa: E402
 from flexpack.run.config import TrainConfig, from_dict  # noqa: E402
 from flexpack.training.observe.flops import UsefulFlops, batch_flops  # noqa: E402
 

@@ -31,9 +31,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from flexpack.run.compose import run_for  # noqa: E402
 from flexpack.run.config import TrainConfig, from_dict  # noqa: E402
 from flexpack.run.memory_data import RandomEpisodes  # noqa: E402
-from flexpack.run.root import run_for  # noqa: E402
 
 STEPS, STOP = 6, 2  # A's steps; B stops after STOP
 

@@ -40,9 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flexpack.packing.lengths import read_frames_file  # noqa: E402
 from flexpack.parallel.parallelize import BLOCK_GRAPHS, ParallelOptions, compiled_graphs, parallelize  # noqa: E402
+from flexpack.run.compose import compose  # noqa: E402
 from flexpack.run.config import TrainConfig, from_dict  # noqa: E402
 from flexpack.run.model import build_model  # noqa: E402
-from flexpack.run.root import geometry_for  # noqa: E402
 from flexpack.sampling.pairs import cut_points, make_pair  # noqa: E402
 from flexpack.sampling.solver import PackedSampler, SampleOptions, pack_text_slots  # noqa: E402
 
@@ -92,9 +92,9 @@ def _timed(fn, device: torch.device) -> float:
 
 def run_set(args, lengths: list[int], device: torch.device) -> dict:
     cfg = config(args)
-    m = cfg.model.resolved()
     C, H, W, L, Dt = (4, 4, 4, 6, 32) if args.tiny else (48, 8, 16, 512, 4096)
-    tpf = geometry_for(m, (H, W), cfg).tokens_per_frame  # patches + action steps, as training counts them
+    run = compose(cfg, "sample", hw=(H, W), device=device)  # pairs made in memory: latents of this grid
+    m, tpf = run.model_config, run.geometry.tokens_per_frame  # patches + action steps, as training counts them
     items = make_items(lengths, C, H, W, m.action_channels, L, Dt)
     specs = [(i, c) for i, F in enumerate(lengths) for c in cut_points(F, args.cuts, args.horizon, 1)]
     fresh = lambda sub: [make_pair(items[i], c, args.horizon) for i, c in sub]  # noqa: E731
@@ -104,7 +104,7 @@ def run_set(args, lengths: list[int], device: torch.device) -> dict:
         base = build_model(cfg, m).eval()
     compiled = parallelize(base, device=device, options=ParallelOptions(compile=device.type == "cuda"))  # in place
     slots = pack_text_slots(fresh(specs), args.max_tokens, tpf)  # the timed run's, for the warm-up too
-    packed = PackedSampler(compiled, cfg, tpf, device, opts, text_slots=slots)
+    packed = PackedSampler(compiled, run, opts, text_slots=slots)
     # warm-up: the first pack's shape compiles (one shape for all packs), then the timed run of all pairs
     packed.run(fresh(specs[: max(1, len(specs) // 8)]))
     graphs, block_graphs = compiled_graphs(), BLOCK_GRAPHS.n
@@ -127,11 +127,11 @@ def run_set(args, lengths: list[int], device: torch.device) -> dict:
     sub = specs[:: max(1, len(specs) // args.loop_pairs)][: args.loop_pairs]
     for spec in sub:  # warm-up at every length timed (allocator, attention kernels compiled per shape)
         p = fresh([spec])
-        PackedSampler(eager, cfg, tpf, device, opts, max_tokens=p[0].frames * tpf).run(p)
+        PackedSampler(eager, run, opts, max_tokens=p[0].frames * tpf).run(p)
     tokens, t_loop = 0, 0.0
     for spec in sub:
         p = fresh([spec])
-        s = PackedSampler(eager, cfg, tpf, device, opts, max_tokens=p[0].frames * tpf)
+        s = PackedSampler(eager, run, opts, max_tokens=p[0].frames * tpf)
         t_loop += _timed(lambda: s.run(p), device)
         tokens += s.tokens
     loop_tps = tokens / t_loop

@@ -60,7 +60,7 @@ from flexpack.packing.batch_sampler import batch_cost  # noqa: E402
 from flexpack.packing.bins import pack_bins  # noqa: E402
 from flexpack.parallel import float8  # noqa: E402
 from flexpack.parallel.parallelize import compiled_graphs  # noqa: E402
-from flexpack.run.root import run_for  # noqa: E402
+from flexpack.run.compose import run_for  # noqa: E402
 from flexpack.training.observe.flops import UsefulFlops, measured_bf16_peak  # noqa: E402
 from flexpack.training.optim import build_optimizer  # noqa: E402
 from flexpack.training.step import train_step  # noqa: E402

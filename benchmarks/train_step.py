@@ -61,8 +61,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flexpack.packing.lengths import read_frames_file  # noqa: E402
 from flexpack.parallel.parallelize import compiled_graphs  # noqa: E402
+from flexpack.run.compose import run_for  # noqa: E402
 from flexpack.run.config import TrainConfig, from_dict  # noqa: E402
-from flexpack.run.root import run_for  # noqa: E402
 from flexpack.training.observe.flops import UsefulFlops, measured_bf16_peak  # noqa: E402
 from flexpack.training.optim import build_optimizer  # noqa: E402
 from flexpack.training.step import train_step  # noqa: E402

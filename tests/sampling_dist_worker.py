@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from flexpack.parallel.parallelize import ParallelOptions, parallelize  # noqa: E402
 from flexpack.run.model import build_model  # noqa: E402
 from flexpack.sampling.solver import PackedSampler, SampleOptions  # noqa: E402
-from test_sampling import SPECS_DIST, TPF, _cfg, _items, _pairs  # noqa: E402
+from test_sampling import SPECS_DIST, _cfg, _items, _pairs, sample_run  # noqa: E402
 
 
 def main(out: str) -> None:
@@ -24,7 +24,7 @@ def main(out: str) -> None:
     torch.manual_seed(0)
     model = parallelize(build_model(cfg).eval(), device=torch.device("cpu"), options=ParallelOptions(compile=False))
     pairs = _pairs(_items(), SPECS_DIST)
-    sampler = PackedSampler(model, cfg, TPF, torch.device("cpu"), SampleOptions(steps=2))
+    sampler = PackedSampler(model, sample_run(cfg), SampleOptions(steps=2))  # this rank's share (compose: the group's)
     sampler.run(pairs)
     if dist.get_rank() == 0:
         torch.save({"latent": [p.pred_latent for p in pairs], "action": [p.pred_action for p in pairs],

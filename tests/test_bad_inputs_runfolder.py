@@ -155,15 +155,19 @@ def test_profile_warmup_is_read_only_when_profiling(tmp_path):
     ok = subprocess.run([sys.executable, "-c", "import flexpack.training.loop"], env=env, capture_output=True,
                         text=True)
     assert ok.returncode == 0, ok.stderr
-    from flexpack.training.observe.profiling import StepProfiler
+    from flexpack.commands.train import profile_env
+    from flexpack.run.config import load_config
 
     os.environ["LINGBOT_PROFILE_WARMUP"] = "abc"
+    saved = os.environ.pop("LINGBOT_PROFILE", None)
     try:
-        assert StepProfiler(tmp_path, steps=0).warmup == 0
+        assert profile_env(load_config(None, ["profile.steps=0"])).profile.env_warmup is None
         with pytest.raises(ValueError, match="LINGBOT_PROFILE_WARMUP must be a non-negative integer, got 'abc'"):
-            StepProfiler(tmp_path, steps=2)
+            profile_env(load_config(None, ["profile.steps=2"]))
     finally:
         del os.environ["LINGBOT_PROFILE_WARMUP"]
+        if saved is not None:
+            os.environ["LINGBOT_PROFILE"] = saved
 
 
 # ------------------------------------------------------------------ names from data

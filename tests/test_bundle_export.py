@@ -26,6 +26,7 @@ from flexpack.families.lingbot import export_lerobot  # noqa: E402
 from flexpack.families.lingbot.convert import to_lerobot_state_dict  # noqa: E402
 from flexpack.run.build import open_dataset  # noqa: E402
 from flexpack.run.model import build_model  # noqa: E402
+from flexpack.run.resolve import model_config_of  # noqa: E402
 from flexpack.run.state import checkpoint  # noqa: E402
 from flexpack.training.loop import train  # noqa: E402
 from helpers import BUNDLE_CAMS, LINGBOT_TINY, bundle_run, run_cli, sample_run_and_export, tiny_config  # noqa: E402
@@ -203,7 +204,7 @@ def test_pretrained_robotwin_tshape_trains_on_a_bundle_composing_a_t(tshape_run,
     assert run_cli(capsys, "export", str(run), str(policy))[0] == 0
     again = tiny_config(cfg.data.root, tmp_path / "again", *LINGBOT_TINY, "data.max_tokens=800", "schedule.steps=1",
                         f'model.pretrained="{policy}"')
-    assert again.model.resolved().obs_cam_keys == (MAIN, LEFT, RIGHT)
+    assert model_config_of(again).obs_cam_keys == (MAIN, LEFT, RIGHT)
     model = build_model(again)
     want = load_file(policy / "model.safetensors")
     got = to_lerobot_state_dict(model.state_dict())

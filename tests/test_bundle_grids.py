@@ -41,7 +41,7 @@ def bundle(tmp_path_factory) -> Path:
 
 
 def test_both_grids_share_a_micro_batch_of_the_largest(bundle, tmp_path) -> None:
-    from flexpack.run.build import build_run
+    from flexpack.run.compose import build_run
 
     run = build_run(config(bundle, tmp_path / "run"))
     assert BundleDataset(bundle, camera_layout="tshape").latent_grids == {
@@ -64,12 +64,13 @@ def trained(bundle, tmp_path_factory) -> tuple[Path, object]:
 
 
 def test_a_two_grid_bundle_trains_and_verifies(bundle, trained, tmp_path, capsys) -> None:
+    from flexpack.run.compose import compose
     from flexpack.tools.verify import verify_config
 
     result = trained[1]
     assert len(result.losses) == 2 and all(0 < loss < 100 for loss in result.losses)
     assert all(0 < m["waste"] < 1 for m in result.metrics)
-    report = verify_config(config(bundle, tmp_path / "verify"), micro_batches=2)
+    report = verify_config(compose(config(bundle, tmp_path / "verify"), "verify"), micro_batches=2)
     print(report.table())
     assert report.ok and report.max_err < 1e-4
     assert {r.episode for r in report.rows} & {3, 4, 5} and {r.episode for r in report.rows} & {0, 1, 2}
@@ -116,7 +117,7 @@ def test_latents_of_different_channel_counts_are_one_line(tmp_path) -> None:
 
 def test_a_one_grid_bundle_keeps_todays_batches(tmp_path) -> None:
     """Datasets of one grid: no run grid, so the collate and every layout are exactly today's."""
-    from flexpack.run.build import build_run
+    from flexpack.run.compose import build_run
 
     root = write_bundle(tmp_path / "b", [SyntheticDataset(name="d", episodes=LENGTHS_A, cameras=BUNDLE_CAMS,
                                                           action_columns=6)], text=(16, 64))
@@ -141,7 +142,7 @@ def mixture_config(tmp_path: Path, channels_b: int = 48):
 
 
 def test_a_mixture_of_two_grids_packs_them_together_and_verifies(tmp_path) -> None:
-    from flexpack.run.build import build_run
+    from flexpack.run.compose import build_run, compose
     from flexpack.tools.verify import verify_config
 
     cfg = mixture_config(tmp_path)
@@ -149,7 +150,7 @@ def test_a_mixture_of_two_grids_packs_them_together_and_verifies(tmp_path) -> No
     assert run.data.dataset.latent_grids == {"a/d": [(48, 4, 4)], "b/e": [(48, 2, 4)]}
     batch = run.data.collate([run.data.dataset[i] for i in next(iter(run.data.sampler))])
     assert sorted({tuple(g) for g in batch.layout.episode_hw.tolist()}) == [(2, 4), (4, 4)]
-    report = verify_config(cfg, micro_batches=1)
+    report = verify_config(compose(cfg, "verify"), micro_batches=1)
     assert report.ok and report.max_err < 1e-4
 
 

@@ -15,6 +15,7 @@ import pytest
 from flexpack.cli import COMMANDS, main
 from flexpack.commands import common
 from flexpack.run.config import TrainConfig, load_config, save_config
+from flexpack.run.resolve import checked
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "lerobot", "diffusers", "transformers")
@@ -118,7 +119,7 @@ def test_config_argument_takes_a_run_checkpoint_or_export_folder(tmp_path, capsy
     assert main(["config", "show", str(other)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"flexpack config: error: {other}: a folder, but not a run folder")
-    assert common.load(None).to_dict() == TrainConfig().to_dict()
+    assert common.load(None).to_dict() == checked(TrainConfig()).to_dict()
 
 
 def test_sample_of_a_config_file_needs_a_checkpoint(capsys):

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from flexpack.run.config import TrainConfig, apply_overrides, load_config, save_config
+from flexpack.run.resolve import checked, model_config_of
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -20,13 +21,13 @@ def write(tmp_path: Path, text: str, name: str = "c.toml") -> Path:
 def test_shipped_configs_load_with_their_values():
     tiny = load_config(CONFIGS / "tiny_cpu.toml")
     assert tiny.data.mode == "pack" and tiny.data.max_tokens == 100
-    wc = tiny.model.resolved()
+    wc = model_config_of(tiny)
     assert (wc.dim, wc.in_channels, wc.text_dim, wc.action_channels, wc.attn_backend) == (256, 48, 64, 6, "dense")
     assert wc.dim > wc.in_channels * wc.patch_volume  # wide enough for the numbers one video token carries
     assert tiny.runtime.device == "cpu" and tiny.optim.accum_steps == 2 and tiny.schedule.rewarmup_steps == 2
 
     big = load_config(CONFIGS / "wan5b_pack.toml")
-    wc = big.model.resolved()
+    wc = model_config_of(big)
     assert (wc.dim, wc.num_layers, wc.num_heads, wc.in_channels) == (3072, 30, 24, 48)
     assert big.data.mode == "pack" and big.data.max_tokens == 65536
     assert big.optim.betas == (0.9, 0.95) and big.runtime.dtype == "bfloat16"
@@ -35,7 +36,8 @@ def test_shipped_configs_load_with_their_values():
 
 def test_defaults_without_a_file():
     cfg = load_config()
-    assert cfg == TrainConfig()
+    assert cfg == checked(TrainConfig())  # loading checks (and fills in model.mask); building does not
+    assert TrainConfig().model.mask == "" and cfg.model.mask == "document"
     assert cfg.objective.shift == 5.0 and cfg.schedule.decay == "cosine"
 
 
@@ -82,7 +84,7 @@ def test_overrides_are_parsed_as_toml_values():
         "data.cameras=['cam0']", "log.progress=false",
     ])
     assert cfg.schedule.steps == 7 and cfg.data.root == "/some/where" and cfg.optim.betas == (0.8, 0.9)
-    assert cfg.model.resolved().dim == 128 and cfg.model.resolved().in_channels == 48  # merged, not replaced
+    assert model_config_of(cfg).dim == 128 and model_config_of(cfg).in_channels == 48  # merged, not replaced
     assert cfg.data.cameras == ("cam0",) and cfg.log.progress is False
     with pytest.raises(ValueError, match="not KEY=VALUE"):
         apply_overrides({}, ["schedule.steps"])

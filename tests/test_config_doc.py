@@ -10,6 +10,7 @@ import pytest
 
 from flexpack.cli import main
 from flexpack.run.config import TrainConfig, load_config
+from flexpack.run.resolve import checked
 from flexpack.tools import config_doc
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,7 +73,7 @@ def test_defaults_round_trip(tmp_path, capsys):
     text = capsys.readouterr().out
     path = tmp_path / "defaults.toml"
     path.write_text(text)
-    assert load_config(path).to_dict() == TrainConfig().to_dict()
+    assert load_config(path).to_dict() == checked(TrainConfig()).to_dict()
     # every key is there: set, or commented out when its default is None (TOML has no null)
     for k in config_doc.keys():
         line = f"# {k.name} = " if k.default is None else f"{k.name} = {config_doc.toml_value(k.default)}"

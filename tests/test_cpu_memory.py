@@ -13,6 +13,7 @@ import torch
 from flexpack.run import cpu_memory
 from flexpack.run.checks import preflight
 from flexpack.run.config import load_config
+from flexpack.run.resolve import config_family, model_config_of
 from helpers import TINY, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,7 +34,7 @@ def test_wan5b_on_the_cpu_is_refused_at_once_with_the_figure(tmp_path, capsys, m
     _memory(monkeypatch, 16)
     with torch.device("meta"):
         cfg = load_config(WAN5B, ["data.max_tokens=32768", "runtime.device=cpu"])
-        model = cfg.model.model_family().build(cfg.model.resolved())
+        model = config_family(cfg).build(model_config_of(cfg))
     params = sum(p.numel() for p in model.parameters())
     assert all(p.requires_grad for p in model.parameters())
     t0 = time.monotonic()
@@ -42,7 +43,7 @@ def test_wan5b_on_the_cpu_is_refused_at_once_with_the_figure(tmp_path, capsys, m
     took = time.monotonic() - t0
     assert code == 2 and err.count("\n") == 1, err
     pairs = 32768 * 32768
-    layers = cfg.model.resolved().num_layers
+    layers = model_config_of(cfg).num_layers
     activations = 32768 * (4 * 3072 + 2 * 14336) * 2  # one kept layer (activation checkpointing), bfloat16
     total = pairs * (1 + 1 * 2) + activations + params * 16
     assert layers == 30 and err == (
@@ -77,9 +78,9 @@ def test_the_count_of_each_part(monkeypatch) -> None:
     one compute-dtype copy per kept layer, 4 dim + 2 ffn_dim values per token and kept layer, 16 bytes per trainable
     parameter and 4 per frozen one (+ 4 per parameter with an EMA); other backends have no T x T mask."""
     cfg = load_config(TINY, [*LINGBOT, "data.max_tokens=1000"])
-    m = cfg.model.resolved()
+    m = model_config_of(cfg)
     trainable, frozen = cpu_memory.parameter_counts(cfg)
-    model = cfg.model.model_family().build(m)
+    model = config_family(cfg).build(m)
     assert (trainable, frozen) == (sum(p.numel() for p in model.parameters() if p.requires_grad),
                                    sum(p.numel() for p in model.parameters() if not p.requires_grad))
     need = cpu_memory.cpu_need(cfg, 1000, (trainable, frozen))

@@ -14,7 +14,7 @@ pytest.importorskip("diffusers")
 
 from flexpack.data.encode import encode_dataset  # noqa: E402
 from flexpack.data.synthetic import make_synthetic_dataset  # noqa: E402
-from flexpack.run.build import build_run  # noqa: E402
+from flexpack.run.compose import build_run  # noqa: E402
 from flexpack.run.config import load_config, save_config  # noqa: E402
 from flexpack.run.model import build_model  # noqa: E402
 from flexpack.run.state import checkpoint  # noqa: E402

@@ -16,7 +16,7 @@ from flexpack.cli import main as cli_main  # noqa: E402
 from flexpack.families.wan.convert import rename  # noqa: E402
 from flexpack.families.wan.export import load_export  # noqa: E402
 from flexpack.packing.collate import PackCollate  # noqa: E402
-from flexpack.run.build import build_run  # noqa: E402
+from flexpack.run.compose import build_run  # noqa: E402
 from flexpack.run.config import load_config  # noqa: E402
 from flexpack.run.model import build_model  # noqa: E402
 from flexpack.run.state import checkpoint  # noqa: E402

@@ -310,6 +310,7 @@ def test_graceful_stop_records_the_first_signal_and_a_second_ctrl_c_interrupts_a
 def test_checkpoint_carries_the_action_statistics_and_loads_into_a_plain_model_for_verify(train_dataset, tmp_path,
                                                                                           capfd):
     from flexpack.data import LatentEpisodeDataset
+    from flexpack.run.compose import compose
     from flexpack.run.state import resume
     from flexpack.tools.verify import verify_config
 
@@ -325,7 +326,7 @@ def test_checkpoint_carries_the_action_statistics_and_loads_into_a_plain_model_f
     assert resume.normalizer_state(ds).to_json() == changed
     assert "keeping the checkpoint's" in capfd.readouterr().err
     # verify loads the sharded checkpoint into a single-process model (no process group)
-    report = verify_config(config(train_dataset, out), checkpoint_dir=str(out), micro_batches=1)
+    report = verify_config(compose(config(train_dataset, out), "verify"), checkpoint_dir=str(out), micro_batches=1)
     assert report.ok
     from flexpack.run.model import build_model
 

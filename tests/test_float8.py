@@ -242,16 +242,15 @@ def test_float8_token_rule_is_the_gpus_and_suggests_a_whole_step():
 
 
 def test_train_refuses_a_float8_run_whose_packs_the_gemms_cannot_take(tiny_dataset, tmp_path, monkeypatch):
-    """On a GPU the loop checks before building the model (here the device is faked: nothing runs on it)."""
+    """On a GPU the run checks before building the model (Run.build_model's first step; here the device is faked:
+    nothing runs on it)."""
     from flexpack.training import loop
     from helpers import tiny_config
 
     monkeypatch.setattr(float8, "check", lambda mode, device: None)
-    monkeypatch.setattr(loop, "preflight", lambda cfg, stop_after: torch.device("cuda"))
+    monkeypatch.setattr(loop, "preflight", lambda cfg, stop_after, model_cfg=None: torch.device("cuda"))
     built = []
-    from flexpack.run.root import Run
-
-    monkeypatch.setattr(Run, "build_model", lambda self: built.append(1))
+    monkeypatch.setattr("flexpack.run.model.build_model", lambda *a, **k: built.append(1))
     cfg = tiny_config(tiny_dataset, tmp_path, "parallel.float8='tensorwise'")  # 12 frames x 5 tokens = 60
     with pytest.raises(UserError, match="parallel.float8 = 'tensorwise' needs packs of a multiple of 16 tokens"):
         loop.train(cfg)

@@ -43,7 +43,7 @@ def test_missing_repo_id_says_where_it_looked_and_how_to_download(home, tmp_path
     assert "hf download someorg/absent --repo-type dataset" in msg and "\n" not in msg
     assert cli_main(["encode", "--dataset", "someorg/absent", "--no-progress"]) == 2
     assert "not in the LeRobot cache" in capsys.readouterr().err
-    from flexpack.run.build import build_run
+    from flexpack.run.compose import build_run
     from flexpack.run.config import load_config
 
     with pytest.raises(FileNotFoundError, match="someorg/absent: no such folder"):

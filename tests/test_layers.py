@@ -199,7 +199,7 @@ def test_top_level_reexports():
 # modules (CHANGELOG.md): each reads its names from there, warning through training/deprecated.py.
 SUBPACKAGE_MAY_IMPORT = {
     "training/observe": {"flexpack.run.config"},
-    "run/state": {"flexpack.run.config", "flexpack.run.checks"},
+    "run/state": {"flexpack.run.config", "flexpack.run.checks", "flexpack.run.resolve"},
     "training/runstate": {"flexpack.run.state", "flexpack.training.deprecated"},
 }
 
@@ -319,3 +319,50 @@ def test_no_import_strings_name_a_callable():
            for node in ast.walk(ast.parse(p.read_text(encoding="utf-8")))
            if isinstance(node, ast.Constant) and isinstance(node.value, str) and pattern.match(node.value)}
     assert not bad, sorted(bad)
+
+
+# Where the config class itself may be named: run/ (it builds, checks and composes it), commands/ (they load it and
+# hand over a Run) and the package's re-export. Everything else takes a Run (flexpack.run.compose) or the plain section
+# it needs. The modules below still name it, each with its reason; none may be added.
+TRAIN_CONFIG_OWNERS = ("run/", "commands/", "__init__.py")
+TRAIN_CONFIG_KNOWN = {
+    # the loop is a function over the config: preflight, the run folder and the resume check come before the Run
+    "training/loop.py",
+    "training/resume_note.py",  # what a restart's config changes do: it reads changed keys by name
+    # observe/ reads the config's log / profile sections (its rule: from run/ only config.py)
+    "training/observe/metrics.py", "training/observe/profiling.py", "training/observe/tracking.py",
+    "tools/config_doc.py",  # documents the config class itself
+    # export writers take the trained run's config (the registry's ExportFormat signature), not a Run yet
+    "tools/export.py", "tools/export_io.py", "tools/export_extras.py", "families/wan/export_policy.py",
+    "families/lingbot/export_bundle.py", "families/lingbot/export_lerobot.py", "families/lingbot/export_upstream.py",
+}
+
+
+def train_config_importers() -> set[str]:
+    """Files of the package that import the name ``TrainConfig`` (any import statement: top level, lazy or
+    ``TYPE_CHECKING``; from ``flexpack.run.config`` or the package)."""
+    out = set()
+    for p in sorted(ROOT.rglob("*.py")):
+        for node in ast.walk(ast.parse(p.read_text(encoding="utf-8"))):
+            if (isinstance(node, ast.ImportFrom) and (node.module or "").startswith("flexpack")
+                    and any(a.name == "TrainConfig" for a in node.names)):
+                out.add(str(p.relative_to(ROOT)))
+    return out
+
+
+def test_train_config_is_imported_only_by_run_commands_and_the_package():
+    found = train_config_importers()
+    outside = {f for f in found if not f.startswith(TRAIN_CONFIG_OWNERS)}
+    assert outside <= TRAIN_CONFIG_KNOWN, sorted(outside - TRAIN_CONFIG_KNOWN)
+    assert TRAIN_CONFIG_KNOWN <= outside, sorted(TRAIN_CONFIG_KNOWN - outside)  # one that stopped: drop it here
+    assert {"sampling/solver.py", "sampling/evaluate.py", "tools/verify.py", "families/lingbot/sampler.py"}.isdisjoint(
+        found)
+
+
+def test_the_train_config_rule_catches_an_import():
+    probe = ROOT / "sampling" / "_probe_for_test.py"
+    probe.write_text("def f():\n    from flexpack.run.config import TrainConfig\n")
+    try:
+        assert "sampling/_probe_for_test.py" in train_config_importers()
+    finally:
+        probe.unlink()

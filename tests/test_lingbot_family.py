@@ -9,8 +9,10 @@ import torch
 
 from flexpack.models.registry import families
 from flexpack.run.build import open_dataset
+from flexpack.run.compose import run_for
 from flexpack.run.config import load_config
-from flexpack.run.root import geometry_for, run_for
+from flexpack.run.resolve import model_config_of
+from flexpack.run.root import geometry_for
 from helpers import TINY, tiny_sets
 
 LINGBOT = ["model.family=lingbot-va", "model.preset=lingbot-va-tiny"]
@@ -25,7 +27,7 @@ def test_tiny_cpu_config_maps_onto_the_family() -> None:
     video noise shift, the mask the family's; the WanVA defaults are untouched."""
     assert "lingbot-va" in families()
     c = cfg()
-    m = c.model.resolved()
+    m = model_config_of(c)
     assert type(m).__name__ == "LingbotConfig"
     assert (m.in_channels, m.text_dim, m.attn_backend) == (48, 64, "dense")
     assert m.used_action_channel_ids == tuple(range(6)) and m.action_dim == 30 and m.action_channels == 30
@@ -33,19 +35,19 @@ def test_tiny_cpu_config_maps_onto_the_family() -> None:
     assert c.model.mask == "lingbot" and c.model.chunk_size is None
     assert (m.num_heads, m.head_dim, m.dim) == (2, 32, 64)
     wan = load_config(TINY, tiny_sets("unused", "unused"))
-    assert wan.model.mask == "document" and wan.model.resolved().action_channels == 6
+    assert wan.model.mask == "document" and model_config_of(wan).action_channels == 6
     # a replaced objective is applied to the resolved config before any objective, not on top of it
     from dataclasses import replace
 
     again = replace(c, objective=replace(c.objective, shift=5.0))
-    assert again.model.resolved().snr_shift == 5.0 and c.model.resolved().snr_shift == 3.0
+    assert model_config_of(again).snr_shift == 5.0 and model_config_of(c).snr_shift == 3.0
 
 
 def test_aliases_and_objective_keys() -> None:
-    m = cfg("model.overrides.num_heads=4", "model.overrides.head_dim=24", "objective.action_shift=0.5",
-            "objective.num_train_timesteps=500", "objective.latent_weight=0.5").model.resolved()
+    m = model_config_of(cfg("model.overrides.num_heads=4", "model.overrides.head_dim=24", "objective.action_shift=0.5",
+            "objective.num_train_timesteps=500", "objective.latent_weight=0.5"))
     assert (m.num_attention_heads, m.attention_head_dim, m.action_snr_shift, m.num_train_timesteps) == (4, 24, 0.5, 500)
-    m = cfg("model.overrides={used_action_channel_ids=[3, 1, 7], in_channels=48}").model.resolved()
+    m = model_config_of(cfg("model.overrides={used_action_channel_ids=[3, 1, 7], in_channels=48}"))
     assert m.used_action_channel_ids == (3, 1, 7)
     with pytest.raises(ValueError, match=r"sets used_action_channel_ids twice \(as 'action_channels' and as "
                                          r"'used_action_channel_ids'\)"):
@@ -73,16 +75,16 @@ def test_what_does_not_apply_is_one_line(setting: str, message: str) -> None:
 
 def test_geometry_two_copies_and_action_steps() -> None:
     c = cfg()
-    g = geometry_for(c.model.resolved(), (2, 4), c)
+    g = geometry_for(model_config_of(c), (2, 4), c)
     assert (g.video_tokens, g.action_tokens, g.copies, g.frame_budget) == (2, 4, 2, 10)
     bad = cfg("data.action_steps=2")
     with pytest.raises(ValueError, match=r"data.action_steps = 2, but the lingbot-va model takes 4 action steps "
                                          r"per latent frame \(action_per_frame, from model.preset = "
                                          r"'lingbot-va-tiny'\); set data.action_steps = 4"):
-        geometry_for(bad.model.resolved(), (2, 4), bad)
+        geometry_for(model_config_of(bad), (2, 4), bad)
     # WanVA: one copy without teacher forcing, as before
     wan = load_config(TINY, tiny_sets("unused", "unused"))
-    assert geometry_for(wan.model.resolved(), (2, 4), wan).copies == 1
+    assert geometry_for(model_config_of(wan), (2, 4), wan).copies == 1
 
 
 def test_collate_pads_text_to_the_prompt_length_all_attended(tmp_path) -> None:

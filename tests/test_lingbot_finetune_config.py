@@ -16,6 +16,7 @@ from lerobot.optim.schedulers import ConstantWithWarmupSchedulerConfig  # noqa: 
 from lerobot.policies.lingbot_va.configuration_lingbot_va import LingBotVAConfig  # noqa: E402
 
 from flexpack.run.config import load_config  # noqa: E402
+from flexpack.run.resolve import model_config_of  # noqa: E402
 from flexpack.training.lr_schedule import lr_at  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "lingbot_va_finetune.toml"
@@ -37,7 +38,7 @@ def test_the_config_is_lerobots_fine_tuning_defaults() -> None:
     assert cfg.schedule.steps == {f.name: f for f in dataclasses.fields(TrainPipelineConfig)}["steps"].default
     assert cfg.data.action_steps == lerobot.action_per_frame and cfg.runtime.dtype == lerobot.dtype
     # the model the preset builds is LeRobot's default shape (the released checkpoints)
-    m = cfg.model.resolved()
+    m = model_config_of(cfg)
     for name in ("num_attention_heads", "attention_head_dim", "ffn_dim", "num_layers", "text_dim", "action_dim"):
         assert getattr(m, name) == getattr(lerobot, name), name
 

@@ -18,6 +18,7 @@ from flexpack.families.lingbot.convert import to_lerobot_state_dict  # noqa: E40
 from flexpack.run.config import save_config  # noqa: E402
 from flexpack.run.model import build_model  # noqa: E402
 from flexpack.run.pretrained import load_pretrained  # noqa: E402
+from flexpack.run.resolve import config_family, model_config_of  # noqa: E402
 from flexpack.training.loop import train  # noqa: E402
 from helpers import TINY, run_cli, set_args, tiny_config, tiny_sets, torchrun_worker  # noqa: E402
 from lingbot_tiny import save_policy  # noqa: E402
@@ -41,7 +42,7 @@ def test_fine_tune_and_resume_from_a_lerobot_policy(tiny_dataset, tmp_path, caps
     sets = [*tiny_sets(tiny_dataset, tmp_path / "a", "schedule.steps=3", "schedule.rewarmup_steps=0",
                        "objective.shift=5.0"), *LINGBOT, f'model.pretrained="{tmp_path / "policy"}"']
     cfg = tiny_config(tiny_dataset, tmp_path / "b", *sets[len(tiny_sets("", "")):])
-    m = cfg.model.resolved()
+    m = model_config_of(cfg)
     assert (m.snr_shift, m.obs_cam_keys, m.used_action_channel_ids) == (4.0, ("observation.images.cam0",),
                                                                         tuple(range(6)))
     assert_holds(build_model(cfg), policy)
@@ -74,7 +75,7 @@ def test_upstream_transformer_folder_and_the_streaming_loader(tmp_path) -> None:
     for path in (tmp_path / "upstream", tmp_path / "policy"):
         cfg = tiny_config("unused", "unused", *LINGBOT, f'model.pretrained="{path}"')
         assert_holds(build_model(cfg), policy)
-        fam, m = cfg.model.model_family(), cfg.model.resolved()
+        fam, m = config_family(cfg), model_config_of(cfg)
         with torch.device("meta"):
             model = fam.build(m)
         load_pretrained(model, str(path), m, fam, device=torch.device("cpu"), seed=0)
@@ -155,18 +156,18 @@ def test_the_recorded_model_gives_the_shape_without_model_pretrained(tmp_path) -
     (ckpt / "train_state.json").write_text(json.dumps({"step": 2, "extra": {}}))
     assert recorded_model(tmp_path / "run") is None and recorded_model(ckpt) is None
     cfg = tiny_config("unused", "unused", *LINGBOT, "model.overrides.num_inference_steps=3")
-    width = model_record(cfg.model.resolved()) | {"attention_head_dim": 24, "num_layers": 1, "ffn_dim": 96,
+    width = model_record(model_config_of(cfg)) | {"attention_head_dim": 24, "num_layers": 1, "ffn_dim": 96,
                                                   "num_inference_steps": 9, "chunk_range": [2, 2]}
     (ckpt / "train_state.json").write_text(json.dumps({"step": 2, "extra": {MODEL_KEY: width}}))
     record = recorded_model(ckpt)
     assert record.where == ckpt / "train_state.json" and record.fields == width
-    m = pinned(cfg, record).model.resolved()
+    m = model_config_of(pinned(cfg, record))
     assert (m.attention_head_dim, m.dim, m.num_layers, m.ffn_dim) == (24, 48, 1, 96)  # the preset's: 32, 64, 2, 128
     assert m.num_inference_steps == 3  # model.overrides wins over the record
     assert m.chunk_range == (1, 4)  # neither a shape field nor a checkpoint default: the config's own
     assert pinned(cfg, record).model.pretrained == "" and pinned(cfg, None) is cfg
     ours = tiny_config("unused", "unused", *LINGBOT, "model.overrides.ffn_dim=64")
-    assert pinned(ours, record).model.resolved().ffn_dim == 64  # a set shape field stays (sample's check names it)
+    assert model_config_of(pinned(ours, record)).ffn_dim == 64  # a set shape field stays (sample's check names it)
     # an export of the family's format: its config.json, read as model.pretrained's would be
     policy = tmp_path / "export"
     save_policy(policy, attention_head_dim=24, num_layers=1, guidance_scale=2.5)
@@ -174,7 +175,7 @@ def test_the_recorded_model_gives_the_shape_without_model_pretrained(tmp_path) -
     record = recorded_model(policy)
     assert record.where == policy / "config.json" and record.fields["attention_head_dim"] == 24
     assert record.fields["obs_cam_keys"] == ["observation.images.cam0"] and "chunk_range" not in record.fields
-    m = pinned(cfg, record).model.resolved()
+    m = model_config_of(pinned(cfg, record))
     assert (m.dim, m.num_layers, m.guidance_scale) == (48, 1, 2.5)  # the policy's guidance: a checkpoint default
     (policy / "config.json").write_text("{")
     with pytest.raises(ValueError, match=r"export/config.json: not readable as JSON"):
@@ -186,6 +187,7 @@ def test_sample_a_run_fine_tuned_from_a_policy_of_another_width(tiny_dataset, tm
     export, in the policy's shape, after the policy folder has moved away: the weights are the checkpoint's, the
     run and the export give the same numbers; a --set of a shape field is still refused as another model."""
     from flexpack.commands.sample import load_trained, load_weights
+    from flexpack.run.compose import compose
     from flexpack.run.state import checkpoint
 
     save_policy(tmp_path / "policy", attention_head_dim=24)
@@ -203,7 +205,8 @@ def test_sample_a_run_fine_tuned_from_a_policy_of_another_width(tiny_dataset, tm
         code, err = run_cli(capsys, "sample", str(tmp_path / name), "--out", str(tmp_path / f"s-{name}"), *fast)
         assert code == 0, err
         got[name] = json.loads((tmp_path / f"s-{name}" / "metrics.json").read_text())
-        model, _, _ = load_weights(load_trained(tmp_path / name, (), tmp_path / name), tmp_path / name)
+        model_run = compose(load_trained(tmp_path / name, (), tmp_path / name), "export")  # the model alone: no data
+        model, _, _ = load_weights(model_run, tmp_path / name)
         assert (model.family_config.attention_head_dim, model.config.dim) == (24, 48)
         assert all(torch.equal(v, trained[k]) for k, v in model.state_dict().items()), name
     assert got["run"]["pairs"] == 2 and got["export"]["action_mse"] == pytest.approx(got["run"]["action_mse"], rel=1e-6)

@@ -29,6 +29,8 @@ from lerobot.policies.lingbot_va.modeling_lingbot_va import LingBotVAPolicy  # n
 from flexpack.attention.flex import FlexAttnFunc  # noqa: E402
 from flexpack.families.lingbot.convert import build_from_lerobot  # noqa: E402
 from flexpack.families.lingbot.sampler import LingbotSampler  # noqa: E402
+from flexpack.run.compose import compose
+from flexpack.run.resolve import model_config_of  # noqa: E402
 from flexpack.sampling.pairs import Pair  # noqa: E402
 from flexpack.sampling.solver import SampleOptions  # noqa: E402
 from helpers import tiny_config  # noqa: E402
@@ -49,7 +51,7 @@ def setup():
     the run config of the same fields, and a prompt / negative prompt padded as LeRobot pads them."""
     cfg = tiny_config("unused", "unused", *LINGBOT, "data.max_tokens=400", "model.overrides.num_inference_steps=5",
                       "model.overrides.action_num_inference_steps=7", "model.overrides.action_guidance_scale=3.0")
-    m = cfg.model.resolved()
+    m = model_config_of(cfg)
     assert (m.guidance_scale, m.frame_chunk_size, m.action_per_frame) == (5.0, C, A)
     fields = {k: v for k, v in m.lerobot_fields().items()}
     fields.update(patch_size=tuple(fields["patch_size"]), obs_cam_keys=["observation.images.cam0"], height=16 * H,
@@ -99,9 +101,9 @@ def injected(lat: torch.Tensor, act: torch.Tensor, first: int):
 
 
 def run_ours(cfg, model, pairs, negative, noise=None) -> LingbotSampler:
-    tpf = (H // 2) * (W // 2) + A
-    sampler = LingbotSampler(model, cfg, tpf, torch.device("cpu"), SampleOptions(), negative_text=negative,
-                             noise=noise)
+    run = compose(cfg, "sample", hw=(H, W), device=torch.device("cpu"))
+    assert run.geometry.tokens_per_frame == (H // 2) * (W // 2) + A
+    sampler = LingbotSampler(model, run, SampleOptions(), negative_text=negative, noise=noise)
     sampler.run(pairs)
     return sampler
 

@@ -8,6 +8,7 @@ import torch
 
 from flexpack.families.lingbot.sampler import LingbotSampler
 from flexpack.parallel.parallelize import ParallelOptions, compiled_graphs, parallelize
+from flexpack.run.compose import compose
 from flexpack.run.model import build_model
 from flexpack.sampling.pairs import make_pair
 from flexpack.sampling.solver import SampleOptions
@@ -33,7 +34,9 @@ def _items(lengths, seed):
 
 
 def _sampler(model, cfg, dev, **kw):
-    return LingbotSampler(model, cfg, TPF, dev, SampleOptions(steps=3), negative_text=NEGATIVE, **kw)
+    run = compose(cfg, "sample", hw=(2, 2), device=dev)
+    assert run.geometry.tokens_per_frame == TPF
+    return LingbotSampler(model, run, SampleOptions(steps=3), negative_text=NEGATIVE, **kw)
 
 
 def test_compiled_lingbot_sampling_never_recompiles_and_equals_alone_and_the_cpu():

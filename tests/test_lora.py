@@ -13,8 +13,9 @@ import torch
 
 from flexpack.flow.noise import noise_seeds
 from flexpack.run import lora
-from flexpack.run.build import build_run
+from flexpack.run.compose import build_run
 from flexpack.run.config import load_config
+from flexpack.run.resolve import config_family, model_config_of
 from flexpack.training.loop import train
 from helpers import LINGBOT_TINY, TINY, run_cli, sample_run_and_export, tiny_config
 
@@ -76,7 +77,7 @@ def test_only_the_adapters_train_the_base_stays_and_the_loss_falls(family, tiny_
     assert end < 0.95 * start, (start, end)
     saved = json.loads((result.checkpoint / "train_state.json").read_text())["extra"]["lora"]
     assert saved == {"rank": 4, "alpha": 8.0, "dropout": 0.0, "base_dtype": "float32",
-                     "targets": list(cfg.model.model_family().lora_targets)}
+                     "targets": list(config_family(cfg).lora_targets)}
 
 
 def test_bf16_base_is_cast_and_trains_under_autocast(tiny_dataset, tmp_path, one_thread):
@@ -179,7 +180,7 @@ def test_lingbot_export_adapter_loads_back_through_peft_and_sample_agrees(lingbo
     peft_model = PeftModel.from_pretrained(_base(cfg), str(adapter)).eval()
     _assert_close(_fixed_step(cfg, peft_model)[0], trained)
     # the merged export: the upstream transformer folder, read back by the family
-    merged = cfg.model.model_family().load_checkpoint(str(out / "transformer"), cfg.model.resolved())
+    merged = config_family(cfg).load_checkpoint(str(out / "transformer"), model_config_of(cfg))
     _assert_close(_fixed_step(cfg, merged)[0], trained)
     got = sample_run_and_export(capsys, run, out, base / "samples")
     assert got["export"]["action_mse"] == pytest.approx(got["run"]["action_mse"], rel=1e-5)
@@ -191,7 +192,7 @@ def test_float8_converts_the_frozen_base_layers_never_the_adapters(one_thread):
     from flexpack.parallel import float8
 
     cfg = load_config(TINY, ['data.root="unused"', *LORA])
-    model = lora.apply(cfg.model.model_family().build(cfg.model.resolved()), cfg)
+    model = lora.apply(config_family(cfg).build(model_config_of(cfg)), cfg)
     names = float8.convert(model, "tensorwise", emulate=True, min_dim=16)
     assert names and all(n.endswith(".base_layer") for n in names)
     assert not any(n.startswith(("blocks.0.cross_attn.k", "blocks.0.cross_attn.v")) for n in names)  # float8.SKIP

@@ -16,7 +16,7 @@ from flexpack.flow.noise import noise_seeds  # noqa: E402
 from flexpack.flow.objective import LossPart  # noqa: E402
 from flexpack.flow.objectives import FlowObjective  # noqa: E402
 from flexpack.models import registry  # noqa: E402
-from flexpack.run.build import build_run  # noqa: E402
+from flexpack.run.compose import build_run  # noqa: E402
 from flexpack.run.model import build_model  # noqa: E402
 from flexpack.run.state import checkpoint  # noqa: E402
 from flexpack.training.loop import train  # noqa: E402

@@ -22,6 +22,7 @@ from flexpack.attention.masks import (
 )
 from flexpack.packing.layout import SequenceLayout, TokenLayout
 from flexpack.run.config import load_config
+from flexpack.run.resolve import config_family
 
 NAME = "local_band"
 
@@ -66,7 +67,7 @@ def test_a_registered_mask_is_in_the_table_and_taken_by_the_config_check(local_b
     assert mask_kind(NAME) is local_band and local_band.backends == ("dense", "flex", "flex-flash")
     assert AUTO_CUDA[NAME] == "flex"  # the table's default for a mask that chose none
     cfg = load_config(overrides=[f"model.mask='{NAME}'", "model.chunk_size=3"])
-    assert cfg.model.mask == NAME and cfg.model.model_family().chunk_masks == ("chunk_causal", "teacher_forcing", NAME)
+    assert cfg.model.mask == NAME and config_family(cfg).chunk_masks == ("chunk_causal", "teacher_forcing", NAME)
     with pytest.raises(ValueError, match=rf"model.mask='{NAME}' needs a positive model.chunk_size"):
         load_config(overrides=[f"model.mask='{NAME}'"])
     with pytest.raises(ValueError, match=r"model.mask must be one of \('lingbot',\)"):  # not a lingbot-va mask

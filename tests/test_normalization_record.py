@@ -77,6 +77,7 @@ def test_a_checkpoint_in_the_old_format_loads_for_sample_and_resume(tiny_dataset
     type) gives sample its statistics, and a resume keeps them on a dataset whose own statistics differ."""
     from flexpack.commands.sample import load_weights
     from flexpack.data import LatentEpisodeDataset
+    from flexpack.run.compose import compose
     from flexpack.run.model import build_model
     from flexpack.run.state import checkpoint
     from helpers import tiny_config
@@ -88,7 +89,7 @@ def test_a_checkpoint_in_the_old_format_loads_for_sample_and_resume(tiny_dataset
     checkpoint.save(tmp_path / "run" / "checkpoints", 2, build_model(cfg), None, config=cfg.to_dict(),
                     extra={"action_normalizer": old})
     found = tmp_path / "run" / "checkpoints" / "step_00000002"
-    _, stats, label = load_weights(cfg, found)
+    _, stats, label = load_weights(compose(cfg, "export"), found)  # the model alone: no data
     assert label == str(found) and stats == ActionStats(mode=old["mode"], low=tuple(old["low"]),
                                                         high=tuple(old["high"]))
     resume._restore_normalizer(found, dataset, old, rank=0)

@@ -11,9 +11,11 @@ import torch
 from flexpack.flow.noise import episode_seed, noise_seeds
 from flexpack.packing.collate import PackCollate, PadCollate
 from flexpack.packing.geometry import TokenGeometry
+from flexpack.run.compose import run_for
 from flexpack.run.config import load_config
 from flexpack.run.memory_data import synthetic_run
-from flexpack.run.root import ForwardOptions, Run, run_for, run_text_slots
+from flexpack.run.resolve import model_config_of
+from flexpack.run.root import ForwardOptions, Run, run_text_slots
 from flexpack.training.observe.flops import batch_flops, useful_flops
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -76,7 +78,7 @@ def test_metrics_jsonl_mfu_counts_both_copies(tmp_path, monkeypatch):
 
 
 def test_run_of_a_lerobot_dataset(tiny_dataset, tmp_path):
-    from flexpack.run.build import build_run
+    from flexpack.run.compose import build_run
 
     cfg = _cfg(tmp_path, f'data.root="{tiny_dataset}"')
     plan = build_run(cfg)
@@ -86,7 +88,7 @@ def test_run_of_a_lerobot_dataset(tiny_dataset, tmp_path):
     # 2x2 latents in 2x2 patches: one video token, plus data.action_steps action tokens
     assert (g.video_tokens, g.action_tokens, g.copies, g.tokens_per_frame, g.frame_budget) == (1, 4, 1, 5, 12)
     assert plan.sampler.budget_frames == plan.collate.collate.frame_budget == g.frame_budget
-    assert plan.model_config is cfg.model.resolved()
+    assert plan.model_config == model_config_of(cfg)
     assert plan.forward == ForwardOptions(mask="document", chunk_size=None, text_slots=run_text_slots(plan.sampler))
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.geometry = g  # type: ignore[misc]
@@ -99,8 +101,9 @@ def test_run_of_a_lerobot_dataset(tiny_dataset, tmp_path):
 
 
 def test_the_model_config_is_resolved_once_per_run(tmp_path, monkeypatch):
-    """The family resolves the preset (and a pretrained config.json) when the config is loaded, only:
-    the run, the model, the meter, the profiler and the loop reuse that one result."""
+    """Loading a config checks it (the family resolves the preset once, so a bad key is blamed on its file or
+    --set); composing the run resolves it once more (a pretrained config.json is read there); the model, the meter,
+    the profiler and the loop then read Run.model_config and resolve nothing."""
     from flexpack.models.registry import ModelFamily
     from flexpack.training.loop import train
 
@@ -109,10 +112,11 @@ def test_the_model_config_is_resolved_once_per_run(tmp_path, monkeypatch):
     real = ModelFamily.config
     monkeypatch.setattr(ModelFamily, "config", lambda self, *a, **k: calls.append(a) or real(self, *a, **k))
     cfg = _cfg(tmp_path, "schedule.steps=1", "schedule.warmup_steps=0")
-    assert len(calls) == 1
+    assert len(calls) == 1  # load_config's check
     run = synthetic_run(cfg, text_len=4)
+    assert len(calls) == 2  # compose
     train(cfg, run=run)
-    assert len(calls) == 1 and run.model_config is cfg.model.resolved()
+    assert len(calls) == 2 and run.model_config == model_config_of(cfg)
 
 
 def test_token_geometry_owns_budget_and_too_long():

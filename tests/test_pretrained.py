@@ -13,6 +13,7 @@ pytest.importorskip("lerobot")
 from flexpack.attention.flex import FlexAttnFunc  # noqa: E402
 from flexpack.run.config import load_config  # noqa: E402
 from flexpack.run.model import build_model  # noqa: E402
+from flexpack.run.resolve import model_config_of  # noqa: E402
 from flexpack.training.loop import train  # noqa: E402
 from hf_tiny import tiny_diffusers  # noqa: E402
 
@@ -36,7 +37,7 @@ def test_pretrained_folder_gives_diffusers_outputs_and_an_initialized_action_str
     m.save_pretrained(tmp_path / "transformer", **({"max_shard_size": "30KB"} if sharded else {}))
     assert (tmp_path / "transformer" / "diffusion_pytorch_model.safetensors.index.json").exists() == sharded
     cfg = cfg_for(tmp_path / "transformer")
-    wc = cfg.model.resolved()
+    wc = model_config_of(cfg)
     # the checkpoint's shape replaced the tiny preset's; options come from the config
     assert (wc.dim, wc.num_heads, wc.ffn_dim, wc.freq_dim, wc.action_channels) == (32, 2, 48, 16, 6)
     model = build_model(cfg)
@@ -90,7 +91,7 @@ def test_training_starts_from_the_pretrained_weights(tiny_dataset, tmp_path, cap
     # the start line: which weights, their shape, how many tensors matched (the action stream is new)
     from flexpack.families.wan.model import action_stream_init
 
-    fresh, total = len(action_stream_init(cfg.model.resolved())), len(list(res.model.parameters()))
+    fresh, total = len(action_stream_init(model_config_of(cfg))), len(list(res.model.parameters()))
     assert len(m.state_dict()) + fresh == total and fresh > 0
     (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("model.pretrained:")]
     folder = tmp_path / "t"

@@ -15,6 +15,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.autograd.profiler_util import FunctionEvent
 
+from flexpack.run.resolve import model_config_of  # noqa: E402
 from flexpack.training.observe import profile_summary as ps
 from flexpack.training.observe.profiling import StepProfiler, plan
 from helpers import tiny_config  # noqa: E402
@@ -46,7 +47,7 @@ def dataset(tiny_dataset) -> Path:
 
 
 def _train(root: Path, out: Path, *overrides: str):
-    from flexpack.training.loop import train
+    from flexpack.commands.train import train  # the command layer reads LINGBOT_PROFILE / _WARMUP
 
     return train(tiny_config(root, out, "log.tensorboard=false", *overrides))  # every call sets accum_steps
 
@@ -126,6 +127,11 @@ def test_runtime_profile_steps_profiles_without_the_variable(dataset, tmp_path, 
 
 
 def test_the_variable_wins_over_runtime_profile_steps_with_a_line(monkeypatch, capsys):
+    """flexpack train reads the variables (profile_env) into profile.env_steps / env_warmup, which win over the
+    keys; the profiler reads the config alone."""
+    import dataclasses
+
+    from flexpack.commands.train import profile_env
     from flexpack.run.config import load_config
 
     cfg = load_config(CONFIGS / "tiny_cpu.toml", ["profile.steps=3", "profile.warmup=1",
@@ -133,25 +139,35 @@ def test_the_variable_wins_over_runtime_profile_steps_with_a_line(monkeypatch, c
     from flexpack.flow.objectives import as_objective
     from flexpack.packing.geometry import TokenGeometry
 
-    kw = {"steps_left": 100, "first_step": 0, "model": cfg.model.resolved(),
+    kw = {"steps_left": 100, "first_step": 0, "model": model_config_of(cfg),
           "geometry": TokenGeometry(video_tokens=1, action_tokens=4), "device": torch.device("cpu"),
           "objective": as_objective(cfg.objective)}
     monkeypatch.delenv("LINGBOT_PROFILE", raising=False)
     monkeypatch.delenv("LINGBOT_PROFILE_WARMUP", raising=False)
-    p = StepProfiler.for_training(cfg, 0, **kw)
+    assert profile_env(cfg) is cfg
+    p = StepProfiler.for_training(profile_env(cfg), 0, **kw)
     assert (p.enabled, p.steps, p.warmup, p.peak_tflops) == (True, 3, 1, 50.0)
     assert capsys.readouterr().err == ""  # the config alone: nothing to say
     short = StepProfiler.for_training(cfg, 0, **{**kw, "steps_left": 2})
     assert short.note.startswith("profile.steps=3: the run has 2 step(s) left")  # names where n came from
     monkeypatch.setenv("LINGBOT_PROFILE", "5")
     monkeypatch.setenv("LINGBOT_PROFILE_WARMUP", "1")  # the same as the key: no line for it
-    p = StepProfiler.for_training(cfg, 0, **kw)
+    env = profile_env(cfg)
+    assert (env.profile.env_steps, env.profile.env_warmup) == (5, 1)  # recorded in the config the run saves
+    assert dataclasses.asdict(env)["profile"]["env_steps"] == 5
+    monkeypatch.delenv("LINGBOT_PROFILE")  # the profiler reads the config, never the environment
+    p = StepProfiler.for_training(env, 0, **kw)
     assert (p.steps, p.warmup) == (5, 1)
     assert capsys.readouterr().err == "LINGBOT_PROFILE=5 overrides profile.steps = 3\n"
-    assert StepProfiler.for_training(cfg, 1, **kw).steps == 5 and capsys.readouterr().err == ""  # rank 0 speaks
+    monkeypatch.setenv("LINGBOT_PROFILE", "5")
+    assert profile_env(cfg, 1).profile.env_steps == 5 and capsys.readouterr().err == ""  # rank 0 speaks
+    assert StepProfiler.for_training(env, 0, **{**kw, "steps_left": 2}).note.startswith("LINGBOT_PROFILE=5:")
     monkeypatch.setenv("LINGBOT_PROFILE", "0")  # the variable switches a configured profile off
-    assert not StepProfiler.for_training(cfg, 0, **kw).enabled
+    off = profile_env(cfg)
+    assert not StepProfiler.for_training(off, 0, **kw).enabled and off.profile.env_warmup is None
     assert "LINGBOT_PROFILE=0 overrides profile.steps = 3" in capsys.readouterr().err
+    monkeypatch.delenv("LINGBOT_PROFILE")  # a restart without the variables: the config's keys again
+    assert profile_env(env).profile.window() == (3, 1, "profile.steps")
     with pytest.raises(ValueError, match="profile.steps must be >= 0, got -1"):
         load_config(CONFIGS / "tiny_cpu.toml", ["profile.steps=-1"])
 
@@ -173,7 +189,7 @@ def test_no_gpu_probe_error_on_a_cpu_only_machine(tmp_path):
 
 
 def test_profiler_off_writes_nothing_and_hooks_are_noops(tmp_path, monkeypatch):
-    monkeypatch.delenv("LINGBOT_PROFILE", raising=False)
+    monkeypatch.setenv("LINGBOT_PROFILE", "3")  # the profiler never reads the environment: off by default
     p = StepProfiler(tmp_path)
     with p:
         p.step()

@@ -12,6 +12,7 @@ import torch
 from flexpack.data.normalization import ActionStats
 from flexpack.packing.collate import PackCollate
 from flexpack.packing.layout import SequenceLayout
+from flexpack.run.compose import compose
 from flexpack.run.config import load_config
 from flexpack.run.model import build_model
 from flexpack.sampling.metrics import Metrics, denormalize, normalize
@@ -103,9 +104,16 @@ def test_cut_points_on_chunk_multiples_leaving_a_horizon():
 
 
 # ---------------------------------------------------------------------------- packed == alone
+def sample_run(cfg):
+    """A "sample" run of pairs made in memory: 2x2 latents, TPF tokens a frame."""
+    run = compose(cfg, "sample", hw=(2, 2), device=torch.device("cpu"))
+    assert run.geometry.tokens_per_frame == TPF
+    return run
+
+
 def _run(model, cfg, pairs, *, max_tokens=None, solver="euler", stage=None):
-    s = PackedSampler(model, cfg, TPF, torch.device("cpu"), SampleOptions(steps=3, solver=solver),
-                      max_tokens=max_tokens, stage=stage)
+    s = PackedSampler(model, sample_run(cfg), SampleOptions(steps=3, solver=solver), max_tokens=max_tokens,
+                      stage=stage)
     s.run(pairs)
     return s
 
@@ -197,10 +205,10 @@ def test_one_sigma_per_episode_model_refuses_conditioning_in_one_line():
     base = _cfg("document")
     cfg = replace(base, objective=replace(base.objective, chunk_size=None))
     with pytest.raises(ValueError, match="one σ per episode and can only generate whole episodes jointly") as e:
-        context_chunk(cfg)
+        context_chunk(sample_run(cfg))
     assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match="can only generate"):
-        PackedSampler(build_model(cfg), cfg, TPF, torch.device("cpu"))
+        PackedSampler(build_model(cfg), sample_run(cfg))
 
 
 # ---------------------------------------------------------------------------- metrics
@@ -361,7 +369,7 @@ def test_a_pair_longer_than_a_pack_is_named():
                                          r"data.max_tokens=30"):
         _run(model, cfg, pairs)
     with pytest.raises(ValueError, match="solver must be one of"):
-        PackedSampler(model, cfg, TPF, torch.device("cpu"), SampleOptions(solver="rk4"))
+        PackedSampler(model, sample_run(cfg), SampleOptions(solver="rk4"))
 
 
 def test_benchmark_script_runs_tiny_and_reports_its_keys(tmp_path):

@@ -13,6 +13,7 @@ pytest.importorskip("lerobot")
 
 from flexpack.cli import main  # noqa: E402
 from flexpack.commands.train import train  # noqa: E402
+from flexpack.run.compose import compose  # noqa: E402
 from flexpack.run.config import load_config  # noqa: E402
 from helpers import tiny_sets  # noqa: E402
 
@@ -234,7 +235,7 @@ def test_wan_vae_cache_gets_videos_and_psnr_of_the_target_frames(trained, tmp_pa
 
     root, run = trained
     cfg = load_config(Path(run) / "config.json")
-    ds = evaluate.dataset_for(cfg, [0])
+    ds = compose(cfg, "sample", episodes=[0]).dataset
 
     def decode(latent, encoder, **kw):
         x = latent[:3].float().clamp(-1, 1)
@@ -265,33 +266,33 @@ def test_sample_every_with_too_short_held_out_episodes_fails_before_training(tin
 
 
 def test_pairs_stay_within_one_pack_and_explicit_cuts_are_checked(trained, capsys):
-    from flexpack.sampling.evaluate import PairPlan, build_pairs, dataset_for
+    from flexpack.sampling.evaluate import PairPlan, build_pairs
 
     root, run = trained
     cfg = load_config(Path(run) / "config.json", ["data.max_tokens=40"])  # 8 latent frames per pack
-    ds = dataset_for(cfg, [0, 2])  # 10 and 6 latent frames
-    pairs = build_pairs(cfg, ds, PairPlan(cuts=2, horizon=2, min_context=1))
+    ds = compose(cfg, "sample", episodes=[0, 2])  # 10 and 6 latent frames
+    pairs = build_pairs(ds, PairPlan(cuts=2, horizon=2, min_context=1))
     assert [(p.episode, p.cut, p.frames) for p in pairs] == [(0, 1, 3), (0, 6, 8), (2, 1, 3), (2, 4, 6)]
     assert "episodes [0] are longer than a pack (8 latent frames at data.max_tokens = 40)" in capsys.readouterr().err
-    rolled = build_pairs(cfg, ds, PairPlan(mode="rollout", horizon=2, min_context=1))
+    rolled = build_pairs(ds, PairPlan(mode="rollout", horizon=2, min_context=1))
     assert [(p.cut, p.horizon) for p in rolled] == [(1, 7), (1, 5)]
     # by default a cut point has 2 latent frames of context (frame 0 alone shows no motion); rollouts start there
-    pairs = build_pairs(cfg, ds, PairPlan(cuts=2, horizon=2))
+    pairs = build_pairs(ds, PairPlan(cuts=2, horizon=2))
     assert [(p.episode, p.cut) for p in pairs] == [(0, 2), (0, 6), (2, 2), (2, 4)]
-    assert [(p.cut, p.horizon) for p in build_pairs(cfg, ds, PairPlan(mode="rollout", horizon=2))] == [(2, 6), (2, 4)]
-    assert [p.cut for p in build_pairs(cfg, ds, PairPlan(cuts=2, horizon=2, min_context=5))] == [5, 6]  # ep 2: none
+    assert [(p.cut, p.horizon) for p in build_pairs(ds, PairPlan(mode="rollout", horizon=2))] == [(2, 6), (2, 4)]
+    assert [p.cut for p in build_pairs(ds, PairPlan(cuts=2, horizon=2, min_context=5))] == [5, 6]  # ep 2: none
     assert "episodes [2] are too short for 5 latent frame(s) of context" in capsys.readouterr().err
     with pytest.raises(ValueError, match=r"cut points \[1\] have less context than --min-context 2"):
-        build_pairs(cfg, ds, PairPlan(cut_points=(1, 3), horizon=2))
+        build_pairs(ds, PairPlan(cut_points=(1, 3), horizon=2))
     # K samples: consecutive pairs of one (episode, cut), sample 0 with the noise of a single-sample run
-    three = build_pairs(cfg, ds, PairPlan(cuts=2, horizon=2, samples=3))
+    three = build_pairs(ds, PairPlan(cuts=2, horizon=2, samples=3))
     assert [(p.episode, p.cut, p.sample) for p in three[:4]] == [(0, 2, 0), (0, 2, 1), (0, 2, 2), (0, 6, 0)]
     assert three[0].seed == pairs[0].seed and len({p.seed for p in three}) == len(three) == 12
     with pytest.raises(ValueError, match="--samples must be >= 1"):
         PairPlan(samples=0)
     # the control: each pair forecasts from the next episode's history; its truth (and so the baselines) its own
-    foreign = build_pairs(cfg, ds, PairPlan(cuts=2, horizon=2, foreign_history=True))
-    items = {0: ds[0], 2: ds[1]}
+    foreign = build_pairs(ds, PairPlan(cuts=2, horizon=2, foreign_history=True))
+    items = {0: ds.dataset[0], 2: ds.dataset[1]}
     for p, q in zip(foreign, pairs):
         donor = items[2 if p.episode == 0 else 0]
         assert torch.equal(p.pred_latent[:, :p.cut], donor["latent"][:, :p.cut].float())
@@ -299,9 +300,10 @@ def test_pairs_stay_within_one_pack_and_explicit_cuts_are_checked(trained, capsy
                                                                  donor["action"][:, :p.cut].float(), 0.0))
         assert torch.equal(p.latent, q.latent) and (p.pred_latent[:, p.cut:] == 0).all() and p.seed == q.seed
     with pytest.raises(ValueError, match="cut point 0 of episode 0: must be a positive multiple"):
-        build_pairs(cfg, ds, PairPlan(cut_points=(0,), horizon=2, min_context=0))
+        build_pairs(ds, PairPlan(cut_points=(0,), horizon=2, min_context=0))
     with pytest.raises(ValueError, match="must be a multiple of the chunk the model was trained with"):
-        build_pairs(load_config(Path(run) / "config.json", ["objective.chunk_size=2"]), ds, PairPlan(horizon=3))
+        build_pairs(compose(load_config(Path(run) / "config.json", ["objective.chunk_size=2"]), "sample",
+                            episodes=[0, 2]), PairPlan(horizon=3))
 
 
 def test_default_output_folder_is_in_the_run(trained, capsys):

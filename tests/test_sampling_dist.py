@@ -13,7 +13,7 @@ import torch
 
 from flexpack.run.model import build_model
 from flexpack.sampling.solver import PackedSampler, SampleOptions
-from test_sampling import SPECS_DIST, TPF, _cfg, _items, _pairs
+from test_sampling import SPECS_DIST, _cfg, _items, _pairs, sample_run
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
@@ -35,7 +35,7 @@ def test_two_ranks_sample_their_share_and_agree_with_one_process(tmp_path, one_t
     torch.manual_seed(0)
     model = build_model(cfg).eval()
     pairs = _pairs(_items(), SPECS_DIST)
-    one = PackedSampler(model, cfg, TPF, torch.device("cpu"), SampleOptions(steps=2))
+    one = PackedSampler(model, sample_run(cfg), SampleOptions(steps=2))
     one.run(pairs)
     # each rank ran about half the packs (a repeated bin fills an odd count), all ranks got every result
     assert got["forwards"] < one.forwards

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from flexpack.parallel.parallelize import ParallelOptions, compiled_graphs, parallelize
+from flexpack.run.compose import compose
 from flexpack.run.config import load_config
 from flexpack.run.model import build_model
 from flexpack.sampling.pairs import make_pair
@@ -46,7 +47,9 @@ def test_compiled_packed_sampling_never_recompiles_across_lengths_and_equals_alo
     model.load_state_dict(eager.state_dict())
     parallelize(model, device=dev, options=ParallelOptions(compile=True))
     opts = SampleOptions(steps=3)
-    sampler = PackedSampler(model, cfg, TPF, dev, opts, text_slots=16)
+    run = compose(cfg, "sample", hw=(2, 2), device=dev)
+    assert run.geometry.tokens_per_frame == TPF
+    sampler = PackedSampler(model, run, opts, text_slots=16)
     sampler.run([make_pair(it, 2, 4) for it in _items([8, 12, 6], 0)])  # warm-up: the pack shape compiles
     for seed, lengths in enumerate([[30, 9, 17], [6, 6, 6, 6, 7, 11], [44, 20]], start=1):
         pairs = [make_pair(it, c, 4) for it in _items(lengths, seed) for c in (2, 4) if c + 4 <= it["latent"].shape[1]]
@@ -55,7 +58,7 @@ def test_compiled_packed_sampling_never_recompiles_across_lengths_and_equals_alo
         assert compiled_graphs() == before, f"recompiled for lengths {lengths}"
         for p in pairs[:1]:  # each single compiles attention for its own length: one a set suffices
             (alone,) = [make_pair(it, p.cut, 4) for it in _items(lengths, seed) if it["episode_index"] == p.episode]
-            PackedSampler(eager, cfg, TPF, dev, opts, max_tokens=TPF * alone.frames).run([alone])
+            PackedSampler(eager, run, opts, max_tokens=TPF * alone.frames).run([alone])
             err = (p.pred_latent - alone.pred_latent).abs().max() / alone.pred_latent.abs().max()
             assert float(err) < 5e-3  # TF32 and kernel order differ between compiled packs and eager singles
             assert torch.equal(p.pred_latent[:, :p.cut], p.latent[:, :p.cut])

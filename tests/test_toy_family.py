@@ -15,7 +15,7 @@ pytest.importorskip("lerobot")
 from flexpack.models import registry  # noqa: E402
 from flexpack.parallel.blocks import block_list  # noqa: E402
 from flexpack.parallel.parallelize import ParallelOptions, parallelize  # noqa: E402
-from flexpack.run.build import build_run  # noqa: E402
+from flexpack.run.compose import build_run  # noqa: E402
 from flexpack.run.state import checkpoint  # noqa: E402
 from helpers import TINY, run_cli, set_args, tiny_config, tiny_sets  # noqa: E402
 from toy_family import NAME, ToyModel, ToyObjective, read_toy, toy_family  # noqa: E402

@@ -18,7 +18,6 @@ from flexpack.packing.collate import PackCollate, PadCollate  # noqa: E402
 from flexpack.run.config import ScheduleConfig, load_config  # noqa: E402
 from flexpack.run.state import checkpoint  # noqa: E402
 from flexpack.training.loop import accumulate, lr_at, train  # noqa: E402
-from flexpack.training.observe.profiling import StepProfiler  # noqa: E402
 from helpers import tiny_config  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -89,7 +88,7 @@ class _Listed(list):
 
 def _run(cfg, items):
     """The run of ``cfg`` over ``items`` (on the CPU): what ``accumulate`` takes its options from."""
-    from flexpack.run.root import run_for
+    from flexpack.run.compose import run_for
 
     return run_for(_Listed(items), cfg, device=torch.device("cpu"))
 
@@ -178,7 +177,10 @@ def test_checkpoint_roundtrip_is_atomic_and_pruned(tmp_path):
 def test_profiling_writes_trace_and_table_when_LINGBOT_PROFILE_2(dataset, tmp_path, monkeypatch):
     monkeypatch.setenv("LINGBOT_PROFILE", "2")
     monkeypatch.setenv("LINGBOT_PROFILE_WARMUP", "1")
-    train(config(dataset, tmp_path / "prof", "schedule.steps=5"))
+    from flexpack.commands.train import profile_env
+    from flexpack.commands.train import train as train_command  # the command layer reads the variables
+
+    train_command(config(dataset, tmp_path / "prof", "schedule.steps=5"))
     trace, table = (tmp_path / "prof" / "profile" / "trace_rank0.json",
                     tmp_path / "prof" / "profile" / "top_ops_rank0.txt")
     events = json.loads(trace.read_text())["traceEvents"]
@@ -186,7 +188,9 @@ def test_profiling_writes_trace_and_table_when_LINGBOT_PROFILE_2(dataset, tmp_pa
     assert "aten::" in table.read_text() and table.read_text().startswith("2 profiled step(s)")
     monkeypatch.setenv("LINGBOT_PROFILE", "two")
     with pytest.raises(ValueError, match="LINGBOT_PROFILE must be a non-negative integer, got 'two'"):
-        StepProfiler(tmp_path)
+        profile_env(config(dataset, tmp_path / "prof"))
+    saved = json.loads((tmp_path / "prof" / "config.json").read_text())["profile"]
+    assert (saved["env_steps"], saved["env_warmup"]) == (2, 1)  # the run folder says where the profile came from
 
 
 def test_activation_checkpointing_from_outside_changes_nothing_but_memory(dataset, tmp_path):

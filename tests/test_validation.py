@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("lerobot")
 
-from flexpack.run.build import build_run  # noqa: E402
+from flexpack.run.compose import build_run  # noqa: E402
 from flexpack.run.config import DataConfig  # noqa: E402
 from flexpack.run.holdout import split_episodes  # noqa: E402
 from flexpack.run.model import build_model  # noqa: E402

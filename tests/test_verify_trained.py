@@ -11,6 +11,7 @@ import pytest
 
 from flexpack.families.wan.model import WanVA
 from flexpack.run.config import load_config, save_config
+from flexpack.run.resolve import model_config_of
 from flexpack.run.state import checkpoint
 from flexpack.run.state.trained import differences, run_config
 
@@ -24,7 +25,7 @@ def trained_run(tmp_path: Path, *sets: str, own: bool = True) -> tuple[Path, Pat
     checkpoint carries its config.json (as training writes it); else only the run's first config.json."""
     cfg = load_config(TINY, [f"--set {s}".split(" ", 1)[1] for s in sets])
     run = tmp_path / "run"
-    model = WanVA(cfg.model.resolved())
+    model = WanVA(model_config_of(cfg))
     found = checkpoint.save(run / "checkpoints", 3, model, None, config=cfg.to_dict() if own else None)
     save_config(load_config(TINY), run / "config.json")  # the first start's config: another mask
     return run, found

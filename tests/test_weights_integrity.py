@@ -17,6 +17,7 @@ pytest.importorskip("lerobot.policies.lingbot_va", reason="the installed lerobot
 
 from safetensors.torch import load_file, save_file  # noqa: E402
 
+from flexpack.run.resolve import config_family, model_config_of  # noqa: E402
 from flexpack.run.state import checkpoint  # noqa: E402
 from helpers import TINY, run_cli, save_policy, set_args, tiny_sets  # noqa: E402
 
@@ -156,7 +157,7 @@ def test_a_nan_in_model_pretrained_is_named_not_blamed_on_the_learning_rate(tiny
     assert want in line and "the checkpoint itself is damaged" in line and "optim.lr" not in line, line
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # no step was taken
     cfg = tiny_config(tiny_dataset, tmp_path / "run", *LINGBOT, f'model.pretrained="{tmp_path / "policy"}"')
-    fam, m = cfg.model.model_family(), cfg.model.resolved()
+    fam, m = config_family(cfg), model_config_of(cfg)
     with torch.device("meta"):
         model = fam.build(m)
     with pytest.raises(ValueError, match=f"weight {key!r} holds non-finite values"):  # the sharded path's loader

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
     from flexpack.data.normalization import ActionStats
     from flexpack.run.config import TrainConfig
+    from flexpack.run.root import Run
 
 # the choices of --mode and --solver, named here so that building the parser imports no torch (--help);
 # tests/test_cli.py checks they are sampling.evaluate.MODES and sampling.schedule.SOLVERS
@@ -98,11 +99,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default runtime.device)")
 
 
-def load_weights(cfg: TrainConfig, source: str | Path, *, ema: bool = False
+def load_weights(run: Run, source: str | Path, *, ema: bool = False
                  ) -> tuple[nn.Module, ActionStats | None, str]:
-    """The config's model with the weights of a run / checkpoint / export folder; returns
-    (model, the action statistics it was trained with or None, a label naming the weights). The model is of the
-    shape ``cfg`` resolves to (:func:`load_trained`: the one the weights record); ``model.pretrained`` is not read."""
+    """The run's model with the weights of a run / checkpoint / export folder; returns (model, the action statistics
+    it was trained with or None, a label naming the weights). The model is of the run's model config (its config:
+    :func:`load_trained`, the shape the weights record); ``model.pretrained`` is not read."""
     import torch
 
     from flexpack.data.normalization import ActionStats
@@ -117,19 +118,20 @@ def load_weights(cfg: TrainConfig, source: str | Path, *, ema: bool = False
     path = Path(source)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such run, checkpoint or export folder")
+    cfg, fam = run.config, run.family
     torch.manual_seed(cfg.runtime.seed)
-    model = cfg.model.model_family().build(cfg.model.resolved())  # its init is replaced by the weights below
+    model = fam.build(run.model_config)  # its init is replaced by the weights below
     if (path / "flexpack_config.json").is_file():  # an export folder
         folder = path / "ema" if ema else path
         if ema and not folder.is_dir():
             raise ValueError(f"{path}: --ema but the export has no ema/ folder (exported without --ema)")
         check_export_files(path, folder)
-        fam = cfg.model.model_family()  # the family reads its own exports (wanva: the diffusers folder and action
-        read = fam.read_export or fam.load_checkpoint  # stream; lingbot-va: a LeRobot policy folder)
+        # the family reads its own exports (wanva: the diffusers folder and action stream; lingbot-va: a LeRobot
+        read = fam.read_export or fam.load_checkpoint  # policy folder)
         if read is None:
             raise ValueError(f"{path}: flexpack cannot read a model.family = {cfg.model.family!r} export back; "
                              "sample the run's folder instead")
-        loaded = read(str(folder), cfg.model.resolved())
+        loaded = read(str(folder), run.model_config)
         check_state_shapes(folder, loaded.state_dict(), model)
         check_finite(loaded.state_dict(), str(folder), "it cannot sample: export the run again from an intact "
                      "checkpoint", collective=False)
@@ -225,15 +227,9 @@ def check_trained_config(cfg: TrainConfig, source: Path, given: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from flexpack.run.checks import resolve_device
+    from flexpack.run.compose import compose
     from flexpack.run.cpu_threads import cpu_threads
-    from flexpack.sampling.evaluate import (
-        PairPlan,
-        build_pairs,
-        checkpoint_stats,
-        dataset_for,
-        evaluate,
-        table,
-    )
+    from flexpack.sampling.evaluate import PairPlan, build_pairs, checkpoint_stats, evaluate, table
     from flexpack.sampling.solver import SampleOptions, context_chunk, solver_steps
 
     check_flags(args)
@@ -248,26 +244,25 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_trained(args.config, args.overrides, Path(source))
     given = str(args.config) + (" with --set " + " ".join(args.overrides) if args.overrides else "")
     check_trained_config(cfg, Path(source), given)
-    device = resolve_device(args.device or cfg.runtime.device)
     plan = PairPlan(mode=args.mode, cuts=args.cuts, horizon=args.horizon, cut_points=tuple(args.cut_points),
                     seed=args.seed, samples=args.samples, min_context=args.min_context,
                     foreign_history=args.foreign_history)
-    context_chunk(cfg)  # a one-σ-per-episode model fails here, before any loading
     if (Path(source) / "flexpack_config.json").is_file():  # a damaged export fails before the dataset is read
         check_export_files(Path(source), Path(source) / ("ema" if args.ema else ""))
-    steps = solver_steps(cfg, args.steps)
     val = args.val or (args.episodes is None and bool(cfg.data.val_fraction or cfg.data.val_episodes))
-    dataset = dataset_for(cfg, args.episodes, val=val)
-    pairs = build_pairs(cfg, dataset, plan)  # cut points and horizons that do not fit fail before any weights load
-    model, saved, label = load_weights(cfg, source, ema=args.ema)
-    action_stats = checkpoint_stats(dataset, saved, label)
-    model.to(device)
+    run = compose(cfg, "sample", episodes=args.episodes, val=val,
+                  device=resolve_device(args.device) if args.device else None)
+    context_chunk(run)  # a one-σ-per-episode model fails here, before any weights load
+    steps = solver_steps(run, args.steps)
+    pairs = build_pairs(run, plan)  # cut points and horizons that do not fit fail before any weights load
+    model, saved, label = load_weights(run, source, ema=args.ema)
+    action_stats = checkpoint_stats(run.dataset, saved, label)
+    model.to(run.device)
     out = args.out or _default_out(Path(source), label, args.mode)
-    options = SampleOptions(steps=steps, solver=args.solver,
-                            dtype=cfg.runtime.dtype if device.type == "cuda" else "float32")
-    with cpu_threads(cfg.runtime.cpu_threads, device, model):  # a tiny model: one thread, said so
-        metrics, files = evaluate(model, cfg, dataset, plan, options, device=device, action_stats=action_stats, out=out,
-                                  plots=args.plots, pairs=pairs)
+    options = SampleOptions(steps=steps, solver=args.solver)  # autocast: the run's (bf16 on CUDA only)
+    with cpu_threads(cfg.runtime.cpu_threads, run.device, model):  # a tiny model: one thread, said so
+        metrics, files = evaluate(model, run, plan, options, action_stats=action_stats, out=out, plots=args.plots,
+                                  pairs=pairs)
     print(f"{label}: {metrics['mode']} of {len(metrics['episodes'])} episode(s), {metrics['pairs']} pair(s) x "
           f"{args.samples} sample(s), context >= {args.min_context} latent frames, horizon {metrics['horizon']}, "
           f"{steps} {args.solver} steps" + (", control: each pair from another episode's history"

@@ -3,6 +3,10 @@
 Training and sampling are siblings that never import each other: this command gives the loop both of
 its per-step hooks, the validation loss (``validation.every``) and sampling of held-out episodes
 (``sample.every``). Under ``torchrun`` with several ranks it starts and ends the process group.
+
+The environment is read here and nowhere below: ``LINGBOT_PROFILE`` / ``LINGBOT_PROFILE_WARMUP`` (users' one-off
+override of ``profile.steps`` / ``profile.warmup``) go into ``profile.env_steps`` / ``profile.env_warmup``
+(:func:`profile_env`), so the run folder's saved config says where its profiled steps came from.
 """
 
 from __future__ import annotations
@@ -29,11 +33,49 @@ def hooks() -> tuple[HookFactory, ...]:
     return (make_validator, make_sample_hook)
 
 
+PROFILE_ENV, PROFILE_WARMUP_ENV = "LINGBOT_PROFILE", "LINGBOT_PROFILE_WARMUP"
+
+
+def _env_int(name: str) -> int | None:
+    """Environment variable ``name`` as a non-negative integer, None where unset or empty."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"{name} must be a non-negative integer, got {text!r}")
+    return value
+
+
+def profile_env(cfg: TrainConfig, rank: int = 0) -> TrainConfig:
+    """``cfg`` with ``profile.env_steps`` / ``profile.env_warmup`` as ``LINGBOT_PROFILE`` / ``LINGBOT_PROFILE_WARMUP``
+    say now (None where unset: a restart without them profiles what the config says); the warm-up variable is read
+    only when profiling. Rank 0 says where a variable overrides its key."""
+    from dataclasses import replace
+
+    p = cfg.profile
+    steps = _env_int(PROFILE_ENV)
+    profiling = p.steps if steps is None else steps
+    warmup = _env_int(PROFILE_WARMUP_ENV) if profiling else None
+    if rank == 0:
+        for name, key, value, configured in ((PROFILE_ENV, "profile.steps", steps, p.steps),
+                                             (PROFILE_WARMUP_ENV, "profile.warmup", warmup, p.warmup)):
+            if value is not None and value != configured:
+                print(f"{name}={value} overrides {key} = {configured}", file=sys.stderr, flush=True)
+    if (steps, warmup) == (p.env_steps, p.env_warmup):
+        return cfg
+    return replace(cfg, profile=replace(p, env_steps=steps, env_warmup=warmup))
+
+
 def train(cfg: TrainConfig, **kwargs: Any) -> TrainResult:
-    """:func:`flexpack.training.loop.train` with validation and sampling hooks (what ``flexpack train`` runs)."""
+    """:func:`flexpack.training.loop.train` with validation and sampling hooks (what ``flexpack train`` runs), the
+    profiling variables read into the config (:func:`profile_env`)."""
     from flexpack.training import loop
 
-    return loop.train(cfg, hooks=hooks(), **kwargs)
+    return loop.train(profile_env(cfg, int(os.environ.get("RANK", "0"))), hooks=hooks(), **kwargs)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

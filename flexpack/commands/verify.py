@@ -39,6 +39,7 @@ def trained_config(args: argparse.Namespace) -> tuple[Any, Path | None]:
     ``--set`` that disagrees with it on what was trained is one line
     (:func:`~flexpack.run.state.trained.check_trained`), not a check of another model."""
     from flexpack.errors import UserError
+    from flexpack.run.resolve import model_config_of
     from flexpack.run.state.locate import pick_checkpoint
     from flexpack.run.state.trained import check_trained, run_config
 
@@ -55,7 +56,7 @@ def trained_config(args: argparse.Namespace) -> tuple[Any, Path | None]:
     m = cfg.model
     print(f"verify: config of {source} ({'agreeing with ' + str(args.config) if args.config is not None else 'the run'}"
           f"): model.family {m.family!r}, model.mask {m.mask!r}, chunk {m.chunk_size}, "
-          f"{m.resolved().num_layers} layers, {cfg.data.action_steps} action steps, "
+          f"{model_config_of(cfg).num_layers} layers, {cfg.data.action_steps} action steps, "
           f"teacher forcing {cfg.objective.teacher_forcing}", file=sys.stderr)
     return cfg, found
 
@@ -81,13 +82,16 @@ def run(args: argparse.Namespace) -> int:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         started = True
     try:
-        run = None
         if args.synthetic:
             from flexpack.run.memory_data import synthetic_run
 
             run = synthetic_run(cfg, hw=args.synthetic_hw, text_len=args.synthetic_text)
-        report = verify_config(cfg, micro_batches=args.micro_batches, checkpoint_dir=checkpoint, tol=args.tol,
-                               drop_packing=args.drop_packing, run=run)
+        else:
+            from flexpack.run.compose import compose
+
+            run = compose(cfg, "verify")
+        report = verify_config(run, micro_batches=args.micro_batches, checkpoint_dir=checkpoint, tol=args.tol,
+                               drop_packing=args.drop_packing)
     finally:
         if started:
             dist.destroy_process_group()

@@ -1,38 +1,35 @@
-"""Build what a config describes over ``data.root``: its split and its :class:`~flexpack.run.root.Run`
-(:func:`build_run`: the dataset of one split with its sampler and collate); the model comes from
-:meth:`~flexpack.run.root.Run.build_model` (:mod:`flexpack.run.model`).
-
-Shared by :mod:`flexpack.training.loop`, :mod:`flexpack.tools.verify` and sampling, so all see the
-same micro-batches.
+"""The datasets a config describes over ``data.root`` and its train / held-out split: what
+:func:`flexpack.run.compose.compose` opens for each role (training, validation, sampling), so all see the same
+episodes; the model comes from :meth:`~flexpack.run.root.Run.build_model` (:mod:`flexpack.run.model`).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Sequence
-
-import torch
+from typing import Any, Sequence
 
 from flexpack.data.formats import is_bundle
 from flexpack.models.registry import DataConventions
 from flexpack.run.checks import config_terms
 from flexpack.run.config import TrainConfig
 from flexpack.run.pretrained import check_camera_layout
-from flexpack.run.root import EpisodeDataset, Run, Split, run_for
-
-SPLITS = ("train", "val")
+from flexpack.run.resolve import config_family, model_config_of
+from flexpack.run.root import EpisodeDataset, Split
 
 
 def open_dataset(cfg: TrainConfig, episodes: Sequence[int] | None = None, *,
-                 segments: bool | str | None = None, text_dropout: bool = True) -> EpisodeDataset:
+                 segments: bool | str | None = None, text_dropout: bool = True, model_cfg: Any = None,
+                 family: Any = None) -> EpisodeDataset:
     """The config's ``LatentEpisodeDataset`` over ``episodes`` (dataset episode indices; all by default);
     ``segments`` overrides ``data.segments`` (sampling takes whole episodes). The action width, the
     channels the dataset's action columns fill and the cameras are the model family's data conventions
     (:class:`~flexpack.models.registry.DataConventions`; WanVA: its ``action_channels``, column j ->
-    channel j, ``data.cameras``)."""
+    channel j, ``data.cameras``). ``model_cfg`` / ``family``: the run's (default: resolved here)."""
     from flexpack.data import LatentEpisodeDataset
 
-    d, model_cfg, fam = cfg.data, cfg.model.resolved(), cfg.model.model_family()
+    d = cfg.data
+    model_cfg = model_config_of(cfg) if model_cfg is None else model_cfg
+    fam = config_family(cfg) if family is None else family
     conv = fam.conventions(model_cfg)
     if d.datasets:
         return open_mixture(cfg, conv, episodes, text_dropout=text_dropout)
@@ -216,16 +213,23 @@ def split_of(cfg: TrainConfig) -> Split:
     return Split(train=tuple(train), held_out=tuple(held))
 
 
-def build_run(cfg: TrainConfig, rank: int = 0, world_size: int = 1, *, split: str = "train",
-              device: torch.device | None = None) -> Run:
-    """The :class:`~flexpack.run.root.Run` of ``cfg`` over ``data.root``: the episodes of ``split`` (the
-    training ones, or the held-out ``"val"`` ones: :mod:`flexpack.training.validation`), this rank's
-    sampler and the matching collate, checked to fit the model; on ``device`` (default
-    ``runtime.device``)."""
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    parts = split_of(cfg)
-    episodes = parts.held_out if split == "val" else parts.train
-    with config_terms(cfg):
-        ds = open_dataset(cfg, episodes, text_dropout=split == "train")
-    return run_for(ds, cfg, rank=rank, world_size=world_size, device=device, split=parts)
+def sample_dataset(cfg: TrainConfig, episodes: Sequence[int] | None = None, *,
+                   held_out: Sequence[int] | None = None, **run: Any) -> EpisodeDataset:
+    """The config's dataset with whole episodes (no task segments, no text dropout), as sampling takes them:
+    ``episodes`` (dataset episode indices, each checked to exist), ``held_out`` (the split's held-out ones: ``sample
+    --val``, the sampling hook), or all."""
+    d = cfg.data
+    if not d.root and not d.datasets:
+        raise ValueError("data.root is empty: set it to a LeRobot dataset folder with a latent cache")
+    if held_out is not None:
+        if not (d.val_fraction or d.val_episodes):
+            raise ValueError("--val needs held-out episodes: the config sets neither data.val_fraction nor "
+                             "data.val_episodes (pass --episodes instead)")
+        episodes = held_out
+    elif episodes is not None:
+        known = episodes_of(cfg)
+        bad = sorted(set(episodes) - set(known))
+        if bad:
+            raise ValueError(f"episodes {bad} are not in {d.root} (it has {len(known)} episodes: "
+                             f"{known[0]}..{known[-1]})")
+    return open_dataset(cfg, episodes, segments=False, text_dropout=False, **run)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from flexpack.errors import UserError
 from flexpack.run.config_parse import check_device_string, check_finite
+from flexpack.run.resolve import model_config_of
 
 if TYPE_CHECKING:
     import torch
@@ -91,8 +92,9 @@ def positive_int(text: str) -> int:
     return value
 
 
-def preflight(cfg: TrainConfig, stop_after: int | None = None) -> torch.device:
-    """Everything about ``cfg`` that can fail without data or a model; returns the device."""
+def preflight(cfg: TrainConfig, stop_after: int | None = None, model_cfg: Any = None) -> torch.device:
+    """Everything about ``cfg`` that can fail without data or a model; returns the device. ``model_cfg``: its
+    resolved model config (default: resolved here)."""
     # 0 is a library use (build, load, take no step: tests and tools); the CLI asks for >= 1
     if stop_after is not None and (isinstance(stop_after, bool) or not isinstance(stop_after, int) or stop_after < 0):
         raise UserError(f"--stop-after must be an integer >= 1, got {stop_after!r}")
@@ -100,10 +102,11 @@ def preflight(cfg: TrainConfig, stop_after: int | None = None) -> torch.device:
 
     check_finite(cfg)
     device = resolve_device(cfg.runtime.device)
-    check_memory_ceiling(cfg, device)
+    model_cfg = model_config_of(cfg) if model_cfg is None else model_cfg
+    check_memory_ceiling(cfg, device, model_cfg)
     from flexpack.run.cpu_memory import check_cpu_memory
 
-    check_cpu_memory(cfg, device, world()[1])  # a CPU step that cannot fit: refused now, not OOM-killed later
+    check_cpu_memory(cfg, device, world()[1], model_cfg)  # a CPU step that cannot fit: refused now, not OOM-killed
     if world()[0] == 0:  # only rank 0 writes into the run folder (and one prober avoids mkdir/rmdir races)
         check_out_dir(cfg.runtime.out_dir)  # whose folder it is: runfolder.claim, next in train
     return device
@@ -118,13 +121,13 @@ def device_memory(device: torch.device) -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-def check_memory_ceiling(cfg: TrainConfig, device: torch.device) -> None:
+def check_memory_ceiling(cfg: TrainConfig, device: torch.device, model_cfg: Any = None) -> None:
     """Pack mode: refuse a ``data.max_tokens`` that cannot fit, before any data or model work. The
     bound is deliberately loose: one hidden state (``dim`` values per token, in the run's dtype) of
     one micro-batch, a small part of what a step keeps, must fit the device's total memory."""
     if cfg.data.mode != "pack":
         return
-    dim = cfg.model.resolved().dim
+    dim = (model_config_of(cfg) if model_cfg is None else model_cfg).dim
     per_value = 2 if cfg.runtime.dtype == "bfloat16" else 4
     need, have = cfg.data.max_tokens * dim * per_value, device_memory(device)
     if need > have:

@@ -12,21 +12,19 @@ place: a run folder's saved config quietly, a TOML file or ``--set`` with a note
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import math
 import os
 import re
 import tomllib
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 from flexpack.atomic import atomic_path
 from flexpack.flow.objective import FlowMatchingConfig
-from flexpack.run.config_parse import apply_overrides, check_finite, check_type, from_dict
+from flexpack.run.config_parse import apply_overrides, check_finite, from_dict
 from flexpack.run.config_renamed import RENAMED, upgrade, upgrade_overrides
 from flexpack.run.config_sections import (
     LogConfig,
@@ -168,7 +166,8 @@ class ModelConfig:
     apply to each: the entry maps, converts or refuses them). ``pretrained``: a checkpoint of that family
     to start from (WanVA: a diffusers ``WanTransformer3DModel`` folder or ``.safetensors`` file; each
     family reads its own layout); its config.json gives the shape, the preset and overrides the rest
-    (:mod:`flexpack.run.pretrained`).
+    (:mod:`flexpack.run.pretrained`). The section is plain data: the family's config it resolves to is made by
+    :func:`flexpack.run.resolve.model_config_of`, once per run (``Run.model_config``), never while it is built.
     """
 
     family: str = "wanva"  # model family: an entry of flexpack.models.registry (families() lists them)
@@ -182,106 +181,17 @@ class ModelConfig:
     mask: str = ""
     chunk_size: int | None = None  # latent frames per chunk of the chunk_causal / teacher_forcing masks (wanva)
 
+    # the shape fields trained weights record (field -> value), over the preset where model.overrides does not set them;
+    # flexpack sample sets it from the checkpoint it samples (model.pretrained then unread); {} = none
+    recorded: dict[str, Any] = field(default_factory=dict)
+    recorded_from: str = ""  # the file model.recorded was read from (named by its errors)
+
     def __post_init__(self) -> None:
         if "activation_checkpointing" in self.overrides:  # one setting, applied from outside the model
             raise ValueError("model.overrides.activation_checkpointing = "
                              f"{self.overrides['activation_checkpointing']!r} "
                              "is not a model setting: set parallel.activation_checkpointing instead (true, a block "
                              "count or 'selective')")
-        # resolved once, here: unknown preset or override fields raise at load time, and with
-        # model.pretrained its config.json is read once per config, not once per caller
-        object.__setattr__(self, "_base", self._resolve())
-        object.__setattr__(self, "_resolved", self._base)
-        fam = self.model_family()
-        if not self.mask:  # the family's default mask, written into the config (and its saved copy)
-            object.__setattr__(self, "mask", fam.masks[0])
-        if self.mask not in fam.masks:
-            raise ValueError(f"model.mask must be one of {fam.masks} for model.family = "
-                             f"{self.family!r}, got {self.mask!r}")
-        from flexpack.attention.masks import mask_kind  # the mask table: what each mask takes
-
-        chunked = mask_kind(self.mask).chunked
-        if chunked and (self.chunk_size is None or self.chunk_size <= 0):
-            raise ValueError(f"model.mask={self.mask!r} needs a positive model.chunk_size, got {self.chunk_size!r}")
-        if not chunked and self.chunk_size is not None:
-            if not fam.chunk_masks:
-                raise ValueError(f"model.chunk_size={self.chunk_size!r} does not apply to model.family = "
-                                 f"{self.family!r} (its chunk size is drawn per episode, see "
-                                 "model.overrides.chunk_range); drop model.chunk_size")
-            raise ValueError(f"model.chunk_size={self.chunk_size!r} has no effect with model.mask={self.mask!r}; "
-                             f"set model.mask to {' or '.join(repr(m) for m in fam.chunk_masks)}, or drop chunk_size")
-
-    def model_family(self) -> Any:
-        """The :class:`~flexpack.models.registry.ModelFamily` of ``model.family``."""
-        from flexpack.models.registry import family
-
-        return family(self.family)
-
-    def resolved(self) -> Any:
-        """The family's resolved model config (made once, at construction; a run holds it:
-        :mod:`flexpack.run.root`)."""
-        return self._resolved
-
-    def pinned(self, recorded: Mapping[str, Any], where: str) -> "ModelConfig":
-        """This model config of the shape trained weights record (``recorded``: field -> value, read from
-        ``where``) instead of ``model.pretrained``'s, which is cleared (the weights come from the checkpoint):
-        the record's shape fields and the family's checkpoint defaults it holds replace the preset's where
-        ``model.overrides`` does not set them, as model.pretrained's config.json does. A ``dataclasses.replace``
-        of the result resolves from the preset again."""
-        fam = self.model_family()
-        given, keep = fam.fields(self.overrides), (*fam.shape_fields, *fam.checkpoint_defaults)
-        out = copy.copy(self)
-        object.__setattr__(out, "pretrained", "")
-        base = out._resolve({k: v for k, v in recorded.items() if k in keep and k not in given}, where)
-        object.__setattr__(out, "_base", base)
-        object.__setattr__(out, "_resolved", base)
-        return out
-
-    def with_objective(self, objective: Any) -> "ModelConfig":
-        """This model config with the objective section applied to its resolved config where the family
-        says so (:attr:`~flexpack.models.registry.ModelFamily.apply_objective`); from the resolved config
-        before any objective, so applying another objective later gives that objective's config."""
-        fam = self.model_family()
-        if fam.apply_objective is None:
-            return self
-        out = copy.copy(self)
-        overridden = frozenset(fam.fields(self.overrides))
-        object.__setattr__(out, "_resolved", fam.apply_objective(self._base, objective, overridden))
-        return out
-
-    def _resolve(self, recorded: Mapping[str, Any] | None = None, where: str = "") -> Any:
-        """The preset with ``recorded`` (field -> value: :meth:`pinned`'s), then the overrides, then
-        ``model.pretrained``'s shape."""
-        fam = self.model_family()
-        known = fam.field_names()
-        unknown = sorted(set(self.overrides) - known)
-        if unknown:
-            raise ValueError(f"model.overrides has unknown {fam.config_class.__name__} fields {unknown} "
-                             f"(known: {sorted(known)})")
-        hints = typing.get_type_hints(fam.config_class)
-        kw = {k: check_type(v, hints[k], f"{where}: {k}") for k, v in (recorded or {}).items()}
-        kw.update({k: check_type(v, fam.override_type(k, hints), f"model.overrides.{k}")
-                   for k, v in self.overrides.items()})
-        prefix = f"{fam.config_class.__name__}."
-        try:
-            wc = fam.config(self.preset, **kw)
-        except (ValueError, TypeError) as exc:  # named as the config writes them
-            text = str(exc).replace(prefix, "model.overrides.")
-            raise ValueError(f"model.preset = {self.preset!r}: {text}" if "preset" in text else text) from None
-        if self.pretrained:
-            from flexpack.run.pretrained import pretrained_config
-
-            try:
-                wc = pretrained_config(self.pretrained, wc, fam.fields(kw), fam)
-            except (ValueError, TypeError) as exc:  # named after the key, so a --set of it is blamed
-                text = str(exc).replace(prefix, "model.overrides.")
-                named = "model.pretrained" in text or "model.overrides" in text
-                raise ValueError(text if named else f"model.pretrained = {self.pretrained!r}: {text}") from None
-        from flexpack.attention.flex import BACKENDS
-
-        if wc.attn_backend not in BACKENDS:  # else only met when the model is built, after the data
-            raise ValueError(f"model.overrides.attn_backend must be one of {BACKENDS}, got {wc.attn_backend!r}")
-        return wc
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -384,25 +294,8 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_finite(self)  # every float of every section, model.overrides included
-        # the objective section as the model family reads it (some families map its keys onto their fields)
-        object.__setattr__(self, "model", self.model.with_objective(self.objective))
-        fam = self.model.model_family()
-        if self.sample.every and not fam.samples:
-            raise ValueError(f"sample.every={self.sample.every}: model.family = {self.model.family!r} "
-                             "has no sampler yet; set sample.every = 0")
-        from flexpack.attention.masks import mask_kind  # the mask table: which masks see the clean copy
-
-        tf_mask = mask_kind(self.model.mask).teacher_forcing
-        if self.objective.teacher_forcing and not tf_mask:
-            takers = " or ".join(repr(m) for m in fam.masks if mask_kind(m).teacher_forcing) or "a teacher-forcing mask"
-            raise ValueError(f"objective.teacher_forcing needs model.mask = {takers}, got {self.model.mask!r}")
-        if tf_mask and not self.objective.teacher_forcing:
-            # without the clean copy every token is noisy: attention would shrink to the own chunk
-            raise ValueError(f"model.mask = {self.model.mask!r} needs objective.teacher_forcing = true "
-                             "(the clean copy)")
-        if self.objective.latent_weight == 0 and not self.model.resolved().action_channels:
-            raise ValueError("objective.latent_weight = 0 on a model without actions (action_channels = 0): "
-                             "the loss would be 0; set objective.latent_weight > 0")
+        # what needs the registry or the mask table (family, masks, chunk sizes, LoRA targets) is checked by
+        # flexpack.run.resolve.check: load_config and compose call it
         if self.validation.every and not (self.data.val_fraction or self.data.val_episodes):
             raise ValueError(f"validation.every={self.validation.every} needs held-out episodes: "
                              "set data.val_fraction or data.val_episodes")
@@ -419,8 +312,8 @@ class TrainConfig:
             self._check_lora()
 
     def _check_lora(self) -> None:
-        """The ``[lora]`` section against the rest: the dtypes the model computes in, EMA, and its targets
-        against the modules the model has (built on the meta device: no weights are made)."""
+        """The ``[lora]`` section against the rest: the dtypes the model computes in and EMA (its targets against the
+        model's modules: :func:`flexpack.run.resolve.check`)."""
         if self.lora.base_dtype == "bfloat16" and self.runtime.dtype != "bfloat16":
             raise ValueError("lora.base_dtype = 'bfloat16' needs runtime.dtype = 'bfloat16' (the model then computes "
                              f"in bf16), got runtime.dtype = {self.runtime.dtype!r}; set runtime.dtype = 'bfloat16' or "
@@ -428,21 +321,9 @@ class TrainConfig:
         if self.optim.ema_decay:
             raise ValueError(f"optim.ema_decay = {self.optim.ema_decay} with lora.rank = {self.lora.rank}: an EMA of "
                              "the LoRA weights is not supported; set optim.ema_decay = 0")
-        from flexpack.run.lora import check_targets
-
-        check_targets(self)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-    def lora_record(self) -> dict[str, Any] | None:
-        """The LoRA options as a checkpoint records them (``extra.lora``; the targets resolved: the family's
-        default where ``lora.targets`` is empty), None without LoRA."""
-        if not self.lora.rank:
-            return None
-        record = dataclasses.asdict(self.lora)
-        record["targets"] = list(self.lora.targets or self.model.model_family().lora_targets)
-        return record
 
 
 # ---------------------------------------------------------------------------- loading
@@ -465,13 +346,16 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> TrainConfig:
-    """The defaults, updated by the file at ``path`` (TOML/JSON) and then by ``overrides``."""
+    """The defaults, updated by the file at ``path`` (TOML/JSON) and then by ``overrides``, checked where the
+    registry and the mask table decide (:func:`flexpack.run.resolve.check`: ``model.mask`` defaulted)."""
     data = read_config_file(path) if path is not None else {}
     try:
         # a JSON config is what flexpack writes (a run's config.json): its older keys move without a note
         data = upgrade(data, notes=path is not None and Path(path).suffix != ".json")
         renamed = upgrade_overrides(overrides)
-        return from_dict(TrainConfig, apply_overrides(data, renamed))
+        from flexpack.run.resolve import checked  # the registry and the mask table: the family's masks, ...
+
+        return checked(from_dict(TrainConfig, apply_overrides(data, renamed)))
     except (ValueError, TypeError) as exc:
         raise ValueError(f"{_source(exc, path, overrides)}: {exc}") from None
 

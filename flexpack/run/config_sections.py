@@ -103,11 +103,24 @@ class ProfileConfig:
     steps: int = 0  # steps profiled by torch.profiler into RUN/profile/; 0 = off; LINGBOT_PROFILE wins if set
     warmup: int = 2  # steps run before the profiled ones (compilation); LINGBOT_PROFILE_WARMUP wins if set
     peak_tflops: float | None = None  # bf16 peak for `mfu` (metrics.jsonl, profile); None: measured at start (CUDA)
+    # set by `flexpack train` at each start (not by hand): LINGBOT_PROFILE as read then, null = unset; wins over steps
+    env_steps: int | None = None
+    # set by `flexpack train` likewise: LINGBOT_PROFILE_WARMUP (read only when profiling); wins over warmup
+    env_warmup: int | None = None
 
     def __post_init__(self) -> None:
         _at_least_zero("profile", steps=self.steps, warmup=self.warmup)
+        _at_least_zero("profile", **{k: v for k, v in (("env_steps", self.env_steps),
+                                                       ("env_warmup", self.env_warmup)) if v is not None})
         if self.peak_tflops is not None and not (self.peak_tflops > 0 and math.isfinite(self.peak_tflops)):
             raise ValueError(f"profile.peak_tflops must be a positive number, got {self.peak_tflops!r}")
+
+    def window(self) -> tuple[int, int, str]:
+        """(profiled steps, warm-up steps, where the steps came from): the variables ``flexpack train`` read
+        (``env_steps`` / ``env_warmup``) win over ``steps`` / ``warmup``; no warm-up when nothing is profiled."""
+        steps = self.steps if self.env_steps is None else self.env_steps
+        warmup = self.warmup if self.env_warmup is None else self.env_warmup
+        return steps, warmup if steps else 0, "profile.steps" if self.env_steps is None else "LINGBOT_PROFILE"
 
 
 @dataclass(frozen=True, kw_only=True)

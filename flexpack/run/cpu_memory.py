@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from flexpack.errors import UserError
+from flexpack.run.resolve import config_family, model_config_of
 
 if TYPE_CHECKING:
     import torch
@@ -79,22 +80,23 @@ def kept_layers(layers: int, checkpointing: bool | int | str) -> int:
     return max(1, layers - min(int(checkpointing), layers) + 1)
 
 
-def parameter_counts(cfg: TrainConfig) -> tuple[int, int]:
+def parameter_counts(cfg: TrainConfig, model_cfg: Any = None) -> tuple[int, int]:
     """(trainable, frozen) parameters of the config's model, built on the meta device (no memory, no weights)."""
     import torch
 
     with torch.device("meta"):
-        model = cfg.model.model_family().build(cfg.model.resolved())
+        model = config_family(cfg).build(model_config_of(cfg) if model_cfg is None else model_cfg)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return trainable, sum(p.numel() for p in model.parameters()) - trainable
 
 
-def cpu_need(cfg: TrainConfig, max_tokens: int, params: tuple[int, int], world_size: int = 1) -> CpuNeed:
+def cpu_need(cfg: TrainConfig, max_tokens: int, params: tuple[int, int], world_size: int = 1,
+             model_cfg: Any = None) -> CpuNeed:
     """The lower bound of one training step on the CPU with ``max_tokens`` per pack (the module docstring);
     ``params``: (trainable, frozen) parameters."""
-    m = cfg.model.resolved()
+    m = model_config_of(cfg) if model_cfg is None else model_cfg
     per_value = 2 if cfg.runtime.dtype == "bfloat16" else 4
-    tokens = max_tokens * cfg.model.model_family().copies_of(cfg.objective.teacher_forcing)
+    tokens = max_tokens * config_family(cfg).copies_of(cfg.objective.teacher_forcing)
     kept = kept_layers(m.num_layers, cfg.parallel.activation_checkpointing)
     attention = tokens * tokens * (1 + kept * per_value) if m.attn_backend in DENSE else 0
     activations = kept * tokens * (4 * m.dim + 2 * m.ffn_dim) * per_value
@@ -103,12 +105,13 @@ def cpu_need(cfg: TrainConfig, max_tokens: int, params: tuple[int, int], world_s
     return CpuNeed(attention=attention * world_size, activations=activations * world_size, weights=weights)
 
 
-def largest_fitting(cfg: TrainConfig, params: tuple[int, int], have: int, world_size: int = 1) -> int:
+def largest_fitting(cfg: TrainConfig, params: tuple[int, int], have: int, world_size: int = 1,
+                    model_cfg: Any = None) -> int:
     """The largest ``data.max_tokens`` whose step fits ``have`` bytes (0: none, the weights alone do not)."""
     lo, hi = 0, cfg.data.max_tokens
     while lo < hi:  # need() grows with max_tokens
         mid = (lo + hi + 1) // 2
-        if cpu_need(cfg, mid, params, world_size).total <= have:
+        if cpu_need(cfg, mid, params, world_size, model_cfg).total <= have:
             lo = mid
         else:
             hi = mid - 1
@@ -119,17 +122,18 @@ def _count(n: int) -> str:
     return f"{n / 1e9:,.2f}B" if n >= 1e9 else f"{n / 1e6:,.2f}M"
 
 
-def check_cpu_memory(cfg: TrainConfig, device: torch.device, world_size: int = 1) -> None:
+def check_cpu_memory(cfg: TrainConfig, device: torch.device, world_size: int = 1, model_cfg: Any = None) -> None:
     """Refuse, in one line with the figure and the largest ``data.max_tokens`` that fits, a CPU training run in
     pack mode whose step cannot fit the memory available (the module docstring)."""
     if device.type != "cpu" or cfg.data.mode != "pack":
         return
-    params = parameter_counts(cfg)
-    need, (have, source) = cpu_need(cfg, cfg.data.max_tokens, params, world_size), available_memory()
+    model_cfg = model_config_of(cfg) if model_cfg is None else model_cfg
+    params = parameter_counts(cfg, model_cfg)
+    need, (have, source) = cpu_need(cfg, cfg.data.max_tokens, params, world_size, model_cfg), available_memory()
     if need.total <= have:
         return
-    m, per_value = cfg.model.resolved(), 2 if cfg.runtime.dtype == "bfloat16" else 4
-    copies = cfg.model.model_family().copies_of(cfg.objective.teacher_forcing)
+    m, per_value = model_cfg, 2 if cfg.runtime.dtype == "bfloat16" else 4
+    copies = config_family(cfg).copies_of(cfg.objective.teacher_forcing)
     tokens = cfg.data.max_tokens * copies
     kept = kept_layers(m.num_layers, cfg.parallel.activation_checkpointing)
     parts = []
@@ -139,7 +143,7 @@ def check_cpu_memory(cfg: TrainConfig, device: torch.device, world_size: int = 1
     parts.append(f"activations {need.activations / GiB:,.1f} GiB")
     parts.append(f"weights, gradients and AdamW moments {need.weights / GiB:,.1f} GiB "
                  f"({_count(sum(params))} parameters)")
-    fits = largest_fitting(cfg, params, have, world_size)
+    fits = largest_fitting(cfg, params, have, world_size, model_cfg)
     if fits == 0:
         advice = "no data.max_tokens fits (the weights alone do not): use a GPU (runtime.device) or a smaller model"
     else:

@@ -14,7 +14,7 @@ single-process one).
 
 Checkpoints hold the whole model state (base and adapters, under peft's names: ``...q.base_layer.weight``,
 ``...q.lora_A.default.weight``) and the optimizer state of the adapters; ``train_state.json``'s ``extra.lora``
-records the options (:meth:`~flexpack.run.config.TrainConfig.lora_record`) and a resume with others is refused.
+records the options (:func:`lora_record`) and a resume with others is refused.
 A command that reads a LoRA checkpoint builds the structure its record gives
 (:func:`flexpack.run.state.trained.saved_lora`, then :func:`apply` with ``cast=False``), loads it and merges the
 adapters into the base weights (:func:`merge`): exports and ``flexpack sample`` see a plain model with the names of a
@@ -47,9 +47,16 @@ def _peft() -> Any:
     return peft
 
 
-def targets(cfg: Any) -> tuple[str, ...]:
+def _family(cfg: Any, family: Any) -> Any:
+    """``family`` (a run's), else the registry entry of ``model.family``."""
+    from flexpack.models.registry import family as registered
+
+    return registered(cfg.model.family) if family is None else family
+
+
+def targets(cfg: Any, family: Any = None) -> tuple[str, ...]:
     """``lora.targets``, or the family's default (its registry entry's ``lora_targets``)."""
-    return tuple(cfg.lora.targets) or tuple(cfg.model.model_family().lora_targets)
+    return tuple(cfg.lora.targets) or tuple(_family(cfg, family).lora_targets)
 
 
 def matches(name: str, pattern: str) -> bool:
@@ -60,8 +67,8 @@ def matches(name: str, pattern: str) -> bool:
 
 def peft_config(cfg: Any, record: dict[str, Any] | None = None) -> Any:
     """The ``peft.LoraConfig`` of ``[lora]`` (its targets resolved), or of a checkpoint's ``record``
-    (``extra.lora``: :meth:`~flexpack.run.config.TrainConfig.lora_record`)."""
-    record = cfg.lora_record() if record is None else record
+    (``extra.lora``: :func:`lora_record`)."""
+    record = lora_record(cfg) if record is None else record
     if record is None:
         raise ValueError("no LoRA options: lora.rank is 0")
     return _peft().LoraConfig(r=record["rank"], lora_alpha=record["alpha"], lora_dropout=record["dropout"],
@@ -69,16 +76,29 @@ def peft_config(cfg: Any, record: dict[str, Any] | None = None) -> Any:
                               base_model_name_or_path=cfg.model.pretrained or None)
 
 
-def check_targets(cfg: Any) -> None:
+def lora_record(cfg: Any, family: Any = None) -> dict[str, Any] | None:
+    """The LoRA options as a checkpoint records them (``extra.lora``; the targets resolved: the family's default
+    where ``lora.targets`` is empty), None without LoRA. ``family``: the run's (default: ``model.family``'s)."""
+    import dataclasses
+
+    if not cfg.lora.rank:
+        return None
+    record = dataclasses.asdict(cfg.lora)
+    record["targets"] = list(targets(cfg, family))
+    return record
+
+
+def check_targets(cfg: Any, model_cfg: Any, fam: Any = None) -> None:
     """Every pattern of the LoRA targets names at least one module of the model and only linear layers; else one
-    line with the patterns and a few module names that exist. The model is built on the meta device (no weights)."""
-    found = targets(cfg)
-    fam = cfg.model.model_family()
+    line with the patterns and a few module names that exist. The model (``model_cfg``, the resolved model config,
+    of family ``fam``) is built on the meta device (no weights)."""
+    fam = _family(cfg, fam)
+    found = targets(cfg, fam)
     if not found:
         raise ValueError(f"lora.targets is empty and model.family = {fam.name!r} has no default LoRA targets; "
                          "set lora.targets")
     with torch.device("meta"):
-        model = fam.build(cfg.model.resolved())
+        model = fam.build(model_cfg)
     modules = dict(model.named_modules())
     linear = [n for n, m in modules.items() if isinstance(m, nn.Linear)]
     none = [p for p in found if not any(matches(n, p) for n in modules)]

@@ -13,8 +13,10 @@ from pathlib import Path
 
 import torch
 
+from flexpack.run.compose import compose
 from flexpack.run.config import TrainConfig
-from flexpack.run.root import Run, geometry_for, run_for
+from flexpack.run.resolve import check
+from flexpack.run.root import Run, geometry_for
 
 REFERENCE_FRAMES = Path(__file__).resolve().parents[2] / "data" / "episode_frames_ref.txt"
 
@@ -66,8 +68,9 @@ def synthetic_run(cfg: TrainConfig, *, hw: tuple[int, int] | None = None, text_l
     """The config's :class:`~flexpack.run.root.Run` over :class:`RandomEpisodes` shaped for its model.
 
     ``hw``: latent height and width (default: one patch, one video token per frame); must be a
-    multiple of the model's patch. Pack and pad mode as :func:`flexpack.run.build.build_run`."""
-    d, model_cfg = cfg.data, cfg.model.resolved()
+    multiple of the model's patch. Pack and pad mode as :func:`flexpack.run.compose.build_run`."""
+    cfg, model_cfg = check(cfg)  # resolved once: the run below takes it
+    d = cfg.data
     _, ph, pw = model_cfg.patch_size
     hw = (ph, pw) if hw is None else tuple(hw)
     if len(hw) != 2 or min(hw) <= 0 or hw[0] % ph or hw[1] % pw:
@@ -85,4 +88,5 @@ def synthetic_run(cfg: TrainConfig, *, hw: tuple[int, int] | None = None, text_l
         lengths = [rng.randint(1, 24) for _ in range(8 * d.batch_size)]
     dataset = RandomEpisodes(lengths, channels=model_cfg.in_channels, hw=hw, action_channels=model_cfg.action_channels,
                              action_steps=d.action_steps, text_len=text_len, text_dim=model_cfg.text_dim)
-    return run_for(dataset, cfg, rank=rank, world_size=world_size, device=device)
+    return compose(cfg, "train", dataset=dataset, rank=rank, world_size=world_size, device=device,
+                   checked=(cfg, model_cfg))

@@ -13,6 +13,7 @@ from torch import nn
 from flexpack.models.registry import ModelFamily
 from flexpack.parallel.parallelize import world
 from flexpack.run.config import TrainConfig
+from flexpack.run.resolve import config_family, model_config_of
 
 
 def build_model(cfg: TrainConfig, model: Any = None, family: ModelFamily | None = None) -> nn.Module:
@@ -22,8 +23,8 @@ def build_model(cfg: TrainConfig, model: Any = None, family: ModelFamily | None 
     the whole sequence.)"""
     from flexpack.run.pretrained import load_single
 
-    model = cfg.model.resolved() if model is None else model
-    family = cfg.model.model_family() if family is None else family
+    model = model_config_of(cfg) if model is None else model
+    family = config_family(cfg) if family is None else family
     torch.manual_seed(cfg.runtime.seed)  # every rank starts from the same weights
     if not cfg.model.pretrained:
         return family.build(model)
@@ -40,8 +41,8 @@ def materialize(module: nn.Module, cfg: TrainConfig, device: torch.device, model
     from flexpack.run.pretrained import is_meta, load_pretrained
 
     if is_meta(module):
-        model = cfg.model.resolved() if model is None else model
-        family = cfg.model.model_family() if family is None else family
+        model = model_config_of(cfg) if model is None else model
+        family = config_family(cfg) if family is None else family
         load_pretrained(module, cfg.model.pretrained, model, family, device=device, seed=cfg.runtime.seed)
         if cfg.lora.rank:  # the adapters of a sharded LoRA model, drawn as a single process draws them
             from flexpack.run.lora import init_adapters

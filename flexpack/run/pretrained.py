@@ -35,7 +35,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from flexpack.models.registry import ModelFamily, ModelShape
+from flexpack.models.registry import ModelFamily, ModelShape, family
 from flexpack.parallel.parallelize import plain_name
 from flexpack.run.state.finite import first_nonfinite, nonfinite
 
@@ -125,7 +125,7 @@ def field_source(model: Any, name: str) -> str:
     """Where the resolved model config's field ``name`` got its value, as a user finds it: the override that set
     it (``model.overrides.KEY``, an alias included), ``model.pretrained``'s config.json (a shape field, or a
     training field the checkpoint records), else the preset. ``model``: a :class:`~flexpack.run.config.ModelConfig`."""
-    fam = model.model_family()
+    fam = family(model.family)
     for key in model.overrides:
         alias = fam.aliases.get(key, key)
         if (alias if isinstance(alias, str) else alias.field) == name:

@@ -1,19 +1,19 @@
-"""The composition root: one frozen, typed :class:`Run` of what a config trains on, made once.
+"""The typed :class:`Run`: one frozen record of what a config trains on and where, made once by
+:func:`flexpack.run.compose.compose` (the only code that turns a config's names into objects), and its parts.
 
-:func:`run_for` (over a dataset) and :func:`flexpack.run.build.build_run` (over ``data.root``) resolve,
-from a :class:`~flexpack.run.config.TrainConfig`:
+A run holds:
 
-- the model family (:mod:`flexpack.models.registry`) and its resolved model config (``model.pretrained``'s
-  ``config.json`` read once, when the config is loaded);
+- the config (checked, defaults filled in), the model family (:mod:`flexpack.models.registry`) and its resolved
+  model config (``model.pretrained``'s ``config.json`` read once, by compose);
 - the :class:`~flexpack.packing.geometry.TokenGeometry`: video and action tokens of a latent frame,
   copies (the family's: 2 under teacher forcing, or always 2) and the pack's frame budget;
 - the :class:`~flexpack.flow.objectives.Objective` the family trains with (its sample, loss and counts);
-- where it runs: the device, this rank and the world size, the bf16 autocast rule, and the
+- where it runs: the device, this rank and the world size, the bf16 autocast rule (:meth:`Run.autocast`), and the
   :class:`~flexpack.parallel.parallelize.ParallelOptions` the model is wrapped with (:meth:`Run.build_model`);
 - the :class:`ForwardOptions` of every model call (mask, chunk size, text slots);
-- the train / held-out :class:`Split`, and the :class:`Data` of one split: the dataset, the sampler of
+- the train / held-out :class:`Split`, and the :class:`Data` of its role: the dataset, the sampler of
   ``data.mode`` and the collate matching it (:class:`ModelCollate`: the items as the family's data
-  conventions want them).
+  conventions want them), and the run's latent grid where its items' grids differ.
 
 The train loop, one step, validation, ``verify``, sampling, the step meter, the profiler and the
 benchmarks take these from the run instead of deriving them again. The dataset is a LeRobot-backed
@@ -30,12 +30,13 @@ from typing import Any, ContextManager, Iterator, Protocol, Sequence
 import torch
 from torch import nn
 
-from flexpack.flow.objectives import Objective, objective_for
+from flexpack.flow.objectives import Objective
 from flexpack.models.registry import DataConventions, ModelFamily, ModelShape
 from flexpack.packing.collate import Batch, PackCollate, PadCollate
 from flexpack.packing.geometry import TokenGeometry
 from flexpack.parallel.parallelize import ParallelOptions
 from flexpack.run.config import TrainConfig
+from flexpack.run.resolve import config_family
 
 ACTION_KEYS = ("action", "action_mask")
 
@@ -153,19 +154,25 @@ class Data:
 
 @dataclass(frozen=True, kw_only=True)
 class Run:
-    """What a run trains on and where, resolved once (see the module docstring)."""
+    """What a run trains on and where, resolved once by :func:`flexpack.run.compose.compose` (see the module
+    docstring). ``geometry`` and ``data`` are None for an ``"export"`` run (no data), ``data`` for a ``"sample"`` run
+    of pairs made in memory."""
 
     config: TrainConfig
     family: ModelFamily
     model_config: ModelShape  # the family's resolved model config (WanVAConfig for "wanva")
     objective: Objective  # the family's objective (flexpack.flow.objectives)
-    geometry: TokenGeometry
+    geometry: TokenGeometry | None
     device: torch.device
     rank: int = 0
     world_size: int = 1
     forward: ForwardOptions
     split: Split
-    data: Data
+    data: Data | None
+    grid: tuple[int, int] | None = None  # the run's latent grid where its items' grids differ (run_grid)
+    # bf16 autocast of the model calls (compose's rule, flexpack.run.compose.autocast_dtype); None: none
+    autocast_dtype: torch.dtype | None = None
+    role: str = "train"  # what it was composed for (flexpack.run.compose.ROLES)
 
     # -------------------------------------------------------------- what callers read most
     @property
@@ -192,13 +199,7 @@ class Run:
     def parallel(self) -> ParallelOptions:
         """How the model is wrapped on this run's device (:func:`parallel_options`: the memory-budget rule
         is checked where a model is built, not where a run only reads data)."""
-        return parallel_options(self.config, self.device)
-
-    @property
-    def autocast_dtype(self) -> torch.dtype | None:
-        """bf16 autocast of the model calls (``runtime.dtype = "bfloat16"`` on one rank); under FSDP2
-        its mixed-precision policy casts the parameters instead."""
-        return torch.bfloat16 if self.config.runtime.dtype == "bfloat16" and self.world_size == 1 else None
+        return parallel_options(self.config, self.device, self.family)
 
     def autocast(self) -> ContextManager[Any]:
         """The model calls' autocast context (:attr:`autocast_dtype`)."""
@@ -210,7 +211,7 @@ class Run:
                  world_size: int | None = None) -> tuple[BatchSampler, ModelCollate]:
         """(sampler, collate) of ``data.mode`` over episode ``lengths`` with this run's geometry."""
         sampler, collate = batching(self.config, lengths, self.geometry, self.rank if rank is None else rank,
-                                    self.world_size if world_size is None else world_size)
+                                    self.world_size if world_size is None else world_size, grid=self.grid)
         return sampler, model_collate(collate, self.model_config, self.family)
 
     def with_dataset(self, dataset: EpisodeDataset) -> "Run":
@@ -218,24 +219,28 @@ class Run:
         geometry, model and options."""
         check_fits_model(dataset, self.model_config, self.config)
         sampler, collate = batching(self.config, dataset.lengths(), self.geometry, self.rank, self.world_size,
-                                    mixture=getattr(dataset, "mixture_weights", None))
+                                    mixture=getattr(dataset, "mixture_weights", None), grid=self.grid)
         collate = model_collate(collate, self.model_config, self.family)
         return replace(self, data=Data(dataset=dataset, sampler=sampler, collate=collate))
 
     def build_model(self) -> nn.Module:
-        """The model as training runs it: built (random init, or ``model.pretrained``), LoRA adapters injected
+        """The model as training runs it (the start-up train and verify share): float8's token multiple checked,
+        built (random init, or ``model.pretrained``), LoRA adapters injected
         where ``lora.rank`` > 0 (:mod:`flexpack.run.lora`: the base frozen), parallelized (float8 → compile →
         activation checkpointing → FSDP2 under several ranks) and materialized (a sharded pretrained model loads
         its shards after ``fully_shard``)."""
+        from flexpack.parallel import float8
         from flexpack.parallel.parallelize import parallelize
         from flexpack.run.model import build_model, materialize
 
+        if self.geometry is not None:  # float8 GEMMs take multiples of 16 tokens
+            float8.check_tokens(self.config.parallel.float8, self.config.data, self.geometry, self.device)
         with self.device:  # built where it runs: no full fp32 copy of a 5B model in host memory per rank
             model = build_model(self.config, self.model_config, self.family)
             if self.config.lora.rank:  # after the weights load, before any wrapping
                 from flexpack.run import lora
 
-                model = lora.apply(model, self.config)
+                model = lora.apply(model, self.config, record=lora.lora_record(self.config, self.family))
         model = parallelize(model, device=self.device, options=self.parallel)
         materialize(model, self.config, self.device, self.model_config, self.family)
         return model
@@ -249,7 +254,7 @@ def use_compile(cfg: TrainConfig, device: torch.device) -> bool:
     return bool(cfg.parallel.compile)
 
 
-def parallel_options(cfg: TrainConfig, device: torch.device) -> ParallelOptions:
+def parallel_options(cfg: TrainConfig, device: torch.device, family: ModelFamily) -> ParallelOptions:
     """The config's :class:`ParallelOptions` on ``device``: ``parallel.compile = "auto"`` resolved
     there, and the memory-budget rule checked against it (once, for train, verify and benchmarks)."""
     from flexpack.parallel.parallelize import check_memory_budget
@@ -261,7 +266,7 @@ def parallel_options(cfg: TrainConfig, device: torch.device) -> ParallelOptions:
     return ParallelOptions(compile=compiled, activation_checkpointing=cfg.parallel.activation_checkpointing,
                            memory_budget=cfg.parallel.activation_memory_budget, float8=cfg.parallel.float8,
                            param_dtype=torch.bfloat16 if r.dtype == "bfloat16" else None,
-                           blocks=cfg.model.model_family().blocks,
+                           blocks=family.blocks,
                            host_offload=cfg.optim.offload == "optimizer+gradients")
 
 
@@ -276,12 +281,13 @@ def forward_options(cfg: TrainConfig, text_slots: int | None = None) -> ForwardO
     return ForwardOptions(mask=cfg.model.mask, chunk_size=cfg.model.chunk_size, text_slots=text_slots)
 
 
-def geometry_for(model_cfg: ModelShape, latent_hw: tuple[int, int], cfg: TrainConfig) -> TokenGeometry:
+def geometry_for(model_cfg: ModelShape, latent_hw: tuple[int, int], cfg: TrainConfig,
+                 family: ModelFamily | None = None) -> TokenGeometry:
     """The token geometry of latents of ``latent_hw`` (H, W) for ``model_cfg`` under ``cfg``: the
     frame's patches, ``data.action_steps`` action tokens (none for a model without actions; the
     family's, where its conventions fix them), the family's copies (``objective.teacher_forcing``
     decides where the family leaves it open), ``data.max_tokens`` per pack in pack mode."""
-    family = cfg.model.model_family()
+    family = config_family(cfg) if family is None else family
     check_action_steps(family.conventions(model_cfg), cfg, family)
     _, ph, pw = model_cfg.patch_size
     return TokenGeometry(video_tokens=(latent_hw[0] // ph) * (latent_hw[1] // pw),
@@ -303,22 +309,25 @@ def check_action_steps(conv: DataConventions, cfg: TrainConfig, family: ModelFam
 
 def batching(cfg: TrainConfig, lengths: Sequence[int], geometry: TokenGeometry, rank: int = 0,
              world_size: int = 1, *, mixture: tuple[Sequence[int], Sequence[float]] | None = None,
-             grid: tuple[int, int] | None = None) -> tuple[BatchSampler, PackCollate | PadCollate]:
+             grid: tuple[int, int] | None = None, mode: str | None = None
+             ) -> tuple[BatchSampler, PackCollate | PadCollate]:
     """(sampler, collate) of ``data.mode`` over episode ``lengths`` (latent frames): the token-budget
     sampler with its pack collate, or the length-bucket sampler with the pad collate; ``mixture`` (the source
     of every item, the weight of every source): the weighted token-budget sampler; ``grid``: the run's latent
-    grid where its items' grids differ (:func:`run_grid`; the collate pads smaller ones spatially)."""
+    grid where its items' grids differ (:func:`run_grid`; the collate pads smaller ones spatially); ``mode``: another
+    mode than ``data.mode`` (sampling always packs)."""
     from flexpack.packing.batch_sampler import LengthBucketBatchSampler, TokenBudgetBatchSampler
 
     d, tpf = cfg.data, geometry.tokens_per_frame
-    if d.mode == "pack" and mixture is not None:
+    mode = d.mode if mode is None else mode
+    if mode == "pack" and mixture is not None:
         from flexpack.packing.weighted import WeightedTokenBudgetBatchSampler
 
         sampler = WeightedTokenBudgetBatchSampler(lengths, d.max_tokens, tokens_per_frame=tpf, groups=mixture[0],
                                                   weights=mixture[1], crop=d.crop, rank=rank,
                                                   world_size=world_size, seed=d.seed)
         return sampler, PackCollate.from_token_budget(d.max_tokens, tpf, crop=d.crop, grid=grid)
-    if d.mode == "pack":
+    if mode == "pack":
         sampler = TokenBudgetBatchSampler(lengths, d.max_tokens, tokens_per_frame=tpf, crop=d.crop, rank=rank,
                                           world_size=world_size, seed=d.seed)
         return sampler, PackCollate.from_token_budget(d.max_tokens, tpf, crop=d.crop, grid=grid)
@@ -349,7 +358,7 @@ def check_fits_model(dataset: EpisodeDataset, model_cfg: ModelShape, cfg: TrainC
             f"(in_channels={model_cfg.in_channels}, patch={model_cfg.patch_size}, text_dim={model_cfg.text_dim}); "
             "set model.overrides"
         )
-    tokens = cfg.model.model_family().conventions(model_cfg).text_tokens
+    tokens = config_family(cfg).conventions(model_cfg).text_tokens
     if tokens is not None:
         full_text(item, tokens)  # a text longer than the model's is refused here, before any batch
     return H, W
@@ -369,26 +378,3 @@ def run_grid(dataset: EpisodeDataset, model_cfg: ModelShape, cfg: TrainConfig) -
             raise ValueError(f"{cfg.data.root or 'data'}: dataset {name}'s latents (C, H, W)={bad[0]} are not a "
                              f"multiple of the model's patch {model_cfg.patch_size}")
     return max(h for h, _ in found), max(w for _, w in found)
-
-
-def run_for(dataset: EpisodeDataset, cfg: TrainConfig, *, rank: int = 0, world_size: int = 1,
-            device: torch.device | None = None, split: Split | None = None) -> Run:
-    """The :class:`Run` of ``cfg`` over ``dataset`` (items as :class:`~flexpack.data.LatentEpisodeDataset`
-    yields them, with ``lengths()``), for this rank's share of the sampler, on ``device`` (default the
-    config's ``runtime.device``). Pack mode checks every item fits ``data.max_tokens`` (or ``data.crop``)."""
-    from flexpack.run.checks import check_token_budget, resolve_device
-
-    family, model_cfg = cfg.model.model_family(), cfg.model.resolved()
-    device = resolve_device(cfg.runtime.device) if device is None else device
-    hw = check_fits_model(dataset, model_cfg, cfg)
-    grid = run_grid(dataset, model_cfg, cfg)
-    geometry = geometry_for(model_cfg, grid or hw, cfg)  # a padded item costs the run grid's tokens
-    if cfg.data.mode == "pack":
-        check_token_budget(cfg, dataset, geometry)
-    sampler, collate = batching(cfg, dataset.lengths(), geometry, rank, world_size,
-                                mixture=getattr(dataset, "mixture_weights", None), grid=grid)
-    data = Data(dataset=dataset, sampler=sampler, collate=model_collate(collate, model_cfg, family))
-    return Run(config=cfg, family=family, model_config=model_cfg,
-               objective=objective_for(family.objective, cfg.objective, model_cfg),
-               geometry=geometry, device=device, rank=rank, world_size=world_size,
-               forward=forward_options(cfg, run_text_slots(sampler)), split=split or Split(), data=data)

@@ -1,7 +1,9 @@
 """Sample held-out episodes and write what a user looks at: ``metrics.json``, plots, videos.
 
 Shared by ``flexpack sample`` (:mod:`flexpack.commands.sample`) and training's ``sample.every``
-(:class:`SampleHook`), so both write the same files for the same episodes:
+(:class:`SampleHook`), so both write the same files for the same episodes. Both hand over a ``"sample"``
+:class:`~flexpack.run.root.Run` (:func:`flexpack.run.compose.compose`): its episodes, geometry, grid, forward
+options, device and autocast rule; nothing here derives them again.
 
 - ``metrics.json``: the model's metrics and the ``baselines`` (:mod:`flexpack.sampling.metrics`),
   ``episodes``, ``pairs`` (episode, cut, horizon), ``steps``, ``solver``, ``mode``, and with a Wan
@@ -25,8 +27,7 @@ from torch import nn
 
 from flexpack.atomic import atomic_path
 from flexpack.data.normalization import ActionStats
-from flexpack.packing.geometry import TokenGeometry
-from flexpack.run.config import TrainConfig
+from flexpack.run.root import Run
 from flexpack.sampling.metrics import Metrics
 from flexpack.sampling.pairs import Pair, borrow_history, check_cut, cut_points, first_cut, make_pair
 from flexpack.sampling.solver import PackedSampler, SampleOptions, context_chunk, sampler_class
@@ -61,63 +62,21 @@ class PairPlan:
             raise ValueError(f"--min-context must be >= 0 latent frames, got {self.min_context}")
 
 
-def default_horizon(cfg: TrainConfig) -> int:
+def default_horizon(run: Run) -> int:
     """Two context chunks, at least 4 latent frames (16 video frames at the usual stride)."""
-    chunk = context_chunk(cfg)
+    chunk = context_chunk(run)
     return max(2 * chunk, -(-4 // chunk) * chunk)
 
 
-def dataset_for(cfg: TrainConfig, episodes: Sequence[int] | None = None, *, val: bool = False
-                ) -> LatentEpisodeDataset:
-    """The config's dataset with whole episodes (no task segments): ``episodes`` (dataset episode
-    indices), the held-out ones of the run's split (``val``: :func:`flexpack.run.build.split_of`), or all."""
-    from flexpack.run.build import open_dataset, split_of
-
-    d = cfg.data
-    if not d.root and not d.datasets:
-        raise ValueError("data.root is empty: set it to a LeRobot dataset folder with a latent cache")
-    if val:
-        if not (d.val_fraction or d.val_episodes):
-            raise ValueError("--val needs held-out episodes: the config sets neither data.val_fraction nor "
-                             "data.val_episodes (pass --episodes instead)")
-        episodes = split_of(cfg).held_out
-    elif episodes is not None:
-        from flexpack.run.build import episodes_of
-
-        known = episodes_of(cfg)
-        bad = sorted(set(episodes) - set(known))
-        if bad:
-            raise ValueError(f"episodes {bad} are not in {d.root} (it has {len(known)} episodes: "
-                             f"{known[0]}..{known[-1]})")
-    return open_dataset(cfg, episodes, segments=False, text_dropout=False)
-
-
-def geometry(cfg: TrainConfig, dataset: LatentEpisodeDataset) -> TokenGeometry:
-    """The token geometry of ``dataset`` for the config's model, as training derives it
-    (:func:`flexpack.run.root.geometry_for`), with ``data.max_tokens`` per pack in either
-    ``data.mode``: sampling always packs."""
-    from dataclasses import replace
-
-    from flexpack.run.root import geometry_for, run_grid
-
-    model_cfg = cfg.model.resolved()
-    hw = run_grid(dataset, model_cfg, cfg) or tuple(dataset[0]["latent"].shape[2:])  # the largest where grids differ
-    return replace(geometry_for(model_cfg, hw, cfg), max_tokens=cfg.data.max_tokens)
-
-
-def tokens_per_frame(cfg: TrainConfig, dataset: LatentEpisodeDataset) -> int:
-    """Tokens of one latent frame of ``dataset`` for the config's model (its :func:`geometry`)."""
-    return geometry(cfg, dataset).tokens_per_frame
-
-
-def build_pairs(cfg: TrainConfig, dataset: LatentEpisodeDataset, plan: PairPlan, *, limit_pairs: int | None = None,
-                note: bool = True) -> list[Pair]:
-    """Pairs of every episode of ``dataset``: forecast cut points, or one rollout from the first allowed
-    cut; ``plan.samples`` consecutive pairs (samples 0..K-1, each its own noise) per (episode, cut)."""
+def build_pairs(run: Run, plan: PairPlan, *, limit_pairs: int | None = None, note: bool = True) -> list[Pair]:
+    """Pairs of every episode of the run's dataset (a ``"sample"`` run: :func:`flexpack.run.compose.compose`):
+    forecast cut points, or one rollout from the first allowed cut; ``plan.samples`` consecutive pairs (samples
+    0..K-1, each its own noise) per (episode, cut)."""
     if plan.mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {plan.mode!r}")
-    chunk = context_chunk(cfg)
-    horizon = plan.horizon or default_horizon(cfg)
+    cfg, dataset = run.config, run.dataset
+    chunk = context_chunk(run)
+    horizon = plan.horizon or default_horizon(run)
     if horizon < 1:
         raise ValueError(f"--horizon must be >= 1 latent frame, got {horizon}")
     if horizon % chunk:  # frames of one chunk share σ in training: never split one between context and target
@@ -128,9 +87,9 @@ def build_pairs(cfg: TrainConfig, dataset: LatentEpisodeDataset, plan: PairPlan,
         raise ValueError(f"cut points {low} have less context than --min-context {plan.min_context} latent frames; "
                          "lower --min-context")
     first = first_cut(chunk, plan.min_context)
-    actions = cfg.model.resolved().action_channels > 0
+    actions = run.model_config.action_channels > 0
     # a pair is one document of a pack: automatic cut points and rollouts stay within one pack's frames
-    budget = geometry(cfg, dataset).frame_budget
+    budget = run.geometry.frame_budget
     lengths = dataset.lengths()
     pairs, short, cut_short = [], [], []
     for i, F_full in enumerate(lengths):
@@ -230,10 +189,10 @@ def mean_action(dataset: LatentEpisodeDataset) -> list[float] | None:
     return None if "mean" not in stats else np.asarray(stats["mean"], dtype=np.float64).reshape(-1).tolist()
 
 
-def sample_pairs(model: nn.Module, cfg: TrainConfig, pairs: list[Pair], *, tpf: int, device: torch.device,
-                 options: SampleOptions, stage: int | None = None, text_slots: int | None = None,
-                 dataset: LatentEpisodeDataset | None = None) -> PackedSampler:
-    sampler = sampler_class(cfg)(model, cfg, tpf, device, options, text_slots=text_slots, stage=stage, dataset=dataset)
+def sample_pairs(model: nn.Module, run: Run, pairs: list[Pair], *, options: SampleOptions, stage: int | None = None,
+                 text_slots: int | None = None) -> PackedSampler:
+    """The family's sampler (:func:`~flexpack.sampling.solver.sampler_class`) over ``pairs`` with the run's parts."""
+    sampler = sampler_class(run)(model, run, options, text_slots=text_slots, stage=stage)
     sampler.run(pairs)
     return sampler
 
@@ -312,27 +271,26 @@ def table(metrics: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def evaluate(model: nn.Module, cfg: TrainConfig, dataset: LatentEpisodeDataset, plan: PairPlan,
-             options: SampleOptions, *,
-             device: torch.device, action_stats: ActionStats | None, out: Path | None, plots: int = 4,
-             write: bool = True, text_slots: int | None = None, note: bool = True, pairs: list[Pair] | None = None
+def evaluate(model: nn.Module, run: Run, plan: PairPlan, options: SampleOptions, *,
+             action_stats: ActionStats | None, out: Path | None, plots: int = 4, write: bool = True,
+             text_slots: int | None = None, note: bool = True, pairs: list[Pair] | None = None
              ) -> tuple[dict[str, Any], dict[str, Path]]:
-    """Sample, score, and (``write``: rank 0) write ``metrics.json`` and the plots into ``out``; ``pairs``: those
-    :func:`build_pairs` made of ``dataset`` and ``plan`` already (sampled in place), else built here."""
+    """Sample the run's episodes (a ``"sample"`` run), score, and (``write``: rank 0) write ``metrics.json`` and the
+    plots into ``out``; ``pairs``: those :func:`build_pairs` made of the run and ``plan`` already (sampled in
+    place), else built here."""
+    dataset, device = run.dataset, run.device
     if pairs is None:
-        pairs = build_pairs(cfg, dataset, plan, note=note)
-    tpf = tokens_per_frame(cfg, dataset)
-    stage = (plan.horizon or default_horizon(cfg)) if plan.mode == "rollout" else None
+        pairs = build_pairs(run, plan, note=note)
+    stage = (plan.horizon or default_horizon(run)) if plan.mode == "rollout" else None
     was = model.training
     model.eval()
     try:
-        sampler = sample_pairs(model, cfg, pairs, tpf=tpf, device=device, options=options, stage=stage,
-                               text_slots=text_slots, dataset=dataset)
+        sampler = sample_pairs(model, run, pairs, options=options, stage=stage, text_slots=text_slots)
     finally:
         model.train(was)
     metrics = score(pairs, dataset, action_stats)
     metrics.update(episodes=sorted({p.episode for p in pairs}), steps=options.steps, solver=options.solver,
-                   seed=plan.seed, mode=plan.mode, horizon=plan.horizon or default_horizon(cfg),
+                   seed=plan.seed, mode=plan.mode, horizon=plan.horizon or default_horizon(run),
                    action_names=action_names(dataset),
                    min_context=plan.min_context, foreign_history=plan.foreign_history,
                    pair_list=[[p.episode, p.cut, p.horizon] for p in pairs if p.sample == 0],
@@ -340,7 +298,7 @@ def evaluate(model: nn.Module, cfg: TrainConfig, dataset: LatentEpisodeDataset, 
     files: dict[str, Path] = {}
     if write and out is not None:
         files = _write_all(out, pairs, dataset, plots, device, metrics, action_stats=action_stats, mode=plan.mode,
-                           chunk=context_chunk(cfg))
+                           chunk=context_chunk(run))
     return metrics, files
 
 

@@ -24,51 +24,50 @@ import torch
 from torch import nn
 
 from flexpack.data.normalization import ActionStats
+from flexpack.run.compose import compose
 from flexpack.run.hooks import HookContext, HookReport
 from flexpack.run.root import Run
-from flexpack.sampling.evaluate import PairPlan, build_pairs, dataset_for, evaluate
+from flexpack.sampling.evaluate import PairPlan, build_pairs, evaluate
 
 KEYS = ("action_mse", "action_mse_kmean", "action_crps", "action_l1", "action_mse_raw", "action_l1_raw", "latent_mse",
         "latent_mse_kmean", "latent_crps")
 
 
 class SampleHook:
+    """Samples the training run's first ``sample.episodes`` held-out episodes (``run``: the training
+    :class:`~flexpack.run.root.Run`; its sampling run is composed from it, sharing its model config, device, ranks,
+    split and autocast rule)."""
+
     def __init__(self, run: Run, *, action_stats: ActionStats | None = None) -> None:
-        cfg, r = run.config, run.config.sample
-        self.cfg, self.device, self.rank, self.action_stats = cfg, run.device, run.rank, action_stats
-        self.dataset = dataset_for(cfg, run.split.held_out[: r.episodes])  # the run's own held-out episodes
+        r = run.config.sample
+        self.every, self.ema, self.plots, self.out = r.every, r.ema, r.plots, Path(run.config.runtime.out_dir)
+        self.rank, self.action_stats = run.rank, action_stats
+        # the run's own held-out episodes, whole, as a "sample" run of the training run
+        self.run = compose(run.config, "sample", episodes=run.split.held_out[: r.episodes], parent=run)
         if action_stats is not None:  # the statistics the weights are trained with (kept on resume)
-            self.dataset.normalizer = action_stats.normalizer()
+            self.run.dataset.normalizer = action_stats.normalizer()
         self.plan = PairPlan(mode="forecast", cuts=r.cuts, horizon=r.horizon or None,
                              samples=r.draws, min_context=r.min_context)
         try:  # before the first step: held-out episodes too short for the horizon fail now, not mid-run
-            build_pairs(cfg, self.dataset, self.plan, note=self.rank == 0)
+            build_pairs(self.run, self.plan, note=self.rank == 0)
         except ValueError as exc:
             raise ValueError(f"sample.every={r.every}: {exc} (sample.horizon, "
                              "sample.min_context, data.val_episodes)") from None
         from flexpack.sampling.solver import SampleOptions, solver_steps
 
         # sample.steps, or a family's own step counts where its sampler takes them from the model config
-        self.options = SampleOptions(steps=solver_steps(cfg, None, default=r.steps), solver="euler")
+        self.options = SampleOptions(steps=solver_steps(self.run, None, default=r.steps), solver="euler")
 
     def after_step(self, model: nn.Module, step: int, *, ema: Any = None) -> HookReport | None:
         """Every ``sample.every`` steps: sample (collective), write the files on rank 0 and report
         the metrics; with ``sample.ema`` the EMA weights stand in for the trained ones meanwhile."""
-        from flexpack.parallel.parallelize import is_sharded
-
-        r = self.cfg.runtime
-        if not self.cfg.sample.every or step % self.cfg.sample.every:
+        if not self.every or step % self.every:
             return None
-        out = Path(r.out_dir) / "samples" / f"step_{step:08d}"
-        options = self.options
-        if r.dtype == "bfloat16" and not is_sharded(model):
-            from dataclasses import replace
-
-            options = replace(options, dtype="bfloat16")
-        with _ema_weights(model, ema if self.cfg.sample.ema else None):
-            metrics, files = evaluate(model, self.cfg, self.dataset, self.plan, options, device=self.device,
-                                      action_stats=self.action_stats, out=out, plots=self.cfg.sample.plots,
-                                      write=self.rank == 0, note=False)  # the note was said once, at start
+        out = self.out / "samples" / f"step_{step:08d}"
+        with _ema_weights(model, ema if self.ema else None):  # autocast: the run's rule (bf16 on one rank)
+            metrics, files = evaluate(model, self.run, self.plan, self.options, action_stats=self.action_stats,
+                                      out=out, plots=self.plots, write=self.rank == 0,
+                                      note=False)  # the note was said once, at start
         rec: dict[str, Any] = {"step": step, **{f"sample/{k}": metrics[k] for k in KEYS}}
         for name, b in metrics["baselines"].items():
             rec.update({f"sample/{name}/{k}": b[k] for k in KEYS})

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -46,22 +46,18 @@ from flexpack.attention.masks import mask_kind, text_slots
 from flexpack.packing.batch_sampler import TokenBudgetBatchSampler
 from flexpack.packing.collate import PackCollate
 from flexpack.packing.geometry import frame_budget, too_long
-from flexpack.run.config import TrainConfig
-from flexpack.run.root import forward_options, run_grid
+from flexpack.run.root import Run
 from flexpack.sampling.pairs import Pair, pair_noise
 from flexpack.sampling.schedule import check_solver, sigma_grid, solve
 
-if TYPE_CHECKING:
-    from flexpack.data.dataset import LatentEpisodeDataset
 
-
-def context_chunk(cfg: TrainConfig) -> int:
+def context_chunk(run: Run) -> int:
     """Frames that share one σ in training (cut points sit on multiples of it). Raises the one-line
     error for a model trained with one σ per episode, which cannot be conditioned on history."""
-    o, m = cfg.objective, cfg.model
-    cls = sampler_class(cfg)  # the family's registry entry says how it samples, where it does
+    o, m = run.config.objective, run.config.model
+    cls = sampler_class(run)  # the family's registry entry says how it samples, where it does
     if cls is not PackedSampler:
-        return cls.context_chunk(cfg)
+        return cls.context_chunk(run)
     if o.chunk_size is None:
         raise ValueError("objective.chunk_size is unset: the model was trained with one σ per episode and can only "
                          "generate whole episodes jointly, not condition on history (train with a per-frame or "
@@ -69,62 +65,80 @@ def context_chunk(cfg: TrainConfig) -> int:
     return int(m.chunk_size) if mask_kind(m.mask).chunked else int(o.chunk_size)
 
 
-def sampler_class(cfg: TrainConfig) -> type["PackedSampler"]:
-    """The sampler of the config's model family (its registry entry's ``sampler``): :class:`PackedSampler`
-    where it names none, else the class it holds (a subclass, with its ``context_chunk(cfg)``)."""
-    fam = cfg.model.model_family()
+def sampler_class(run: Run) -> type["PackedSampler"]:
+    """The sampler of the run's model family (its registry entry's ``sampler``): :class:`PackedSampler`
+    where it names none, else the class it holds (a subclass, with its ``context_chunk(run)``)."""
+    fam = run.family
     if not fam.samples:
-        raise ValueError(f"model.family = {cfg.model.family!r} cannot be sampled by flexpack yet")
+        raise ValueError(f"model.family = {run.config.model.family!r} cannot be sampled by flexpack yet")
     return PackedSampler if fam.sampler is None else fam.sampler
 
 
-def solver_steps(cfg: TrainConfig, given: int | None, *, default: int = 10) -> int:
+def solver_steps(run: Run, given: int | None, *, default: int = 10) -> int:
     """``given`` solver steps (``--steps``; None: ``default``), or where the family's sampler takes its steps
     from the model config (lingbot-va: LeRobot's fields), those; ``given`` there is one line naming the fields."""
-    sampler = sampler_class(cfg)
+    sampler = sampler_class(run)
     if not hasattr(sampler, "config_steps"):
         return default if given is None else given
     if given is not None:
-        raise ValueError(f"--steps {given}: model.family = {cfg.model.family!r} samples with its config's solver steps "
-                         "(LeRobot's num_inference_steps for the video, action_num_inference_steps for the actions); "
-                         "set them with --set model.overrides.num_inference_steps=N")
-    return sampler.config_steps(cfg)
+        raise ValueError(f"--steps {given}: model.family = {run.config.model.family!r} samples with its config's "
+                         "solver steps (LeRobot's num_inference_steps for the video, action_num_inference_steps for "
+                         "the actions); set them with --set model.overrides.num_inference_steps=N")
+    return sampler.config_steps(run)
 
 
-def stage_frames(cfg: TrainConfig, horizon: int) -> int:
+def stage_frames(run: Run, horizon: int) -> int:
     """Target frames generated per stage: one chunk under teacher forcing, else the horizon."""
-    return int(cfg.model.chunk_size) if mask_kind(cfg.model.mask).teacher_forcing else int(horizon)
+    m = run.config.model
+    return int(m.chunk_size) if mask_kind(m.mask).teacher_forcing else int(horizon)
 
 
 @dataclass(frozen=True)
 class SampleOptions:
     steps: int = 10
     solver: str = "euler"
-    dtype: str = "float32"  # "bfloat16": autocast the model's forward (as training does)
+    # None: the run's autocast rule (Run.autocast: compose's); "bfloat16" / "float32": forced (benchmarks compare)
+    dtype: str | None = None
+
+    def autocast(self, run: Run) -> Any:
+        """The model calls' autocast context: the run's, unless :attr:`dtype` forces one."""
+        if self.dtype is None:
+            return run.autocast()
+        on = self.dtype == "bfloat16"
+        return torch.autocast(run.device.type, torch.bfloat16) if on else contextlib.nullcontext()
 
 
 class PackedSampler:
-    """Solve pairs in packs of ``max_tokens`` tokens with a config's model, mask and schedule."""
+    """Solve pairs in packs of ``max_tokens`` tokens with a run's model config, mask, geometry and schedule.
 
-    def __init__(self, model: nn.Module, cfg: TrainConfig, tokens_per_frame: int, device: torch.device,
-                 options: SampleOptions = SampleOptions(), *, max_tokens: int | None = None,
-                 text_slots: int | None = None, stage: int | None = None, dataset: LatentEpisodeDataset = None) -> None:
-        # dataset: the pairs' episodes, for a family's sampler that reads more of them (its negative prompt)
-        context_chunk(cfg)
+    ``run``: a ``"sample"`` run (:func:`flexpack.run.compose.compose`): its geometry (tokens per frame, the pack's
+    token budget), latent grid, forward options, device, ranks and autocast rule; its dataset (if any) is the pairs'
+    episodes, for a family's sampler that reads more of them (its negative prompt). ``max_tokens``: another budget
+    (one episode alone, say)."""
+
+    def __init__(self, model: nn.Module, run: Run, options: SampleOptions = SampleOptions(), *,
+                 max_tokens: int | None = None, text_slots: int | None = None, stage: int | None = None) -> None:
+        context_chunk(run)
         check_solver(options.solver)
-        self.model, self.cfg, self.tpf, self.device, self.opt = model, cfg, tokens_per_frame, device, options
-        self.max_tokens = int(max_tokens or cfg.data.max_tokens)
+        cfg = run.config
+        self.model, self.sample_run, self.cfg, self.opt = model, run, cfg, options
+        self.tpf, self.device = run.geometry.tokens_per_frame, run.device
+        self.max_tokens = int(max_tokens or run.geometry.max_tokens or cfg.data.max_tokens)
         self.text_slots = text_slots
         # frames per stage: one chunk under teacher forcing, else set by the caller (rollout) or the horizon
         self.stage = int(cfg.model.chunk_size) if mask_kind(cfg.model.mask).teacher_forcing else stage
-        self.actions = cfg.model.resolved().action_channels > 0
+        self.actions = run.model_config.action_channels > 0
         o = cfg.objective
         self.grid_v = sigma_grid(options.steps, o.shift).float()
         self.grid_a = sigma_grid(options.steps, o.action_shift).float()
-        # the training run's grid where the dataset's grids differ: packs pad smaller ones spatially
-        self.grid = None if dataset is None else run_grid(dataset, cfg.model.resolved(), cfg)
+        self.grid = run.grid  # the run's grid where the dataset's grids differ: packs pad smaller ones spatially
         self.forwards = 0  # model calls (for throughput accounting)
         self.tokens = 0  # valid tokens × model calls
+
+    @property
+    def dataset(self) -> Any:
+        """The run's episodes (None: pairs made in memory)."""
+        return None if self.sample_run.data is None else self.sample_run.dataset
 
     # ------------------------------------------------------------------ stages
     def run(self, pairs: Sequence[Pair]) -> None:
@@ -149,10 +163,10 @@ class PackedSampler:
 
     def stage_count(self, p: Pair) -> int:
         """Target frames of ``p`` the next stage generates."""
-        return min(self.stage or stage_frames(self.cfg, p.horizon), p.horizon - p.done)
+        return min(self.stage or stage_frames(self.sample_run, p.horizon), p.horizon - p.done)
 
     def _stage(self, todo: list[tuple[Pair, int, int]]) -> None:
-        rank, size = _world()
+        rank, size = self.sample_run.rank, self.sample_run.world_size
         lengths = [k + n for _, k, n in todo]
         over = too_long(lengths, frame_budget(self.max_tokens, self.tpf))  # the training rule (packing.geometry)
         if over:
@@ -216,8 +230,7 @@ class PackedSampler:
             keep.append(~a_live)
         tf = mask_kind(cfg.model.mask).teacher_forcing  # the mask relates a noisy and a clean copy
         scale = cfg.objective.num_train_timesteps
-        forward = forward_options(cfg, self.text_slots)  # training's mask and chunk size
-        bf16 = self.opt.dtype == "bfloat16"
+        forward = replace(self.sample_run.forward, text_slots=self.text_slots)  # training's mask and chunk size
         n_valid = int(lay.episode_frames.sum()) * self.tpf
 
         def velocity(xs: tuple[Tensor, ...], i: int) -> tuple[Tensor, ...]:
@@ -228,7 +241,7 @@ class PackedSampler:
                 t_a = torch.stack([t_a, torch.zeros_like(t_a)])
                 act = None if act is None else torch.stack([act, a_true])
             inputs = replace(batch, latent=lat.to(batch.latent.dtype), action=act)
-            with torch.autocast(dev.type, torch.bfloat16) if bf16 else contextlib.nullcontext():
+            with self.opt.autocast(self.sample_run):
                 out = forward.call(self.model, inputs, timestep=t_v, action_timestep=t_a)
             self.forwards += 1
             self.tokens += n_valid * (2 if tf else 1)
@@ -262,12 +275,6 @@ def pack_text_slots(pairs: Sequence[Pair], max_tokens: int, tokens_per_frame: in
     first = [p.cut + min(stage or p.horizon, p.horizon) for p in pairs]
     plan = TokenBudgetBatchSampler(first, max_tokens, tokens_per_frame=tokens_per_frame)
     return text_slots(max(1, plan.max_batch_size()))
-
-
-def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def _gather(written: list, todo: list[tuple[Pair, int, int]], actions: bool) -> list:

@@ -73,8 +73,10 @@ def _type_name(tp: Any) -> str:
 
 def keys(cfg: TrainConfig | None = None) -> list[Key]:
     """Every leaf key of the config tree, section by section, in the dataclasses' order."""
-    cfg = TrainConfig() if cfg is None else cfg
-    default = TrainConfig()
+    from flexpack.run.resolve import checked  # the defaults as a config loads them (model.mask: the family's)
+
+    default = checked(TrainConfig())
+    cfg = default if cfg is None else cfg
     out = []
     for section in dataclasses.fields(TrainConfig):
         sec_cls = typing.get_type_hints(TrainConfig)[section.name]

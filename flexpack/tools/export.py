@@ -49,6 +49,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from flexpack.run.resolve import config_family, model_config_of
+
 if TYPE_CHECKING:
     from flexpack.data.normalization import ActionStats
     from flexpack.run.config import TrainConfig
@@ -71,12 +73,12 @@ def _normalization(cfg: TrainConfig, state: dict[str, Any], where: str = "the ch
     from flexpack.data.normalization import ActionStats
     from flexpack.run.state.resume import saved_stats
 
-    family_rule = cfg.model.model_family().export_normalization  # e.g. a lingbot-va run on a lingbot-bundle
+    family_rule = config_family(cfg).export_normalization  # e.g. a lingbot-va run on a lingbot-bundle
     if family_rule is not None and (family_stats := family_rule(cfg, state, where, dataset)) is not None:
         return family_stats
     saved = saved_stats(state, where)
     key = "action"
-    conv = cfg.model.model_family().conventions(cfg.model.resolved())  # the family's action width and channels
+    conv = config_family(cfg).conventions(model_config_of(cfg))  # the family's action width and channels
     placed = None if conv.action_channels is None else list(conv.action_channels)
     if saved is not None:  # the statistics the weights were trained with: no dataset needed (it may have moved)
         stats = saved

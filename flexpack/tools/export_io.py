@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 
+from flexpack.run.resolve import config_family
+
 if TYPE_CHECKING:
     from flexpack.data.normalization import ActionStats
     from flexpack.run.config import TrainConfig
@@ -74,7 +76,7 @@ def export_format(cfg: TrainConfig, options: ExportOptions, where: Path | str) -
     format; one line for a format the family cannot be written in or flexpack does not write, for options that
     do not apply to it, for a package it needs that is missing and for a config the format cannot represent
     (the format's check), all before any weight is read."""
-    fam = cfg.model.model_family()
+    fam = config_family(cfg)
     formats = list(fam.export_formats)
     fmt = options.fmt or (formats[0] if formats else None)
     if fmt not in formats:
@@ -130,6 +132,7 @@ def load_checkpoint(
     (:class:`~flexpack.run.lora.Adapters`; None without LoRA). The export format (``options``) is checked against
     the family before any weight is read."""
     from flexpack.run import lora
+    from flexpack.run.compose import compose
     from flexpack.run.config import load_config
     from flexpack.run.state import checkpoint
     from flexpack.run.state.trained import run_config, saved_lora
@@ -140,8 +143,10 @@ def load_checkpoint(
         raise ValueError(f"{found}: holds no EMA weights (trained with optim.ema_decay = 0); export without --ema")
     cfg = load_config(source, overrides)
     export_format(cfg, options or ExportOptions(ema=ema), found)
+    run = compose(cfg, "export", device=torch.device("cpu"))  # the family and its model config, resolved once
+    cfg = run.config
     with torch.device("meta"):
-        model = cfg.model.model_family().build(cfg.model.resolved())
+        model = run.family.build(run.model_config)
         record = saved_lora(found)
         if record is not None:  # a LoRA run's structure, its adapters merged below
             lora.apply(model, cfg, record=record, cast=False)

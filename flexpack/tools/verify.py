@@ -15,13 +15,13 @@ video and action predictions, and the episode's loss; for the micro-batch: the t
 per parameter group (the embeddings, each block, the heads). Errors are ``max |a − b| / max |b|``;
 anything above its tolerance, or any non-finite gradient, fails (exit status 1).
 
-Micro-batches, collate and forward options come from the run's plan (:mod:`flexpack.run.root`),
-as in training. The model is built as training builds it (:meth:`~flexpack.run.root.Run.build_model`): on
-the run's device, blocks compiled where ``parallel.compile`` compiles them, bf16 autocast (one process) or FSDP2 mixed
-precision (``torchrun``, every rank checks the same micro-batches) for ``runtime.dtype =
-"bfloat16"``, the configured attention backend (FA4 or Triton flex on CUDA). Tolerances depend on
-that dtype (:data:`TOLERANCES`): float32 paths agree to rounding; bf16 rounds every activation to
-8 bits of mantissa, and a packed row and an episode alone reduce in different orders. With
+Micro-batches, collate, forward options and the autocast rule come from the run (``compose(cfg, "verify")``,
+:mod:`flexpack.run.compose`), as in training. The model is built as training builds it
+(:meth:`~flexpack.run.root.Run.build_model`): on the run's device, blocks compiled where ``parallel.compile``
+compiles them, bf16 autocast (one process) or FSDP2 mixed precision (``torchrun``, every rank checks the same
+micro-batches) for ``runtime.dtype = "bfloat16"``, the configured attention backend (FA4 or Triton flex on
+CUDA). Tolerances depend on that dtype (:data:`TOLERANCES`): float32 paths agree to rounding; bf16 rounds every
+activation to 8 bits of mantissa, and a packed row and an episode alone reduce in different orders. With
 ``parallel.float8`` the blocks' linears run float8 as in training, and a packed row and an episode alone
 differ by float8 rounding under different scales too (a tensorwise scale spans the whole pack). The
 bf16 tolerances apply and separate both modes from a dropped packing on the H200 (5B width, 2 compiled
@@ -40,7 +40,7 @@ import contextlib
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -62,9 +62,6 @@ from flexpack.tools.verify_report import (  # noqa: F401  (the report's names ar
     _rel,
     param_group,
 )
-
-if TYPE_CHECKING:
-    from flexpack.run.config import TrainConfig
 
 
 def _into(frame: torch.Tensor | None, part: torch.Tensor | None) -> torch.Tensor | None:
@@ -164,12 +161,11 @@ def verify_batch(
     return report
 
 
-def check_backend(cfg: TrainConfig, device: torch.device, model: Any = None) -> None:
-    """An attention backend that cannot run the config's dtype on ``device``, in one line.
-    ``model``: the resolved model config (default: resolved here)."""
+def check_backend(run: Run) -> None:
+    """An attention backend that cannot run the run's dtype on its device, in one line."""
     from flexpack.attention.flex import has_flash
 
-    backend, dtype = (cfg.model.resolved() if model is None else model).attn_backend, cfg.runtime.dtype
+    backend, dtype, device = run.model_config.attn_backend, run.config.runtime.dtype, run.device
     if backend == "flex-flash" and dtype != "bfloat16":
         raise UserError(f"model.overrides.attn_backend = 'flex-flash' (FA4) takes bfloat16 inputs, but runtime.dtype = "
                         f"{dtype!r}; set runtime.dtype = 'bfloat16' or attn_backend = 'flex'")
@@ -184,27 +180,20 @@ def check_backend(cfg: TrainConfig, device: torch.device, model: Any = None) -> 
                         "set runtime.dtype = 'float32'")
 
 
-def verify_config(cfg: TrainConfig, *, micro_batches: int = 2, checkpoint_dir: str | None = None,
-                  tol: float | None = None, drop_packing: bool = False, run: Run | None = None) -> VerifyReport:
-    """Verify the first ``micro_batches`` micro-batches of the config's sampler (epoch 0, rank 0's
-    share: under ``torchrun`` every rank checks the same ones, so the sharded model sees the same
-    work on each) with the model as training builds it. ``tol``: one max relative error for all
-    quantities (default: :data:`TOLERANCES` of ``runtime.dtype``). ``run``: replaces what
-    ``cfg.data`` describes (e.g. :func:`flexpack.run.memory_data.synthetic_run`)."""
-    from flexpack.parallel import float8
+def verify_config(run: Run, *, micro_batches: int = 2, checkpoint_dir: str | None = None,
+                  tol: float | None = None, drop_packing: bool = False) -> VerifyReport:
+    """Verify the first ``micro_batches`` micro-batches of the run's sampler (epoch 0, rank 0's share: under
+    ``torchrun`` every rank checks the same ones, so the sharded model sees the same work on each) with the model
+    as training builds it. ``run``: ``compose(cfg, "verify")`` (:mod:`flexpack.run.compose`), or a run over other
+    episodes (e.g. :func:`flexpack.run.memory_data.synthetic_run`). ``tol``: one max relative error for all
+    quantities (default: :data:`TOLERANCES` of ``runtime.dtype``)."""
     from flexpack.parallel.parallelize import is_sharded, world
-    from flexpack.run.build import build_run
-    from flexpack.run.checks import resolve_device
     from flexpack.run.cpu_threads import cpu_threads
     from flexpack.run.state import checkpoint
 
-    device = resolve_device(cfg.runtime.device) if run is None else run.device
-    m = cfg.model.resolved()
-    check_backend(cfg, device, m)
-    float8.check(cfg.parallel.float8, device)  # torchao and an sm89+ GPU, or one line
-    data = build_run(cfg, device=device) if run is None else run
-    float8.check_tokens(cfg.parallel.float8, cfg.data, data.geometry, device)
-    model, compiled = data.build_model(), data.parallel.compile  # as training builds it
+    cfg, device, m = run.config, run.device, run.model_config
+    check_backend(run)
+    model, compiled = run.build_model(), run.parallel.compile  # as training builds it
     if checkpoint_dir:
         # pick_checkpoint says which one and why a newer one was skipped
         from flexpack.run.state.locate import pick_checkpoint
@@ -215,22 +204,21 @@ def verify_config(cfg: TrainConfig, *, micro_batches: int = 2, checkpoint_dir: s
     sharded = is_sharded(model)
     bf16 = cfg.runtime.dtype == "bfloat16"
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    mode = "FSDP2 mixed precision" if bf16 and sharded else "autocast" if bf16 else "no autocast"
+    mode = "FSDP2 mixed precision" if bf16 and sharded else "autocast" if run.autocast_dtype else "no autocast"
     report = VerifyReport(tol=TOLERANCES[cfg.runtime.dtype] if tol is None else Tolerance.uniform(tol), setup=(
         f"{device} ({name}), runtime.dtype {cfg.runtime.dtype} ({mode}), blocks {'compiled' if compiled else 'eager'}, "
         f"attention {m.attn_backend}, float8 {cfg.parallel.float8}, {world()[1]} rank(s)"
         f"{', FSDP2' if sharded else ''}"))
     with cpu_threads(cfg.runtime.cpu_threads, device, model, say=world()[0] == 0):
-        for i, indices in enumerate(data.sampler):
+        for i, indices in enumerate(run.sampler):
             if i >= micro_batches:
                 break
             # as the model takes them (a video-only model gets no actions): the per-episode passes collate
             # these items themselves
-            items = data.collate.items([data.dataset[j] for j in indices])
+            items = run.collate.items([run.dataset[j] for j in indices])
             # compiled blocks: the episodes alone in the run's pack shape (one graph), as training would see them;
             # float8: that shape holds a multiple of 16 tokens, which its GEMMs need (float8.check_tokens)
-            verify_batch(model, items, data.collate, data.objective, seed=cfg.runtime.seed, forward=data.forward,
-                         drop_packing=drop_packing, report=report,
-                         autocast=torch.bfloat16 if bf16 and not sharded else None,
-                         alone_collate=data.collate if compiled or cfg.parallel.float8 != "off" else None)
+            verify_batch(model, items, run.collate, run.objective, seed=cfg.runtime.seed, forward=run.forward,
+                         drop_packing=drop_packing, report=report, autocast=run.autocast_dtype,
+                         alone_collate=run.collate if compiled or cfg.parallel.float8 != "off" else None)
     return report

@@ -41,14 +41,14 @@ from torch import nn
 
 from flexpack.packing.collate import Batch
 from flexpack.packing.grids import real_tokens
-from flexpack.parallel import float8
 from flexpack.parallel.parallelize import world
-from flexpack.run import memory_plan
-from flexpack.run.build import build_run
+from flexpack.run import lora, memory_plan
 from flexpack.run.checks import preflight
+from flexpack.run.compose import compose
 from flexpack.run.config import TrainConfig
 from flexpack.run.cpu_threads import cpu_threads
 from flexpack.run.hooks import HookContext, HookFactory
+from flexpack.run.resolve import check, with_default_mask
 from flexpack.run.root import Run
 from flexpack.run.state import checkpoint, faults, resume, runfolder, trained
 from flexpack.training import optim, resume_note
@@ -104,21 +104,23 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, run: Run | None = 
     Faults (:mod:`flexpack.run.state.faults`): a signal saves and raises ``Interrupted``, a non-finite
     step raises ``NonFiniteError`` (or is skipped), a data error on any rank saves the steps done and re-raises."""
     rank, size = world()
-    if run is not None and run.config != cfg:  # the folder claimed below is cfg's; the steps would run run.config's
+    if run is not None and run.config != with_default_mask(cfg, run.family):
+        # the folder claimed below is cfg's; the steps would run run.config's
         raise ValueError("train: run= was composed from another config than cfg (e.g. another runtime.out_dir); "
                          "compose the run from the config it trains with")
     hooks = (make_validator,) if hooks is None else tuple(hooks)
     if cfg.sample.every and len(hooks) < 2:
         raise ValueError(f"sample.every={cfg.sample.every} needs the sampling hook: run "
                          "'flexpack train' (or call flexpack.commands.train.train), or pass hooks=")
+    # the config checked and its model resolved once, before any data: the resume check and the run share them
+    cfg, model_cfg = (run.config, run.model_config) if run is not None else check(cfg)
     if rank == 0:
         tracking.check(cfg)  # a missing logger package fails before any data or model work
-    device = preflight(cfg, stop_after)  # device, run folder, finite numbers: before data and model
+    device = preflight(cfg, stop_after, model_cfg)  # device, run folder, finite numbers: before data and model
     if rank == 0:
         runfolder.claim(cfg.runtime.out_dir, adopt=cfg.runtime.adopt_dir)  # flexpack's own folder, or refused
-    float8.check(cfg.parallel.float8, device)  # torchao and an sm89+ GPU, before data and model
     optim.check(cfg.optim, device, size)  # torchao for low-bit states; offload on one CUDA device
-    found = resume.find(cfg, rank)
+    found = resume.find(cfg, rank, model_cfg)
     if found is not None and resume.step_of(found) >= cfg.schedule.steps:  # nothing to do: touch nothing
         done = resume.step_of(found)
         if rank == 0:
@@ -127,20 +129,20 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, run: Run | None = 
         return TrainResult(step=done, start_step=done, checkpoint=found)
     with runfolder.RunLock(cfg.runtime.out_dir, active=rank == 0), faults.GracefulStop() as stop:
         _barrier()  # the other ranks wait for rank 0's lock (a refusal ends torchrun through rank 0)
-        return _train(cfg, found, stop, stop_after, device, run, hooks)
+        return _train(cfg, model_cfg, found, stop, stop_after, device, run, hooks)
 
 
-def _train(cfg: TrainConfig, found: Path | None, stop: faults.GracefulStop, stop_after: int | None,
+def _train(cfg: TrainConfig, model_cfg: Any, found: Path | None, stop: faults.GracefulStop, stop_after: int | None,
            device: torch.device, given: Run | None, hooks: Sequence[HookFactory]) -> TrainResult:
     rank, size = world()
-    run = build_run(cfg, rank, size, device=device) if given is None else given
+    run = compose(cfg, "train", rank=rank, world_size=size, device=device,
+                  checked=(cfg, model_cfg)) if given is None else given
     run = memory_plan.apply(run)  # memory.budget_gb: checkpointing, optimizer states, offload; before any weights
     cfg = run.config
     optim.check(cfg.optim, device, size)  # the optimizer as planned: torchao, offload on one CUDA GPU
     if found is not None:  # its states are of the checkpoint's kind: before the model is built or anything loads
         resume.check_optim(found, cfg)
-    float8.check_tokens(cfg.parallel.float8, cfg.data, run.geometry, device)  # before the model is built
-    model = run.build_model()  # model.pretrained under FSDP2: each rank loads its shards
+    model = run.build_model()  # float8's token multiple checked; model.pretrained under FSDP2: each rank its shards
     if rank == 0 and cfg.model.pretrained and found is None:  # the weights a new run starts from, what matched
         from flexpack.run.pretrained import loaded_note
 
@@ -170,7 +172,7 @@ def _train(cfg: TrainConfig, found: Path | None, stop: faults.GracefulStop, stop
     stats = resume.normalizer_state(run.dataset)  # after a resume: the checkpoint's, which the weights learned under
     # the model the weights are of, as resolved (flexpack sample builds it, a resume compares against it)
     extra = {**resume.stats_extra(stats, run.dataset), trained.MODEL_KEY: trained.model_record(run.model_config),
-             trained.LORA_KEY: cfg.lora_record(),  # LoRA options: a resume with others is refused
+             trained.LORA_KEY: lora.lora_record(cfg, run.family),  # LoRA options: a resume with others is refused
              **resume.optim_extra(o)}  # the optimizer's states and offload: a resume must match them
     context = HookContext(run=run, action_stats=stats)
     after = [h for h in (make(context) for make in hooks) if h is not None]  # built before the first step

@@ -63,7 +63,7 @@ class Validator:
     def __init__(self, run: Run) -> None:
         rank, size = run.rank, run.world_size
         with config_terms(run.config):
-            held = open_dataset(run.config, run.split.held_out)
+            held = open_dataset(run.config, run.split.held_out, model_cfg=run.model_config, family=run.family)
         self.run = run.with_dataset(held)  # the held-out episodes with the training geometry and options
         # the model's own text-slot count per call, as validation has always run
         self.forward = replace(self.run.forward, text_slots=None)

@@ -37,6 +37,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from flexpack.run.resolve import config_family, model_config_of
+
 if TYPE_CHECKING:
     from flexpack.data.normalization import ActionStats
     from flexpack.data.v21 import Dataset21
@@ -111,7 +113,7 @@ def sources(cfg: TrainConfig) -> list[ExportSource]:
     them: the entry's, else the family's), else ``data.root`` (cameras: ``data.cameras``, else ``obs_cam_keys``)."""
     from flexpack.data.mixture import entry_name
 
-    conv = cfg.model.model_family().conventions(cfg.model.resolved())
+    conv = config_family(cfg).conventions(model_config_of(cfg))
     family = tuple(conv.action_channels) if conv.action_channels is not None else tuple(range(conv.action_dim))
     if not cfg.data.datasets:
         cams = tuple(cfg.data.cameras or conv.cameras or ())
@@ -249,7 +251,7 @@ def bundle_normalization(cfg: TrainConfig, state: dict[str, Any], where: str,
     taken at its action channels (see the module docstring)."""
     from flexpack.data.normalization import ActionStats
 
-    conv = cfg.model.model_family().conventions(cfg.model.resolved())
+    conv = config_family(cfg).conventions(model_config_of(cfg))
     src = export_source(cfg, dataset)
     used = list(src.channels)
     model = trained_stats(cfg, state, where, src)
@@ -272,7 +274,7 @@ def trained_stats(cfg: TrainConfig, state: dict[str, Any], where: str, src: Expo
     from flexpack.data.normalization import ActionStats
     from flexpack.run.state.resume import saved_entry_stats, saved_stats
 
-    conv = cfg.model.model_family().conventions(cfg.model.resolved())
+    conv = config_family(cfg).conventions(model_config_of(cfg))
     if src.entry is None:
         model = saved_stats(state, where, width=conv.action_dim)
         if model is None and cfg.data.normalize:  # a checkpoint without statistics: the bundle's own
@@ -299,7 +301,7 @@ def trained_stats(cfg: TrainConfig, state: dict[str, Any], where: str, src: Expo
 def check_steps(cfg: TrainConfig, dataset: str | None = None) -> None:
     """``action_per_frame`` LeRobot's policy can run on the bundle's encoding (before any weight is read): a multiple
     of the VAE's 4 frames, 4 x the latents' ``frame_ids`` stride."""
-    apf = cfg.model.resolved().action_per_frame
+    apf = model_config_of(cfg).action_per_frame
     if apf % VAE_STRIDE:
         raise ValueError(f"--format lerobot: action_per_frame = {apf}, but LeRobot's lingbot_va policy encodes "
                          f"{VAE_STRIDE} keyframes per latent frame, one every action_per_frame // {VAE_STRIDE} "
@@ -322,7 +324,7 @@ def lerobot_layout(cfg: TrainConfig, stats: ActionStats, dataset: str | None = N
     docstring)."""
     from lerobot.configs.types import FeatureType, PolicyFeature
 
-    model_cfg = cfg.model.resolved()
+    model_cfg = model_config_of(cfg)
     if stats.mode != "quantile":
         raise ValueError(f"--format lerobot: the run normalized its actions with {stats.mode!r} statistics, but "
                          "LeRobot's lingbot_va postprocessor maps actions with q01 / q99 (QUANTILES)")

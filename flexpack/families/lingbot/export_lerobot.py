@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from flexpack.data.formats import is_bundle
+from flexpack.run.resolve import model_config_of
 
 if TYPE_CHECKING:
     from flexpack.data.normalization import ActionStats
@@ -63,7 +64,7 @@ def check_config(cfg: TrainConfig, options: Any = None) -> None:
     """One line for a lingbot-va config LeRobot's ``lingbot_va`` policy cannot represent (the module docstring)."""
     from lerobot.policies.lingbot_va.configuration_lingbot_va import LingBotVAConfig
 
-    model_cfg = cfg.model.resolved()
+    model_cfg = model_config_of(cfg)
     theirs = {f.name for f in dataclasses.fields(LingBotVAConfig)}
     for f in dataclasses.fields(model_cfg):
         if f.name in FIXED:
@@ -126,7 +127,7 @@ def unrunnable(cfg: TrainConfig, wan_pretrained_path: str | None) -> list[str]:
             reasons.append(f"its task texts came from the {text!r} encoder ({text_file}), which LeRobot's policy "
                            "cannot run: it encodes prompts with the UMT5 of wan_pretrained_path (flexpack encode "
                            "--text-encoder umt5:PATH, then train again)")
-    m = cfg.model.resolved()
+    m = model_config_of(cfg)
     where, configs = _frozen_configs(wan_pretrained_path)
     for sub, key, field in (("vae", "z_dim", "in_channels"), ("text_encoder", "d_model", "text_dim")):
         theirs = configs.get(sub, {}).get(key)
@@ -149,7 +150,7 @@ def _cache_files(cfg: TrainConfig) -> tuple[Path, Path | None]:
         raise ValueError(f"--format lerobot reads the run's dataset and latent cache, but data.root = "
                          f"{cfg.data.root!r} cannot be read ({exc}); --set data.root=DATASET (with its latents)"
                          ) from None
-    model_cfg = cfg.model.resolved()
+    model_cfg = model_config_of(cfg)
     given = list(model_cfg.obs_cam_keys) or (list(cfg.data.cameras) if cfg.data.cameras else None)
     cams = resolve_cameras(src.video_keys, given, src.info_file)
     latents = Path(cfg.data.latents_dir) if cfg.data.latents_dir else cache.default_latents_dir(src.root)
@@ -193,7 +194,7 @@ def policy_layout(cfg: TrainConfig, stats: ActionStats) -> dict[str, Any]:
     from flexpack.data.episodes import EpisodeSource
     from flexpack.data.problems import resolve_cameras
 
-    model_cfg = cfg.model.resolved()
+    model_cfg = model_config_of(cfg)
     if stats.mode != "quantile":
         raise ValueError(f"--format lerobot: the run normalized its actions with {stats.mode!r} statistics, but "
                          "LeRobot's lingbot_va postprocessor maps actions with q01 / q99 (QUANTILES); train with "
@@ -232,7 +233,7 @@ def policy_config(cfg: TrainConfig, layout: dict[str, Any], wan_pretrained_path:
     """LeRobot's ``LingBotVAConfig`` of the run (``wan_pretrained_path`` None: LeRobot's default)."""
     from lerobot.policies.lingbot_va.configuration_lingbot_va import LingBotVAConfig
 
-    fields = cfg.model.resolved().lerobot_fields()
+    fields = model_config_of(cfg).lerobot_fields()
     fields.update({"camera_layout": "width_concat", **layout}, patch_size=tuple(fields["patch_size"]),
                   attn_mode="torch", device="cpu")  # device: null in the written config.json
     if wan_pretrained_path is not None:

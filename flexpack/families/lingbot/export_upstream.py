@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from flexpack.run.resolve import config_family, model_config_of
+
 if TYPE_CHECKING:
     from flexpack.run.config import TrainConfig
 
@@ -114,7 +116,7 @@ def _cameras(cfg: TrainConfig, dataset: str | None) -> dict[str, Any]:
     from flexpack.data.problems import resolve_cameras
 
     src = EpisodeSource(cfg.data.root)
-    conv = cfg.model.model_family().conventions(cfg.model.resolved())
+    conv = config_family(cfg).conventions(model_config_of(cfg))
     given = list(conv.cameras) or (list(cfg.data.cameras) if cfg.data.cameras else None)
     names = resolve_cameras(src.video_keys, given, src.info_file)
     frames = {c: frame_shape(src.meta.features[c], c, src.info_file) for c in names}
@@ -140,7 +142,7 @@ def _statistics(norm: dict[str, Any], action_dim: int) -> dict[str, Any]:
 
 def export_fields(cfg: TrainConfig, norm: dict[str, Any], dataset: str | None) -> dict[str, Any]:
     """``flexpack_export.json``: upstream's config fields of the run, then flexpack's (the module docstring)."""
-    m = cfg.model.resolved()
+    m = model_config_of(cfg)
     cams = _cameras(cfg, dataset)
     stats = _statistics(norm, m.action_dim)
     # a bundle run's: the channels of the source described (a mixture entry's own action_channels)
@@ -158,7 +160,7 @@ def export_fields(cfg: TrainConfig, norm: dict[str, Any], dataset: str | None) -
 def write_upstream(job: Any, folder: Path) -> None:
     """The ``lingbot-upstream`` format of an :class:`~flexpack.tools.export_io.ExportJob` into ``folder``."""
     cfg, opts = job.cfg, job.options
-    model_cfg = cfg.model.resolved()
+    model_cfg = model_config_of(cfg)
     fields = export_fields(cfg, job.norm, opts.dataset)  # the data's facts first: a refusal writes no weights
     write_transformer(folder / "transformer", job.model.state_dict(), model_cfg, opts.dtype)
     if job.averaged is not None:

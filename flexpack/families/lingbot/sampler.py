@@ -39,7 +39,6 @@ frames at the defaults).
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
@@ -48,8 +47,7 @@ from torch import Tensor, nn
 
 from flexpack.attention.masks import mask_kind
 from flexpack.flow.objective import shift_sigma
-from flexpack.run.config import TrainConfig
-from flexpack.run.root import forward_options, full_text
+from flexpack.run.root import Run, full_text
 from flexpack.sampling.pairs import Pair, pair_noise
 from flexpack.sampling.schedule import solve
 from flexpack.sampling.solver import PackedSampler, SampleOptions, episode_grids
@@ -103,13 +101,12 @@ class LingbotSampler(PackedSampler):
     ``dataset``, where a stream is guided); ``noise``: the starting noise of a pack (default
     :func:`~flexpack.sampling.pairs.pair_noise`, per pair and coordinates inside its episode)."""
 
-    def __init__(self, model: nn.Module, cfg: TrainConfig, tokens_per_frame: int, device: torch.device,
-                 options: SampleOptions = SampleOptions(), *, max_tokens: int | None = None,
-                 text_slots: int | None = None, stage: int | None = None, dataset: Any = None,
+    def __init__(self, model: nn.Module, run: Run, options: SampleOptions = SampleOptions(), *,
+                 max_tokens: int | None = None, text_slots: int | None = None, stage: int | None = None,
                  negative_text: tuple[Tensor, int] | None = None, noise: NoiseFn | None = None) -> None:
-        super().__init__(model, cfg, tokens_per_frame, device, options, max_tokens=max_tokens, text_slots=text_slots,
-                         stage=stage, dataset=dataset)
-        model_cfg = self.family_config = cfg.model.resolved()
+        super().__init__(model, run, options, max_tokens=max_tokens, text_slots=text_slots, stage=stage)
+        model_cfg = self.family_config = run.model_config
+        dataset = self.dataset
         self.C, self.window = int(model_cfg.frame_chunk_size), int(model_cfg.attn_window)
         self.video = Stream(stream_grid(model_cfg.num_inference_steps, model_cfg.snr_shift), model_cfg.guidance_scale)
         self.action = Stream(stream_grid(model_cfg.action_num_inference_steps, model_cfg.action_snr_shift),
@@ -126,14 +123,14 @@ class LingbotSampler(PackedSampler):
         self.noise = noise or (lambda lay, pairs, ls, acs, dev: pair_noise(lay, [p.seed for p in pairs], ls, acs, dev))
 
     @staticmethod
-    def context_chunk(cfg: TrainConfig) -> int:
+    def context_chunk(run: Run) -> int:
         """Cut points sit on chunk boundaries: ``frame_chunk_size`` (LeRobot's chunks)."""
-        return int(cfg.model.resolved().frame_chunk_size)
+        return int(run.model_config.frame_chunk_size)
 
     @staticmethod
-    def config_steps(cfg: TrainConfig) -> int:
+    def config_steps(run: Run) -> int:
         """The video stream's solver steps (the action stream's are ``action_num_inference_steps``)."""
-        return int(cfg.model.resolved().num_inference_steps)
+        return int(run.model_config.num_inference_steps)
 
     def stage_count(self, p: Pair) -> int:
         """The rest of the block the pair's next target frame is in (LeRobot's chunks are aligned at 0)."""
@@ -152,7 +149,7 @@ class LingbotSampler(PackedSampler):
         x, a, amask = batch.latent.float(), batch.action.float(), batch.action_mask
         noise, anoise = self.noise(lay, pairs, x.shape, a.shape, dev)
         t5, a_live = target[:, None, :, None, None], target[:, None, :, None] & amask
-        forward = forward_options(self.cfg, self.text_slots)
+        forward = replace(self.sample_run.forward, text_slots=self.text_slots)
         n_valid = int(lay.episode_frames.sum()) * self.tpf
         zero_t = torch.zeros(target.shape, device=dev)
         # one chunk size and window per episode, as training passes them (the same mask build, compiled once):
@@ -162,12 +159,11 @@ class LingbotSampler(PackedSampler):
                      for k in mask_kind(self.cfg.model.mask).options if k in per_episode}
         texts = (batch.text, None if self.negative is None else
                  self.negative.to(dev, batch.text.dtype).expand(batch.text.shape[0], -1, -1))
-        bf16 = self.opt.dtype == "bfloat16"
 
         def call(noisy: Tensor, clean: Tensor, noisy_a: Tensor, t_v: Tensor, t_a: Tensor, text: Tensor) -> Any:
             inputs = replace(batch, latent=torch.stack([noisy, clean]).to(batch.latent.dtype),
                              action=torch.stack([noisy_a, a]), text=text)
-            with torch.autocast(dev.type, torch.bfloat16) if bf16 else contextlib.nullcontext():
+            with self.opt.autocast(self.sample_run):
                 out = forward.call(self.model, inputs, timestep=torch.stack([t_v, zero_t]),
                                    action_timestep=torch.stack([t_a, zero_t]), **mask_opts)
             self.forwards += 1

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from flexpack.families.wan.config import LEGACY_ACTION_POSITIONS, WanVAConfig, check_action_positions
+from flexpack.run.resolve import model_config_of
 
 ACTION_FORMAT = "flexpack-action-stream-v1"
 
@@ -45,7 +46,7 @@ def write_diffusers(job: Any, folder: Path) -> None:
     """The ``diffusers`` format (the module docstring's layout but ``flexpack_config.json`` and
     ``export.json``, which every format gets) into ``folder``."""
     cfg, model, dtype = job.cfg, job.model, job.options.dtype
-    model_cfg = cfg.model.resolved()
+    model_cfg = model_config_of(cfg)
     write_weights(folder, model.state_dict(), model_cfg, action_steps=cfg.data.action_steps, dtype=dtype)
     if job.averaged is not None:
         (folder / "ema").mkdir()

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from flexpack.data.normalization import ActionStats
 from flexpack.parallel.parallelize import world
 from flexpack.run.config import TrainConfig
+from flexpack.run.resolve import config_family, lora_record, model_config_of
 from flexpack.run.state import checkpoint
 from flexpack.run.state.runfolder import config_changes
 from flexpack.run.state.trained import LORA_KEY, MODEL_KEY, model_record
@@ -47,9 +48,10 @@ ORDER_KEYS = {
 }
 
 
-def find(cfg: TrainConfig, rank: int = 0) -> Path | None:
+def find(cfg: TrainConfig, rank: int = 0, model_cfg: Any = None) -> Path | None:
     """The run folder's newest complete, intact checkpoint; each damaged newer one is reported in one
-    line. Rank 0 reads the contents (checksums) and tells the other ranks which one it took."""
+    line. Rank 0 reads the contents (checksums) and tells the other ranks which one it took. ``model_cfg``: the
+    run's resolved model config (the shape a resume compares; default: resolved here)."""
     run, problems = Path(cfg.runtime.out_dir), []
 
     def damaged(why: str) -> None:
@@ -70,7 +72,7 @@ def find(cfg: TrainConfig, rank: int = 0) -> Path | None:
         raise ValueError(f"{run}: holds checkpoint {found.name} but checkpoint.resume is false; "
                          "choose another runtime.out_dir (or set checkpoint.resume = true)")
     if found is not None:
-        check_model(found, cfg)
+        check_model(found, cfg, model_cfg)
         check_lora(found, cfg)
     return found
 
@@ -132,26 +134,26 @@ def _field(fam: Any, key: str) -> str:
 
 def _set_by(cfg: TrainConfig, name: str) -> str:
     """The config key that gives the resolved model field ``name`` its value now."""
-    fam = cfg.model.model_family()
+    fam = config_family(cfg)
     for key in cfg.model.overrides:
         if _field(fam, key) == name:
             return f"model.overrides.{key}"
     return "model.pretrained" if cfg.model.pretrained and name in fam.shape_fields else "model.preset"
 
 
-def check_model(path: Path, cfg: TrainConfig) -> None:
+def check_model(path: Path, cfg: TrainConfig, model_cfg: Any = None) -> None:
     """Refuse, in one line and before any weights load, a resume whose model has another family, preset or
     shape than the checkpoint's: each key with the checkpoint's value and the new one. The shape is the
     resolved model config's (``model.pretrained``'s config.json included) against the one the checkpoint
     records; a checkpoint written without that record compares the ``model.overrides`` of shape fields."""
     saved = _saved_config(path)
     model = (saved or {}).get("model") or {}
-    fam = cfg.model.model_family()
+    fam = config_family(cfg)
     parts = [f"model.{k} is {model[k]!r} there and {getattr(cfg.model, k)!r} now" for k in ("family", "preset")
              if k in model and model[k] != getattr(cfg.model, k)]
     recorded = (json.loads((path / "train_state.json").read_text()).get("extra") or {}).get(MODEL_KEY)
     if not parts and recorded is not None:
-        now = model_record(cfg.model.resolved())
+        now = model_record(model_config_of(cfg) if model_cfg is None else model_cfg)
         names = [*fam.shape_fields, *(n for n in SHAPE_EXTRA if n in recorded and n not in fam.shape_fields)]
         parts = [f"model.{n} is {recorded.get(n)!r} there and {now.get(n)!r} now ({_set_by(cfg, n)})"
                  for n in names if recorded.get(n) != now.get(n)]
@@ -170,7 +172,7 @@ def check_lora(path: Path, cfg: TrainConfig) -> None:
     """Refuse, in one line and before any weights load, a resume whose LoRA options (``[lora]``) differ from those
     the checkpoint records (``extra.lora``; none recorded: trained without LoRA)."""
     saved = (json.loads((path / "train_state.json").read_text()).get("extra") or {}).get(LORA_KEY)
-    now = cfg.lora_record()
+    now = lora_record(cfg)
     if saved == now:
         return
     if saved is None or now is None:

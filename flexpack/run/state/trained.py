@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from flexpack.errors import UserError
+from flexpack.run.resolve import config_family, model_config_of
 from flexpack.run.state import checkpoint as ckpt
 from flexpack.run.state.runfolder import config_changes
 
@@ -34,12 +35,12 @@ if TYPE_CHECKING:
 DATA_KEYS = ("cameras", "action_steps", "stride", "segments")
 HOW_TO_RUN = ("attn_backend", "activation_checkpointing")  # WanVAConfig fields that say how, not what
 MODEL_KEY = "model_config"  # train_state.json's extra: the resolved model config of the weights (model_record)
-LORA_KEY = "lora"  # train_state.json's extra: the LoRA options of the weights (TrainConfig.lora_record), null: none
+LORA_KEY = "lora"  # train_state.json's extra: the LoRA options of the weights (run/lora.py: lora_record), null: none
 
 
 def saved_lora(checkpoint: str | os.PathLike) -> dict[str, Any] | None:
     """The LoRA options a checkpoint folder records (``train_state.json``'s ``extra.lora``,
-    :meth:`~flexpack.run.config.TrainConfig.lora_record`); None: trained without LoRA (or before LoRA existed)."""
+    :func:`~flexpack.run.lora.lora_record`); None: trained without LoRA (or before LoRA existed)."""
     state = _json(Path(checkpoint) / "train_state.json")
     return (state.get("extra") or {}).get(LORA_KEY)
 
@@ -49,9 +50,10 @@ def trained_values(cfg: TrainConfig) -> dict[str, Any]:
     resolved model (every WanVA field but how it runs, the mask and chunk, any further model key such as a
     family), the whole objective, and the data keys of :data:`DATA_KEYS`."""
     d = cfg.to_dict()
-    model = {k: v for k, v in d["model"].items() if k not in ("overrides", "pretrained", "preset")}
-    how = HOW_TO_RUN + cfg.model.model_family().sampling_fields  # the family's sampling knobs say how, not what
-    wan = {k: v for k, v in dataclasses.asdict(cfg.model.resolved()).items() if k not in how}
+    model = {k: v for k, v in d["model"].items()
+             if k not in ("overrides", "pretrained", "preset", "recorded", "recorded_from")}
+    how = HOW_TO_RUN + config_family(cfg).sampling_fields  # the family's sampling knobs say how, not what
+    wan = {k: v for k, v in dataclasses.asdict(model_config_of(cfg)).items() if k not in how}
     data = {k: d["data"][k] for k in DATA_KEYS if k in d["data"]}
     return {"model": {**model, **wan}, "objective": d["objective"], "data": data}
 
@@ -159,8 +161,11 @@ def recorded_model(source: str | os.PathLike) -> ModelRecord | None:
 
 
 def pinned(cfg: TrainConfig, record: ModelRecord | None) -> TrainConfig:
-    """``cfg`` of the model the weights record (:meth:`~flexpack.run.config.ModelConfig.pinned`), ``cfg`` itself
-    without a record."""
+    """``cfg`` of the model the weights record, ``cfg`` itself without a record: ``model.recorded`` holds the
+    record's fields (its shape fields and the family's checkpoint defaults replace the preset's where
+    ``model.overrides`` does not set them: :func:`flexpack.run.resolve.base_model_config`) and ``model.pretrained``
+    is cleared (the weights come from the checkpoint)."""
     if record is None:
         return cfg
-    return dataclasses.replace(cfg, model=cfg.model.pinned(record.fields, str(record.where)))
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, pretrained="", recorded=dict(record.fields),
+                                                              recorded_from=str(record.where)))

@@ -21,9 +21,10 @@ If the run has fewer steps left than warm-up + n, one line says so and what ther
 FLOPs come from the run (:meth:`StepProfiler.for_training`, :mod:`flexpack.run.root`).
 
 The variables ``LINGBOT_PROFILE`` and ``LINGBOT_PROFILE_WARMUP`` stay for runs started without
-touching the config: where one is set it wins over its config key, and rank 0 prints one line
-saying so (:func:`resolve`). The peak behind MFU is ``profile.peak_tflops`` (measured at the start
-when unset), the same figure as ``metrics.jsonl``'s ``mfu``.
+touching the config: ``flexpack train`` reads them (:func:`flexpack.commands.train.profile_env`) into
+``profile.env_steps`` / ``profile.env_warmup``, which win over their keys (rank 0 prints one line where
+they differ) and are saved with the run's config; this module reads the config alone. The peak behind
+MFU is ``profile.peak_tflops`` (measured at the start when unset), the same figure as ``metrics.jsonl``'s ``mfu``.
 """
 
 from __future__ import annotations
@@ -49,31 +50,6 @@ if TYPE_CHECKING:
     from flexpack.run.config import TrainConfig
 
 ENV, ENV_WARMUP = "LINGBOT_PROFILE", "LINGBOT_PROFILE_WARMUP"
-
-
-def _env_int(name: str, default: int) -> int:
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return default
-    try:
-        value = int(text)
-    except ValueError:
-        raise ValueError(f"{name} must be a non-negative integer, got {text!r}") from None
-    if value < 0:
-        raise ValueError(f"{name} must be a non-negative integer, got {text!r}")
-    return value
-
-
-def resolve(name: str, key: str, configured: int, rank: int = 0) -> int:
-    """The value of config key ``key`` (``configured``) unless environment variable ``name`` is set:
-    then the variable wins (a job script's one-off override of the config), with a line on rank 0
-    when the two differ."""
-    if not os.environ.get(name, "").strip():
-        return configured
-    value = _env_int(name, 0)
-    if value != configured and rank == 0:
-        print(f"{name}={value} overrides {key} = {configured}", file=sys.stderr, flush=True)
-    return value
 
 
 def plan(steps: int, warmup: int, steps_left: int | None, source: str = ENV) -> tuple[int, int, int, str | None]:
@@ -121,7 +97,7 @@ class StepProfiler:
 
     Args:
         out_dir: the run folder (files go to ``out_dir/profile``).
-        steps, warmup: profiled and warm-up steps (default ``LINGBOT_PROFILE`` / ``LINGBOT_PROFILE_WARMUP``).
+        steps, warmup: profiled and warm-up steps (warm-up default 2 where ``steps`` > 0, else 0).
         steps_left: optimizer steps the run will do (the window is fitted into them).
         first_step: the run's step count before the first hooked step (steps are logged 1-based after it).
         tokens_per_frame, copies: computed tokens of a micro-batch = frames × tokens_per_frame × copies.
@@ -132,13 +108,12 @@ class StepProfiler:
         device: where the step runs (CUDA: device time and peak memory; else CPU op time and RSS).
     """
 
-    def __init__(self, out_dir: str | os.PathLike, rank: int = 0, steps: int | None = None, warmup: int | None = None,
+    def __init__(self, out_dir: str | os.PathLike, rank: int = 0, steps: int = 0, warmup: int | None = None,
                  *, steps_left: int | None = None, first_step: int = 0, tokens_per_frame: int = 1, copies: int = 1,
                  flops: Callable[[Any, int], float] | None = None, device: torch.device | str | None = None,
-                 peak_tflops: float | None = None, source: str = ENV) -> None:
-        self.steps = _env_int(ENV, 0) if steps is None else steps
-        self.warmup = ((_env_int(ENV_WARMUP, 2) if self.steps else 0)  # read only when profiling
-                       if warmup is None else warmup)
+                 peak_tflops: float | None = None, source: str = "profile.steps") -> None:
+        self.steps = steps
+        self.warmup = (2 if self.steps else 0) if warmup is None else warmup
         self.dir, self.rank = Path(out_dir) / "profile", rank
         self.first_step, self.tpf, self.copies, self.flops = first_step, tokens_per_frame, copies, flops
         self.peak_tflops = peak_tflops
@@ -176,16 +151,15 @@ class StepProfiler:
     def for_training(cls, cfg: TrainConfig, rank: int, *, steps_left: int, first_step: int, model: Any, geometry: Any,
                      device: torch.device, objective: Any) -> "StepProfiler":
         """The profiler of :func:`flexpack.training.loop.train`: steps, warm-up and the peak from the config
-        (``LINGBOT_PROFILE`` / ``LINGBOT_PROFILE_WARMUP`` win where set); token counts, copies and FLOPs
+        (:meth:`~flexpack.run.config_sections.ProfileConfig.window`: ``LINGBOT_PROFILE`` / ``_WARMUP`` as
+        ``flexpack train`` read them win); token counts, copies and FLOPs
         from the run's model config, token geometry and objective (:class:`~flexpack.run.root.Run`)."""
         from flexpack.training.observe.flops import UsefulFlops
 
         flops = UsefulFlops(model, geometry, objective=objective, seed=cfg.runtime.seed)
 
         rt = cfg.runtime
-        steps = resolve(ENV, "profile.steps", cfg.profile.steps, rank)
-        source = ENV if os.environ.get(ENV, "").strip() else "profile.steps"
-        warmup = resolve(ENV_WARMUP, "profile.warmup", cfg.profile.warmup, rank) if steps else 0
+        steps, warmup, source = cfg.profile.window()  # the variables flexpack train read win (profile.env_*)
         return cls(rt.out_dir, rank, steps, warmup, steps_left=steps_left, first_step=first_step,
                    tokens_per_frame=geometry.tokens_per_frame, copies=geometry.copies, flops=flops, device=device,
                    peak_tflops=cfg.profile.peak_tflops, source=source)
