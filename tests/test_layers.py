@@ -332,9 +332,6 @@ TRAIN_CONFIG_KNOWN = {
     # observe/ reads the config's log / profile sections (its rule: from run/ only config.py)
     "training/observe/metrics.py", "training/observe/profiling.py", "training/observe/tracking.py",
     "tools/config_doc.py",  # documents the config class itself
-    # export writers take the trained run's config (the registry's ExportFormat signature), not a Run yet
-    "tools/export.py", "tools/export_io.py", "tools/export_extras.py", "families/wan/export_policy.py",
-    "families/lingbot/export_bundle.py", "families/lingbot/export_lerobot.py", "families/lingbot/export_upstream.py",
 }
 
 
