@@ -328,7 +328,6 @@ TRAIN_CONFIG_OWNERS = ("run/", "commands/", "__init__.py")
 TRAIN_CONFIG_KNOWN = {
     # the loop is a function over the config: preflight, the run folder and the resume check come before the Run
     "training/loop.py",
-    "tools/config_doc.py",  # documents the config class itself
 }
 
 
