@@ -94,6 +94,7 @@ MOVED_MODULES = {
     "flexpack.tools.export_upstream": "flexpack.families.lingbot.export_upstream",
     "flexpack.tools.export_bundle": "flexpack.families.lingbot.export_bundle",
     "flexpack.attention.mask_lingbot": "flexpack.families.lingbot.mask",
+    "flexpack.tools.config_doc": "flexpack.run.config_doc",
 }
 
 

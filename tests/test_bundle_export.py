@@ -25,12 +25,19 @@ from flexpack.data.bundle import BundleDataset  # noqa: E402
 from flexpack.families.lingbot import export_lerobot  # noqa: E402
 from flexpack.families.lingbot.convert import to_lerobot_state_dict  # noqa: E402
 from flexpack.run.build import open_dataset  # noqa: E402
+from flexpack.run.compose import compose  # noqa: E402
 from flexpack.run.model import build_model  # noqa: E402
 from flexpack.run.resolve import model_config_of  # noqa: E402
 from flexpack.run.state import checkpoint  # noqa: E402
 from flexpack.training.loop import train  # noqa: E402
 from helpers import BUNDLE_CAMS, LINGBOT_TINY, bundle_run, run_cli, sample_run_and_export, tiny_config  # noqa: E402
 from test_lingbot_export import save_frozen_modules  # noqa: E402
+
+
+def exported(cfg):
+    """``cfg`` composed as ``flexpack export`` composes a checkpoint's config."""
+    return compose(cfg, "export", device=torch.device("cpu"))
+
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 MAIN, LEFT, RIGHT = BUNDLE_CAMS
@@ -164,8 +171,8 @@ def test_action_steps_lerobot_cannot_run(tshape_run, tmp_path) -> None:
                       "data.action_steps=6", "data.stride=6")
     with pytest.raises(ValueError, match=r"action_per_frame = 6, but LeRobot's lingbot_va policy encodes 4 keyframes "
                                          r"per latent frame.*must be a multiple of 4"):
-        export_lerobot.check_config(cfg)
-    export_lerobot.check_config(tshape_run[0])  # data.stride is a latent cache's: a bundle's frame_ids decide
+        export_lerobot.check_config(exported(cfg))
+    export_lerobot.check_config(exported(tshape_run[0]))  # data.stride is a latent cache's: a bundle's frame_ids decide
 
 
 def test_datasets_whose_cameras_differ_need_dataset(tshape_run, tmp_path, capsys) -> None:

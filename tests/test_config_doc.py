@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from flexpack.cli import main
+from flexpack.run import config_doc
 from flexpack.run.config import TrainConfig, load_config
 from flexpack.run.resolve import checked
-from flexpack.tools import config_doc
 
 ROOT = Path(__file__).resolve().parents[1]
 

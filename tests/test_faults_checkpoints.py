@@ -269,13 +269,13 @@ def test_tensorboard_restart_before_any_checkpoint_drops_the_killed_runs_steps(t
     from flexpack.training.observe import tracking
 
     cfg = load_config(None, ["log.tensorboard=true"])
-    with tracking.MetricSinks(tmp_path, cfg) as sinks:  # killed before its first checkpoint
+    with tracking.MetricSinks(tmp_path, cfg.log) as sinks:  # killed before its first checkpoint
         for step in (1, 2, 3):
             sinks.log({"step": step, "loss": 1.0})
     # event files sort by name: seconds, host, pid, then a per-process counter that sorts "10" before "9";
     # a restarted process starts in a later second, so the test does too
     time.sleep(1.1)
-    with tracking.MetricSinks(tmp_path, cfg, start_step=0) as sinks:  # starts over from step 0
+    with tracking.MetricSinks(tmp_path, cfg.log, start_step=0) as sinks:  # starts over from step 0
         for step in (1, 2):
             sinks.log({"step": step, "loss": 2.0})
     acc = EventAccumulator(str(tmp_path / "tb"))

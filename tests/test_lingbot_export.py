@@ -23,11 +23,18 @@ from flexpack.data.episodes import EpisodeSource  # noqa: E402
 from flexpack.data.normalization import ActionStats  # noqa: E402
 from flexpack.families.lingbot import export_lerobot  # noqa: E402
 from flexpack.families.lingbot.convert import to_lerobot_state_dict  # noqa: E402
+from flexpack.run.compose import compose  # noqa: E402
 from flexpack.run.model import build_model  # noqa: E402
 from flexpack.run.state import checkpoint  # noqa: E402
 from flexpack.training.loop import train  # noqa: E402
 from helpers import run_cli, tiny_config  # noqa: E402
 from lingbot_tiny import save_frozen_modules  # noqa: E402
+
+
+def exported(cfg):
+    """``cfg`` composed as ``flexpack export`` composes a checkpoint's config."""
+    return compose(cfg, "export", device=torch.device("cpu"))
+
 
 LINGBOT = ["model.family=lingbot-va", "model.preset=lingbot-va-tiny"]
 CAM = "observation.images.cam0"
@@ -198,26 +205,26 @@ def test_an_export_lerobot_cannot_run_is_refused_unless_allowed(lingbot_run, tmp
 def test_configs_lerobot_cannot_represent(tiny_dataset, tmp_path, sets, msg) -> None:
     cfg = tiny_config(tiny_dataset, tmp_path, *LINGBOT, *sets)
     with pytest.raises(ValueError, match=msg.replace("(", r"\(").replace(")", r"\)")):
-        export_lerobot.check_config(cfg)
+        export_lerobot.check_config(exported(cfg))
 
 
 def test_fields_cameras_and_statistics_lerobot_has_no_place_for(tiny_dataset, tmp_path, monkeypatch) -> None:
     cfg = tiny_config(tiny_dataset, tmp_path, *LINGBOT)
-    export_lerobot.check_config(cfg)  # the tiny run itself is representable
+    export_lerobot.check_config(exported(cfg))  # the tiny run itself is representable
     norm = ActionStats(mode="quantile", low=(0.0,) * 6, high=(1.0,) * 6)
-    assert export_lerobot.policy_layout(cfg, norm)["obs_cam_keys"] == [CAM]
+    assert export_lerobot.policy_layout(exported(cfg), norm)["obs_cam_keys"] == [CAM]
     with pytest.raises(ValueError, match="with 'meanstd' statistics"):
-        export_lerobot.policy_layout(cfg, replace(norm, mode="meanstd"))
+        export_lerobot.policy_layout(exported(cfg), replace(norm, mode="meanstd"))
     with pytest.raises(ValueError, match=r"statistics cover 5 columns, but used_action_channel_ids = \[0, 1, 2, 3, "
                                          r"4, 5\] places 6: the actions do not map"):
-        export_lerobot.policy_layout(cfg, replace(norm, low=(0.0,) * 5, high=(1.0,) * 5))
+        export_lerobot.policy_layout(exported(cfg), replace(norm, low=(0.0,) * 5, high=(1.0,) * 5))
     other = tiny_config(tiny_dataset, tmp_path, *LINGBOT, 'model.overrides.obs_cam_keys=["observation.images.top"]')
     with pytest.raises(ValueError, match="'observation.images.top' is not in the dataset"):
-        export_lerobot.policy_layout(other, norm)
+        export_lerobot.policy_layout(exported(other), norm)
     monkeypatch.setattr(export_lerobot, "TRAINING_ONLY", ("chunk_range", "window_range", "attn_backend",
                                                           "activation_checkpointing"))
     with pytest.raises(ValueError, match="LeRobot's lingbot_va config has no field 'noisy_cond_prob'"):
-        export_lerobot.check_config(cfg)
+        export_lerobot.check_config(exported(cfg))
 
 
 def test_lerobot_runs_the_export_end_to_end(lingbot_run, tmp_path, capsys) -> None:

@@ -46,12 +46,13 @@ def test_teacher_forcing_flops_agree_between_meter_profiler_and_benchmark(tmp_pa
 
     clock = [10.0]
     monkeypatch.setattr(metrics, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
-    meter = metrics.StepMeter(cfg, CPU, model=plan.model_config, geometry=g, objective=plan.objective)
+    meter = metrics.StepMeter(cfg.profile, CPU, seed=cfg.runtime.seed, model=plan.model_config, geometry=g,
+                               objective=plan.objective)
     meter.add(batches, 0)
     clock[0] = 12.0  # the window took 2 s
     mfu = meter.read()["mfu"]
 
-    prof = StepProfiler.for_training(cfg, 0, steps_left=1, first_step=0, model=plan.model_config,
+    prof = StepProfiler.for_training(cfg.runtime, cfg.profile, 0, steps_left=1, first_step=0, model=plan.model_config,
                                      geometry=plan.geometry, device=CPU, objective=plan.objective)
     profiled = sum(prof.flops(b.layout, 0) for b in batches)
     bench = sum(batch_flops(plan.model_config, g, b.layout) for b in batches)  # benchmarks/train_step.py's count

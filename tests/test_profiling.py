@@ -145,10 +145,10 @@ def test_the_variable_wins_over_runtime_profile_steps_with_a_line(monkeypatch, c
     monkeypatch.delenv("LINGBOT_PROFILE", raising=False)
     monkeypatch.delenv("LINGBOT_PROFILE_WARMUP", raising=False)
     assert profile_env(cfg) is cfg
-    p = StepProfiler.for_training(profile_env(cfg), 0, **kw)
+    p = StepProfiler.for_training(cfg.runtime, profile_env(cfg).profile, 0, **kw)
     assert (p.enabled, p.steps, p.warmup, p.peak_tflops) == (True, 3, 1, 50.0)
     assert capsys.readouterr().err == ""  # the config alone: nothing to say
-    short = StepProfiler.for_training(cfg, 0, **{**kw, "steps_left": 2})
+    short = StepProfiler.for_training(cfg.runtime, cfg.profile, 0, **{**kw, "steps_left": 2})
     assert short.note.startswith("profile.steps=3: the run has 2 step(s) left")  # names where n came from
     monkeypatch.setenv("LINGBOT_PROFILE", "5")
     monkeypatch.setenv("LINGBOT_PROFILE_WARMUP", "1")  # the same as the key: no line for it
@@ -156,15 +156,16 @@ def test_the_variable_wins_over_runtime_profile_steps_with_a_line(monkeypatch, c
     assert (env.profile.env_steps, env.profile.env_warmup) == (5, 1)  # recorded in the config the run saves
     assert dataclasses.asdict(env)["profile"]["env_steps"] == 5
     monkeypatch.delenv("LINGBOT_PROFILE")  # the profiler reads the config, never the environment
-    p = StepProfiler.for_training(env, 0, **kw)
+    p = StepProfiler.for_training(env.runtime, env.profile, 0, **kw)
     assert (p.steps, p.warmup) == (5, 1)
     assert capsys.readouterr().err == "LINGBOT_PROFILE=5 overrides profile.steps = 3\n"
     monkeypatch.setenv("LINGBOT_PROFILE", "5")
     assert profile_env(cfg, 1).profile.env_steps == 5 and capsys.readouterr().err == ""  # rank 0 speaks
-    assert StepProfiler.for_training(env, 0, **{**kw, "steps_left": 2}).note.startswith("LINGBOT_PROFILE=5:")
+    left_2 = StepProfiler.for_training(env.runtime, env.profile, 0, **{**kw, "steps_left": 2})
+    assert left_2.note.startswith("LINGBOT_PROFILE=5:")
     monkeypatch.setenv("LINGBOT_PROFILE", "0")  # the variable switches a configured profile off
     off = profile_env(cfg)
-    assert not StepProfiler.for_training(off, 0, **kw).enabled and off.profile.env_warmup is None
+    assert not StepProfiler.for_training(off.runtime, off.profile, 0, **kw).enabled and off.profile.env_warmup is None
     assert "LINGBOT_PROFILE=0 overrides profile.steps = 3" in capsys.readouterr().err
     monkeypatch.delenv("LINGBOT_PROFILE")  # a restart without the variables: the config's keys again
     assert profile_env(env).profile.window() == (3, 1, "profile.steps")

@@ -37,6 +37,8 @@ MOVED = {
     "flexpack.tools.export_upstream": "flexpack.families.lingbot.export_upstream",
     "flexpack.tools.export_bundle": "flexpack.families.lingbot.export_bundle",
     "flexpack.attention.mask_lingbot": "flexpack.families.lingbot.mask",
+    # the config reference documents the config class itself: it belongs with it in run/
+    "flexpack.tools.config_doc": "flexpack.run.config_doc",
 }
 # names that moved out of a module that stays: (old module, name) -> the module it moved to
 MOVED_NAMES = {

@@ -18,7 +18,7 @@ def test_effects_state_the_lr_and_tokens_per_step_before_and_after():
     cfg = load_config(None, ["optim.lr=1e-3", "schedule.warmup_steps=0", "schedule.steps=40", "data.max_tokens=100",
                              "optim.accum_steps=2"])
     changed = {"schedule.steps": [20, 40], "optim.accum_steps": [1, 2]}
-    lines = effects(cfg, changed, step=10, world=1, old_world=2)
+    lines = effects(cfg.data, cfg.optim, cfg.schedule, changed, step=10, world=1, old_world=2)
     was, now = 1e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 10 / 20))), \
         1e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 10 / 40)))
     assert lines == [
@@ -31,13 +31,15 @@ def test_effects_state_the_lr_and_tokens_per_step_before_and_after():
     # a constant decay now, and more ranks in pad mode: episodes per step
     pad = load_config(None, ["data.mode=\"pad\"", "data.batch_size=4", "schedule.decay=\"constant\"", "optim.lr=2e-3",
                              "schedule.warmup_steps=0"])
-    lines = effects(pad, {"schedule.decay": ["cosine", "constant"], "optim.lr": [1e-3, 2e-3]}, step=5, world=4,
+    lines = effects(pad.data, pad.optim, pad.schedule,
+                    {"schedule.decay": ["cosine", "constant"], "optim.lr": [1e-3, 2e-3]}, step=5, world=4,
                     old_world=2)
     assert lines[0].startswith("learning rate: the decay is now constant (was cosine to step 1000); "
                                "lr at step 5 goes from 0.001 to 0.002")
     assert lines[1] == "episodes per optimizer step (data.batch_size x optim.accum_steps x ranks): 4 x 1 x 2 = 8 -> " \
                        "4 x 1 x 4 = 16"
-    assert effects(cfg, {"log.every": [1, 5]}, step=10, world=1, old_world=1) == []  # nothing to say
+    assert effects(cfg.data, cfg.optim, cfg.schedule, {"log.every": [1, 5]}, step=10, world=1,
+                   old_world=1) == []  # nothing to say
 
 
 def test_train_run_folder_resumes_and_says_what_the_changes_do(tiny_dataset, tmp_path, capfd):

@@ -206,7 +206,7 @@ def test_sample_every_writes_samples_and_resume_gives_the_same_numbers(tiny_data
     assert [e.step for e in acc.Images("sample/episode_000000/actions")] == [2, 4]
     from flexpack.training.observe import tracking
 
-    shown = tracking.outputs(straight, straight / "checkpoints" / "step_00000004", cfg_b)
+    shown = tracking.outputs(straight, straight / "checkpoints" / "step_00000004", cfg_b.log)
     assert f"samples      {straight / 'samples'}" in shown
     assert f"sample       flexpack sample {straight}" in shown.splitlines()[-1]
 

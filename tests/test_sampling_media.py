@@ -26,7 +26,7 @@ def test_log_images_writes_the_png_into_the_tensorboard_event_file(tmp_path):
 
     png, rgb = _png(tmp_path / "plot.png", 20, 30)
     cfg = load_config(None, ["log.tensorboard=true"])
-    with tracking.MetricSinks(tmp_path / "run", cfg) as sinks:
+    with tracking.MetricSinks(tmp_path / "run", cfg.log) as sinks:
         sinks.log_images(7, {"sample/actions": png})
     acc = EventAccumulator(str(tmp_path / "run" / "tb"), size_guidance={"images": 0})
     acc.Reload()
@@ -52,9 +52,9 @@ def test_log_images_goes_to_wandb_as_images_and_only_on_rank_0(tmp_path, monkeyp
     monkeypatch.setitem(sys.modules, "wandb", SimpleNamespace(init=lambda **kw: FakeRun(), Image=lambda p: ("img", p)))
     png, _ = _png(tmp_path / "a.png", 8, 8)
     cfg = load_config(None, ["log.wandb=true", "log.tensorboard=false"])
-    with tracking.MetricSinks(tmp_path / "run", cfg) as sinks:
+    with tracking.MetricSinks(tmp_path / "run", cfg.log) as sinks:
         sinks.log_images(3, {"sample/a": png})
-    with tracking.MetricSinks(tmp_path / "run1", cfg, rank=1) as sinks:
+    with tracking.MetricSinks(tmp_path / "run1", cfg.log, rank=1) as sinks:
         sinks.log_images(3, {"sample/a": png})
     assert logged == [(3, {"sample/a": ("img", str(png))})]
 

@@ -35,10 +35,10 @@ def test_scalars_are_every_numeric_key_but_step():
 
 def test_tensorboard_logs_new_keys_and_drops_replayed_steps_on_resume(tmp_path):
     cfg = load_config(None, ["log.tensorboard=true"])
-    with tracking.MetricSinks(tmp_path, cfg) as sinks:
+    with tracking.MetricSinks(tmp_path, cfg.log) as sinks:
         for step in (1, 2, 3):
             sinks.log({"step": step, "loss": 1.0 / step, "step_s": 0.5 * step})
-    with tracking.MetricSinks(tmp_path, cfg, start_step=2) as sinks:  # resumed from the step-2 checkpoint
+    with tracking.MetricSinks(tmp_path, cfg.log, start_step=2) as sinks:  # resumed from the step-2 checkpoint
         sinks.log({"step": 3, "loss": 0.25, "step_s": 9.0, "mfu": 0.5})
     got = _scalars_from_tb(tmp_path / "tb")
     assert got["train/loss"] == [(1, 1.0), (2, 0.5), (3, 0.25)]
@@ -70,7 +70,7 @@ def test_wandb_gets_the_same_scalars(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", SimpleNamespace(init=init))
     cfg = load_config(None, ["log.wandb=true", "log.tensorboard=false", "log.wandb_project=demo",
                              'log.wandb_entity="lab"', 'log.wandb_tags=["aloha", "pack"]'])
-    with tracking.MetricSinks(tmp_path / "myrun", cfg) as sinks:
+    with tracking.MetricSinks(tmp_path / "myrun", cfg.log, config=cfg.to_dict()) as sinks:
         sinks.log({"step": 1, "loss": 2.0, "waste": 0.1, "val_loss": 3.0, "tag": "x"})
     assert calls["init"]["project"] == "demo" and calls["init"]["name"] == "myrun"
     assert calls["init"]["entity"] == "lab" and calls["init"]["tags"] == ["aloha", "pack"]
@@ -79,13 +79,13 @@ def test_wandb_gets_the_same_scalars(tmp_path, monkeypatch):
     # the run id is stored in the run folder on the first start; a resume continues that W&B run
     first = calls["init"]["id"]
     assert (tmp_path / "myrun" / "wandb_run_id").read_text().strip() == first and calls["init"]["resume"] == "allow"
-    with tracking.MetricSinks(tmp_path / "myrun", cfg, start_step=1) as sinks:
+    with tracking.MetricSinks(tmp_path / "myrun", cfg.log, config=cfg.to_dict(), start_step=1) as sinks:
         sinks.log({"step": 2, "loss": 1.0})
     assert calls["init"]["id"] == first
-    with tracking.MetricSinks(tmp_path / "fresh", cfg):
+    with tracking.MetricSinks(tmp_path / "fresh", cfg.log, config=cfg.to_dict()):
         pass
     assert calls["init"]["id"] != first  # another run folder, another W&B run
-    with tracking.MetricSinks(tmp_path / "other", cfg, rank=1) as sinks:  # only rank 0 logs
+    with tracking.MetricSinks(tmp_path / "other", cfg.log, config=cfg.to_dict(), rank=1) as sinks:  # only rank 0 logs
         sinks.log({"step": 1, "loss": 2.0})
     assert len(calls["log"]) == 2  # the two of rank 0's runs above
 
@@ -151,9 +151,9 @@ def test_real_wandb_offline_resume_continues_the_stored_run(tmp_path, monkeypatc
     monkeypatch.setenv("WANDB_SILENT", "true")
     cfg = load_config(None, ["log.wandb=true", "log.tensorboard=false"])
     run = tmp_path / "run"
-    with tracking.MetricSinks(run, cfg) as sinks:
+    with tracking.MetricSinks(run, cfg.log, config=cfg.to_dict()) as sinks:
         sinks.log({"step": 1, "loss": 2.0})
-    with tracking.MetricSinks(run, cfg, start_step=1) as sinks:
+    with tracking.MetricSinks(run, cfg.log, config=cfg.to_dict(), start_step=1) as sinks:
         sinks.log({"step": 2, "loss": 1.0})
     run_id = (run / "wandb_run_id").read_text().strip()
     offline = sorted(p.name for p in (run / "wandb").glob("offline-run-*"))

@@ -20,7 +20,6 @@ from torch import Tensor, nn
 from flexpack.flow.objectives import FlowObjective
 from flexpack.models.registry import ExportFormat, ModelFamily
 from flexpack.models.wan_blocks import TimeEmbed
-from flexpack.run.resolve import model_config_of
 
 NAME = "toy"
 
@@ -149,7 +148,7 @@ def write_toy(job: Any, folder: Path) -> None:
     from safetensors.torch import save_file
 
     save_file({k: v.contiguous() for k, v in job.model.state_dict().items()}, str(folder / "model.safetensors"))
-    (folder / "toy_config.json").write_text(json.dumps(dataclasses.asdict(model_config_of(job.cfg))))
+    (folder / "toy_config.json").write_text(json.dumps(dataclasses.asdict(job.composed.model_config)))
     (folder / "normalization.json").write_text(json.dumps(job.norm))
 
 

@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from flexpack.tools import config_doc
+    from flexpack.run import config_doc
 
     if args.action == "show":
         text = config_doc.render_show(load(args.config, args.overrides))

@@ -112,5 +112,5 @@ def run(args: argparse.Namespace) -> int:
         last = result.metrics[-1] if result.metrics else {}
         print(f"trained steps {result.start_step} -> {result.step}; loss {last.get('loss', float('nan')):.4f}; "
               f"checkpoint {result.checkpoint}")
-        print(tracking.outputs(cfg.runtime.out_dir, result.checkpoint, cfg))
+        print(tracking.outputs(cfg.runtime.out_dir, result.checkpoint, cfg.log))
     return 0

@@ -83,9 +83,10 @@ def _default_conventions(config: Any) -> DataConventions:
 @dataclass(frozen=True, kw_only=True)
 class ExportFormat:
     """One format ``flexpack export --format`` writes a family's checkpoint in: its writer (an ``ExportJob``
-    and a folder: :mod:`flexpack.tools.export_io`), the check of a config and the command's options before any
-    weight is read (None: none), the module it needs, the flexpack extra that installs it and how to load what
-    it writes (``{out}``: the folder); ``options``: the options of ``flexpack export`` only some formats take that
+    and a folder: :mod:`flexpack.tools.export_io`), the check of the checkpoint's ``"export"`` run
+    (:func:`flexpack.run.compose.compose`) and the command's options before any weight is read (None: none), the
+    module it needs, the flexpack extra that installs it and how to load what it writes (``{out}``: the folder);
+    ``options``: the options of ``flexpack export`` only some formats take that
     this one does (an ``ExportOptions`` field: ``policy``, ``wan_pretrained_path``, ``allow_unrunnable``) -> what it
     means here (:data:`flexpack.tools.export_io.FORMAT_OPTIONS`)."""
 
@@ -146,9 +147,9 @@ class ModelFamily:
     # trained-config check skips them)
     sampling_fields: tuple[str, ...] = ()
     exports: Mapping[str, ExportFormat] = field(default_factory=dict)  # --format name -> how it is written
-    # the action statistics an export records where the family reads them from its own data layout (config,
-    # train_state, the checkpoint's name, export's --dataset or None) -> (statistics, normalization.json's record),
-    # or None for flexpack's rule (flexpack.tools.export); None: that rule always
+    # the action statistics an export records where the family reads them from its own data layout (the
+    # checkpoint's "export" Run, train_state, the checkpoint's name, export's --dataset or None) -> (statistics,
+    # normalization.json's record), or None for flexpack's rule (flexpack.tools.export); None: that rule always
     export_normalization: Callable[[Any, Mapping[str, Any], str, str | None],
                                    tuple[Any, dict[str, Any]] | None] | None = None
     # what a checkpoint records beside the weights (train_state.json), from the model; None: nothing

@@ -49,22 +49,21 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from flexpack.run.resolve import config_family, model_config_of
-
 if TYPE_CHECKING:
     from flexpack.data.normalization import ActionStats
-    from flexpack.run.config import TrainConfig
+    from flexpack.run.root import Run
 
 def _check_out(out: Path) -> None:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"{out}: exists and is not empty; export writes into a new or empty folder")
 
 
-def _normalization(cfg: TrainConfig, state: dict[str, Any], where: str = "the checkpoint",
+def _normalization(run: Run, state: dict[str, Any], where: str = "the checkpoint",
                    dataset: str | None = None) -> tuple[ActionStats, dict[str, Any]]:
-    """The action normalization of the run: the statistics the weights were trained with from the checkpoint
-    where it carries them (``extra.action_normalizer``), else ``data.action_stats``'s (what LatentEpisodeDataset
-    used); and ``normalization.json``'s record, those statistics with the dataset's layout (columns, channels).
+    """The action normalization of ``run`` (the checkpoint's ``"export"`` run): the statistics the weights were
+    trained with from the checkpoint where it carries them (``extra.action_normalizer``), else
+    ``data.action_stats``'s (what LatentEpisodeDataset used); and ``normalization.json``'s record, those statistics
+    with the dataset's layout (columns, channels).
     A family that reads its own data layout decides first (``export_normalization``; ``dataset``: ``--dataset``,
     e.g. a lingbot-va mixture's entry, whose own statistics and channels it gives)."""
     from flexpack.data import action_stats, cache
@@ -73,12 +72,13 @@ def _normalization(cfg: TrainConfig, state: dict[str, Any], where: str = "the ch
     from flexpack.data.normalization import ActionStats
     from flexpack.run.state.resume import saved_stats
 
-    family_rule = config_family(cfg).export_normalization  # e.g. a lingbot-va run on a lingbot-bundle
-    if family_rule is not None and (family_stats := family_rule(cfg, state, where, dataset)) is not None:
+    cfg = run.config
+    family_rule = run.family.export_normalization  # e.g. a lingbot-va run on a lingbot-bundle
+    if family_rule is not None and (family_stats := family_rule(run, state, where, dataset)) is not None:
         return family_stats
     saved = saved_stats(state, where)
     key = "action"
-    conv = config_family(cfg).conventions(model_config_of(cfg))  # the family's action width and channels
+    conv = run.family.conventions(run.model_config)  # the family's action width and channels
     placed = None if conv.action_channels is None else list(conv.action_channels)
     if saved is not None:  # the statistics the weights were trained with: no dataset needed (it may have moved)
         stats = saved
@@ -132,14 +132,14 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike, *, ema: bool = Fa
             raise ValueError(f"--adapter {adapter}: the adapter folder must be another folder than OUT")
     options = ExportOptions(fmt=fmt, dtype=dtype, ema=ema, policy=policy, wan_pretrained_path=wan_pretrained_path,
                             allow_unrunnable=allow_unrunnable, dataset=dataset, adapter=adapter)
-    found, (cfg, model, averaged, state, adapters) = load_newest(run, "export",
+    found, (composed, model, averaged, state, adapters) = load_newest(run, "export",
                                                                  lambda f: _load(f, run, ema, overrides, options))
     if adapter is not None and adapters is None:
         raise ValueError(f"--adapter {adapter}: {found} holds no LoRA adapters (trained without LoRA); export without "
                          "--adapter")
-    fmt, writer, _ = export_format(cfg, options, found)
-    stats, norm = _normalization(cfg, state, str(found / "train_state.json"), dataset)
-    job = ExportJob(run=run, found=found, cfg=cfg, model=model, averaged=averaged, state=state, stats=stats,
+    fmt, writer, _ = export_format(composed, options, found)
+    stats, norm = _normalization(composed, state, str(found / "train_state.json"), dataset)
+    job = ExportJob(run=run, found=found, composed=composed, model=model, averaged=averaged, state=state, stats=stats,
                     norm=norm, options=options)
     print(f"export: checkpoint {found} (step {job.step}, format {fmt})", file=sys.stderr)
 
@@ -153,7 +153,7 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike, *, ema: bool = Fa
         raise ValueError(f"{out}: cannot write the export there ({exc.strerror or exc}); choose another OUT") from None
     try:
         writer(job, tmp)
-        save_config(cfg, tmp / "flexpack_config.json")
+        save_config(composed.config, tmp / "flexpack_config.json")
         (tmp / "export.json").write_text(json.dumps(
             {"run": str(run), "checkpoint": str(found), "step": job.step, "ema": ema, "format": fmt}, indent=2) + "\n")
         ordinary_modes(tmp)

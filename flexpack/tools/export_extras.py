@@ -25,7 +25,7 @@ import torch
 
 if TYPE_CHECKING:
     from flexpack.data.normalization import ActionStats
-    from flexpack.run.config import TrainConfig
+    from flexpack.run.root import Run
 
 POLICY_DIR = "lerobot_policy"
 
@@ -87,8 +87,10 @@ def sample_metrics(run: Path) -> tuple[Path | None, dict[str, float]]:
 
 
 # -- model card ------------------------------------------------------------------------------------
-def model_card(*, run: Path, cfg: TrainConfig, step: int, norm: dict[str, Any], ema: bool,
+def model_card(*, run: Path, composed: Run, step: int, norm: dict[str, Any], ema: bool,
                dataset_info: dict[str, Any]) -> str:
+    """``README.md`` of an export of the run folder ``run``, whose checkpoint ``composed`` is (its ``"export"`` run)."""
+    cfg = composed.config
     base = cfg.model.pretrained or f"none (random init, preset {cfg.model.preset!r})"
     losses = final_losses(run)
     sample_file, samples = sample_metrics(run)

@@ -3,7 +3,8 @@
 - :func:`export_format`: the format ``flexpack export`` writes (``--format``): the family's registry entry holds
   the formats it can be written in (``exports``: :class:`~flexpack.models.registry.ExportFormat`, each with its
   writer, its check and the package it needs).
-- :class:`ExportJob`: what a writer gets (the loaded checkpoint, its config and the command's options).
+- :class:`ExportJob`: what a writer gets (the loaded checkpoint, its composed export run and the command's
+  options).
 - :func:`load_checkpoint`: the checkpoint's own ``config.json`` (not the run's first one: a run
   started over with another model keeps the first) with ``--set`` overrides, and a
   single-process model of the run's family (and EMA) holding its weights.
@@ -23,11 +24,9 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 
-from flexpack.run.resolve import config_family
-
 if TYPE_CHECKING:
     from flexpack.data.normalization import ActionStats
-    from flexpack.run.config import TrainConfig
+    from flexpack.run.root import Run
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,13 +51,14 @@ class ExportOptions:
 
 @dataclass(frozen=True, kw_only=True)
 class ExportJob:
-    """A loaded checkpoint to write: the run, the checkpoint folder, its config, the model (and EMA) holding
-    its weights, its ``train_state.json``, the action statistics the weights were trained with, ``norm``: those
+    """A loaded checkpoint to write: the run folder, the checkpoint folder, ``composed``: its config composed for
+    ``"export"`` (:func:`flexpack.run.compose.compose`: the config, the family, the model config), the model (and EMA)
+    holding its weights, its ``train_state.json``, the action statistics the weights were trained with, ``norm``: those
     statistics with the dataset's layout as ``normalization.json`` records them, and the options."""
 
     run: Path
     found: Path
-    cfg: TrainConfig
+    composed: Run
     model: torch.nn.Module
     averaged: Any
     state: dict[str, Any]
@@ -71,12 +71,12 @@ class ExportJob:
         return int(self.state["step"])
 
 
-def export_format(cfg: TrainConfig, options: ExportOptions, where: Path | str) -> tuple[str, Callable[..., Any], str]:
-    """(format, its writer, its load hint) for a checkpoint of ``cfg``: ``options.fmt`` or the family's first
-    format; one line for a format the family cannot be written in or flexpack does not write, for options that
-    do not apply to it, for a package it needs that is missing and for a config the format cannot represent
-    (the format's check), all before any weight is read."""
-    fam = config_family(cfg)
+def export_format(run: Run, options: ExportOptions, where: Path | str) -> tuple[str, Callable[..., Any], str]:
+    """(format, its writer, its load hint) for a checkpoint composed as ``run`` (its ``"export"`` run): ``options.fmt``
+    or the family's first format; one line for a format the family cannot be written in or flexpack does not
+    write, for options that do not apply to it, for a package it needs that is missing and for a config the
+    format cannot represent (the format's check), all before any weight is read."""
+    fam, cfg = run.family, run.config
     formats = list(fam.export_formats)
     fmt = options.fmt or (formats[0] if formats else None)
     if fmt not in formats:
@@ -100,7 +100,7 @@ def export_format(cfg: TrainConfig, options: ExportOptions, where: Path | str) -
             raise ValueError(f"flexpack export --format {fmt} needs {spec.package}: pip install "
                              f"'flexpack[{spec.extra}]'") from None
     if spec.check is not None:
-        spec.check(cfg, options)
+        spec.check(run, options)
     return fmt, spec.writer, spec.load
 
 
@@ -126,8 +126,9 @@ def _check_format_options(options: ExportOptions, fmt: str, takes: Mapping[str, 
 def load_checkpoint(
     found: Path, run: Path, ema: bool, overrides: Sequence[str], options: ExportOptions | None = None
 ) -> tuple[Any, Any, Any, dict[str, Any], Any]:
-    """The checkpoint's config (its own config.json, else the run's first) with ``overrides``, and a
-    single-process model of its family (and EMA) with its weights; returns (config, model, ema or None,
+    """The checkpoint's config (its own config.json, else the run's first) with ``overrides``, composed for
+    ``"export"``, and a single-process model of its family (and EMA) with its weights; returns (the composed run, model,
+    ema or None,
     train_state, adapters). A LoRA checkpoint's adapters are merged into the model (float32) and also returned
     (:class:`~flexpack.run.lora.Adapters`; None without LoRA). The export format (``options``) is checked against
     the family before any weight is read."""
@@ -141,12 +142,11 @@ def load_checkpoint(
     source = run_config(run, found)
     if ema and not checkpoint.has_ema(found):
         raise ValueError(f"{found}: holds no EMA weights (trained with optim.ema_decay = 0); export without --ema")
-    cfg = load_config(source, overrides)
-    export_format(cfg, options or ExportOptions(ema=ema), found)
-    run = compose(cfg, "export", device=torch.device("cpu"))  # the family and its model config, resolved once
-    cfg = run.config
+    composed = compose(load_config(source, overrides), "export", device=torch.device("cpu"))  # resolved once
+    export_format(composed, options or ExportOptions(ema=ema), found)
+    cfg = composed.config
     with torch.device("meta"):
-        model = run.family.build(run.model_config)
+        model = composed.family.build(composed.model_config)
         record = saved_lora(found)
         if record is not None:  # a LoRA run's structure, its adapters merged below
             lora.apply(model, cfg, record=record, cast=False)
@@ -157,7 +157,7 @@ def load_checkpoint(
     if record is not None:
         adapters = lora.Adapters(config=lora.peft_config(cfg, record), state=lora.adapter_state(model))
         lora.merge(model)  # the names and tensors of a run without LoRA: every format writes them as it is
-    return cfg, model, averaged, state, adapters
+    return composed, model, averaged, state, adapters
 
 
 def ordinary_modes(folder: Path) -> None:

@@ -115,7 +115,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, run: Run | None = 
     # the config checked and its model resolved once, before any data: the resume check and the run share them
     cfg, model_cfg = (run.config, run.model_config) if run is not None else check(cfg)
     if rank == 0:
-        tracking.check(cfg)  # a missing logger package fails before any data or model work
+        tracking.check(cfg.log)  # a missing logger package fails before any data or model work
     device = preflight(cfg, stop_after, model_cfg)  # device, run folder, finite numbers: before data and model
     if rank == 0:
         runfolder.claim(cfg.runtime.out_dir, adopt=cfg.runtime.adopt_dir)  # flexpack's own folder, or refused
@@ -178,8 +178,8 @@ def _train(cfg: TrainConfig, model_cfg: Any, found: Path | None, stop: faults.Gr
     after = [h for h in (make(context) for make in hooks) if h is not None]  # built before the first step
 
     guard, meter = (faults.StepGuard(stop, o.skip_nonfinite),
-                    StepMeter(cfg, device, model=run.model_config, geometry=run.geometry,
-                              objective=run.objective))
+                    StepMeter(cfg.profile, device, seed=cfg.runtime.seed, model=run.model_config,
+                              geometry=run.geometry, objective=run.objective))
 
     def save() -> Path:
         guard.flush()  # never the weights of a non-finite step
@@ -187,9 +187,11 @@ def _train(cfg: TrainConfig, model_cfg: Any, found: Path | None, stop: faults.Gr
 
     console = Console(total=cfg.schedule.steps, start=start, end=end, log_every=cfg.log.every,
                       progress=cfg.log.progress, rank=rank)  # a bar on a terminal, plain lines in a log
-    with (StepProfiler.for_training(cfg, rank, steps_left=end - step, first_step=step, model=run.model_config,
-                                    geometry=run.geometry, objective=run.objective, device=device) as prof,
-          tracking.MetricSinks(folder, cfg, rank=rank, start_step=start) as sinks, _QuietGC() as gc_pause,
+    with (StepProfiler.for_training(cfg.runtime, cfg.profile, rank, steps_left=end - step, first_step=step,
+                                    model=run.model_config, geometry=run.geometry, objective=run.objective,
+                                    device=device) as prof,
+          tracking.MetricSinks(folder, cfg.log, config=cfg.to_dict(), rank=rank, start_step=start) as sinks,
+          _QuietGC() as gc_pause,
           cpu_threads(cfg.runtime.cpu_threads, device, model, say=rank == 0)):  # a tiny model: one thread, said
         while step < end and not signum:
             gc_pause.step(step)
@@ -287,7 +289,8 @@ def _prepare_run(run: Path, cfg: TrainConfig, start: int, size: int, old_world: 
     if start > 0 and (changed or old_world != size):
         what = ("changed config: " + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()) if changed
                 else f"{size} rank(s) instead of {old_world}")
-        notes = resume_note.effects(cfg, changed, step=start, world=size, old_world=old_world)
+        notes = resume_note.effects(cfg.data, cfg.optim, cfg.schedule, changed, step=start, world=size,
+                                    old_world=old_world)
         print(f"resuming at step {start} with {what} (recorded in {run}/config_history.jsonl)"
               + "".join(f"\n  {line}" for line in notes), file=sys.stderr)
 

@@ -10,19 +10,28 @@ the ranks from the checkpoint's ``world_size``.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
-from flexpack.run.config import TrainConfig
+from flexpack.run.config import DataConfig, OptimConfig, ScheduleConfig
 from flexpack.training.lr_schedule import lr_at
 
 
-def _value(cfg: TrainConfig, key: str) -> Any:
+@dataclass(frozen=True)
+class _Sections:
+    """The config sections a resume note reads, by the names its changed keys use (``data.max_tokens``)."""
+
+    data: DataConfig
+    optim: OptimConfig
+    schedule: ScheduleConfig
+
+
+def _value(cfg: _Sections, key: str) -> Any:
     section, name = key.split(".", 1)
     return getattr(getattr(cfg, section), name)
 
 
-def _learning_rate(cfg: TrainConfig, changed: dict[str, list[Any]], step: int) -> str | None:
+def _learning_rate(cfg: _Sections, changed: dict[str, list[Any]], step: int) -> str | None:
     if not any(k == "optim.lr" or k.startswith("schedule.") for k in changed):
         return None
     try:
@@ -45,7 +54,7 @@ def _learning_rate(cfg: TrainConfig, changed: dict[str, list[Any]], step: int) -
     return "learning rate: " + "; ".join(parts)
 
 
-def _per_step(cfg: TrainConfig, changed: dict[str, list[Any]], world: int, old_world: int) -> str | None:
+def _per_step(cfg: _Sections, changed: dict[str, list[Any]], world: int, old_world: int) -> str | None:
     per = "data.max_tokens" if cfg.data.mode == "pack" else "data.batch_size"
     keys = (per, "optim.accum_steps")
     now = (*(_value(cfg, k) for k in keys), world)
@@ -58,7 +67,10 @@ def _per_step(cfg: TrainConfig, changed: dict[str, list[Any]], world: int, old_w
             f"{now[0]} x {now[1]} x {now[2]} = {now[0] * now[1] * now[2]:,}")
 
 
-def effects(cfg: TrainConfig, changed: dict[str, list[Any]], *, step: int, world: int, old_world: int) -> list[str]:
-    """What resuming at ``step`` with ``cfg`` on ``world`` ranks changes against the last start (its changed
-    keys ``changed`` and its ``old_world`` ranks): the learning rate and the work of one optimizer step."""
+def effects(data: DataConfig, optim: OptimConfig, schedule: ScheduleConfig, changed: dict[str, list[Any]], *,
+            step: int, world: int, old_world: int) -> list[str]:
+    """What resuming at ``step`` with the config's ``data``, ``optim`` and ``schedule`` sections on ``world`` ranks
+    changes against the last start (its changed keys ``changed`` and its ``old_world`` ranks): the learning rate and
+    the work of one optimizer step."""
+    cfg = _Sections(data, optim, schedule)
     return [line for line in (_learning_rate(cfg, changed, step), _per_step(cfg, changed, world, old_world)) if line]

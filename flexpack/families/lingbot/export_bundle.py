@@ -37,12 +37,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from flexpack.run.resolve import config_family, model_config_of
-
 if TYPE_CHECKING:
     from flexpack.data.normalization import ActionStats
     from flexpack.data.v21 import Dataset21
-    from flexpack.run.config import TrainConfig
+    from flexpack.run.root import Run
 
 VAE_STRIDE, VAE_PIXELS = 4, 16  # the Wan2.2 VAE: video frames per latent frame, pixels per latent cell
 CHANNEL_NAMES = ("c", "channel", "channels", "rgb")
@@ -108,34 +106,34 @@ class ExportSource:
         return f"{self.name}/{dataset}" if self.name else dataset
 
 
-def sources(cfg: TrainConfig) -> list[ExportSource]:
+def sources(run: Run) -> list[ExportSource]:
     """Every source of the run: its mixture's entries (options as :func:`flexpack.run.build.open_mixture` reads
     them: the entry's, else the family's), else ``data.root`` (cameras: ``data.cameras``, else ``obs_cam_keys``)."""
     from flexpack.data.mixture import entry_name
 
-    conv = config_family(cfg).conventions(model_config_of(cfg))
+    conv = run.family.conventions(run.model_config)
     family = tuple(conv.action_channels) if conv.action_channels is not None else tuple(range(conv.action_dim))
-    if not cfg.data.datasets:
-        cams = tuple(cfg.data.cameras or conv.cameras or ())
-        return [ExportSource(Path(cfg.data.root), cams, cfg.data.camera_layout, family)]
+    if not run.config.data.datasets:
+        cams = tuple(run.config.data.cameras or conv.cameras or ())
+        return [ExportSource(Path(run.config.data.root), cams, run.config.data.camera_layout, family)]
     return [ExportSource(Path(e.root), tuple(e.cameras or conv.cameras or ()), e.camera_layout,
                          tuple(e.action_channels) if e.action_channels is not None else family, k, entry_name(e))
-            for k, e in enumerate(cfg.data.datasets)]
+            for k, e in enumerate(run.config.data.datasets)]
 
 
 def _shown(names: list[str]) -> str:
     return f"{names[:8]}{' ...' if len(names) > 8 else ''}"
 
 
-def export_source(cfg: TrainConfig, dataset: str | None = None) -> ExportSource:
+def export_source(run: Run, dataset: str | None = None) -> ExportSource:
     """The source an export describes (``--dataset``: the module docstring); one line for a name that is not one
     of the run's, or for a mixture whose entries differ where none is named."""
-    found = sources(cfg)
-    if not cfg.data.datasets:
+    found = sources(run)
+    if not run.config.data.datasets:
         return replace(found[0], dataset=dataset)  # the bundle's dataset names are checked as its cameras are read
     names = [s.name for s in found]
     if dataset is None:
-        why = _entries_differ(cfg, found) if len(found) > 1 else None
+        why = _entries_differ(run, found) if len(found) > 1 else None
         if why:
             raise ValueError(f"the run's data.datasets entries differ in {why}; pick the one the export describes "
                              f"with --dataset NAME (one of {_shown(names)})")
@@ -156,13 +154,13 @@ def export_source(cfg: TrainConfig, dataset: str | None = None) -> ExportSource:
     return hits[0]
 
 
-def _entries_differ(cfg: TrainConfig, found: list[ExportSource]) -> str | None:
+def _entries_differ(run: Run, found: list[ExportSource]) -> str | None:
     """What a mixture's entries differ in (action channels, statistics, cameras), or None where they agree."""
     if len({s.channels for s in found}) > 1:
         return "their action channels (" + "; ".join(f"{s.name}: {list(s.channels)}" for s in found) + ")"
-    entries = cfg.data.datasets
+    entries = run.config.data.datasets
     stats = {(e.norm_stat, e.embodiment if not e.norm_stat else "") for e in entries}
-    if cfg.data.normalize and (len(stats) > 1 or not any(next(iter(stats)))):
+    if run.config.data.normalize and (len(stats) > 1 or not any(next(iter(stats)))):
         return ("their action statistics (each entry pools its own unless they name one embodiment or one "
                 "norm_stat)")
     kinds: dict[tuple[Any, ...], BundleCameras] = {}
@@ -205,11 +203,11 @@ def _dataset_cameras(src: ExportSource, name: str, ds: Dataset21, cameras: list[
     raise ValueError(f"{ds.root}: no segment whose latent files read for the cameras {cameras} ({why})")
 
 
-def bundle_cameras(cfg: TrainConfig, dataset: str | None = None) -> BundleCameras:
+def bundle_cameras(run: Run, dataset: str | None = None) -> BundleCameras:
     """The cameras of the dataset ``dataset`` (``--dataset``: the module docstring), or of every dataset of the
     source described where they agree; one line naming the datasets where they differ, or for a name that is not
     one of the run's datasets."""
-    return _source_cameras(export_source(cfg, dataset))
+    return _source_cameras(export_source(run, dataset))
 
 
 def _source_cameras(src: ExportSource) -> BundleCameras:
@@ -244,69 +242,69 @@ def _source_cameras(src: ExportSource) -> BundleCameras:
     return found[0]
 
 
-def bundle_normalization(cfg: TrainConfig, state: dict[str, Any], where: str,
+def bundle_normalization(run: Run, state: dict[str, Any], where: str,
                          dataset: str | None = None) -> tuple[ActionStats, dict[str, Any]]:
     """(the statistics in the source columns, ``normalization.json``'s record) of a bundle run, for the source
     ``dataset`` names (:func:`export_source`): the model-space q01 / q99 it trained with (:func:`trained_stats`)
     taken at its action channels (see the module docstring)."""
     from flexpack.data.normalization import ActionStats
 
-    conv = config_family(cfg).conventions(model_config_of(cfg))
-    src = export_source(cfg, dataset)
+    conv = run.family.conventions(run.model_config)
+    src = export_source(run, dataset)
     used = list(src.channels)
-    model = trained_stats(cfg, state, where, src)
+    model = trained_stats(run, state, where, src)
     if model is None:
         model = ActionStats(mode="none", low=(0.0,) * conv.action_dim, high=(1.0,) * conv.action_dim)
     cols = ActionStats(mode=model.mode, low=tuple(model.low[c] for c in used), high=tuple(model.high[c] for c in used))
     record = {"action_key": "action", **model.to_json(), "space": "model", "action_dim": conv.action_dim,
               "columns": len(used), "channels": used, "column_low": list(cols.low), "column_high": list(cols.high),
-              "action_steps": cfg.data.action_steps, "dataset": str(src.root), "format": "lingbot-bundle",
+              "action_steps": run.config.data.action_steps, "dataset": str(src.root), "format": "lingbot-bundle",
               "formula": FORMULA if model.mode == "quantile" else "x"}
     if src.entry is not None:
         record["entry"] = src.name  # the [[data.datasets]] entry these statistics and channels are of
     return cols, record
 
 
-def trained_stats(cfg: TrainConfig, state: dict[str, Any], where: str, src: ExportSource) -> ActionStats | None:
+def trained_stats(run: Run, state: dict[str, Any], where: str, src: ExportSource) -> ActionStats | None:
     """The model-space statistics ``src`` trained with: the checkpoint's (a mixture entry's own record, else the
     statistics its entries shared), else (a checkpoint that records none) computed from the data as training
     computed them; None for a run without normalization."""
     from flexpack.data.normalization import ActionStats
     from flexpack.run.state.resume import saved_entry_stats, saved_stats
 
-    conv = config_family(cfg).conventions(model_config_of(cfg))
+    conv = run.family.conventions(run.model_config)
     if src.entry is None:
         model = saved_stats(state, where, width=conv.action_dim)
-        if model is None and cfg.data.normalize:  # a checkpoint without statistics: the bundle's own
+        if model is None and run.config.data.normalize:  # a checkpoint without statistics: the bundle's own
             from flexpack.run.build import open_bundle
 
-            model = ActionStats.of(open_bundle(cfg, conv, text_dropout=False).normalizer)
+            model = ActionStats.of(open_bundle(run.config, conv, text_dropout=False).normalizer)
         return model
-    per = saved_entry_stats(state, where, entries=len(cfg.data.datasets), width=conv.action_dim)
+    per = saved_entry_stats(state, where, entries=len(run.config.data.datasets), width=conv.action_dim)
     if per is not None:
-        if per[src.entry] is None and cfg.data.normalize:
+        if per[src.entry] is None and run.config.data.normalize:
             raise ValueError(f"{where}: data.datasets entry {src.name!r} had no item in the training split (the run "
                              "never trained on it); export another entry")
         return per[src.entry]
     model = saved_stats(state, where, width=conv.action_dim)  # written before per-entry records: shared ones
-    if model is None and cfg.data.normalize:
+    if model is None and run.config.data.normalize:
         from flexpack.run.build import open_mixture
 
         print(f"export: {where} records no per-entry statistics (an older checkpoint); computing {src.name!r}'s "
               "from its data as training did", file=sys.stderr)
-        model = ActionStats.of(open_mixture(cfg, conv, text_dropout=False).entry_normalizers[src.entry])
+        model = ActionStats.of(open_mixture(run.config, conv, text_dropout=False).entry_normalizers[src.entry])
     return model
 
 
-def check_steps(cfg: TrainConfig, dataset: str | None = None) -> None:
+def check_steps(run: Run, dataset: str | None = None) -> None:
     """``action_per_frame`` LeRobot's policy can run on the bundle's encoding (before any weight is read): a multiple
     of the VAE's 4 frames, 4 x the latents' ``frame_ids`` stride."""
-    apf = model_config_of(cfg).action_per_frame
+    apf = run.model_config.action_per_frame
     if apf % VAE_STRIDE:
         raise ValueError(f"--format lerobot: action_per_frame = {apf}, but LeRobot's lingbot_va policy encodes "
                          f"{VAE_STRIDE} keyframes per latent frame, one every action_per_frame // {VAE_STRIDE} "
                          f"actions: action_per_frame must be a multiple of {VAE_STRIDE}")
-    _check_stride(bundle_cameras(cfg, dataset), apf)
+    _check_stride(bundle_cameras(run, dataset), apf)
 
 
 def _check_stride(cams: BundleCameras, apf: int) -> None:
@@ -317,23 +315,23 @@ def _check_stride(cams: BundleCameras, apf: int) -> None:
                          f"action_per_frame // {VAE_STRIDE} = {max(1, apf // VAE_STRIDE)} actions")
 
 
-def lerobot_layout(cfg: TrainConfig, stats: ActionStats, dataset: str | None = None) -> dict[str, Any]:
+def lerobot_layout(run: Run, stats: ActionStats, dataset: str | None = None) -> dict[str, Any]:
     """The dataset-side fields of a LeRobot ``lingbot_va`` policy of a bundle run: ``obs_cam_keys``,
     ``camera_layout`` (flexpack's name of the composition: the family's export writes LeRobot's), ``height``,
     ``width``, the input and output features; one line for what the policy cannot represent (the module
     docstring)."""
     from lerobot.configs.types import FeatureType, PolicyFeature
 
-    model_cfg = model_config_of(cfg)
+    model_cfg = run.model_config
     if stats.mode != "quantile":
         raise ValueError(f"--format lerobot: the run normalized its actions with {stats.mode!r} statistics, but "
                          "LeRobot's lingbot_va postprocessor maps actions with q01 / q99 (QUANTILES)")
-    src = export_source(cfg, dataset)
+    src = export_source(run, dataset)
     cams = _source_cameras(src)
     names, grids = list(cams.frames), cams.grids
     used = list(src.channels)
     if cams.columns != len(used):
-        own = src.entry is not None and cfg.data.datasets[src.entry].action_channels is not None
+        own = src.entry is not None and run.config.data.datasets[src.entry].action_channels is not None
         field = f"data.datasets[{src.entry}].action_channels" if own else "used_action_channel_ids"
         raise ValueError(f"{cams.info_file}: 'action' has {cams.columns} columns, but {field} = {used} places "
                          f"{len(used)}: the actions do not map onto the policy's output")

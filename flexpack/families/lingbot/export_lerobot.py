@@ -44,11 +44,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from flexpack.data.formats import is_bundle
-from flexpack.run.resolve import model_config_of
 
 if TYPE_CHECKING:
     from flexpack.data.normalization import ActionStats
-    from flexpack.run.config import TrainConfig
+    from flexpack.run.root import Run
 
 # LingbotConfig fields with no LeRobot counterpart that inference never reads: LeRobot's trainer fixes them as
 # constants (noisy_cond_prob 0.5, chunk 1..4, window 4..64), and how flexpack runs the model
@@ -60,11 +59,11 @@ WHY = {"num_train_timesteps": "its schedulers scale timesteps by 1000",
 VAE_STRIDE, VAE_PIXELS = 4, 16  # the Wan2.2 VAE: video frames per latent frame, pixels per latent cell
 
 
-def check_config(cfg: TrainConfig, options: Any = None) -> None:
+def check_config(run: Run, options: Any = None) -> None:
     """One line for a lingbot-va config LeRobot's ``lingbot_va`` policy cannot represent (the module docstring)."""
     from lerobot.policies.lingbot_va.configuration_lingbot_va import LingBotVAConfig
 
-    model_cfg = model_config_of(cfg)
+    model_cfg = run.model_config
     theirs = {f.name for f in dataclasses.fields(LingBotVAConfig)}
     for f in dataclasses.fields(model_cfg):
         if f.name in FIXED:
@@ -75,39 +74,40 @@ def check_config(cfg: TrainConfig, options: Any = None) -> None:
             raise ValueError(f"--format lerobot: LeRobot's lingbot_va config has no field {f.name!r} "
                              f"(= {getattr(model_cfg, f.name)!r} here); this model cannot be written as a LeRobot "
                              "policy")
-    if is_bundle(cfg.data):  # its frame_ids stride, not data.stride, says how it was encoded (export_bundle)
+    if is_bundle(run.config.data):  # its frame_ids stride, not data.stride, says how it was encoded (export_bundle)
         from flexpack.families.lingbot.export_bundle import check_steps
 
-        check_steps(cfg, getattr(options, "dataset", None))
-    elif cfg.data.stride != VAE_STRIDE or model_cfg.action_per_frame != VAE_STRIDE:
-        raise ValueError(f"--format lerobot: data.stride = {cfg.data.stride} video frames and action_per_frame = "
+        check_steps(run, getattr(options, "dataset", None))
+    elif run.config.data.stride != VAE_STRIDE or model_cfg.action_per_frame != VAE_STRIDE:
+        raise ValueError(f"--format lerobot: data.stride = {run.config.data.stride} video frames and "
+                         f"action_per_frame = "
                          f"{model_cfg.action_per_frame} action steps per latent frame, but LeRobot's lingbot_va policy "
                          f"encodes {VAE_STRIDE} video frames per latent frame and runs one action per video frame")
-    if not cfg.data.normalize:
+    if not run.config.data.normalize:
         raise ValueError("--format lerobot: data.normalize = false, but LeRobot's lingbot_va postprocessor maps the "
                          "policy's actions from [-1, 1] with q01 / q99 (QUANTILES); train with data.normalize = true")
 
 
-def check_export(cfg: TrainConfig, options: Any) -> None:
+def check_export(run: Run, options: Any) -> None:
     """The ``lerobot`` format's check before any weight is read: :func:`check_config`, then whether LeRobot's policy
     could run the export as trained (:func:`unrunnable`), refused in one line unless ``--allow-unrunnable``."""
-    check_config(cfg, options)
+    check_config(run, options)
     # a bundle's latents and texts are upstream's own Wan2.2 VAE and umT5 extractions: nothing to refuse
-    if options is not None and not options.allow_unrunnable and not is_bundle(cfg.data):
-        reasons = unrunnable(cfg, options.wan_pretrained_path)
+    if options is not None and not options.allow_unrunnable and not is_bundle(run.config.data):
+        reasons = unrunnable(run, options.wan_pretrained_path)
         if reasons:
             raise ValueError("--format lerobot: LeRobot's lingbot_va policy could not run this export as it trained: "
                              f"{'; '.join(reasons)}; pass --allow-unrunnable to write it anyway")
 
 
-def unrunnable(cfg: TrainConfig, wan_pretrained_path: str | None) -> list[str]:
+def unrunnable(run: Run, wan_pretrained_path: str | None) -> list[str]:
     """Why LeRobot's policy, which encodes camera frames with the Wan2.2 VAE and prompts with the UMT5 encoder of
     ``wan_pretrained_path`` (None: LeRobot's default), would not see what the run trained on: latents or texts of
     flexpack's stand-in encoders (``pool``, ``hash``, ``hf:``; the latent cache records its encoder in every file's
     safetensors metadata), or a VAE or text encoder there whose width is not the model's."""
     from flexpack.data import cache
 
-    latent_file, text_file = _cache_files(cfg)
+    latent_file, text_file = _cache_files(run)
     reasons = []
     try:
         latent = cache.read_latent_header(latent_file).encoder
@@ -127,7 +127,7 @@ def unrunnable(cfg: TrainConfig, wan_pretrained_path: str | None) -> list[str]:
             reasons.append(f"its task texts came from the {text!r} encoder ({text_file}), which LeRobot's policy "
                            "cannot run: it encodes prompts with the UMT5 of wan_pretrained_path (flexpack encode "
                            "--text-encoder umt5:PATH, then train again)")
-    m = model_config_of(cfg)
+    m = run.model_config
     where, configs = _frozen_configs(wan_pretrained_path)
     for sub, key, field in (("vae", "z_dim", "in_channels"), ("text_encoder", "d_model", "text_dim")):
         theirs = configs.get(sub, {}).get(key)
@@ -138,22 +138,22 @@ def unrunnable(cfg: TrainConfig, wan_pretrained_path: str | None) -> list[str]:
     return reasons
 
 
-def _cache_files(cfg: TrainConfig) -> tuple[Path, Path | None]:
+def _cache_files(run: Run) -> tuple[Path, Path | None]:
     """(the first episode's latent file, a task text file or None) of the cache the run trained on."""
     from flexpack.data import cache
     from flexpack.data.episodes import EpisodeSource
     from flexpack.data.problems import resolve_cameras
 
     try:
-        src = EpisodeSource(cfg.data.root)
+        src = EpisodeSource(run.config.data.root)
     except (OSError, ValueError) as exc:
         raise ValueError(f"--format lerobot reads the run's dataset and latent cache, but data.root = "
-                         f"{cfg.data.root!r} cannot be read ({exc}); --set data.root=DATASET (with its latents)"
+                         f"{run.config.data.root!r} cannot be read ({exc}); --set data.root=DATASET (with its latents)"
                          ) from None
-    model_cfg = model_config_of(cfg)
-    given = list(model_cfg.obs_cam_keys) or (list(cfg.data.cameras) if cfg.data.cameras else None)
+    model_cfg = run.model_config
+    given = list(model_cfg.obs_cam_keys) or (list(run.config.data.cameras) if run.config.data.cameras else None)
     cams = resolve_cameras(src.video_keys, given, src.info_file)
-    latents = Path(cfg.data.latents_dir) if cfg.data.latents_dir else cache.default_latents_dir(src.root)
+    latents = Path(run.config.data.latents_dir) if run.config.data.latents_dir else cache.default_latents_dir(src.root)
     texts = sorted((latents / "text").glob("task_*.safetensors"))
     return cache.latent_path(latents, cams, src.episodes[0]), texts[0] if texts else None
 
@@ -185,7 +185,7 @@ def _frozen_configs(path: str | None) -> tuple[str, dict[str, dict[str, Any]]]:
     return path, out
 
 
-def policy_layout(cfg: TrainConfig, stats: ActionStats) -> dict[str, Any]:
+def policy_layout(run: Run, stats: ActionStats) -> dict[str, Any]:
     """The dataset-side fields of the policy: ``obs_cam_keys``, ``height``, ``width``, the input and output
     features, checked against the latent cache and the checkpoint's statistics (one line each)."""
     from lerobot.configs.types import FeatureType, PolicyFeature
@@ -194,7 +194,7 @@ def policy_layout(cfg: TrainConfig, stats: ActionStats) -> dict[str, Any]:
     from flexpack.data.episodes import EpisodeSource
     from flexpack.data.problems import resolve_cameras
 
-    model_cfg = model_config_of(cfg)
+    model_cfg = run.model_config
     if stats.mode != "quantile":
         raise ValueError(f"--format lerobot: the run normalized its actions with {stats.mode!r} statistics, but "
                          "LeRobot's lingbot_va postprocessor maps actions with q01 / q99 (QUANTILES); train with "
@@ -203,8 +203,8 @@ def policy_layout(cfg: TrainConfig, stats: ActionStats) -> dict[str, Any]:
         raise ValueError(f"--format lerobot: the checkpoint's action statistics cover {stats.columns} columns, but "
                          f"used_action_channel_ids = {list(model_cfg.used_action_channel_ids)} places "
                          f"{len(model_cfg.used_action_channel_ids)}: the actions do not map onto the policy's output")
-    src = EpisodeSource(cfg.data.root)
-    given = list(model_cfg.obs_cam_keys) or (list(cfg.data.cameras) if cfg.data.cameras else None)
+    src = EpisodeSource(run.config.data.root)
+    given = list(model_cfg.obs_cam_keys) or (list(run.config.data.cameras) if run.config.data.cameras else None)
     cams = resolve_cameras(src.video_keys, given, src.info_file)
     shapes = {c: tuple(int(x) for x in src.meta.features[c]["shape"][:2]) for c in cams}  # (H, W, C) -> (H, W)
     if len(set(shapes.values())) != 1 or any(h % VAE_PIXELS or w % VAE_PIXELS for h, w in shapes.values()):
@@ -212,7 +212,7 @@ def policy_layout(cfg: TrainConfig, stats: ActionStats) -> dict[str, Any]:
                          f"every camera to one height x width, multiples of {VAE_PIXELS} (its VAE's grid), so these "
                          "cameras do not map onto it")
     (h, w), = set(shapes.values())
-    latents = Path(cfg.data.latents_dir) if cfg.data.latents_dir else cache.default_latents_dir(src.root)
+    latents = Path(run.config.data.latents_dir) if run.config.data.latents_dir else cache.default_latents_dir(src.root)
     file = cache.latent_path(latents, cams, src.episodes[0])
     try:
         head = cache.read_latent_header(file)
@@ -229,11 +229,11 @@ def policy_layout(cfg: TrainConfig, stats: ActionStats) -> dict[str, Any]:
     return {"obs_cam_keys": cams, "height": h, "width": w, "input_features": inputs, "output_features": outputs}
 
 
-def policy_config(cfg: TrainConfig, layout: dict[str, Any], wan_pretrained_path: str | None) -> Any:
+def policy_config(run: Run, layout: dict[str, Any], wan_pretrained_path: str | None) -> Any:
     """LeRobot's ``LingBotVAConfig`` of the run (``wan_pretrained_path`` None: LeRobot's default)."""
     from lerobot.policies.lingbot_va.configuration_lingbot_va import LingBotVAConfig
 
-    fields = model_config_of(cfg).lerobot_fields()
+    fields = run.model_config.lerobot_fields()
     fields.update({"camera_layout": "width_concat", **layout}, patch_size=tuple(fields["patch_size"]),
                   attn_mode="torch", device="cpu")  # device: null in the written config.json
     if wan_pretrained_path is not None:
@@ -269,19 +269,20 @@ def write_lerobot(job: Any, folder: Path) -> None:
     """The ``lerobot`` format of an :class:`~flexpack.tools.export_io.ExportJob` into ``folder``."""
     import sys
 
-    cfg, opts = job.cfg, job.options
-    if opts.allow_unrunnable and not is_bundle(cfg.data) and (reasons := unrunnable(cfg, opts.wan_pretrained_path)):
+    run, opts = job.composed, job.options
+    if (opts.allow_unrunnable and not is_bundle(run.config.data)
+            and (reasons := unrunnable(run, opts.wan_pretrained_path))):
         print(f"export: warning: writing a policy LeRobot cannot run as it trained (--allow-unrunnable): "
               f"{'; '.join(reasons)}", file=sys.stderr)
-    if is_bundle(cfg.data):  # cameras, layout and frames from the bundle's files (export_bundle)
+    if is_bundle(run.config.data):  # cameras, layout and frames from the bundle's files (export_bundle)
         from flexpack.families.lingbot.config import lerobot_layout_name
         from flexpack.families.lingbot.export_bundle import lerobot_layout
 
-        layout = lerobot_layout(cfg, job.stats, opts.dataset)
+        layout = lerobot_layout(run, job.stats, opts.dataset)
         layout["camera_layout"] = lerobot_layout_name(layout["camera_layout"])
     else:
-        layout = policy_layout(cfg, job.stats)
-    config = policy_config(cfg, layout, opts.wan_pretrained_path)
+        layout = policy_layout(run, job.stats)
+    config = policy_config(run, layout, opts.wan_pretrained_path)
     write_policy(folder, config, job.model.state_dict(), job.stats, job.norm, opts.dtype)
     if job.averaged is not None:
         write_policy(folder / "ema", config, job.averaged.full_state_dict(), job.stats, job.norm, opts.dtype)

@@ -33,10 +33,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from flexpack.run.resolve import config_family, model_config_of
-
 if TYPE_CHECKING:
-    from flexpack.run.config import TrainConfig
+    from flexpack.run.root import Run
 
 WEIGHTS = "diffusion_pytorch_model"
 MAX_SHARD_BYTES = 10 * 10**9  # diffusers' default max_shard_size ("10GB")
@@ -101,13 +99,13 @@ def write_transformer(folder: Path, state_dict: dict[str, torch.Tensor], model_c
     save_weights(folder, to_lerobot_state_dict({k: v.to(dtype) for k, v in state_dict.items()}, prefix=""))
 
 
-def _cameras(cfg: TrainConfig, dataset: str | None) -> dict[str, Any]:
+def _cameras(run: Run, dataset: str | None) -> dict[str, Any]:
     """obs_cam_keys, env_type, height, width and the cameras' frames (C, H, W) of the run's data."""
     from flexpack.data.formats import is_bundle
     from flexpack.families.lingbot.export_bundle import VAE_PIXELS, bundle_cameras, frame_shape
 
-    if is_bundle(cfg.data):
-        cams = bundle_cameras(cfg, dataset)
+    if is_bundle(run.config.data):
+        cams = bundle_cameras(run, dataset)
         h, w = (x * VAE_PIXELS for x in cams.grids[0])  # the main camera's latents: the size upstream encodes at
         return {"obs_cam_keys": list(cams.frames), "env_type": "robotwin_tshape" if cams.layout == "tshape" else "none",
                 "height": h, "width": w, "camera_layout": cams.layout, "dataset": cams.dataset,
@@ -115,9 +113,9 @@ def _cameras(cfg: TrainConfig, dataset: str | None) -> dict[str, Any]:
     from flexpack.data.episodes import EpisodeSource
     from flexpack.data.problems import resolve_cameras
 
-    src = EpisodeSource(cfg.data.root)
-    conv = config_family(cfg).conventions(model_config_of(cfg))
-    given = list(conv.cameras) or (list(cfg.data.cameras) if cfg.data.cameras else None)
+    src = EpisodeSource(run.config.data.root)
+    conv = run.family.conventions(run.model_config)
+    given = list(conv.cameras) or (list(run.config.data.cameras) if run.config.data.cameras else None)
     names = resolve_cameras(src.video_keys, given, src.info_file)
     frames = {c: frame_shape(src.meta.features[c], c, src.info_file) for c in names}
     _, h, w = frames[names[0]]
@@ -140,10 +138,10 @@ def _statistics(norm: dict[str, Any], action_dim: int) -> dict[str, Any]:
     return {"action_norm_method": "quantiles", "norm_stat": {"q01": low, "q99": high}, "source_columns": cols}
 
 
-def export_fields(cfg: TrainConfig, norm: dict[str, Any], dataset: str | None) -> dict[str, Any]:
+def export_fields(run: Run, norm: dict[str, Any], dataset: str | None) -> dict[str, Any]:
     """``flexpack_export.json``: upstream's config fields of the run, then flexpack's (the module docstring)."""
-    m = model_config_of(cfg)
-    cams = _cameras(cfg, dataset)
+    m = run.model_config
+    cams = _cameras(run, dataset)
     stats = _statistics(norm, m.action_dim)
     # a bundle run's: the channels of the source described (a mixture entry's own action_channels)
     used = list(norm["channels"]) if norm.get("space") == "model" else list(m.used_action_channel_ids)
@@ -153,15 +151,16 @@ def export_fields(cfg: TrainConfig, norm: dict[str, Any], dataset: str | None) -
                 "patch_size": list(m.patch_size), **{k: getattr(m, k) for k in INFERENCE},
                 "action_norm_method": stats["action_norm_method"], "norm_stat": stats["norm_stat"]}
     return {"format": "lingbot-upstream", "transformer": "transformer", "upstream_config": upstream,
-            "source_columns": stats["source_columns"], "data_root": norm.get("dataset", str(cfg.data.root)), **cams,
+            "source_columns": stats["source_columns"], "data_root": norm.get("dataset", str(run.config.data.root)),
+            **cams,
             "max_sequence_length": m.max_sequence_length}
 
 
 def write_upstream(job: Any, folder: Path) -> None:
     """The ``lingbot-upstream`` format of an :class:`~flexpack.tools.export_io.ExportJob` into ``folder``."""
-    cfg, opts = job.cfg, job.options
-    model_cfg = model_config_of(cfg)
-    fields = export_fields(cfg, job.norm, opts.dataset)  # the data's facts first: a refusal writes no weights
+    run, opts = job.composed, job.options
+    model_cfg = run.model_config
+    fields = export_fields(run, job.norm, opts.dataset)  # the data's facts first: a refusal writes no weights
     write_transformer(folder / "transformer", job.model.state_dict(), model_cfg, opts.dtype)
     if job.averaged is not None:
         write_transformer(folder / "ema" / "transformer", job.averaged.full_state_dict(), model_cfg, opts.dtype)

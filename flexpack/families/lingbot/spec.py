@@ -11,19 +11,20 @@ from flexpack.families.lingbot.family import NAME
 from flexpack.models.registry import ExportFormat, ModelFamily, register
 
 
-def export_normalization(cfg: Any, state: Mapping[str, Any], where: str,
+def export_normalization(run: Any, state: Mapping[str, Any], where: str,
                          dataset: str | None = None) -> tuple[Any, dict[str, Any]] | None:
-    """The statistics and ``normalization.json`` record an export of a run on a lingbot-bundle writes for the
+    """The statistics and ``normalization.json`` record an export of ``run`` (the checkpoint's ``"export"``
+    :class:`~flexpack.run.root.Run`) on a lingbot-bundle writes for the
     source ``dataset`` names (``--dataset``; a mixture's entry: its own), the model space's q01 / q99 and the
     source columns': :func:`flexpack.families.lingbot.export_bundle.bundle_normalization`; None for a run on other
     data (flexpack's rule)."""
     from flexpack.data.formats import is_bundle
 
-    if not is_bundle(cfg.data):
+    if not is_bundle(run.config.data):
         return None
     from flexpack.families.lingbot.export_bundle import bundle_normalization
 
-    return bundle_normalization(cfg, state, where, dataset)
+    return bundle_normalization(run, state, where, dataset)
 
 
 def lingbot_va() -> ModelFamily:

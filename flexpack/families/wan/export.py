@@ -13,7 +13,6 @@ from typing import Any
 import torch
 
 from flexpack.families.wan.config import LEGACY_ACTION_POSITIONS, WanVAConfig, check_action_positions
-from flexpack.run.resolve import model_config_of
 
 ACTION_FORMAT = "flexpack-action-stream-v1"
 
@@ -45,8 +44,8 @@ def write_weights(folder: Path, state_dict: dict[str, torch.Tensor], model_cfg: 
 def write_diffusers(job: Any, folder: Path) -> None:
     """The ``diffusers`` format (the module docstring's layout but ``flexpack_config.json`` and
     ``export.json``, which every format gets) into ``folder``."""
-    cfg, model, dtype = job.cfg, job.model, job.options.dtype
-    model_cfg = model_config_of(cfg)
+    cfg, model, dtype = job.composed.config, job.model, job.options.dtype
+    model_cfg = job.composed.model_config
     write_weights(folder, model.state_dict(), model_cfg, action_steps=cfg.data.action_steps, dtype=dtype)
     if job.averaged is not None:
         (folder / "ema").mkdir()
@@ -55,7 +54,7 @@ def write_diffusers(job: Any, folder: Path) -> None:
     (folder / "normalization.json").write_text(json.dumps(job.norm, indent=2) + "\n")
     from flexpack.families.wan.export_policy import write_extras
 
-    write_extras(folder, run=job.run, cfg=cfg, model_cfg=model_cfg, state_dict=model.state_dict(), stats=job.stats,
+    write_extras(folder, run=job.run, composed=job.composed, state_dict=model.state_dict(), stats=job.stats,
                  norm=job.norm, step=job.step, ema=job.options.ema, dtype=dtype, policy=job.options.policy)
 
 

@@ -25,15 +25,16 @@ from flexpack.tools.export_extras import POLICY_DIR, model_card, stats_tensors
 if TYPE_CHECKING:
     from flexpack.data.normalization import ActionStats
     from flexpack.models.registry import ModelShape
-    from flexpack.run.config import TrainConfig
+    from flexpack.run.config import DataConfig
+    from flexpack.run.root import Run
 
 POLICY_TYPE = "flexpack_wanva"
 
 
-def _features(meta: Any, cfg: TrainConfig) -> tuple[dict[str, Any], dict[str, Any]]:
+def _features(meta: Any, data: DataConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     """LeRobot ``PolicyFeature``s as JSON: cameras (3, H, W), the state, the action."""
     inputs: dict[str, Any] = {}
-    cams = list(cfg.data.cameras) if cfg.data.cameras else list(meta.video_keys)
+    cams = list(data.cameras) if data.cameras else list(meta.video_keys)
     for key in meta.video_keys:
         if key in cams or key.split(".")[-1] in cams:
             h, w, c = meta.features[key]["shape"]
@@ -45,7 +46,7 @@ def _features(meta: Any, cfg: TrainConfig) -> tuple[dict[str, Any], dict[str, An
     return inputs, action
 
 
-def write_policy_folder(folder: Path, *, cfg: TrainConfig, model_cfg: ModelShape, state_dict: dict[str, torch.Tensor],
+def write_policy_folder(folder: Path, *, data: DataConfig, model_cfg: ModelShape, state_dict: dict[str, torch.Tensor],
                         stats: ActionStats, norm: dict[str, Any], pooled: dict[str, Any], meta: Any,
                         dtype: torch.dtype = torch.float32) -> Path:
     """``folder`` as a LeRobot-style policy folder (see the module docstring)."""
@@ -57,14 +58,14 @@ def write_policy_folder(folder: Path, *, cfg: TrainConfig, model_cfg: ModelShape
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
-    inputs, outputs = _features(meta, cfg)
+    inputs, outputs = _features(meta, data)
     mode = {"quantile": "QUANTILES", "meanstd": "MEAN_STD", "none": "IDENTITY"}[stats.mode]
     state_mode = "QUANTILES" if mode == "QUANTILES" else ("MEAN_STD" if mode == "MEAN_STD" else "IDENTITY")
     mapping = {"VISUAL": "IDENTITY", "STATE": state_mode, "ACTION": mode}
     config = {
         "type": POLICY_TYPE, "n_obs_steps": 1, "normalization_mapping": mapping,
         "input_features": inputs, "output_features": outputs, "device": "cuda", "use_amp": False,
-        "action_steps_per_latent_frame": cfg.data.action_steps, "temporal_stride": cfg.data.stride,
+        "action_steps_per_latent_frame": data.action_steps, "temporal_stride": data.stride,
         "action_channels": norm["channels"], "wanva_config": asdict(model_cfg), "license": "apache-2.0",
         "note": "weights in flexpack's WanVA names; flexpack.models.WanVA(WanVAConfig(**wanva_config)).load_state_dict",
     }
@@ -83,19 +84,22 @@ def write_policy_folder(folder: Path, *, cfg: TrainConfig, model_cfg: ModelShape
     return folder
 
 
-def write_extras(out: Path, *, run: Path, cfg: TrainConfig, model_cfg: ModelShape, state_dict: dict[str, torch.Tensor],
-                 stats: ActionStats, norm: dict[str, Any], step: int, ema: bool, dtype: torch.dtype = torch.float32,
+def write_extras(out: Path, *, run: Path, composed: Run, state_dict: dict[str, torch.Tensor], stats: ActionStats,
+                 norm: dict[str, Any], step: int, ema: bool, dtype: torch.dtype = torch.float32,
                  policy: bool = True) -> None:
-    """The model card and (``policy``) the LeRobot-style policy folder inside the export folder ``out``."""
+    """The model card and (``policy``) the LeRobot-style policy folder inside the export folder ``out`` of the run
+    folder ``run``, whose checkpoint ``composed`` is (its ``"export"`` run)."""
     from flexpack.data import action_stats, cache
     from flexpack.data.episodes import EpisodeSource
 
-    source = EpisodeSource(cfg.data.root)
-    latents = cfg.data.latents_dir or cache.default_latents_dir(source.root)
+    data = composed.config.data
+    source = EpisodeSource(data.root)
+    latents = data.latents_dir or cache.default_latents_dir(source.root)
     pooled = action_stats.pooled(source, latents)
-    cams = list(cfg.data.cameras) if cfg.data.cameras else list(source.video_keys)
+    cams = list(data.cameras) if data.cameras else list(source.video_keys)
     info = {"episodes": len(source.episodes), "frames": pooled["frames"], "cameras": cams}
-    (out / "README.md").write_text(model_card(run=run, cfg=cfg, step=step, norm=norm, ema=ema, dataset_info=info))
+    card = model_card(run=run, composed=composed, step=step, norm=norm, ema=ema, dataset_info=info)
+    (out / "README.md").write_text(card)
     if policy:
-        write_policy_folder(out / POLICY_DIR, cfg=cfg, model_cfg=model_cfg, state_dict=state_dict, stats=stats,
-                            norm=norm, pooled=pooled["features"], meta=source.meta, dtype=dtype)
+        write_policy_folder(out / POLICY_DIR, data=data, model_cfg=composed.model_config, state_dict=state_dict,
+                            stats=stats, norm=norm, pooled=pooled["features"], meta=source.meta, dtype=dtype)

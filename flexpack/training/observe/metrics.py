@@ -18,20 +18,21 @@ import torch
 from flexpack.models.registry import ModelShape
 from flexpack.packing.geometry import TokenGeometry
 from flexpack.packing.grids import real_tokens
-from flexpack.run.config import TrainConfig
+from flexpack.run.config_sections import ProfileConfig
 from flexpack.training.observe.flops import UsefulFlops, peak_flops
 
 
 class StepMeter:
     """Accumulates the steps of one logging window; :meth:`read` closes it. ``model`` and
-    ``geometry`` and ``objective``: the run's (:mod:`flexpack.run.root`), so FLOPs count its copies and mask."""
+    ``geometry`` and ``objective``: the run's (:mod:`flexpack.run.root`), so FLOPs count its copies and mask;
+    ``profile``: the config's section (the peak); ``seed``: ``runtime.seed``."""
 
-    def __init__(self, cfg: TrainConfig, device: torch.device, *, model: ModelShape, geometry: TokenGeometry,
-                 objective: Any) -> None:
+    def __init__(self, profile: ProfileConfig, device: torch.device, *, seed: int, model: ModelShape,
+                 geometry: TokenGeometry, objective: Any) -> None:
         self.device = device
         self.tpf, self.nv = geometry.tokens_per_frame, geometry.video_tokens
-        self.peak = peak_flops(device, cfg.profile.peak_tflops)
-        self.useful = UsefulFlops(model, geometry, objective=objective, seed=cfg.runtime.seed)
+        self.peak = peak_flops(device, profile.peak_tflops)
+        self.useful = UsefulFlops(model, geometry, objective=objective, seed=seed)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         self._open()

@@ -47,7 +47,7 @@ from flexpack.atomic import atomic_path
 from flexpack.training.observe import profile_summary as ps
 
 if TYPE_CHECKING:
-    from flexpack.run.config import TrainConfig
+    from flexpack.run.config_sections import ProfileConfig, RuntimeConfig
 
 ENV, ENV_WARMUP = "LINGBOT_PROFILE", "LINGBOT_PROFILE_WARMUP"
 
@@ -148,21 +148,22 @@ class StepProfiler:
                              record_shapes=False, acc_events=True)
 
     @classmethod
-    def for_training(cls, cfg: TrainConfig, rank: int, *, steps_left: int, first_step: int, model: Any, geometry: Any,
-                     device: torch.device, objective: Any) -> "StepProfiler":
-        """The profiler of :func:`flexpack.training.loop.train`: steps, warm-up and the peak from the config
-        (:meth:`~flexpack.run.config_sections.ProfileConfig.window`: ``LINGBOT_PROFILE`` / ``_WARMUP`` as
-        ``flexpack train`` read them win); token counts, copies and FLOPs
-        from the run's model config, token geometry and objective (:class:`~flexpack.run.root.Run`)."""
+    def for_training(cls, runtime: RuntimeConfig, profile: ProfileConfig, rank: int, *, steps_left: int,
+                     first_step: int, model: Any, geometry: Any, device: torch.device,
+                     objective: Any) -> "StepProfiler":
+        """The profiler of :func:`flexpack.training.loop.train`: steps, warm-up and the peak from the config's
+        ``profile`` section (:meth:`~flexpack.run.config_sections.ProfileConfig.window`: ``LINGBOT_PROFILE`` /
+        ``_WARMUP`` as ``flexpack train`` read them win), the trace folder and the seed from its ``runtime``
+        section; token counts, copies and FLOPs from the run's model config, token geometry and objective
+        (:class:`~flexpack.run.root.Run`)."""
         from flexpack.training.observe.flops import UsefulFlops
 
-        flops = UsefulFlops(model, geometry, objective=objective, seed=cfg.runtime.seed)
+        flops = UsefulFlops(model, geometry, objective=objective, seed=runtime.seed)
 
-        rt = cfg.runtime
-        steps, warmup, source = cfg.profile.window()  # the variables flexpack train read win (profile.env_*)
-        return cls(rt.out_dir, rank, steps, warmup, steps_left=steps_left, first_step=first_step,
+        steps, warmup, source = profile.window()  # the variables flexpack train read win (profile.env_*)
+        return cls(runtime.out_dir, rank, steps, warmup, steps_left=steps_left, first_step=first_step,
                    tokens_per_frame=geometry.tokens_per_frame, copies=geometry.copies, flops=flops, device=device,
-                   peak_tflops=cfg.profile.peak_tflops, source=source)
+                   peak_tflops=profile.peak_tflops, source=source)
 
     @property
     def enabled(self) -> bool:

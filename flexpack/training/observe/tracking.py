@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import numpy as np
 
 if TYPE_CHECKING:
-    from flexpack.run.config import TrainConfig
+    from flexpack.run.config_sections import LogConfig
 
 
 def _numeric(rec: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, float]]:
@@ -76,9 +76,9 @@ def wandb_run_id(run: Path) -> str:
     return new
 
 
-def check(cfg: TrainConfig) -> None:
-    """Fail before any data or model work when a requested logger is not installed."""
-    r = cfg.log
+def check(log: LogConfig) -> None:
+    """Fail before any data or model work when a logger the config's ``log`` section asks for is not installed."""
+    r = log
     if r.tensorboard:
         try:
             import tensorboard  # noqa: F401
@@ -94,12 +94,15 @@ def check(cfg: TrainConfig) -> None:
 
 
 class MetricSinks:
-    """The run's one metrics writer: ``with MetricSinks(run, cfg, rank=r, start_step=s) as sinks: sinks.log(row)``
-    appends the row to ``RUN/metrics.jsonl`` (an append-only log, one JSON object per line) and sends its
-    numbers to TensorBoard / W&B where those are on. Only rank 0 writes; elsewhere ``log`` does nothing."""
+    """The run's one metrics writer: ``with MetricSinks(run, cfg.log, rank=r, start_step=s) as sinks:
+    sinks.log(row)`` appends the row to ``RUN/metrics.jsonl`` (an append-only log, one JSON object per line) and
+    sends its numbers to TensorBoard / W&B where the ``log`` section turns those on (``config``: the run's config as a
+    dict, W&B's record of the run). Only rank 0 writes; elsewhere ``log`` does nothing."""
 
-    def __init__(self, run: str | os.PathLike, cfg: TrainConfig, *, rank: int = 0, start_step: int = 0) -> None:
-        self.run, self.cfg, self.rank, self.start = Path(run), cfg, rank, start_step
+    def __init__(self, run: str | os.PathLike, log: LogConfig, *, config: dict[str, Any] | None = None, rank: int = 0,
+                 start_step: int = 0) -> None:
+        self.run, self.rank, self.start = Path(run), rank, start_step
+        self.log_config, self.config = log, config
         self.tb: Any = None
         self.wandb: Any = None
 
@@ -110,8 +113,8 @@ class MetricSinks:
     def __enter__(self) -> "MetricSinks":
         if self.rank != 0:
             return self
-        check(self.cfg)
-        r = self.cfg.log
+        check(self.log_config)
+        r = self.log_config
         if r.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -122,7 +125,7 @@ class MetricSinks:
 
             self.wandb = wandb.init(project=r.wandb_project, entity=r.wandb_entity or None,
                                     tags=list(r.wandb_tags) or None, dir=str(self.run), name=self.run.name,
-                                    id=wandb_run_id(self.run), resume="allow", config=self.cfg.to_dict())
+                                    id=wandb_run_id(self.run), resume="allow", config=self.config)
         return self
 
     def log(self, rec: dict[str, Any]) -> None:
@@ -165,13 +168,13 @@ class MetricSinks:
             self.wandb = None
 
 
-def outputs(run: str | os.PathLike, checkpoint: Path | None, cfg: TrainConfig) -> str:
-    """Where a finished ``train`` left its outputs, one line each."""
+def outputs(run: str | os.PathLike, checkpoint: Path | None, log: LogConfig) -> str:
+    """Where a finished ``train`` left its outputs, one line each (``log``: the config's section)."""
     run = Path(run)
     rows = [("run folder", str(run)), ("metrics", str(run / "metrics.jsonl"))]
-    if cfg.log.tensorboard:
+    if log.tensorboard:
         rows.append(("tensorboard", f"{run / 'tb'}  (tensorboard --logdir {run / 'tb'})"))
-    if cfg.log.wandb:
+    if log.wandb:
         rows.append(("wandb", str(run / "wandb")))
     if (run / "profile").is_dir():
         rows.append(("profile", str(run / "profile")))
