@@ -51,6 +51,8 @@ MOVED_NAMES = {
        for n in ("ACTION_FORMAT", "load_export", "write_diffusers", "write_weights")},
     **{("flexpack.tools.export_extras", n): "flexpack.families.wan.export_policy"
        for n in ("POLICY_TYPE", "write_extras", "write_policy_folder")},
+    ("flexpack.run.root", "run_for"): "flexpack.run.compose",
+    ("flexpack.run.build", "build_run"): "flexpack.run.compose",
 }
 
 

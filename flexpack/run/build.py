@@ -233,3 +233,15 @@ def sample_dataset(cfg: TrainConfig, episodes: Sequence[int] | None = None, *,
             raise ValueError(f"episodes {bad} are not in {d.root} (it has {len(known)} episodes: "
                              f"{known[0]}..{known[-1]})")
     return open_dataset(cfg, episodes, segments=False, text_dropout=False, **run)
+
+
+def __getattr__(name: str) -> object:
+    """``build_run`` moved to :mod:`flexpack.run.compose` (imported lazily: compose imports this module)."""
+    if name != "build_run":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+    import warnings
+
+    warnings.warn("flexpack.run.build.build_run is deprecated: it moved to flexpack.run.compose; import it from "
+                  "there (the old path goes in flexpack 0.3)", DeprecationWarning, stacklevel=2)
+    return importlib.import_module("flexpack.run.compose").build_run

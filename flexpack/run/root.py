@@ -378,3 +378,15 @@ def run_grid(dataset: EpisodeDataset, model_cfg: ModelShape, cfg: TrainConfig) -
             raise ValueError(f"{cfg.data.root or 'data'}: dataset {name}'s latents (C, H, W)={bad[0]} are not a "
                              f"multiple of the model's patch {model_cfg.patch_size}")
     return max(h for h, _ in found), max(w for _, w in found)
+
+
+def __getattr__(name: str) -> object:
+    """``run_for`` moved to :mod:`flexpack.run.compose` (imported lazily: compose imports this module)."""
+    if name != "run_for":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+    import warnings
+
+    warnings.warn("flexpack.run.root.run_for is deprecated: it moved to flexpack.run.compose; import it from there "
+                  "(the old path goes in flexpack 0.3)", DeprecationWarning, stacklevel=2)
+    return importlib.import_module("flexpack.run.compose").run_for
