@@ -190,9 +190,11 @@ def variants(stage: str, args: argparse.Namespace) -> dict[str, dict]:
     if stage == "budgets":
         layers = 2 if args.smoke else 30
         v = {"reference": {"layers": layers, "ac": True, "float8": f8}}
-        for b in [float(x) for x in args.budgets.split(",") if x]:
-            v[f"budget_{b:g}"] = {"layers": layers, "float8": f8, "cap_gb": None if args.smoke else b,
-                                  "set": {"memory.budget_gb": b}}
+        for x in [x for x in args.budgets.split(",") if x]:  # "auto": the device's memory, uncapped
+            b = "auto" if x == "auto" else float(x)
+            v[f"budget_{b if b == 'auto' else f'{b:g}'}"] = {
+                "layers": layers, "float8": f8, "cap_gb": None if args.smoke or b == "auto" else b,
+                "set": {"memory.budget_gb": b}}
         if args.lora_budget:
             b = args.lora_budget
             v[f"lora_budget_{b:g}"] = {"layers": layers, "float8": f8, "cap_gb": None if args.smoke else b,
@@ -270,7 +272,7 @@ def summarize(stage: str, runs: dict[str, dict], tag: str = "") -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--stage", default="budgets", choices=("calibrate", "budgets", "quality", "all"))
-    p.add_argument("--budgets", default="130,80,48")
+    p.add_argument("--budgets", default="130,80,48", help="GB each, comma-separated; 'auto': the device's memory")
     p.add_argument("--lora-budget", type=float, default=24.0)
     p.add_argument("--lora-rank", type=int, default=32)
     p.add_argument("--steps", type=int, default=8)

@@ -227,7 +227,7 @@ class Plan:
         if c.offload != "none":
             parts.append("optimizer on the host" + (" with the gradients" if "gradients" in c.offload else ""))
         host = f", host {self.best.host_gb:.0f} GB" if self.best.host_gb else ""
-        return f"budget {self.budget_gb:g} GB: {', '.join(parts)}: est. {self.best.gpu_gb:.0f} GB{host}"
+        return f"budget {self.budget_gb:.3g} GB: {', '.join(parts)}: est. {self.best.gpu_gb:.0f} GB{host}"
 
 
 def budget_gb(cfg: TrainConfig, device: torch.device) -> float | None:
