@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -129,21 +130,26 @@ def test_train_prints_the_plan_and_refuses_an_unreachable_budget_before_any_weig
 
 
 # LoRA rank 32 on the 5B's attention and FFN linears (lingbot-va's default targets): 41,984 adapted input features
-# a block, each adapter keeping its float32 input
+# a block, each adapter keeping its float32 input (and its float32 gradient in the backward)
 LORA_5B = replace(FIVE_B, trained=80_609_280, frozen_bytes=2, adapter_inputs=41_984)
 
 
 def test_lora_trains_a_few_parameters_and_24_gb_needs_shorter_packs():
-    cfg = lingbot_cfg("parallel.float8=tensorwise", "lora.rank=32", "runtime.dtype=bfloat16")
+    cfg = lingbot_cfg("parallel.float8=tensorwise", "lora.rank=32", "runtime.dtype=bfloat16", "data.max_tokens=32768")
     full = mp.estimate(FIVE_B, mp.Choice(30, "float32", "none"))
     small = mp.estimate(LORA_5B, mp.Choice(30, "float32", "none"))
     assert small.parts["weights"] == pytest.approx((2 * 5.0089 + 4 * 0.0806), rel=2e-2)
-    assert small.parts["optimizer"] < 1 and small.gpu_gb < full.gpu_gb - 50
+    assert small.parts["optimizer"] < 1 and small.gpu_gb < full.gpu_gb / 2
     # 32,768 tokens of one copy: the adapters' inputs and one recomputed block do not fit 24 GB (measured: out of
     # memory at half these tokens); a pack of 10,000 tokens a copy does
-    with pytest.raises(mp.BudgetError, match="lower data.max_tokens"):
+    with pytest.raises(mp.BudgetError, match=r"lower data.max_tokens \(to (\d+) it fits") as e:
         mp.plan(cfg, LORA_5B, 24, cuda=True)
-    assert mp.plan(cfg, replace(LORA_5B, tokens=20_000), 24, cuda=True).best.gpu_gb <= 24
+    most = int(re.search(r"to (\d+) it fits", str(e.value)).group(1))
+    assert most % 16 == 0 and 9_504 <= most < 12_672  # measured: 9,504 runs at 24 GB, 12,672 does not
+    # the number named is the edge: it plans, 16 more tokens a copy do not
+    assert mp.plan(cfg, replace(LORA_5B, tokens=2 * most), 24, cuda=True).best.gpu_gb <= 24 * 0.94
+    with pytest.raises(mp.BudgetError):
+        mp.plan(cfg, replace(LORA_5B, tokens=2 * (most + 16)), 24, cuda=True)
 
 
 # peaks of LingBot-VA-5B (30 blocks, float8, AdamW unless named) measured on the H200 under a cap
@@ -159,6 +165,11 @@ MEASURED = [  # (shape, blocks checkpointed, states, offload, peak GB, out of me
     (replace(LORA_5B, tokens=32_688), 30, "float32", "none", 24.0, True),
     (replace(LORA_5B, tokens=32_688), 29, "float32", "none", 24.0, True),
     (LORA_5B, 30, "float32", "none", 24.0, True),
+    # LoRA at 24 GB on an H100 (memory_lora24_h100.json): out of memory at 12,672 tokens a copy, runs at 9,504 and
+    # 7,920 (the estimate stays above these two by at most 5 %: the adapters' costs are fitted to them)
+    (replace(LORA_5B, tokens=25_344), 29, "float32", "none", 24.0, True),
+    (replace(LORA_5B, tokens=19_008), 29, "float32", "none", 20.8, False),
+    (replace(LORA_5B, tokens=15_840), 29, "float32", "none", 19.2, False),
 ]
 
 
@@ -167,6 +178,8 @@ def test_the_estimate_meets_the_measured_peaks(shape, blocks, states, offload, p
     est = mp.estimate(shape, mp.Choice(blocks, states, offload)).gpu_gb
     if oom:
         assert est > peak
+    elif shape.adapter_inputs:  # LoRA: never below the measured peak, at most 5 % above
+        assert peak <= est <= 1.05 * peak
     else:
         assert est == pytest.approx(peak, rel=0.03)
 

@@ -56,8 +56,10 @@ class Costs:
     ``block_per_dim`` / ``block_per_ffn``: bytes per token, per model dimension and per FFN dimension, a block
     keeps when not checkpointed, and one checkpointed block holds while the backward recomputes it (bf16
     autocast; float8 matmuls keep ``float8_share`` of it);
-    ``adapter_input_bytes``: bytes per token and adapted input feature a LoRA adapter keeps (float32: peft casts
-    its input to the adapters' dtype);
+    ``adapter_input_bytes``: bytes per token and adapted input feature of a LoRA adapter: its float32 input kept
+    (peft casts the input to the adapters' dtype) and, in the backward, that input's float32 gradient beside it;
+    fitted to the 24 GB LoRA runs on an H100 (``memory_lora24_h100.json``: 20.8 and 19.2 GB at 9,504 and 7,920
+    tokens a copy, estimated 21.5 and 20.0; out of memory at 12,672, estimated 24.4);
     ``cast_bytes``: bytes per float32-stored parameter of its low-precision copies during the step;
     ``recompute``: the share of a step one more forward of every block adds;
     ``update_s_per_gparam``: seconds per 10⁹ trained parameters of the update, per states and offload;
@@ -75,7 +77,7 @@ class Costs:
         ("optimizer", 0.45), ("optimizer+gradients", 0.5))
     fixed_gb: float = 1.5
     cast_bytes: float = 2.0
-    adapter_input_bytes: float = 4.0
+    adapter_input_bytes: float = 6.5
     margin: float = 1.0
     headroom: float = 0.06
     # fewer bits in AdamW's states only where the step gets this much faster (their updates are coarser)
@@ -302,13 +304,41 @@ def plan(cfg: TrainConfig, shape: Shape, budget: float, *, cuda: bool, host_avai
     if not fits:
         least = min(host_ok or options, key=lambda e: e.gpu_gb)
         hint = "" if getattr(getattr(cfg, "lora", None), "rank", 0) else "; LoRA (lora.rank) trains far fewer"
+        most = _most_tokens(cfg, shape, budget, cuda, host_available, costs)
+        lower = (f"lower data.max_tokens (to {most} it fits; longer episodes then need data.crop = true)" if most
+                 else "lower data.max_tokens")
         raise BudgetError(
             f"memory.budget_gb = {budget:g}: no combination of checkpointing, optimizer states and offload fits; "
             f"the least is {least.gpu_gb:.0f} GB ({describe(least.choice, shape.layers)}) for data.max_tokens = "
-            f"{cfg.data.max_tokens}: raise the budget or lower data.max_tokens{hint}"
+            f"{cfg.data.max_tokens}: raise the budget or {lower}{hint}"
             f"{_unclipped_hint(cfg, shape, budget, cuda, host_available, costs)}")
     best = min(fits, key=lambda e: (e.step_s * (1 + costs.states_penalty(e.choice.states)), e.gpu_gb))
     return Plan(budget, best, configured(cfg, best.choice, shape.layers))
+
+
+def _most_tokens(cfg: TrainConfig, shape: Shape, budget: float, cuda: bool, host_available: float | None,
+                 costs: Costs) -> int | None:
+    """The largest ``data.max_tokens`` (a multiple of 16, as float8 takes) some choice fits ``budget`` with, in pack
+    mode; None where none does (or in pad mode, which ``data.batch_size`` sizes)."""
+    if cfg.data.mode != "pack" or cfg.data.max_tokens < 16:
+        return None
+    copies = shape.tokens / cfg.data.max_tokens
+    options = choices(cfg, shape.layers, cuda, shape.world_size)
+
+    def fits(per_copy: int) -> bool:
+        s = replace(shape, tokens=int(per_copy * copies), tokens_per_step=int(per_copy * copies) * shape.accum_steps)
+        return any(e.gpu_gb <= budget * (1 - costs.headroom)
+                   and (host_available is None or e.host_gb <= 0.9 * host_available)
+                   for e in (estimate(s, c, costs) for c in options))
+
+    lo, hi = 0, cfg.data.max_tokens // 16  # fits(16 lo) holds, fits(16 hi) does not (the budget refused it)
+    if not fits(16):
+        return None
+    lo = 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(16 * mid) else (lo, mid)
+    return 16 * lo
 
 
 def _unclipped_hint(cfg: TrainConfig, shape: Shape, budget: float, cuda: bool, host_available: float | None,
