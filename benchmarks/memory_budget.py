@@ -133,6 +133,7 @@ def child(spec: dict) -> dict:
         out.update(params=shape.params, trained=shape.trained, tokens=shape.tokens, dim=shape.dim,
                    ffn_dim=shape.ffn_dim, layers=shape.layers, est_parts=est.parts)
         t0 = time.perf_counter()
+        print(f"training from {time.strftime('%H:%M:%S')}", flush=True)  # a timed-out variant's tail says where
         res = loop.train(planned.config, run=planned)
         rows = res.metrics
         later = rows[len(rows) // 3:] or rows
@@ -163,8 +164,10 @@ def spawn(spec: dict, timeout: float) -> dict:
         plan_line = [x for x in p.stdout.splitlines() if x.startswith("budget ")]
         if plan_line:
             res["plan_line"] = plan_line[0]
-    except subprocess.TimeoutExpired:
-        res = {"error": f"timed out after {timeout:.0f} s"}
+    except subprocess.TimeoutExpired as exc:  # what the child had said by then: where it was
+        said = "".join(x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+                       for x in (exc.stdout, exc.stderr))
+        res = {"error": f"timed out after {timeout:.0f} s", "output_tail": said[-3000:]}
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
     res["wall_total_s"] = time.perf_counter() - t0
@@ -321,7 +324,8 @@ def main() -> None:
             result["summary"] = summarize(stage, result["runs"], args.tag)
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(result, indent=1))  # rewritten after each variant: a cut run keeps the rest
-            print(f"[{stage} {name}] " + (r.get("error", "")[:300] or
+            tail = r.get("output_tail", "").strip().splitlines()[-3:]
+            print(f"[{stage} {name}] " + (r.get("error", "")[:300] + "".join(f"\n  {x}" for x in tail) or
                   f"{r.get('plan_line', '')} peak {r['peak_mem_gb']:.1f} GB (est {r.get('plan', r).get('est_gb')}), "
                   f"reserved {r.get('peak_reserved_gb')}, {r['tokens_per_s']:.0f} tok/s, mfu {r.get('mfu')}, "
                   f"host {r['host_peak_gb']:.1f} GB, loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}, "
