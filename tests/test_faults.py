@@ -17,12 +17,12 @@ import torch
 pytest.importorskip("lerobot")
 
 from flexpack.cli import main as cli_main  # noqa: E402
+from flexpack.commands.train import train  # noqa: E402
 from flexpack.run.config import load_config  # noqa: E402
 from flexpack.run.state import checkpoint  # noqa: E402
 from flexpack.run.state.faults import NonFiniteError  # noqa: E402
 from flexpack.run.state.runfolder import LOCK, RunLock, cut_metrics  # noqa: E402
 from flexpack.training import step as step_module  # noqa: E402
-from flexpack.training.loop import train  # noqa: E402
 from helpers import logged_steps, tiny_sets, wait_for_steps  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
