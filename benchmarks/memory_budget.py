@@ -133,7 +133,7 @@ def child(spec: dict) -> dict:
         out.update(params=shape.params, trained=shape.trained, tokens=shape.tokens, dim=shape.dim,
                    ffn_dim=shape.ffn_dim, layers=shape.layers, est_parts=est.parts)
         t0 = time.perf_counter()
-        res = loop.train(planned.config, run=planned)
+        res = loop.train(planned)
         rows = res.metrics
         later = rows[len(rows) // 3:] or rows
         out.update({
