@@ -1,6 +1,9 @@
 """``flexpack train CONFIG``: the train loop (:func:`flexpack.training.loop.train`) with its hooks wired in.
 
-Training and sampling are siblings that never import each other: this command gives the loop both of
+The order a run starts in (:func:`train`): the start-up before any data is opened (:func:`flexpack.run.start.start_up`:
+config, loggers, device, run folder, optimizer, the checkpoint to resume from; a folder already done ends there),
+then, with the folder locked, the ``"train"`` :class:`~flexpack.run.root.Run` composed from what it checked and the
+loop over that Run. Training and sampling are siblings that never import each other: this command gives the loop both of
 its per-step hooks, the validation loss (``validation.every``) and sampling of held-out episodes
 (``sample.every``). Under ``torchrun`` with several ranks it starts and ends the process group.
 
