@@ -1,7 +1,7 @@
 """Loss curves of bf16 and float8 training on the same data and seed: does float8 train the same?
 
 A Wan2.2-5B-shape model (``--layers`` blocks, default 4) trained through ``flexpack train``'s loop
-(``flexpack.training.loop.train(cfg, data=...)``) on ``train_step.py``'s synthetic in-memory episodes
+(``flexpack.training.loop.train(run)``, the run composed over them) on ``train_step.py``'s synthetic in-memory episodes
 (reference lengths, no lerobot), once per ``parallel.float8`` mode, from the same initial weights
 (``runtime.seed``), the same packs in the same order and the same per-episode noise. Every step's
 loss is logged; the JSON is rewritten after each mode, so a run cut short keeps the finished modes.
@@ -20,7 +20,6 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -83,7 +82,7 @@ def main() -> None:
         packs = run_for(items, cfg, device=device)  # the sampler, collate and forward options `flexpack train` builds
         t0 = time.perf_counter()
         try:
-            res = loop.train(replace(cfg), run=packs)
+            res = loop.train(packs)
             rows = res.metrics
             run = {"losses": [r["loss"] for r in rows], "grad_norms": [r["grad_norm"] for r in rows],
                    "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rows[len(rows) // 4:]),

@@ -1,6 +1,6 @@
 """``flexpack train`` against its bare step, on the same in-memory packs (``train_step.py``'s ``loop-*`` variants).
 
-The loop runs ``flexpack.training.loop.train(cfg, data=...)`` exactly as the CLI does — DataLoader
+The loop runs ``flexpack.training.loop.train(run)`` exactly as the CLI does — DataLoader
 with workers and pinned memory, collate per step, noise seeds, the step guard, the meter, logging
 every 10 steps — on ``train_step.py``'s synthetic episodes (made per item in the workers, as a
 dataset reads them). The first logged window holds the compile; the second covers the packs the
@@ -40,7 +40,7 @@ def run_loop(args, name: str, lengths: list[int], items, device: torch.device, c
     save = checkpoint.Checkpointer.save
     checkpoint.Checkpointer.save = lambda self, *a, **k: None  # no 5B-shape save at the end: not a step
     try:
-        result = loop.train(cfg, run=run)
+        result = loop.train(run)
     finally:
         checkpoint.Checkpointer.save = save
         shutil.rmtree(out, ignore_errors=True)

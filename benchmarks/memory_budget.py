@@ -134,7 +134,7 @@ def child(spec: dict) -> dict:
                    ffn_dim=shape.ffn_dim, layers=shape.layers, est_parts=est.parts)
         t0 = time.perf_counter()
         print(f"training from {time.strftime('%H:%M:%S')}", flush=True)  # a timed-out variant's tail says where
-        res = loop.train(planned.config, run=planned)
+        res = loop.train(planned)
         rows = res.metrics
         later = rows[len(rows) // 3:] or rows
         out.update({

@@ -87,7 +87,7 @@ def main() -> None:
 
     from flexpack.training import loop
 
-    loop.train(cfg, run=run)  # profile.steps / profile.warmup: the library reads no environment variable
+    loop.train(run)  # profile.steps / profile.warmup: the library reads no environment variable
     shutil.rmtree(out / "checkpoints", ignore_errors=True)
 
     s = json.loads((out / "profile" / "summary_rank0.json").read_text())

@@ -65,7 +65,7 @@ def train_job(out: Path, name: str, steps: int, device: str, stop_after: int | N
     rank, size = dist.get_rank(), dist.get_world_size()
     cfg = config(out / name, steps, device)
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
-    res = train(cfg, stop_after=stop_after, run=run_for(episodes(), cfg, rank=rank, world_size=size, device=dev))
+    res = train(run_for(episodes(), cfg, rank=rank, world_size=size, device=dev), stop_after=stop_after)
     facts = {"start_step": res.start_step, "step": res.step, "losses": res.losses, "episodes": res.episodes,
              "world_size": size}
     stage = "second" if res.start_step else "first"

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from flexpack.commands.train import train
 from flexpack.run.config import load_config
-from flexpack.training.loop import train
 
 
 def main(config: str, out: str) -> None:

@@ -119,7 +119,7 @@ def bundle_run(root: Path, out: Path, *extra: str, cameras: dict[str, tuple[int,
     cfg = tiny_config(root, out, *LINGBOT_TINY, "data.max_tokens=800", "schedule.steps=2", "schedule.rewarmup_steps=0",
                       *extra)
     if train:
-        from flexpack.training.loop import train as run_train
+        from flexpack.commands.train import train as run_train
 
         run_train(cfg)
     return cfg

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from flexpack.commands.train import train
 from flexpack.run.config import load_config
-from flexpack.training.loop import train
 
 
 def main(jobs: str, out: str) -> None:

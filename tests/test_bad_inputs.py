@@ -101,8 +101,8 @@ def test_stop_after_must_be_a_positive_step_count(capsys, tmp_path, value):
 
 
 def test_stop_after_checked_in_the_library_too(tmp_path):
+    from flexpack.commands.train import train
     from flexpack.errors import UserError
-    from flexpack.training.loop import train
 
     cfg = load_config(TINY, [f'runtime.out_dir="{tmp_path}"'])
     with pytest.raises(UserError, match=r"--stop-after must be an integer >= 1, got -1"):

@@ -105,3 +105,19 @@ def test_stats_on_a_bundle_gives_its_geometry_and_a_row_per_dataset(bundle: Path
     assert {k: v["segments"] for k, v in s["datasets"].items()} == {"robotwin/a": 4, "robotwin/b": 2}
     for name, n in frames.items():
         assert s["datasets"][name]["token_share"] == pytest.approx(n / sum(frames.values()))
+
+
+def test_the_validation_loss_reads_held_out_items_without_text_dropout(bundle: Path, tmp_path: Path) -> None:
+    """Training draws the bundle's text dropout (``data.cfg_prob``); the validation hook's held-out run is the
+    ``"val"`` role's (composed from the training run: its geometry), whose items keep their text."""
+    from flexpack.run.compose import compose
+    from flexpack.training.validation import Validator
+    from helpers import bundle_run
+
+    cfg = bundle_run(bundle, tmp_path / "run", "data.cfg_prob=1.0", "data.val_episodes=[1, 3]",
+                     "validation.every=1", train=False)
+    run = compose(cfg, "train")
+    val = Validator(run).run
+    assert run.dataset.cfg_prob == 1.0 and all(run.dataset.drops_text(i) for i in range(len(run.dataset)))
+    assert val.role == "val" and val.dataset.cfg_prob == 0.0 and len(val.dataset) == 2  # one segment each
+    assert val.geometry is run.geometry and val.grid == run.grid and val.device == run.device

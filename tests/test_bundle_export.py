@@ -21,6 +21,7 @@ from lerobot.policies.lingbot_va.configuration_lingbot_va import LingBotVAConfig
 from lerobot.policies.lingbot_va.modeling_lingbot_va import LingBotVAPolicy  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
+from flexpack.commands.train import train  # noqa: E402
 from flexpack.data.bundle import BundleDataset  # noqa: E402
 from flexpack.families.lingbot import export_lerobot  # noqa: E402
 from flexpack.families.lingbot.convert import to_lerobot_state_dict  # noqa: E402
@@ -29,7 +30,6 @@ from flexpack.run.compose import compose  # noqa: E402
 from flexpack.run.model import build_model  # noqa: E402
 from flexpack.run.resolve import model_config_of  # noqa: E402
 from flexpack.run.state import checkpoint  # noqa: E402
-from flexpack.training.loop import train  # noqa: E402
 from helpers import BUNDLE_CAMS, LINGBOT_TINY, bundle_run, run_cli, sample_run_and_export, tiny_config  # noqa: E402
 from test_lingbot_export import save_frozen_modules  # noqa: E402
 

@@ -57,7 +57,7 @@ def test_both_grids_share_a_micro_batch_of_the_largest(bundle, tmp_path) -> None
 
 @pytest.fixture(scope="module")
 def trained(bundle, tmp_path_factory) -> tuple[Path, object]:
-    from flexpack.training.loop import train
+    from flexpack.commands.train import train
 
     out = tmp_path_factory.mktemp("grids") / "run"
     return out, train(config(bundle, out))

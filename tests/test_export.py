@@ -13,6 +13,7 @@ pytest.importorskip("lerobot")
 
 from flexpack.attention.flex import FlexAttnFunc  # noqa: E402
 from flexpack.cli import main as cli_main  # noqa: E402
+from flexpack.commands.train import train  # noqa: E402
 from flexpack.families.wan.convert import rename  # noqa: E402
 from flexpack.families.wan.export import load_export  # noqa: E402
 from flexpack.packing.collate import PackCollate  # noqa: E402
@@ -21,7 +22,6 @@ from flexpack.run.config import load_config  # noqa: E402
 from flexpack.run.model import build_model  # noqa: E402
 from flexpack.run.state import checkpoint  # noqa: E402
 from flexpack.tools.export import export_run  # noqa: E402
-from flexpack.training.loop import train  # noqa: E402
 from helpers import tiny_config  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -15,13 +15,13 @@ pytest.importorskip("diffusers")
 pytest.importorskip("lerobot")
 
 from flexpack.cli import main as cli_main  # noqa: E402
+from flexpack.commands.train import train  # noqa: E402
 from flexpack.data import action_stats  # noqa: E402
 from flexpack.data.actions import ActionNormalizer  # noqa: E402
 from flexpack.data.episodes import EpisodeSource  # noqa: E402
 from flexpack.run.model import build_model  # noqa: E402
 from flexpack.run.state import checkpoint  # noqa: E402
 from flexpack.tools.export_extras import push_to_hub  # noqa: E402
-from flexpack.training.loop import train  # noqa: E402
 from helpers import tiny_config  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -17,12 +17,12 @@ import torch
 pytest.importorskip("lerobot")
 
 from flexpack.cli import main as cli_main  # noqa: E402
+from flexpack.commands.train import train  # noqa: E402
 from flexpack.run.config import load_config  # noqa: E402
 from flexpack.run.state import checkpoint  # noqa: E402
 from flexpack.run.state.faults import NonFiniteError  # noqa: E402
 from flexpack.run.state.runfolder import LOCK, RunLock, cut_metrics  # noqa: E402
 from flexpack.training import step as step_module  # noqa: E402
-from flexpack.training.loop import train  # noqa: E402
 from helpers import logged_steps, tiny_sets, wait_for_steps  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -249,10 +249,13 @@ def test_damaged_newest_checkpoint_is_reported_and_the_one_before_used(train_dat
     assert logged_steps(out) == [1, 2, 3, 4, 5]
 
 
-def test_finished_run_says_so_exits_0_and_touches_nothing(train_dataset, tmp_path, capfd):
+def test_finished_run_says_so_exits_0_and_touches_nothing(train_dataset, tmp_path, capfd, monkeypatch):
+    from flexpack.run import compose
+
     out = tmp_path / "run"
     train(config(train_dataset, out, "schedule.steps=3"))
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    monkeypatch.setattr(compose, "compose", lambda *a, **k: pytest.fail("composed (data opened) with nothing to train"))
     args = ["train", str(CONFIG)] + [a for s in _sets(train_dataset, out, "schedule.steps=2") for a in ("--set", s)]
     assert cli_main(args) == 0
     captured = capfd.readouterr()

@@ -135,8 +135,8 @@ def test_float8_matmuls_on_gpu_close_to_bf16(mode):
 
 def test_checkpoints_switch_float8_on_and_off_on_resume(one_thread, monkeypatch, tiny_dataset, tmp_path):
     """float8 is a runtime choice: a checkpoint saved with it on resumes with it off, and back."""
+    from flexpack.commands.train import train
     from flexpack.run.state import checkpoint
-    from flexpack.training.loop import train
     from helpers import tiny_config
 
     monkeypatch.setattr(float8, "MIN_DIM", 16)
@@ -244,14 +244,15 @@ def test_float8_token_rule_is_the_gpus_and_suggests_a_whole_step():
 def test_train_refuses_a_float8_run_whose_packs_the_gemms_cannot_take(tiny_dataset, tmp_path, monkeypatch):
     """On a GPU the run checks before building the model (Run.build_model's first step; here the device is faked:
     nothing runs on it)."""
-    from flexpack.training import loop
+    from flexpack.commands.train import train
+    from flexpack.run import start
     from helpers import tiny_config
 
     monkeypatch.setattr(float8, "check", lambda mode, device: None)
-    monkeypatch.setattr(loop, "preflight", lambda cfg, stop_after, model_cfg=None: torch.device("cuda"))
+    monkeypatch.setattr(start, "preflight", lambda cfg, stop_after, model_cfg=None: torch.device("cuda"))
     built = []
     monkeypatch.setattr("flexpack.run.model.build_model", lambda *a, **k: built.append(1))
     cfg = tiny_config(tiny_dataset, tmp_path, "parallel.float8='tensorwise'")  # 12 frames x 5 tokens = 60
     with pytest.raises(UserError, match="parallel.float8 = 'tensorwise' needs packs of a multiple of 16 tokens"):
-        loop.train(cfg)
+        train(cfg)
     assert not built

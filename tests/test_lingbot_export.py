@@ -18,6 +18,7 @@ from lerobot.policies.factory import make_pre_post_processors  # noqa: E402
 from lerobot.policies.lingbot_va.configuration_lingbot_va import LingBotVAConfig  # noqa: E402
 from lerobot.policies.lingbot_va.modeling_lingbot_va import LingBotVAPolicy  # noqa: E402
 
+from flexpack.commands.train import train  # noqa: E402
 from flexpack.data import action_stats  # noqa: E402
 from flexpack.data.episodes import EpisodeSource  # noqa: E402
 from flexpack.data.normalization import ActionStats  # noqa: E402
@@ -26,7 +27,6 @@ from flexpack.families.lingbot.convert import to_lerobot_state_dict  # noqa: E40
 from flexpack.run.compose import compose  # noqa: E402
 from flexpack.run.model import build_model  # noqa: E402
 from flexpack.run.state import checkpoint  # noqa: E402
-from flexpack.training.loop import train  # noqa: E402
 from helpers import run_cli, tiny_config  # noqa: E402
 from lingbot_tiny import save_frozen_modules  # noqa: E402
 

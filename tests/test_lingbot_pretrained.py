@@ -14,12 +14,12 @@ pytest.importorskip("lerobot.policies.lingbot_va", reason="the installed lerobot
 
 from lerobot.policies.lingbot_va.modeling_lingbot_va import LingBotVAPolicy  # noqa: E402
 
+from flexpack.commands.train import train  # noqa: E402
 from flexpack.families.lingbot.convert import to_lerobot_state_dict  # noqa: E402
 from flexpack.run.config import save_config  # noqa: E402
 from flexpack.run.model import build_model  # noqa: E402
 from flexpack.run.pretrained import load_pretrained  # noqa: E402
 from flexpack.run.resolve import config_family, model_config_of  # noqa: E402
-from flexpack.training.loop import train  # noqa: E402
 from helpers import TINY, run_cli, set_args, tiny_config, tiny_sets, torchrun_worker  # noqa: E402
 from lingbot_tiny import save_policy  # noqa: E402
 

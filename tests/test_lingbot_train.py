@@ -11,11 +11,11 @@ import torch
 
 pytest.importorskip("lerobot")
 
+from flexpack.commands.train import train  # noqa: E402
 from flexpack.families.lingbot.objective import LingbotObjective  # noqa: E402
 from flexpack.flow.noise import noise_seeds  # noqa: E402
 from flexpack.run.compose import run_for  # noqa: E402
 from flexpack.run.memory_data import RandomEpisodes  # noqa: E402
-from flexpack.training.loop import train  # noqa: E402
 from flexpack.training.step import accumulate  # noqa: E402
 from helpers import TINY, run_cli, set_args, tiny_config, tiny_sets  # noqa: E402
 

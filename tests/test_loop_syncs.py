@@ -21,12 +21,12 @@ pytest.importorskip("lerobot")
 
 from flexpack.attention.flex import PreparedMask  # noqa: E402
 from flexpack.attention.masks import make_mask  # noqa: E402
+from flexpack.commands.train import train  # noqa: E402
 from flexpack.packing.collate import Batch, PackCollate  # noqa: E402
 from flexpack.packing.layout import SequenceLayout  # noqa: E402
 from flexpack.packing.transfer import with_host  # noqa: E402
 from flexpack.run.config import load_config  # noqa: E402
 from flexpack.training import step as step_mod  # noqa: E402
-from flexpack.training.loop import train  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 READS = {"item", "tolist", "__float__", "__int__", "__bool__", "__index__", "cpu", "numpy", "__format__", "__repr__",

@@ -11,12 +11,12 @@ import shutil
 import pytest
 import torch
 
+from flexpack.commands.train import train
 from flexpack.flow.noise import noise_seeds
 from flexpack.run import lora
 from flexpack.run.compose import build_run
 from flexpack.run.config import load_config
 from flexpack.run.resolve import config_family, model_config_of
-from flexpack.training.loop import train
 from helpers import LINGBOT_TINY, TINY, run_cli, sample_run_and_export, tiny_config
 
 pytest.importorskip("peft")

@@ -12,6 +12,7 @@ import torch
 
 pytest.importorskip("lerobot")
 
+from flexpack.commands.train import train  # noqa: E402
 from flexpack.flow.noise import noise_seeds  # noqa: E402
 from flexpack.flow.objective import LossPart  # noqa: E402
 from flexpack.flow.objectives import FlowObjective  # noqa: E402
@@ -19,7 +20,6 @@ from flexpack.models import registry  # noqa: E402
 from flexpack.run.compose import build_run  # noqa: E402
 from flexpack.run.model import build_model  # noqa: E402
 from flexpack.run.state import checkpoint  # noqa: E402
-from flexpack.training.loop import train  # noqa: E402
 from flexpack.training.step import accumulate, part_names  # noqa: E402
 from flexpack.training.validation import Validator  # noqa: E402
 from helpers import tiny_config  # noqa: E402

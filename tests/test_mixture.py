@@ -215,9 +215,9 @@ preset = "lingbot-va-tiny"
 def test_metrics_split_the_loss_parts_and_tokens_per_dataset(tmp_path: Path) -> None:
     import json
 
+    from flexpack.commands.train import train
     from flexpack.data.bundle_synthetic import SyntheticDataset, write_bundle
     from flexpack.run.config import load_config
-    from flexpack.training.loop import train
 
     cams = {"observation.images.cam_high": (4, 4)}
     a = write_bundle(tmp_path / "a", [SyntheticDataset(name="d", episodes=[[(0, 30)], [(0, 21)]], cameras=cams,

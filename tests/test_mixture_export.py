@@ -51,7 +51,7 @@ def _mixture(a: Path, b: Path, norm: Path) -> str:
 @pytest.fixture(scope="module")
 def mixture_run(tmp_path_factory):
     """A 2-step lingbot-va-tiny run on the two-entry mixture: (config, run folder, entry a's root, arm3's root)."""
-    from flexpack.training.loop import train
+    from flexpack.commands.train import train
 
     base = tmp_path_factory.mktemp("mixture")
     a, b = _bundles(base)
@@ -176,7 +176,7 @@ def test_a_checkpoint_without_per_entry_records_exports_each_entrys_statistics(m
 def test_entries_of_one_embodiment_export_their_shared_statistics(tmp_path, capsys) -> None:
     """Two entries naming one embodiment (same channels and cameras) share q01 / q99 pooled over both: either
     name, and no --dataset at all, writes those; they are the statistics the checkpoint recorded."""
-    from flexpack.training.loop import train
+    from flexpack.commands.train import train
 
     a = write_bundle(tmp_path / "a", [SyntheticDataset(name="d", episodes=[[(0, 30)], [(0, 21)]],
                                                        cameras=BUNDLE_CAMS, action_columns=6)], text=(16, 64))

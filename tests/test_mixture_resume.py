@@ -39,9 +39,9 @@ def _config(base: Path, out: Path, steps: int):
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in")
 def test_a_weighted_mixture_stopped_on_2_ranks_resumes_on_1(tmp_path) -> None:
+    from flexpack.commands.train import train
     from flexpack.run.compose import build_run
     from flexpack.run.config import save_config
-    from flexpack.training.loop import train
 
     if not TORCHRUN.exists() and shutil.which("torchrun") is None:
         pytest.skip("torchrun not found next to the interpreter or on PATH")

@@ -84,7 +84,7 @@ def test_ema_update_formula_and_state_roundtrip():
 
 @pytest.mark.usefixtures("one_thread")
 def test_ema_is_checkpointed_and_resumes_exactly(tiny_dataset, tmp_path):
-    from flexpack.training.loop import train
+    from flexpack.commands.train import train
 
     def cfg(out):
         return tiny_config(tiny_dataset, tmp_path / out, "schedule.steps=4", "optim.ema_decay=0.5",

@@ -72,7 +72,7 @@ def test_offload_needs_one_cuda_device_said_before_the_data(tmp_path):
                                         r"optim.grad_clip=0 \(now 1.0\)"):
         optim.check(OptimConfig(offload="optimizer"), torch.device("cuda"), 1)
     optim.check(OptimConfig(states="8bit"), torch.device("cpu"), 2)  # low-bit states: any device, any ranks
-    from flexpack.training.loop import train
+    from flexpack.commands.train import train
 
     # the whole run: refused before any data is read (a dataset that does not exist) or anything is written
     run = tmp_path / "run"
@@ -100,7 +100,7 @@ def test_low_bit_keeps_the_weight_decay_groups_and_says_which(states, cls, capsy
 @pytest.mark.usefixtures("one_thread")
 def test_low_bit_states_resume_bit_exactly(train_dataset, tmp_path):
     """4 steps straight against 2 + a resume of 2, for 8-bit and 4-bit states: the same losses and weights."""
-    from flexpack.training.loop import train
+    from flexpack.commands.train import train
 
     for states in ("8bit", "4bit"):
         st = f'optim.states="{states}"'
@@ -128,7 +128,7 @@ def _loaded_states(run: Path, model: torch.nn.Module, states: str) -> list[dict]
 
 @pytest.mark.usefixtures("one_thread")
 def test_resume_with_other_states_or_offload_is_refused_before_loading(train_dataset, tmp_path):
-    from flexpack.training.loop import train
+    from flexpack.commands.train import train
 
     run = tmp_path / "run"
     train(_cfg(train_dataset, run, "schedule.steps=1"))
@@ -158,7 +158,7 @@ def test_a_checkpoint_without_the_record_is_float32_without_offload(tmp_path):
 def test_fsdp2_low_bit_states_train_checkpoint_and_reshard_2_to_1(train_dataset, tmp_path):
     """2 gloo ranks with 8-bit states on FSDP2 shards: 4 steps straight, 2 + a resume of 2 on 2 ranks (the
     same losses), and the step-2 checkpoint resumed on 1 rank (DCP re-shards torchao's 8-bit states)."""
-    from flexpack.training.loop import train
+    from flexpack.commands.train import train
 
     if not TORCHRUN.exists() and shutil.which("torchrun") is None:
         pytest.skip("torchrun not found next to the interpreter or on PATH")
@@ -192,7 +192,7 @@ def test_fsdp2_low_bit_states_train_checkpoint_and_reshard_2_to_1(train_dataset,
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("states, offload", [("float32", "optimizer"), ("8bit", "optimizer+gradients")])
 def test_offloaded_optimizer_resumes_bit_exactly_on_cuda(train_dataset, tmp_path, states, offload):
-    from flexpack.training.loop import train
+    from flexpack.commands.train import train
 
     sets = (f'optim.states="{states}"', f'optim.offload="{offload}"', "optim.grad_clip=0", 'runtime.device="cuda"')
     straight = train(_cfg(train_dataset, tmp_path / "A", *sets))

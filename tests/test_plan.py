@@ -70,7 +70,7 @@ def test_metrics_jsonl_mfu_counts_both_copies(tmp_path, monkeypatch):
 
     monkeypatch.delenv("LINGBOT_PROFILE", raising=False)
     cfg = _cfg(tmp_path, *TEACHER_FORCING, "profile.peak_tflops=1", "schedule.steps=1", "schedule.warmup_steps=0")
-    train(cfg, run=synthetic_run(cfg, text_len=4))
+    train(synthetic_run(cfg, text_len=4))
     rec = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     fresh = synthetic_run(cfg, text_len=4)  # the same epoch-0 order the run started from
     batches = [fresh.collate([fresh.dataset[i] for i in idx]) for idx, _ in zip(fresh.sampler, range(2))]
@@ -116,7 +116,7 @@ def test_the_model_config_is_resolved_once_per_run(tmp_path, monkeypatch):
     assert len(calls) == 1  # load_config's check
     run = synthetic_run(cfg, text_len=4)
     assert len(calls) == 2  # compose
-    train(cfg, run=run)
+    train(run)
     assert len(calls) == 2 and run.model_config == model_config_of(cfg)
 
 
@@ -161,12 +161,27 @@ def test_unmasked_pairs_counts_the_dense_mask():
 
 
 def test_train_refuses_a_run_composed_from_another_config(tmp_path):
-    """``train(cfg, run=...)`` claims ``cfg``'s run folder and steps with the run's config: a run composed from
-    another config (here another out_dir) is refused in one line, and neither folder is touched."""
+    """``train(cfg, run=...)`` (deprecated) claims ``cfg``'s run folder and steps with the run's config: a run
+    composed from another config (here another out_dir) is refused in one line, and neither folder is touched."""
     from flexpack.training.loop import train
 
     cfg = _cfg(tmp_path, "schedule.steps=1")
     other = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, out_dir=str(tmp_path / "other")))
-    with pytest.raises(ValueError, match="composed from another config"):
+    with pytest.raises(ValueError, match="composed from another config"), pytest.warns(DeprecationWarning):
         train(other, run=synthetic_run(cfg, text_len=4))
     assert not (tmp_path / "run").exists() and not (tmp_path / "other").exists()
+
+
+def test_train_refuses_a_run_composed_from_another_config_than_the_one_started(tmp_path):
+    """``train(run, started=...)``: the folder claimed and locked at start-up is the started config's, so a run
+    composed from another config is refused in one line, before any step or write into that folder."""
+    from flexpack.run.start import start_up
+    from flexpack.training.loop import START_CHECKS, train
+
+    cfg = _cfg(tmp_path, "schedule.steps=1")
+    other = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, out_dir=str(tmp_path / "other")))
+    run = synthetic_run(cfg, text_len=4)
+    with start_up(other, checks=START_CHECKS) as started:
+        with pytest.raises(ValueError, match="composed from another config than the one started"):
+            train(run, started=started)
+    assert not (tmp_path / "run").exists() and not (tmp_path / "other" / "checkpoints").exists()

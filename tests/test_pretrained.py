@@ -11,10 +11,10 @@ diffusers = pytest.importorskip("diffusers")
 pytest.importorskip("lerobot")
 
 from flexpack.attention.flex import FlexAttnFunc  # noqa: E402
+from flexpack.commands.train import train  # noqa: E402
 from flexpack.run.config import load_config  # noqa: E402
 from flexpack.run.model import build_model  # noqa: E402
 from flexpack.run.resolve import model_config_of  # noqa: E402
-from flexpack.training.loop import train  # noqa: E402
 from hf_tiny import tiny_diffusers  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"

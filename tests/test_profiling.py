@@ -318,7 +318,7 @@ def test_profile_on_cuda_counts_kernel_time_and_mfu(tmp_path, monkeypatch):
         "log.tensorboard=false", "schedule.steps=4", "runtime.device='auto'", "optim.accum_steps=1",
         "profile.peak_tflops=100",  # an MFU on any GPU
         "model.overrides={in_channels=48, text_dim=64, action_channels=6, attn_backend='auto'}"])
-    train(cfg, run=synthetic_run(cfg, text_len=4))
+    train(synthetic_run(cfg, text_len=4))
     prof = tmp_path / "run" / "profile"
     s = json.loads((prof / "summary_rank0.json").read_text())
     assert s["time_base"] == "cuda kernels" and s["profiled_steps"] == [3, 4]

@@ -191,3 +191,41 @@ def test_the_changelog_records_every_move():
         assert f"`{old}`" in text and f"`{new}`" in text, old
     for name in ("PackCollate.from_token_budget", "Batch.extras", "Batch.hf_packing_kwargs()", "flexpack 0.3"):
         assert name in text, name
+
+
+def test_train_given_a_config_is_deprecated_naming_the_run_form(tmp_path):
+    """``loop.train(config)`` and ``loop.train(config, run=run)``, the forms before the loop took a Run, work as they
+    did (the start-up from the config, then the run's steps), warning at the calling line with a DeprecationWarning
+    that names the call to use; ``loop.train(run)`` warns about nothing."""
+    from flexpack.errors import UserError
+    from flexpack.run.config import load_config
+    from flexpack.run.memory_data import synthetic_run
+    from flexpack.training.loop import train
+
+    cfg = load_config(ROOT / "configs" / "tiny_cpu.toml", [
+        f'runtime.out_dir="{tmp_path / "run"}"', "log.progress=false", "log.tensorboard=false", "checkpoint.every=0",
+        "data.max_tokens=60", "schedule.steps=1"])
+    with pytest.warns(DeprecationWarning) as seen, pytest.raises(UserError, match="--stop-after must be an integer"):
+        train(cfg, stop_after=-1)  # the start-up runs from the config, as before: its stop-step check refuses
+    (w,) = [w for w in seen if "loop.train" in str(w.message)]
+    assert str(w.message) == (
+        'flexpack.training.loop.train(config) is deprecated: call train(compose(config, "train")) '
+        "(flexpack.run.compose), or flexpack.commands.train.train(config) (what flexpack train runs: the start-up "
+        "before any data is opened); the config form goes in flexpack 0.3")
+    assert w.filename == __file__
+    run = synthetic_run(cfg, text_len=4)
+    with pytest.warns(DeprecationWarning) as seen:
+        old = train(cfg, run=run, stop_after=0)  # built and loaded, no step taken
+    (w,) = [w for w in seen if "loop.train" in str(w.message)]
+    assert str(w.message) == ("flexpack.training.loop.train(config, run=run) is deprecated: call train(run), the run "
+                              "holding its config; the config form goes in flexpack 0.3")
+    assert w.filename == __file__ and old.step == old.start_step == 0 and old.model is not None
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*is deprecated", category=DeprecationWarning)
+        new = train(run, stop_after=1)
+    assert new.step == 1 and len(new.losses) == 1
+
+
+def test_the_changelog_records_the_train_deprecation():
+    text = (ROOT / "CHANGELOG.md").read_text()
+    assert "`flexpack.training.loop.train(config)`" in text and "`train(run)`" in text

@@ -118,9 +118,9 @@ def _remaining(root: Path, run: Path, world: int) -> int:
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in")
 def test_sharded_checkpoints_resume_on_2_ranks_exactly_and_elastically_2_to_1_and_1_to_2(train_dataset, tmp_path):
+    from flexpack.commands.train import train
     from flexpack.run.config import save_config
     from flexpack.run.state import checkpoint
-    from flexpack.training.loop import train
 
     if not TORCHRUN.exists() and shutil.which("torchrun") is None:
         pytest.skip("torchrun not found next to the interpreter or on PATH")

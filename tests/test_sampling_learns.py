@@ -80,8 +80,8 @@ def learn_and_sample(tmp_path: Path, seed: int) -> tuple[dict, list[dict], Path]
     """make-dataset --scene orbit, encode (pool), train the tiny model, sample the held-out episodes."""
     import torch
 
+    from flexpack.commands.train import train
     from flexpack.run.config import load_config
-    from flexpack.training.loop import train
 
     root = make_synthetic_dataset(tmp_path / "orbit", scene="orbit", episodes=24, min_frames=33, max_frames=41,
                                   seed=seed)

@@ -61,8 +61,8 @@ def test_orbit_speed_scene_draws_a_speed_and_direction_per_episode(tmp_path, cap
 def test_tiny_model_reads_its_history_and_a_foreign_history_breaks_the_forecast(tmp_path):
     import torch
 
+    from flexpack.commands.train import train
     from flexpack.run.config import load_config
-    from flexpack.training.loop import train
 
     t0 = time.perf_counter()
     root = make_synthetic_dataset(tmp_path / "speed", scene="orbit-speed", episodes=32, min_frames=33,

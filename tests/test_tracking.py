@@ -91,7 +91,7 @@ def test_wandb_gets_the_same_scalars(tmp_path, monkeypatch):
 
 
 def test_missing_wandb_is_one_line_before_any_work(monkeypatch):
-    from flexpack.training.loop import train
+    from flexpack.commands.train import train
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # import fails as if not installed
     cfg = load_config(None, ["log.wandb=true", 'data.root="/nonexistent/data"'])

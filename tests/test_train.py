@@ -12,12 +12,13 @@ import torch
 pytest.importorskip("lerobot")
 
 from flexpack.cli import main as cli_main  # noqa: E402
+from flexpack.commands.train import train  # noqa: E402
 from flexpack.families.wan.config import wan_config
 from flexpack.families.wan.model import WanVA  # noqa: E402
 from flexpack.packing.collate import PackCollate, PadCollate  # noqa: E402
 from flexpack.run.config import ScheduleConfig, load_config  # noqa: E402
 from flexpack.run.state import checkpoint  # noqa: E402
-from flexpack.training.loop import accumulate, lr_at, train  # noqa: E402
+from flexpack.training.loop import accumulate, lr_at  # noqa: E402
 from helpers import tiny_config  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"

@@ -19,11 +19,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from flexpack.commands.train import train
 from flexpack.families.lingbot import export_upstream
 from flexpack.families.lingbot.convert import to_lerobot_state_dict
 from flexpack.run.model import build_model
 from flexpack.run.state import checkpoint
-from flexpack.training.loop import train
 from helpers import LINGBOT_TINY, bundle_run, run_cli, sample_run_and_export, tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -110,7 +110,7 @@ def test_nonfinite_checkpoint_weights_are_named_before_any_step_or_sample(tiny_d
                                                                           monkeypatch) -> None:
     """A checkpoint written with a NaN weight (as a diverged or damaged run would leave it, its manifest intact):
     resume, sample, sample --ema and export each name the first non-finite tensor and stop."""
-    from flexpack.training.loop import train
+    from flexpack.commands.train import train
     from helpers import tiny_config
 
     real = checkpoint.Checkpointer.save

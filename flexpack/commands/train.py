@@ -1,6 +1,9 @@
 """``flexpack train CONFIG``: the train loop (:func:`flexpack.training.loop.train`) with its hooks wired in.
 
-Training and sampling are siblings that never import each other: this command gives the loop both of
+The order a run starts in (:func:`train`): the start-up before any data is opened (:func:`flexpack.run.start.start_up`:
+config, loggers, device, run folder, optimizer, the checkpoint to resume from; a folder already done ends there),
+then, with the folder locked, the ``"train"`` :class:`~flexpack.run.root.Run` composed from what it checked and the
+loop over that Run. Training and sampling are siblings that never import each other: this command gives the loop both of
 its per-step hooks, the validation loss (``validation.every``) and sampling of held-out episodes
 (``sample.every``). Under ``torchrun`` with several ranks it starts and ends the process group.
 
@@ -14,7 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from flexpack.commands.common import add_config, add_set, load
 from flexpack.run.checks import positive_int
@@ -70,12 +73,24 @@ def profile_env(cfg: TrainConfig, rank: int = 0) -> TrainConfig:
     return replace(cfg, profile=replace(p, env_steps=steps, env_warmup=warmup))
 
 
-def train(cfg: TrainConfig, **kwargs: Any) -> TrainResult:
-    """:func:`flexpack.training.loop.train` with validation and sampling hooks (what ``flexpack train`` runs), the
-    profiling variables read into the config (:func:`profile_env`)."""
+def train(cfg: TrainConfig, *, stop_after: int | None = None) -> TrainResult:
+    """What ``flexpack train`` runs: the profiling variables read into the config (:func:`profile_env`), the start-up
+    before any data is opened (:func:`flexpack.run.start.start_up`: config, device, run folder, optimizer, the
+    checkpoint to resume from; the folder locked), then, inside it, the ``"train"`` run composed from what the start-up
+    checked and trained by :func:`flexpack.training.loop.train` with :func:`hooks` (validation and sampling)."""
+    from flexpack.parallel.parallelize import world
+    from flexpack.run.compose import compose
+    from flexpack.run.start import start_up
     from flexpack.training import loop
 
-    return loop.train(profile_env(cfg, int(os.environ.get("RANK", "0"))), hooks=hooks(), **kwargs)
+    cfg = profile_env(cfg, int(os.environ.get("RANK", "0")))
+    with start_up(cfg, checks=loop.START_CHECKS, stop_after=stop_after) as started:
+        if started.done is not None:  # the folder is at schedule.steps already: no data opened
+            return loop.TrainResult.nothing_left(started)
+        rank, size = world()
+        run = compose(started.config, "train", rank=rank, world_size=size, device=started.device,
+                      checked=started.checked)
+        return loop.train(run, stop_after=stop_after, hooks=hooks(), started=started)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -17,7 +17,8 @@ Roles (:data:`ROLES`), each a :class:`Run` of the same config:
     the training episodes (``data.val_fraction`` / ``data.val_episodes`` held out), items as training draws them
     (text dropout), the sampler of ``data.mode`` sharded by rank; pack mode checks every item fits the budget.
 ``"val"``
-    the held-out episodes (validation loss), without text dropout.
+    the held-out episodes (validation loss), without text dropout; composed from a training run (``parent``: the
+    validation hook) it keeps that run's geometry and grid, so its frame budget packs the held-out episodes too.
 ``"verify"``
     what ``"train"`` gives (``flexpack verify`` checks the micro-batches training would see).
 ``"sample"``
@@ -120,8 +121,11 @@ def compose(cfg: TrainConfig, role: str = "train", *, dataset: EpisodeDataset | 
             dataset = open_dataset(cfg, split.held_out if role == "val" else split.train,
                                    text_dropout=role != "val", model_cfg=model_cfg, family=family)
     hw_ = check_fits_model(dataset, model_cfg, cfg)
-    grid = run_grid(dataset, model_cfg, cfg)
-    geometry = geometry_for(model_cfg, grid or hw_, cfg, family)  # a padded item costs the run grid's tokens
+    if parent is not None and parent.geometry is not None:  # the parent's tokens: its frame budget packs these too
+        grid, geometry = parent.grid, parent.geometry
+    else:
+        grid = run_grid(dataset, model_cfg, cfg)
+        geometry = geometry_for(model_cfg, grid or hw_, cfg, family)  # a padded item costs the run grid's tokens
     if cfg.data.mode == "pack":
         check_token_budget(cfg, dataset, geometry)
     sampler, collate = batching(cfg, dataset.lengths(), geometry, rank, world_size,

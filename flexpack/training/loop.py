@@ -1,4 +1,5 @@
-"""``flexpack train CONFIG``: the train loop, a plain function over a :class:`~flexpack.run.config.TrainConfig`.
+"""``flexpack train CONFIG``: the train loop, a plain function over a composed ``"train"``
+:class:`~flexpack.run.root.Run` (:func:`flexpack.run.compose.compose`).
 
 Order of one optimizer step (nanoGPT's): lr → checkpoint → micro-steps → clip → step → log.
 
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import gc
 import sys
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -43,15 +45,15 @@ from flexpack.packing.collate import Batch
 from flexpack.packing.grids import real_tokens
 from flexpack.parallel.parallelize import world
 from flexpack.run import lora, memory_plan
-from flexpack.run.checks import preflight
 from flexpack.run.compose import compose
-from flexpack.run.config import TrainConfig
 from flexpack.run.cpu_threads import cpu_threads
 from flexpack.run.hooks import HookContext, HookFactory
-from flexpack.run.resolve import check, with_default_mask
+from flexpack.run.resolve import with_default_mask
 from flexpack.run.root import Run
+from flexpack.run.start import StartChecks, StartUp, start_up
 from flexpack.run.state import checkpoint, faults, resume, runfolder, trained
 from flexpack.training import optim, resume_note
+from flexpack.training.deprecated import REMOVED_IN
 from flexpack.training.ema import make_ema
 from flexpack.training.lr_schedule import lr_at
 from flexpack.training.observe import tracking
@@ -66,6 +68,9 @@ from flexpack.training.step import (  # noqa: F401  (accumulate: public too)
     train_step,
 )
 from flexpack.training.validation import make_validator
+
+# training's part of the start-up (flexpack.run.start): the logger packages, the optimizer on the device
+START_CHECKS = StartChecks(log=tracking.check, optim=optim.check)
 
 
 def _stream(loader: Any, sampler: Any) -> Iterator[tuple[Batch, dict]]:
@@ -91,52 +96,84 @@ class TrainResult:
     checkpoint: Path | None = None
     model: nn.Module | None = None  # the trained model (FSDP-sharded under torchrun)
 
+    @classmethod
+    def nothing_left(cls, started: StartUp) -> "TrainResult":
+        """No step taken: the run folder is at ``schedule.steps`` already (``started.done``: the start-up said so)."""
+        return cls(step=started.done, start_step=started.done, checkpoint=started.resume)
 
-def train(cfg: TrainConfig, *, stop_after: int | None = None, run: Run | None = None,
-          hooks: Sequence[HookFactory] | None = None) -> TrainResult:
-    """Train ``cfg.schedule.steps`` optimizer steps (resuming from the run folder's newest checkpoint);
-    ``stop_after`` ends early after that step, with a checkpoint, as an interruption would; ``run``:
-    a :class:`~flexpack.run.root.Run` over other episodes than ``data.root``'s (in-memory episodes,
-    :func:`flexpack.run.memory_data.synthetic_run`, e.g. ``benchmarks/profile_step.py``).
-    ``hooks``: what runs after each step (:mod:`flexpack.run.hooks`); default validation only.
+
+def train(run: Run, /, *, stop_after: int | None = None, hooks: Sequence[HookFactory] | None = None,
+          started: StartUp | None = None, **legacy: Any) -> TrainResult:
+    """Train ``run`` (a ``"train"`` :class:`~flexpack.run.root.Run`: ``compose(cfg, "train")``, or over in-memory
+    episodes ``compose(cfg, "train", dataset=...)``) for ``schedule.steps`` optimizer steps of its config, resuming
+    from the run folder's newest checkpoint; ``stop_after`` ends early after that step, with a checkpoint, as an
+    interruption would. ``hooks``: what runs after each step (:mod:`flexpack.run.hooks`); default validation only.
     Sampling during training (``sample.every``) is a sibling's hook: ``flexpack train``
     (:func:`flexpack.commands.train.train`) wires it in.
+
+    ``started``: what :func:`flexpack.run.start.start_up` found for ``run.config``, the run composed inside its block
+    (``flexpack train``: device, run folder and resume checked before any data is opened); without it the start-up
+    runs here, from ``run.config`` and ``run.model_config``. ``train(config)`` and ``train(config, run=run)`` still
+    work, deprecated (:func:`_legacy`).
     Faults (:mod:`flexpack.run.state.faults`): a signal saves and raises ``Interrupted``, a non-finite
     step raises ``NonFiniteError`` (or is skipped), a data error on any rank saves the steps done and re-raises."""
-    rank, size = world()
+    if not isinstance(run, Run):  # a config: the form before the Run
+        if started is not None:
+            raise TypeError("train(config, started=...): pass the Run composed inside the start-up")
+        return _legacy(run, stop_after=stop_after, hooks=hooks, **legacy)
+    if legacy:
+        raise TypeError(f"train() got unexpected keyword argument(s) {sorted(legacy)}")
+    hooks = _hooks(run.config, hooks)
+    if started is None:
+        with start_up(run.config, checks=START_CHECKS, stop_after=stop_after, checked=(run.config, run.model_config)
+                      ) as started:
+            return _train(run, started, stop_after, hooks)
+    if started.config != run.config:  # the folder claimed and locked was started.config's; the steps run.config's
+        raise ValueError("train: run was composed from another config than the one started (e.g. another "
+                         "runtime.out_dir); compose it inside the start-up, from started.config")
+    return _train(run, started, stop_after, hooks)
+
+
+def _legacy(cfg: Any, *, stop_after: int | None, hooks: Sequence[HookFactory] | None,
+            run: Run | None = None, **unknown: Any) -> TrainResult:
+    """``train(config)`` / ``train(config, run=run)``: deprecated (see CHANGELOG.md), what they always did."""
+    if unknown:
+        raise TypeError(f"train() got unexpected keyword argument(s) {sorted(unknown)}")
+    new = ("train(run), the run holding its config" if run is not None else
+           'train(compose(config, "train")) (flexpack.run.compose), or flexpack.commands.train.train(config) '
+           "(what flexpack train runs: the start-up before any data is opened)")
+    what = "train(config, run=run)" if run is not None else "train(config)"
+    warnings.warn(f"flexpack.training.loop.{what} is deprecated: call {new}; the config form goes in flexpack "
+                  f"{REMOVED_IN}", DeprecationWarning, stacklevel=3)
     if run is not None and run.config != with_default_mask(cfg, run.family):
         # the folder claimed below is cfg's; the steps would run run.config's
         raise ValueError("train: run= was composed from another config than cfg (e.g. another runtime.out_dir); "
                          "compose the run from the config it trains with")
+    hooks = _hooks(cfg, hooks)
+    # the config checked and its model resolved once, before any data: the resume check and the run share them
+    checked = (run.config, run.model_config) if run is not None else None
+    with start_up(cfg, checks=START_CHECKS, stop_after=stop_after, checked=checked) as started:
+        if started.done is None and run is None:
+            rank, size = world()
+            run = compose(started.config, "train", rank=rank, world_size=size, device=started.device,
+                          checked=started.checked)
+        return _train(run, started, stop_after, hooks)
+
+
+def _hooks(cfg: Any, hooks: Sequence[HookFactory] | None) -> tuple[HookFactory, ...]:
+    """``hooks``, validation only by default; a config that samples during training needs the sampling hook."""
     hooks = (make_validator,) if hooks is None else tuple(hooks)
     if cfg.sample.every and len(hooks) < 2:
         raise ValueError(f"sample.every={cfg.sample.every} needs the sampling hook: run "
                          "'flexpack train' (or call flexpack.commands.train.train), or pass hooks=")
-    # the config checked and its model resolved once, before any data: the resume check and the run share them
-    cfg, model_cfg = (run.config, run.model_config) if run is not None else check(cfg)
-    if rank == 0:
-        tracking.check(cfg.log)  # a missing logger package fails before any data or model work
-    device = preflight(cfg, stop_after, model_cfg)  # device, run folder, finite numbers: before data and model
-    if rank == 0:
-        runfolder.claim(cfg.runtime.out_dir, adopt=cfg.runtime.adopt_dir)  # flexpack's own folder, or refused
-    optim.check(cfg.optim, device, size)  # torchao for low-bit states; offload on one CUDA device
-    found = resume.find(cfg, rank, model_cfg)
-    if found is not None and resume.step_of(found) >= cfg.schedule.steps:  # nothing to do: touch nothing
-        done = resume.step_of(found)
-        if rank == 0:
-            print(f"{cfg.runtime.out_dir}: already at step {done} of schedule.steps={cfg.schedule.steps}; "
-                  "nothing to train (raise schedule.steps to continue)", file=sys.stderr)
-        return TrainResult(step=done, start_step=done, checkpoint=found)
-    with runfolder.RunLock(cfg.runtime.out_dir, active=rank == 0), faults.GracefulStop() as stop:
-        _barrier()  # the other ranks wait for rank 0's lock (a refusal ends torchrun through rank 0)
-        return _train(cfg, model_cfg, found, stop, stop_after, device, run, hooks)
+    return hooks
 
 
-def _train(cfg: TrainConfig, model_cfg: Any, found: Path | None, stop: faults.GracefulStop, stop_after: int | None,
-           device: torch.device, given: Run | None, hooks: Sequence[HookFactory]) -> TrainResult:
+def _train(run: Run | None, started: StartUp, stop_after: int | None, hooks: Sequence[HookFactory]) -> TrainResult:
+    if started.done is not None:
+        return TrainResult.nothing_left(started)
+    found, stop, device = started.resume, started.stop, started.device
     rank, size = world()
-    run = compose(cfg, "train", rank=rank, world_size=size, device=device,
-                  checked=(cfg, model_cfg)) if given is None else given
     run = memory_plan.apply(run)  # memory.budget_gb: checkpointing, optimizer states, offload; before any weights
     cfg = run.config
     optim.check(cfg.optim, device, size)  # the optimizer as planned: torchao, offload on one CUDA GPU
@@ -156,7 +193,7 @@ def _train(cfg: TrainConfig, model_cfg: Any, found: Path | None, stop: faults.Gr
         start = resumed_at = int(state["step"])
         old_world = int(state.get("world_size", size))
     if rank == 0:
-        _prepare_run(folder, cfg, start, size, old_world)
+        _prepare_run(folder, run, start, size, old_world)
     # the loader's own generator: each epoch's iterator draws its worker seed from it, not from the global RNG that
     # the checkpoints restore (dropout, such as lora.dropout's, then draws after a resume what it would have)
     loader = torch.utils.data.DataLoader(run.dataset, batch_sampler=run.sampler, collate_fn=run.collate,
@@ -269,29 +306,25 @@ class _QuietGC:
             gc.enable()
 
 
-def _barrier() -> None:
-    if world()[1] > 1:
-        dist.barrier()
-
-
-def _prepare_run(run: Path, cfg: TrainConfig, start: int, size: int, old_world: int) -> None:
+def _prepare_run(folder: Path, run: Run, start: int, size: int, old_world: int) -> None:
     """Rank 0, before the first step: clear interrupted saves, cut metrics.jsonl back to ``start``
     (the weights' step), record this start in the config history (:mod:`flexpack.run.state.runfolder`);
     a resume with changed settings says which and what they do (:mod:`flexpack.training.resume_note`)."""
-    runfolder.mark(run)
-    for tmp in checkpoint.remove_temporary(run / "checkpoints"):
+    cfg = run.config
+    runfolder.mark(folder)
+    for tmp in checkpoint.remove_temporary(folder / "checkpoints"):
         why = "an interrupted save" if tmp.name.startswith((".tmp-", ".old-")) else "an interrupted pruning"
         print(f"removed {tmp} ({why})", file=sys.stderr)
-    if dropped := runfolder.cut_metrics(run, start):
-        print(f"{run}/metrics.jsonl: removed {dropped} line(s) after step {start} (steps of a run that was "
+    if dropped := runfolder.cut_metrics(folder, start):
+        print(f"{folder}/metrics.jsonl: removed {dropped} line(s) after step {start} (steps of a run that was "
               "stopped before checkpointing them)", file=sys.stderr)
-    changed = runfolder.record_start(run, cfg.to_dict(), start_step=start, world_size=size)
+    changed = runfolder.record_start(folder, cfg.to_dict(), start_step=start, world_size=size)
     if start > 0 and (changed or old_world != size):
         what = ("changed config: " + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()) if changed
                 else f"{size} rank(s) instead of {old_world}")
         notes = resume_note.effects(cfg.data, cfg.optim, cfg.schedule, changed, step=start, world=size,
                                     old_world=old_world)
-        print(f"resuming at step {start} with {what} (recorded in {run}/config_history.jsonl)"
+        print(f"resuming at step {start} with {what} (recorded in {folder}/config_history.jsonl)"
               + "".join(f"\n  {line}" for line in notes), file=sys.stderr)
 
 

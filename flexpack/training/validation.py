@@ -12,9 +12,10 @@ every held-out item once and logs ``val_loss`` and ``val_<part>`` for every loss
 items divided by all counts, so the result does not depend on batching or rank count; ``val_loss`` weights
 the parts as the loss does) to ``metrics.jsonl``. σ and noise are drawn per item from
 ``(VAL_TAG, episode, segment)`` alone — not from the step or the run seed — so the numbers are
-comparable across steps and across runs. The held-out episodes have their own plan
-(the training :class:`~flexpack.run.root.Run` over them: its frame budget packs them, its forward
-options and autocast rule run the model). Items are dealt to ranks round-robin and packed in order;
+comparable across steps and across runs. The held-out episodes have their own plan, the ``"val"``
+:class:`~flexpack.run.root.Run` composed from the training one (``compose(cfg, "val", parent=run)``: the held-out
+split's items without text dropout; the training run's frame budget packs them, its forward options and autocast
+rule run the model). Items are dealt to ranks round-robin and packed in order;
 ranks with fewer micro-batches run a discarded one so FSDP's collectives stay matched.
 """
 
@@ -29,8 +30,7 @@ from torch import nn
 
 from flexpack.flow.noise import noise_seeds
 from flexpack.packing.geometry import TokenGeometry
-from flexpack.run.build import open_dataset
-from flexpack.run.checks import config_terms
+from flexpack.run.compose import compose
 from flexpack.run.holdout import VAL_TAG
 from flexpack.run.hooks import HookContext, HookReport
 from flexpack.run.root import Run
@@ -62,9 +62,9 @@ class Validator:
 
     def __init__(self, run: Run) -> None:
         rank, size = run.rank, run.world_size
-        with config_terms(run.config):
-            held = open_dataset(run.config, run.split.held_out, model_cfg=run.model_config, family=run.family)
-        self.run = run.with_dataset(held)  # the held-out episodes with the training geometry and options
+        # the held-out episodes (the run's split) with the training run's geometry, model, device and autocast
+        self.run = compose(run.config, "val", parent=run)
+        held = self.run.dataset
         # the model's own text-slot count per call, as validation has always run
         self.forward = replace(self.run.forward, text_slots=None)
         lengths = held.lengths()
