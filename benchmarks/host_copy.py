@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from pathlib import Path
 
@@ -22,18 +21,10 @@ import torch
 
 
 def timed(fn, repeat: int) -> float:
-    """Median seconds of ``fn`` (CUDA events around each call, after one warm-up call)."""
-    fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(repeat):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(out)
+    """Median seconds of ``fn`` between CUDA events, after one warm-up call (``attention.bench``)."""
+    from attention import bench
+
+    return bench(fn, repeat, warmup=1) / 1e3
 
 
 def main() -> None:
