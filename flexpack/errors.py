@@ -1,4 +1,4 @@
-"""Which exceptions are the user's to fix, and how the command line reports them.
+"""Which exceptions are the user's to fix, and how the command line reports them; names that moved.
 
 A *user error* is one a user can act on without reading code: a config key or value, a file, an
 episode. The command line prints it as ``flexpack CMD: error: <one line>`` and exits 2; anything
@@ -15,13 +15,23 @@ User errors are:
   is checked with a ``ValueError`` naming the value. The same types raised inside torch or
   another library are taken as bugs of the caller (a shape flexpack should have checked), so
   they keep their traceback.
+
+A name that moved keeps its old path for one minor version (``CHANGELOG.md`` lists them): its old module sets
+``__getattr__ = moved_names(__name__, {name: new module})``, and reading the name warns with a
+``DeprecationWarning`` naming the new place (at the reading line), then returns it from the new module, imported
+only then (the new module may import the old). Whole modules that moved are
+:func:`flexpack.training.deprecated.moved`'s.
 """
 
 from __future__ import annotations
 
 import errno
+import importlib
 import re
+import warnings
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 _PACKAGE = Path(__file__).resolve().parent
 _OS_USER = (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError, FileExistsError)
@@ -70,3 +80,21 @@ def one_line(exc: BaseException) -> str:
 
 def _os_message(exc: OSError) -> str:
     return f"{exc.filename}: {exc.strerror or exc}"
+
+
+REMOVED_IN = "0.3"
+
+
+def moved_names(module: str, names: Mapping[str, str]) -> Callable[[str], Any]:
+    """The module ``__getattr__`` of ``module``, whose ``names`` moved each to the module it maps to."""
+
+    def __getattr__(name: str) -> Any:
+        new = names.get(name)
+        if new is None:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        warnings.warn(f"{module}.{name} is deprecated: it moved to {new}; import it from there (the old path goes "
+                      f"in flexpack {REMOVED_IN})", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(new), name)
+
+    return __getattr__
+

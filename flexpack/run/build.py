@@ -9,6 +9,7 @@ import math
 from typing import Any, Sequence
 
 from flexpack.data.formats import is_bundle
+from flexpack.errors import moved_names
 from flexpack.models.registry import DataConventions
 from flexpack.run.checks import config_terms
 from flexpack.run.config import TrainConfig
@@ -235,13 +236,5 @@ def sample_dataset(cfg: TrainConfig, episodes: Sequence[int] | None = None, *,
     return open_dataset(cfg, episodes, segments=False, text_dropout=False, **run)
 
 
-def __getattr__(name: str) -> object:
-    """``build_run`` moved to :mod:`flexpack.run.compose` (imported lazily: compose imports this module)."""
-    if name != "build_run":
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-    import warnings
-
-    warnings.warn("flexpack.run.build.build_run is deprecated: it moved to flexpack.run.compose; import it from "
-                  "there (the old path goes in flexpack 0.3)", DeprecationWarning, stacklevel=2)
-    return importlib.import_module("flexpack.run.compose").build_run
+# build_run moved to flexpack.run.compose (which imports this module)
+__getattr__ = moved_names(__name__, {"build_run": "flexpack.run.compose"})

@@ -30,6 +30,7 @@ from typing import Any, ContextManager, Iterator, Protocol, Sequence
 import torch
 from torch import nn
 
+from flexpack.errors import moved_names
 from flexpack.flow.objectives import Objective
 from flexpack.models.registry import DataConventions, ModelFamily, ModelShape
 from flexpack.packing.collate import Batch, PackCollate, PadCollate
@@ -380,13 +381,5 @@ def run_grid(dataset: EpisodeDataset, model_cfg: ModelShape, cfg: TrainConfig) -
     return max(h for h, _ in found), max(w for _, w in found)
 
 
-def __getattr__(name: str) -> object:
-    """``run_for`` moved to :mod:`flexpack.run.compose` (imported lazily: compose imports this module)."""
-    if name != "run_for":
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-    import warnings
-
-    warnings.warn("flexpack.run.root.run_for is deprecated: it moved to flexpack.run.compose; import it from there "
-                  "(the old path goes in flexpack 0.3)", DeprecationWarning, stacklevel=2)
-    return importlib.import_module("flexpack.run.compose").run_for
+# run_for moved to flexpack.run.compose (which imports this module)
+__getattr__ = moved_names(__name__, {"run_for": "flexpack.run.compose"})

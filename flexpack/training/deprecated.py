@@ -15,7 +15,8 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-REMOVED_IN = "0.3"
+from flexpack.errors import REMOVED_IN  # noqa: F401  (flexpack.training.loop reads it here)
+
 # frames a warning skips to reach the importing line: this package's shims and the import system
 _SKIP = ("<frozen importlib", os.path.dirname(importlib.__file__), __file__.removesuffix("deprecated.py"))
 
