@@ -188,3 +188,26 @@ def test_fewer_state_bits_only_when_they_buy_speed():
     cfg = lingbot_cfg("parallel.float8=tensorwise")
     roomy = mp.plan(cfg, FIVE_B, 400, cuda=True)
     assert roomy.best.choice == mp.Choice(0, "float32", "none")
+
+
+def test_accumulated_gradients_stay_beside_every_later_micro_batch():
+    """Under optim.accum_steps > 1 the fp32 gradients of the earlier micro-batches are held through the next
+    forward: the estimate carries them beside the activations (without accumulation they replace them)."""
+    half = replace(FIVE_B, tokens=32_768, tokens_per_step=65_536)
+    for blocks in (0, 8):  # activations larger than the gradients: these come on top
+        one = mp.estimate(half, mp.Choice(blocks, "8bit", "none"))
+        acc = mp.estimate(replace(half, accum_steps=2), mp.Choice(blocks, "8bit", "none"))
+        assert one.parts["activations"] > one.parts["gradients"]
+        assert acc.gpu_gb - one.gpu_gb == pytest.approx(one.parts["gradients"], rel=1e-6)
+    one = mp.estimate(half, mp.Choice(30, "float32", "none"))  # every block checkpointed: the gradients dominate
+    acc = mp.estimate(replace(half, accum_steps=2), mp.Choice(30, "float32", "none"))
+    assert one.parts["gradients"] > one.parts["activations"] and acc.gpu_gb > one.gpu_gb
+    # 8,192 tokens a copy in four micro-batches: no block checkpointed fits an H200 (150 GB) with 8-bit states;
+    # 16,384 in two does not (the plan keeps checkpointing)
+    cfg = lingbot_cfg("parallel.float8=tensorwise", "optim.accum_steps=4")
+    quarter = replace(FIVE_B, tokens=16_384, tokens_per_step=65_536, accum_steps=4)
+    p = mp.plan(cfg, quarter, 150.1, cuda=True, host_available=120)
+    assert p.best.choice.checkpointed == 0 and p.best.gpu_gb <= 150.1 * 0.94
+    halves = mp.plan(lingbot_cfg("parallel.float8=tensorwise", "optim.accum_steps=2"),
+                     replace(half, accum_steps=2), 150.1, cuda=True, host_available=120)
+    assert halves.best.choice.checkpointed > 8

@@ -143,7 +143,8 @@ def estimate(shape: Shape, choice: Choice, costs: Costs = COSTS) -> Estimate:
 
     Two moments bound the peak: the end of the forward (the activations, no gradients yet) and the end of the
     backward (every gradient, the activations freed); weights, optimizer states and the weights' bf16 casts are
-    there at both."""
+    there at both. Under gradient accumulation every micro-batch after the first runs its forward and backward
+    beside the gradients accumulated so far."""
     n, s = shape.world_size, shape
     grad_b, state_b, host_b = optimizer_bytes(choice.states, choice.offload)
     frozen = s.params - s.trained
@@ -166,10 +167,15 @@ def estimate(shape: Shape, choice: Choice, costs: Costs = COSTS) -> Estimate:
     acts = c * kept + (s.layers - c) * full
     # the backward reaches the checkpointed blocks with every kept input, the gradients of the blocks after them
     # and one block's activations recomputed
-    recomputing = c * kept + full + grads * (s.layers - c) / layers if c else 0.0
+    held = c * kept + full if c else 0.0
+    recomputing = held + grads * (s.layers - c) / layers if c else 0.0
     parts = {"weights": weights / GB, "optimizer": states / GB, "gradients": grads / GB, "casts": casts / GB,
              "activations": max(acts, recomputing) / GB, "fixed": costs.fixed_gb}
-    gpu = (weights + states + casts + max(grads, acts, recomputing)) / GB * costs.margin + costs.fixed_gb
+    if s.accum_steps > 1:  # the gradients of the earlier micro-batches stay beside every later one's activations
+        resident = grads + max(acts, held)
+    else:
+        resident = max(grads, acts, recomputing)
+    gpu = (weights + states + casts + resident) / GB * costs.margin + costs.fixed_gb
     compute = 6.0 * s.params * max(s.tokens_per_step, s.tokens) / max(n, 1) / s.flops_per_s
     update_key = choice.states if choice.offload == "none" else choice.offload
     step = compute * (1 + costs.recompute * c / max(s.layers, 1)) + costs.update_s(update_key) * s.trained / GB / n
