@@ -13,4 +13,6 @@ export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} NCCL_NVLS_ENABLE=0
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 free -g | head -2 | tee -a "$out/gpu.txt"
 stage=$(printf '%s\n' "$@" | grep -A1 -x -- --stage | tail -1)
-python3 benchmarks/memory_budget.py "$@" --out "$out/memory_${stage}_h200.json" 2>&1 | tee "$out/memory_${stage}.log"
+tag=$(printf '%s\n' "$@" | grep -A1 -x -- --tag | tail -1 || true)  # runs with other tags beside each other
+python3 benchmarks/memory_budget.py "$@" --out "$out/memory_${stage}${tag}_h200.json" 2>&1 \
+  | tee "$out/memory_${stage}${tag}.log"
