@@ -170,6 +170,14 @@ MEASURED = [  # (shape, blocks checkpointed, states, offload, peak GB, out of me
     (replace(LORA_5B, tokens=25_344), 29, "float32", "none", 24.0, True),
     (replace(LORA_5B, tokens=19_008), 29, "float32", "none", 20.8, False),
     (replace(LORA_5B, tokens=15_840), 29, "float32", "none", 19.2, False),
+    # the planner's own choices on the H200 (memory_mfu_h200.json): LoRA at its 24 GB edge, 11,248 tokens a copy
+    # (the optimizer on the host); 48 GB with 29 blocks; packs of 8,136 a copy in four micro-batches, no block
+    # checkpointed with 8-bit states, and every block with AdamW (under accumulation the estimate stays above the
+    # peak by at most 10 %: the accumulated gradients are counted whole beside the activations)
+    (replace(LORA_5B, tokens=22_496), 29, "float32", "optimizer", 21.9, False),
+    (FIVE_B, 29, "float32", "optimizer+gradients", 45.3, False),
+    (replace(FIVE_B, tokens=16_272, tokens_per_step=65_088, accum_steps=4), 0, "8bit", "none", 116.2, False),
+    (replace(FIVE_B, tokens=16_272, tokens_per_step=65_088, accum_steps=4), 30, "float32", "none", 87.7, False),
 ]
 
 
@@ -180,6 +188,8 @@ def test_the_estimate_meets_the_measured_peaks(shape, blocks, states, offload, p
         assert est > peak
     elif shape.adapter_inputs:  # LoRA: never below the measured peak, at most 5 % above
         assert peak <= est <= 1.05 * peak
+    elif shape.accum_steps > 1:
+        assert peak <= est <= 1.10 * peak
     else:
         assert est == pytest.approx(peak, rel=0.03)
 

@@ -51,6 +51,9 @@ class Costs:
     states and 19 blocks, at 48 GB on the host with 28, and with LoRA rank 32 at 24 GB with 32 688 tokens (the
     estimates: 138.6, 53.0, 24.5). ``recompute`` from WanVA-5B's step times (24 blocks 4.9 % faster than 30); the
     optimizer's update times are estimates until ``benchmarks/memory_budget.py --stage calibrate`` measures them.
+    Under gradient accumulation (``memory_mfu_h200.json``: 8,136 tokens a copy in four micro-batches, 116.2 GB with
+    8-bit states and no block checkpointed, 87.7 GB with AdamW and every block) the estimates are 8.5 and 9.8 %
+    above the peaks.
 
     ``kept_per_dim``: bytes per token and model dimension a checkpointed block keeps (its input);
     ``block_per_dim`` / ``block_per_ffn``: bytes per token, per model dimension and per FFN dimension, a block
