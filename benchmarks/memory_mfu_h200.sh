@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Toward MFU 0.60 on the full LingBot-VA-5B (issue 41), one H200 call: the planner at memory.budget_gb = "auto"
 # with packs of 8,136 tokens a copy in four micro-batches (about the 32,768 tokens an optimizer step of today's
-# reference; 226 frames of 36 tokens, 16,272 computed, a multiple of 16 as float8 takes; data.crop: the wan5b episodes are
-# 9,000-12,600 tokens a copy), today's reference (32,768 a copy, every block
-# checkpointed, AdamW) and the reference's settings on the 8,136-token micro-batches, then the 48 GB plan.
+# reference; 226 frames of 36 tokens, 16,272 computed, a multiple of 16 as float8 takes; data.crop: the wan5b
+# episodes are 9,000-12,600 tokens a copy), today's reference (32,768 a copy, every block checkpointed, AdamW),
+# the reference's settings on the 8,136-token micro-batches, then the 48 GB plan.
 #
 #   benchmarks/memory_mfu_h200.sh OUT        (carry .gpuwheels-mem from benchmarks/memory_carry.sh)
 set -uo pipefail

@@ -97,4 +97,3 @@ def moved_names(module: str, names: Mapping[str, str]) -> Callable[[str], Any]:
         return getattr(importlib.import_module(new), name)
 
     return __getattr__
-
